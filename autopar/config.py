@@ -1,0 +1,148 @@
+"""ParallelConfig: one way to split a training job (degrees, micro-batching, schedule, memory knobs).
+
+The config validates only its own fields. Whatever needs the model or the cluster (world size,
+heads divisible by tp, micro-batches per pipeline for a schedule) is checked by ``estimate()`` and
+``plan()``, which raise ``ValueError`` naming the constraint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DTYPE_BYTES",
+    "DTYPES",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "ParallelConfig",
+]
+
+# Pipeline schedules by name; the names of the zero-bubble variants follow torch's classes
+# (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV).
+SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "interleaved-zero-bubble",
+    "zbv-zero-bubble",
+    "dualpipe-v",
+)
+# Schedules that place several model chunks ("virtual stages") on each pipeline rank.
+MULTI_CHUNK_SCHEDULES: frozenset[str] = frozenset(
+    {"interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"}
+)
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    """A split of one training step over ``dp * tp * pp`` devices.
+
+    Attributes:
+        dp: data-parallel degree (replicas, or shards under ZeRO/FSDP).
+        tp: tensor-parallel degree (innermost mesh axis).
+        pp: pipeline-parallel degree (number of pipeline ranks).
+        micro_batch: sequences per micro-batch per data-parallel replica.
+        global_batch: sequences per optimizer step for the whole job.
+        schedule: pipeline schedule name (see ``SCHEDULES``); ignored when pp == 1.
+        virtual_stages: model chunks per pipeline rank (>= 2 for interleaved schedules).
+        recompute: activation recomputation for every layer: none | selective | full.
+        sequence_parallel: shard norms/dropout activations along the sequence over tp.
+        zero: 0 replicated (DDP / replicate()), 1 and 2 (FSDP2 keeping parameters unsharded
+            between forward and backward), 3 (FSDP2 fully_shard).
+        dtype: training precision: bf16 (default), fp16, fp32.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    global_batch: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero: int = 0
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"ParallelConfig.schedule {self.schedule!r} is unknown; use one of {SCHEDULES}"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(
+                f"ParallelConfig.recompute {self.recompute!r} is unknown; use one of {RECOMPUTE}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ParallelConfig.dtype {self.dtype!r} is unknown; use one of {DTYPES}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError("ParallelConfig.sequence_parallel must be true or false")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(
+                f"global_batch {self.global_batch} is not divisible by dp * micro_batch = "
+                f"{self.dp} * {self.micro_batch}; pick a global batch that is a multiple of "
+                f"{self.dp * self.micro_batch}"
+            )
+        if self.schedule in MULTI_CHUNK_SCHEDULES and self.pp > 1 and self.virtual_stages < 2:
+            raise ValueError(
+                f"schedule {self.schedule!r} needs virtual_stages >= 2 (model chunks per rank)"
+            )
+        if self.schedule not in MULTI_CHUNK_SCHEDULES and self.virtual_stages != 1:
+            raise ValueError(
+                f"schedule {self.schedule!r} runs one model chunk per rank; set virtual_stages=1 "
+                "or use an interleaved schedule"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Devices the config occupies: dp * tp * pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline per step: global_batch / (dp * micro_batch)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in the model: pp * virtual_stages (1 when pp == 1)."""
+        return self.pp * self.virtual_stages if self.pp > 1 else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config's fields as a JSON-ready dict (field order kept)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        """Build a config from ``to_dict()`` output; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown ParallelConfig field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``dp=8 tp=8 pp=16 mb=1 1f1b zero=1 recompute=full``."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"mb={self.micro_batch}"]
+        if self.pp > 1:
+            sched = self.schedule
+            if self.virtual_stages > 1:
+                sched += f"(v={self.virtual_stages})"
+            parts.append(sched)
+        parts.append(f"zero={self.zero}")
+        parts.append(f"recompute={self.recompute}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.dtype)
+        return " ".join(parts)

@@ -1,0 +1,183 @@
+"""Estimate: the predicted time and memory of one split, with breakdowns a person can read.
+
+Units: seconds, bytes, FLOP/s. ``tokens_per_s`` is for the whole job (all GPUs);
+``tflops_per_gpu`` and ``mfu`` count model FLOPs (recomputation excluded);
+``hardware_tflops_per_gpu`` counts what is executed (recomputation included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Estimate", "MemoryBreakdown", "StageEstimate", "TimeBreakdown"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeBreakdown:
+    """Where one step's time goes, in seconds (on the critical path: exposed, not total).
+
+    Attributes:
+        compute_s: model forward + backward compute (pipeline steady state, bottleneck rank).
+        recompute_s: re-run forward compute for activation recomputation.
+        tp_comm_s: exposed tensor-parallel collectives (all-reduce, or RS + AG with SP).
+        pp_comm_s: exposed pipeline point-to-point sends.
+        dp_comm_s: exposed data-parallel gradient reduction and ZeRO parameter gathers.
+        bubble_s: pipeline fill and drain.
+        optimizer_s: optimizer step.
+    """
+
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    dp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """Sum of the terms (equals the step time)."""
+        return sum(dataclasses.astuple(self))
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak memory of one rank by kind, in bytes.
+
+    Attributes:
+        parameters_bytes: parameters held (training dtype; sharded by tp, pp, and ZeRO-3).
+        gradients_bytes: gradients held (sharded by ZeRO-2/3 as the runtime does).
+        optimizer_bytes: optimizer state: fp32 master weights and Adam moments (ZeRO-1+ shards).
+        activations_bytes: saved activations of the in-flight micro-batches, plus the transient
+            working set of the largest layer.
+        buffers_bytes: communication buffers, allocator reserve, ZeRO-3 gather buffers.
+    """
+
+    parameters_bytes: float = 0.0
+    gradients_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+    buffers_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        """Sum of the terms."""
+        return sum(dataclasses.astuple(self))
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageEstimate:
+    """Per pipeline rank figures.
+
+    Attributes:
+        rank: pipeline rank (0 .. pp-1).
+        stages: model-chunk indices this rank holds (one unless interleaved).
+        layers: (first, last) profile-layer index of each chunk, inclusive.
+        num_params: parameters this rank's chunks hold before tp/ZeRO sharding.
+        time_per_microbatch_s: forward + backward (+ recompute, exposed comm) of one micro-batch.
+        memory: this rank's peak memory by kind.
+    """
+
+    rank: int
+    stages: tuple[int, ...]
+    layers: tuple[tuple[int, int], ...]
+    num_params: int
+    time_per_microbatch_s: float
+    memory: MemoryBreakdown
+
+    @property
+    def memory_bytes(self) -> float:
+        """Peak memory of the rank."""
+        return self.memory.total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "rank": self.rank,
+            "stages": list(self.stages),
+            "layers": [list(r) for r in self.layers],
+            "num_params": self.num_params,
+            "time_per_microbatch_s": self.time_per_microbatch_s,
+            "memory": self.memory.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageEstimate:
+        """Inverse of ``to_dict``."""
+        return cls(
+            rank=data["rank"],
+            stages=tuple(data["stages"]),
+            layers=tuple(tuple(r) for r in data["layers"]),
+            num_params=data["num_params"],
+            time_per_microbatch_s=data["time_per_microbatch_s"],
+            memory=MemoryBreakdown(**data["memory"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """Predicted figures of one split on one cluster.
+
+    Attributes:
+        step_time_s: one optimizer step.
+        tokens_per_s: tokens per second for the whole job.
+        tflops_per_gpu: model TFLOP/s per GPU (recompute excluded).
+        hardware_tflops_per_gpu: executed TFLOP/s per GPU (recompute included).
+        mfu: model FLOPs utilisation, a fraction of the device's peak at the training dtype.
+        memory_per_gpu_bytes: the largest rank's predicted peak memory.
+        memory_capacity_bytes: usable device memory (device memory minus the cluster's headroom).
+        fits: memory_per_gpu_bytes <= memory_capacity_bytes.
+        time_breakdown: the step time by term.
+        memory_breakdown: the largest rank's memory by kind.
+        stages: per pipeline-rank figures.
+        binding: what limits the split most, in words (e.g. "memory of pipeline rank 0").
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    memory_per_gpu_bytes: float
+    memory_capacity_bytes: float
+    fits: bool
+    time_breakdown: TimeBreakdown
+    memory_breakdown: MemoryBreakdown
+    stages: tuple[StageEstimate, ...] = ()
+    binding: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (nested records as dicts)."""
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+            "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "fits": self.fits,
+            "time_breakdown": self.time_breakdown.to_dict(),
+            "memory_breakdown": self.memory_breakdown.to_dict(),
+            "stages": [s.to_dict() for s in self.stages],
+            "binding": self.binding,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Estimate:
+        """Inverse of ``to_dict``."""
+        data = dict(data)
+        data["time_breakdown"] = TimeBreakdown(**data["time_breakdown"])
+        data["memory_breakdown"] = MemoryBreakdown(**data["memory_breakdown"])
+        data["stages"] = tuple(StageEstimate.from_dict(s) for s in data.get("stages", ()))
+        return cls(**data)

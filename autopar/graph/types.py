@@ -1,0 +1,160 @@
+"""Records produced by profiling: ModelProfile and LayerProfile.
+
+All counts are per sample (one sequence of ``seq_len`` tokens) at the dtype the model was profiled
+in (``ModelProfile.dtype``); the cost model scales them by micro-batch size and rescales bytes to
+the training dtype. FLOPs count multiply-adds as 2 (a (m x k)(k x n) matmul is 2mkn FLOPs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LayerProfile", "ModelProfile", "TPStructure"]
+
+LAYER_KINDS = ("embedding", "block", "head", "other")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TPStructure:
+    """How a layer shards over tensor parallelism, in torch's ParallelStyle vocabulary.
+
+    Attributes:
+        colwise: FQNs (relative to the model root) of linears to shard column-wise.
+        rowwise: FQNs of linears to shard row-wise.
+        sequence: FQNs of norms that run sequence-parallel when SP is on.
+        vocab_parallel: FQNs of the embedding / lm-head that can be sharded over the vocabulary.
+        heads: attention heads of this layer (0 if none); tp must divide it.
+        kv_heads: key/value heads (GQA); tp must divide it.
+        allreduce_fwd_bytes: bytes per sample all-reduced over tp in this layer's forward
+            (Megatron: 2 all-reduces of s*h per block); backward moves the same.
+    """
+
+    colwise: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ()
+    sequence: tuple[str, ...] = ()
+    vocab_parallel: tuple[str, ...] = ()
+    heads: int = 0
+    kv_heads: int = 0
+    allreduce_fwd_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerProfile:
+    """One pipeline-placeable layer: the embedding, a transformer block, or the norm + head + loss.
+
+    Attributes:
+        name: display name, e.g. "embedding", "layers.3", "head".
+        kind: embedding | block | head | other.
+        module_fqns: FQNs of the modules this layer owns (e.g. ("tok_embeddings", "pos_embeddings")).
+        num_params: parameters owned by this layer (a tied weight counted once, at its first use).
+        param_bytes: bytes of those parameters at the profile dtype.
+        fwd_flops: forward FLOPs per sample (attention as the fused kernel, causal mask ignored).
+        bwd_flops: backward FLOPs per sample (2x forward for matmuls).
+        recompute_flops: extra forward FLOPs per sample under each recompute mode
+            ({"none": 0, "selective": attention core, "full": fwd_flops}).
+        saved_bytes: bytes saved for backward per sample under each recompute mode, storages
+            de-duplicated ({"none"|"selective"|"full": bytes}).
+        saved_bytes_replicated: the part of ``saved_bytes`` that tensor parallelism does not shard
+            (norm inputs, residual stream, dropout masks on the residual: Korthikanti's 10sbh);
+            sequence parallelism shards it too. The rest is sharded by tp.
+        output_bytes: bytes of the layer's output per sample (what a pipeline stage sends).
+        tp: the tensor-parallel structure.
+        repeat_of: name of the layer whose measurements this one shares (repeated blocks), or "".
+    """
+
+    name: str
+    kind: str
+    module_fqns: tuple[str, ...]
+    num_params: int
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    recompute_flops: dict[str, float]
+    saved_bytes: dict[str, int]
+    saved_bytes_replicated: dict[str, int]
+    output_bytes: int
+    tp: TPStructure = field(default_factory=TPStructure)
+    repeat_of: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the record."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerProfile:
+        """Inverse of ``to_dict``."""
+        data = dict(data)
+        tp = data.pop("tp", {}) or {}
+        tp = TPStructure(**{k: tuple(v) if isinstance(v, list) else v for k, v in tp.items()})
+        data["module_fqns"] = tuple(data["module_fqns"])
+        return cls(tp=tp, **data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelProfile:
+    """What the cost model needs to know about a model, layer by layer.
+
+    Attributes:
+        name: model name (zoo preset, "gpt", file name, HF model_type).
+        layers: the layers in execution order: embedding, blocks, head.
+        seq_len: tokens per sample the counts are for.
+        dtype: dtype the byte counts are at ("bf16", "fp16", "fp32").
+        hidden: model width h.
+        heads: attention heads a.
+        kv_heads: key/value heads (== heads without GQA).
+        ffn_hidden: MLP inner width.
+        vocab: vocabulary size V.
+        num_blocks: transformer blocks L.
+        attention: "sdpa" (costed as the fused kernel) or "eager" (s x s scores kept).
+        trace_method: how the structure was captured: "fx", "export" or "modules".
+        tied_embeddings: whether the lm head shares the token embedding's weight.
+    """
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    seq_len: int
+    dtype: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    num_blocks: int
+    attention: str = "sdpa"
+    trace_method: str = "fx"
+    tied_embeddings: bool = False
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters (tied weights once)."""
+        return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of pipeline-placeable layers (len(layers))."""
+        return len(self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the profile."""
+        data = dataclasses.asdict(self)
+        data["layers"] = [layer.to_dict() for layer in self.layers]
+        return data
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys), so equal profiles give equal text."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        """Inverse of ``to_dict``."""
+        data = dict(data)
+        layers = tuple(LayerProfile.from_dict(d) for d in data.pop("layers"))
+        return cls(layers=layers, **data)
+
+    def fingerprint(self) -> str:
+        """A short stable hash of everything in the profile (sha256 of the canonical JSON)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]

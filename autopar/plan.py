@@ -1,0 +1,260 @@
+"""Plan: a split of a model over a cluster, as data (JSON round-trip, fingerprints).
+
+A Plan is the ParallelConfig plus what the search decided per layer: the contiguous layer range
+of every pipeline stage (model chunk), each layer's recomputation, and the tensor-parallel layout
+(module FQN -> torch ParallelStyle name). It records the Estimate that justified it and
+fingerprints of the model profile and the cluster it was made for. Exporters to other tools'
+formats live in ``autopar/exporters.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.cost_model.estimate import Estimate
+
+__all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
+
+SCHEMA_VERSION = 1
+
+
+class PlanFormatError(ValueError):
+    """A plan document that cannot be read (bad JSON, wrong schema version, inconsistent)."""
+
+
+class TPStyle(str, Enum):
+    """Tensor-parallel style of a module, named as torch's ParallelStyles."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    SEQUENCE = "sequence"
+    REPLICATE = "replicate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage (model chunk).
+
+    Attributes:
+        index: stage index in model order (0 .. pp * virtual_stages - 1). The stage runs on
+            pipeline rank ``index % pp`` (torch's interleaved placement; V-shaped schedules place
+            stages ``r`` and ``2*pp-1-r`` on rank ``r``, see ``Plan.rank_of_stage``).
+        layers: (first, last) profile-layer index, inclusive.
+        layer_names: the profile layer names in the range (e.g. "embedding", "layers.0").
+        recompute: per layer in the range: "none" | "selective" | "full".
+    """
+
+    index: int
+    layers: tuple[int, int]
+    layer_names: tuple[str, ...]
+    recompute: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        first, last = self.layers
+        if first > last or first < 0:
+            raise PlanFormatError(f"stage {self.index}: bad layer range {self.layers}")
+        n = last - first + 1
+        if len(self.recompute) != n or len(self.layer_names) != n:
+            raise PlanFormatError(
+                f"stage {self.index}: {n} layers but {len(self.recompute)} recompute entries "
+                f"and {len(self.layer_names)} names"
+            )
+        for r in self.recompute:
+            if r not in RECOMPUTE:
+                raise PlanFormatError(f"stage {self.index}: unknown recompute {r!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "index": self.index,
+            "layers": list(self.layers),
+            "layer_names": list(self.layer_names),
+            "recompute": list(self.recompute),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
+        """Inverse of ``to_dict``."""
+        return cls(
+            index=int(data["index"]),
+            layers=(int(data["layers"][0]), int(data["layers"][1])),
+            layer_names=tuple(data["layer_names"]),
+            recompute=tuple(data["recompute"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchInfo:
+    """How the search found the plan (deterministic fields only; no wall-clock times).
+
+    Attributes:
+        candidates_considered: outer candidates (dp, tp, pp, micro-batch, schedule, ...) seen.
+        candidates_pruned: discarded by bounds or infeasibility before an ILP.
+        ilps_solved: ILPs solved.
+        optimal: every ILP that produced this plan was solved to proven optimality (within gap).
+        mip_gap: relative gap of the ILP that produced this plan (0 when proven optimal).
+        time_limit_hit: a time limit stopped a solve or the search.
+    """
+
+    candidates_considered: int = 0
+    candidates_pruned: int = 0
+    ilps_solved: int = 0
+    optimal: bool = True
+    mip_gap: float = 0.0
+    time_limit_hit: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "candidates_considered": self.candidates_considered,
+            "candidates_pruned": self.candidates_pruned,
+            "ilps_solved": self.ilps_solved,
+            "optimal": self.optimal,
+            "mip_gap": self.mip_gap,
+            "time_limit_hit": self.time_limit_hit,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A complete split of one model over one cluster.
+
+    Attributes:
+        config: the ParallelConfig (``config.recompute`` is the most common per-layer choice).
+        stages: pp * virtual_stages stages (1 when pp == 1) covering every profile layer in order.
+        tp_layout: module FQN (fnmatch patterns allowed, e.g. "layers.*.attention.wq") -> TPStyle
+            value; empty when tp == 1.
+        estimate: what the cost model predicts for exactly this plan.
+        profile_fingerprint: ModelProfile.fingerprint() of the model it was made for.
+        cluster_fingerprint: Cluster.fingerprint() of the cluster it was made for.
+        model: how to rebuild the model (zoo name, "gpt:layers=...", path); "" if unknown.
+        cluster: the cluster as a dict (Cluster.to_dict()), so a plan is self-contained.
+        search: how the search found the plan.
+        schema_version: the plan JSON schema version.
+    """
+
+    config: ParallelConfig
+    stages: tuple[StagePlan, ...]
+    tp_layout: dict[str, str] = field(default_factory=dict)
+    estimate: Estimate
+    profile_fingerprint: str = ""
+    cluster_fingerprint: str = ""
+    model: str = ""
+    cluster: dict[str, Any] = field(default_factory=dict)
+    search: SearchInfo = field(default_factory=SearchInfo)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"plan schema_version {self.schema_version} is not supported (this autopar "
+                f"reads version {SCHEMA_VERSION}); re-create the plan with `autopar plan`"
+            )
+        expected = self.config.num_stages
+        if len(self.stages) != expected:
+            raise PlanFormatError(
+                f"plan has {len(self.stages)} stages but pp * virtual_stages = {expected}"
+            )
+        next_layer = 0
+        for i, stage in enumerate(self.stages):
+            if stage.index != i:
+                raise PlanFormatError(f"stage {i} has index {stage.index}; stages must be in order")
+            if stage.layers[0] != next_layer:
+                raise PlanFormatError(
+                    f"stage {i} starts at layer {stage.layers[0]}, expected {next_layer}: every "
+                    "layer must be in exactly one stage, in order"
+                )
+            next_layer = stage.layers[1] + 1
+        valid_styles = {s.value for s in TPStyle}
+        for fqn, style in self.tp_layout.items():
+            if style not in valid_styles:
+                raise PlanFormatError(f"tp_layout[{fqn!r}] = {style!r} is not one of {valid_styles}")
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_layers(self) -> int:
+        """Profile layers covered by the plan."""
+        return self.stages[-1].layers[1] + 1
+
+    @property
+    def recompute_per_layer(self) -> tuple[str, ...]:
+        """Recompute choice of every profile layer, in order."""
+        return tuple(r for s in self.stages for r in s.recompute)
+
+    def rank_of_stage(self, stage_index: int) -> int:
+        """Pipeline rank that runs ``stage_index``.
+
+        Loop placement (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble): stage s on rank
+        s % pp. V placement (zbv-zero-bubble, dualpipe-v): rank r holds stages r and 2*pp-1-r.
+        """
+        pp = self.config.pp
+        if pp == 1:
+            return 0
+        if self.config.schedule in ("zbv-zero-bubble", "dualpipe-v"):
+            return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
+        return stage_index % pp
+
+    def stages_for_rank(self, pp_rank: int) -> tuple[StagePlan, ...]:
+        """The stages a pipeline rank runs, in model order."""
+        return tuple(s for s in self.stages if self.rank_of_stage(s.index) == pp_rank)
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict in schema order."""
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "config": self.config.to_dict(),
+            "stages": [s.to_dict() for s in self.stages],
+            "tp_layout": dict(sorted(self.tp_layout.items())),
+            "estimate": self.estimate.to_dict(),
+            "profile_fingerprint": self.profile_fingerprint,
+            "cluster_fingerprint": self.cluster_fingerprint,
+            "cluster": self.cluster,
+            "search": self.search.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON text (sorted keys, 2-space indent, trailing newline)."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Build a Plan from ``to_dict()`` output, with clear errors for bad documents."""
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise PlanFormatError("not an autopar plan: the document has no schema_version")
+        try:
+            return cls(
+                schema_version=int(data["schema_version"]),
+                model=data.get("model", ""),
+                config=ParallelConfig.from_dict(data["config"]),
+                stages=tuple(StagePlan.from_dict(s) for s in data["stages"]),
+                tp_layout=dict(data.get("tp_layout", {})),
+                estimate=Estimate.from_dict(data["estimate"]),
+                profile_fingerprint=data.get("profile_fingerprint", ""),
+                cluster_fingerprint=data.get("cluster_fingerprint", ""),
+                cluster=dict(data.get("cluster", {})),
+                search=SearchInfo(**data.get("search", {})),
+            )
+        except PlanFormatError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"plan document is malformed: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse ``to_json()`` output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON (first 16 hex digits); compared across ranks."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""ParallelConfig: one way to split a training job (degrees, micro-batching, schedule, memory knobs).
+"""ParallelConfig: one way to split a training job (degrees, micro-batching, schedule, memory).
 
 The config validates only its own fields. Whatever needs the model or the cluster (world size,
 heads divisible by tp, micro-batches per pipeline for a schedule) is checked by ``estimate()`` and
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "DTYPE_BYTES",
     "DTYPES",
+    "DTYPE_BYTES",
     "RECOMPUTE",
     "SCHEDULES",
     "ParallelConfig",

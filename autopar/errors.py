@@ -38,7 +38,7 @@ class ClusterConfigError(AutoparError, ValueError):
 
 
 class PlanMismatchError(AutoparError, ValueError):
-    """A plan that does not match the model, the cluster, or the launch (fingerprints, world size)."""
+    """A plan that does not match the model, the cluster or the launch (fingerprints, world)."""
 
 
 class InfeasiblePlanError(AutoparError):

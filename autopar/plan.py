@@ -17,6 +17,7 @@ from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
+from autopar.cost_model.pipeline import rank_of_stage
 
 __all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
 
@@ -173,7 +174,9 @@ class Plan:
         valid_styles = {s.value for s in TPStyle}
         for fqn, style in self.tp_layout.items():
             if style not in valid_styles:
-                raise PlanFormatError(f"tp_layout[{fqn!r}] = {style!r} is not one of {valid_styles}")
+                raise PlanFormatError(
+                    f"tp_layout[{fqn!r}] = {style!r} is not one of {valid_styles}"
+                )
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -187,17 +190,8 @@ class Plan:
         return tuple(r for s in self.stages for r in s.recompute)
 
     def rank_of_stage(self, stage_index: int) -> int:
-        """Pipeline rank that runs ``stage_index``.
-
-        Loop placement (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble): stage s on rank
-        s % pp. V placement (zbv-zero-bubble, dualpipe-v): rank r holds stages r and 2*pp-1-r.
-        """
-        pp = self.config.pp
-        if pp == 1:
-            return 0
-        if self.config.schedule in ("zbv-zero-bubble", "dualpipe-v"):
-            return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
-        return stage_index % pp
+        """Pipeline rank that runs ``stage_index`` (see ``cost_model.pipeline.rank_of_stage``)."""
+        return rank_of_stage(self.config.schedule, self.config.pp, stage_index)
 
     def stages_for_rank(self, pp_rank: int) -> tuple[StagePlan, ...]:
         """The stages a pipeline rank runs, in model order."""

@@ -49,7 +49,7 @@ class LayerProfile:
     Attributes:
         name: display name, e.g. "embedding", "layers.3", "head".
         kind: embedding | block | head | other.
-        module_fqns: FQNs of the modules this layer owns (e.g. ("tok_embeddings", "pos_embeddings")).
+        module_fqns: FQNs of the modules this layer owns, e.g. ("tok_embeddings",).
         num_params: parameters owned by this layer (a tied weight counted once, at its first use).
         param_bytes: bytes of those parameters at the profile dtype.
         fwd_flops: forward FLOPs per sample (attention as the fused kernel, causal mask ignored).

@@ -1,0 +1,203 @@
+"""Assemble an Estimate from a CostTable, a stage split and per-layer recompute choices.
+
+The step-time formula (the search's ILP encodes exactly this; keep them in sync):
+
+    t_i(r)   = compute_i + recompute_i(r) + tp_comm_i(r) + dp_microbatch_i   (one micro-batch)
+    T_j      = sum_{i in stage j} t_i(r_i) + p2p                             (p2p = 0 if pp == 1)
+    R_k      = sum_{j on rank k} T_j                                          (per pipeline rank)
+    pipeline = m * max_k R_k + c * sum_j T_j        c = bubble_coefficient(schedule, p, v)
+    dp_k     = max(dp_tail, sum_{i on k} dp_step_i - eta * sum_{i on k} backward_i)   (dp > 1)
+    E_k      = dp_k + sum_{i on k} optimizer_i
+    step     = pipeline + max_k E_k
+
+For uniform stages, pipeline = (m v + p - 1) T_chunk: Megatron-LM SC'21 Eq. 1 generalised to v
+chunks. The DP reduction overlaps the last micro-batch's backward (gradients are synchronised
+once per step, after accumulation); what the window cannot hide, or at least the last bucket, is
+exposed. Every term is a sum or a max of sums, so the ILP can minimise it exactly.
+
+Memory of pipeline rank k:
+
+    static_k = sum_{i on k} (param_i + grad_i + optimizer_i)
+    act_k    = sum_{j on k} inflight_j * sum_{i in j} act_i(r_i) + max_{i on k} transient_i(r_i)
+    mem_k    = static_k + act_k + buffers;       fits  <=>  max_k mem_k <= capacity
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.config import RECOMPUTE
+from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable
+
+__all__ = ["assemble", "check_split"]
+
+
+def check_split(
+    table: CostTable, stage_layers: Sequence[tuple[int, int]], recompute: Sequence[str]
+) -> None:
+    """Raise ValueError unless the split covers every layer once, in order, one stage per chunk."""
+    cfg = table.config
+    n = len(table.layers)
+    if len(stage_layers) != cfg.num_stages:
+        raise ValueError(
+            f"split has {len(stage_layers)} stages; pp * virtual_stages = {cfg.num_stages}"
+        )
+    expected = 0
+    for first, last in stage_layers:
+        if first != expected or last < first:
+            raise ValueError(f"stage layer ranges {list(stage_layers)} are not contiguous")
+        expected = last + 1
+    if expected != n:
+        raise ValueError(f"split covers {expected} layers; the profile has {n}")
+    if len(recompute) != n or any(r not in RECOMPUTE for r in recompute):
+        raise ValueError(f"need one recompute choice in {RECOMPUTE} per layer ({n})")
+
+
+def _stage_times(table: CostTable, stage_layers, recompute) -> list[float]:
+    p2p = table.p2p_s if table.config.pp > 1 else 0.0
+    return [
+        sum(table.layers[i].time_per_microbatch_s(recompute[i]) for i in range(a, b + 1)) + p2p
+        for a, b in stage_layers
+    ]
+
+
+def _rank_memory(table: CostTable, stage_layers, recompute, stages) -> MemoryBreakdown:
+    cfg = table.config
+    layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
+    act = 0.0
+    for j in stages:
+        rank = rank_of_stage(cfg.schedule, cfg.pp, j)
+        inflight = in_flight_microbatches(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
+        )
+        a, b = stage_layers[j]
+        act += inflight * sum(
+            table.layers[i].act_bytes[RECOMPUTE_INDEX[recompute[i]]] for i in range(a, b + 1)
+        )
+    act += max(table.layers[i].transient_bytes[RECOMPUTE_INDEX[recompute[i]]] for i in layers)
+    return MemoryBreakdown(
+        parameters_bytes=sum(table.layers[i].param_bytes for i in layers),
+        gradients_bytes=sum(table.layers[i].grad_bytes for i in layers),
+        optimizer_bytes=sum(table.layers[i].optimizer_bytes for i in layers),
+        activations_bytes=act,
+        buffers_bytes=table.buffers_bytes,
+    )
+
+
+def _rank_extra_s(table: CostTable, layers: list[int]) -> tuple[float, float]:
+    """(exposed DP reduction, optimizer) of one pipeline rank per step."""
+    opt = sum(table.layers[i].optimizer_s for i in layers)
+    if table.config.dp == 1:
+        return 0.0, opt
+    reduce_s = sum(table.layers[i].dp_step_s for i in layers)
+    window_s = table.overlap_efficiency * sum(table.layers[i].backward_s for i in layers)
+    return max(table.dp_tail_s, reduce_s - window_s), opt
+
+
+def assemble(
+    table: CostTable, stage_layers: Sequence[tuple[int, int]], recompute: Sequence[str]
+) -> Estimate:
+    """Estimate of one split: see the module docstring for the formula.
+
+    Args:
+        table: the outer configuration's cost terms.
+        stage_layers: (first, last) profile-layer index of each stage (model chunk), in order.
+        recompute: one recompute mode per profile layer.
+
+    Returns:
+        The Estimate (step time, throughput, MFU, memory of the largest rank, breakdowns).
+    """
+    check_split(table, stage_layers, recompute)
+    cfg, m = table.config, table.num_microbatches
+    times = _stage_times(table, stage_layers, recompute)
+    ranks = list(range(cfg.pp))
+    stages_of = {
+        k: [j for j in range(len(stage_layers)) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        for k in ranks
+    }
+    layers_of = {
+        k: [i for j in stages_of[k] for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
+        for k in ranks
+    }
+    rank_time = {k: sum(times[j] for j in stages_of[k]) for k in ranks}
+    bottleneck = max(ranks, key=lambda k: (rank_time[k], -k))
+    bubble_s = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages) * sum(times)
+    extras = {k: _rank_extra_s(table, layers_of[k]) for k in ranks}
+    tail = max(ranks, key=lambda k: (sum(extras[k]), -k))
+    step_s = m * rank_time[bottleneck] + bubble_s + sum(extras[tail])
+
+    blayers = layers_of[bottleneck]
+    idx = [RECOMPUTE_INDEX[r] for r in recompute]
+    p2p = table.p2p_s if cfg.pp > 1 else 0.0
+    breakdown = TimeBreakdown(
+        compute_s=m * sum(table.layers[i].compute_s for i in blayers),
+        recompute_s=m * sum(table.layers[i].recompute_s[idx[i]] for i in blayers),
+        tp_comm_s=m * sum(table.layers[i].tp_comm_s[idx[i]] for i in blayers),
+        pp_comm_s=m * p2p * len(stages_of[bottleneck]),
+        dp_comm_s=m * sum(table.layers[i].dp_microbatch_s for i in blayers) + extras[tail][0],
+        bubble_s=bubble_s,
+        optimizer_s=extras[tail][1],
+    )
+    per_rank = []
+    for k in ranks:
+        mem = _rank_memory(table, stage_layers, recompute, stages_of[k])
+        per_rank.append(
+            StageEstimate(
+                rank=k,
+                stages=tuple(stages_of[k]),
+                layers=tuple(tuple(stage_layers[j]) for j in stages_of[k]),
+                num_params=sum(table.layers[i].num_params for i in layers_of[k]),
+                time_per_microbatch_s=rank_time[k],
+                memory=mem,
+            )
+        )
+    largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
+    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck)
+
+
+def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) -> Estimate:
+    cfg = table.config
+    batch = cfg.global_batch
+    model_flops = batch * sum(layer.model_flops_per_sample for layer in table.layers)
+    extra_flops = batch * sum(
+        layer.recompute_flops_per_sample[RECOMPUTE_INDEX[r]]
+        for layer, r in zip(table.layers, recompute)
+    )
+    per_gpu = model_flops / table.world_size / step_s
+    hw_per_gpu = (model_flops + extra_flops) / table.world_size / step_s
+    mem = largest.memory_bytes
+    fits = mem <= table.capacity_bytes
+    return Estimate(
+        step_time_s=step_s,
+        tokens_per_s=table.tokens_per_step / step_s,
+        tflops_per_gpu=per_gpu / 1e12,
+        hardware_tflops_per_gpu=hw_per_gpu / 1e12,
+        mfu=per_gpu / table.peak_flops,
+        memory_per_gpu_bytes=mem,
+        memory_capacity_bytes=table.capacity_bytes,
+        fits=fits,
+        time_breakdown=breakdown,
+        memory_breakdown=largest.memory,
+        stages=tuple(per_rank),
+        binding=_binding(table, breakdown, step_s, largest, bottleneck),
+    )
+
+
+def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int) -> str:
+    """What limits the split most, in words."""
+    gib = 2**30
+    mem, cap = largest.memory_bytes, table.capacity_bytes
+    if mem > cap:
+        return (
+            f"memory: pipeline rank {largest.rank} needs {mem / gib:.1f} GiB of "
+            f"{cap / gib:.1f} GiB usable"
+        )
+    terms = breakdown.to_dict()
+    name, value = max(terms.items(), key=lambda kv: (kv[1], kv[0]))
+    label = name.removesuffix("_s").replace("_", " ")
+    note = f"{label} ({100 * value / step_s:.0f}% of the step, pipeline rank {bottleneck})"
+    if mem > 0.9 * cap:
+        note += f"; memory nearly full on rank {largest.rank} ({100 * mem / cap:.0f}%)"
+    return note

@@ -1,0 +1,111 @@
+"""Pipeline-schedule terms: bubble and in-flight micro-batches per stage.
+
+Notation (reference/formulas.md section 0 and 4): p pipeline ranks, m micro-batches per pipeline
+per step, v model chunks per rank (virtual stages).
+
+Bubble. GPipe and 1F1B idle for (p - 1) micro-batch slots: bubble / ideal = (p - 1) / m
+(Megatron-LM SC'21 section 2.2.1). Interleaving v chunks shrinks each slot v-fold:
+(p - 1) / (v m) (section 2.2.2; Llama 3 section 3.3.2). The zero-bubble schedules split the
+backward into input-gradient and weight-gradient passes and fill most of the remaining bubble with
+weight-gradient work; the ZB-H1 schedule leaves about a third of 1F1B's bubble (Qi et al. 2023,
+"Zero Bubble Pipeline Parallelism", section 3: bubble (p-1)(T_F + T_B - T_W) with T_W ~ T_B/2 ...
+T_F ~ T_B/2, i.e. about 1/3 of (p-1)(T_F+T_B)), which ``ZERO_BUBBLE_RESIDUAL`` encodes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "V_SHAPED_SCHEDULES",
+    "ZERO_BUBBLE_RESIDUAL",
+    "bubble_coefficient",
+    "bubble_ratio",
+    "in_flight_microbatches",
+    "rank_of_stage",
+]
+
+# Fraction of the 1F1B bubble that the zero-bubble schedules leave (Qi et al. 2023, ZB-H1).
+ZERO_BUBBLE_RESIDUAL = 1.0 / 3.0
+ZERO_BUBBLE_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
+V_SHAPED_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
+
+
+def bubble_ratio(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> float:
+    """Bubble time over ideal (bubble-free) time for uniform stages.
+
+    Args:
+        schedule: schedule name (see ``autopar.config.SCHEDULES``).
+        num_ranks: p, pipeline ranks.
+        num_microbatches: m, micro-batches per pipeline per step.
+        virtual_stages: v, model chunks per rank.
+
+    Returns:
+        (p - 1) / (v m), times ``ZERO_BUBBLE_RESIDUAL`` for zero-bubble schedules; 0 when p == 1.
+    """
+    if num_ranks <= 1:
+        return 0.0
+    ratio = (num_ranks - 1) / (virtual_stages * num_microbatches)
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        ratio *= ZERO_BUBBLE_RESIDUAL
+    return ratio
+
+
+def bubble_coefficient(schedule: str, num_ranks: int, virtual_stages: int = 1) -> float:
+    """Coefficient c of the bubble term ``c * sum_j T_j`` over all stages' per-micro-batch times.
+
+    With uniform stages (T_j = T for all p v stages) the step is m v T (ideal) plus the bubble
+    (p - 1) T: c = (p - 1) / (v p) makes ``c * sum_j T_j = (p - 1) T``, which reproduces
+    ``bubble_ratio`` exactly, and for uneven stages charges each stage's share of the fill/drain.
+    """
+    if num_ranks <= 1:
+        return 0.0
+    c = (num_ranks - 1) / (virtual_stages * num_ranks)
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        c *= ZERO_BUBBLE_RESIDUAL
+    return c
+
+
+def in_flight_microbatches(
+    schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> float:
+    """Micro-batches whose activations a chunk on ``rank`` holds at the rank's peak.
+
+    - no pipeline (p == 1): 1 (gradient accumulation runs micro-batches one after another);
+    - gpipe: all m forwards run before any backward: m;
+    - 1f1b: rank r warms up with p - r forwards: min(m, p - r) (Megatron-LM SC'21 section 2.2.1);
+    - interleaved (loop placement, v chunks): torch's Interleaved1F1B warms up
+      (v - 1) p + 2 (p - 1 - r) chunk-forwards, then keeps one more in flight; per chunk that is
+      ((v - 1) p + 2 (p - 1 - r) + 1) / v, which at r = 0 is p (1 + (p - 1) / (p v)),
+      Korthikanti et al. 2022's interleaving factor;
+    - V-shaped (zbv-zero-bubble, dualpipe-v): memory balanced across ranks at about 1F1B's first
+      stage, p micro-batches of the rank's layers (Qi et al. 2024, "Pipeline Parallelism with
+      Controllable Memory"): p per chunk.
+    Capped at m.
+    """
+    p, v, m = num_ranks, virtual_stages, num_microbatches
+    if p <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        value = float(m)
+    elif schedule in V_SHAPED_SCHEDULES:
+        value = float(p)
+    elif v > 1:
+        value = ((v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    else:
+        value = float(p - rank)
+    return min(float(m), value)
+
+
+def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
+    """Pipeline rank that runs model chunk ``stage_index``.
+
+    Loop placement (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble): stage s on rank
+    s % p (torch's default stage-to-rank map). V placement (zbv-zero-bubble, dualpipe-v): rank r
+    holds stages r and 2p - 1 - r.
+    """
+    if num_ranks <= 1:
+        return 0
+    if schedule in V_SHAPED_SCHEDULES:
+        return stage_index if stage_index < num_ranks else 2 * num_ranks - 1 - stage_index
+    return stage_index % num_ranks

@@ -1,0 +1,109 @@
+"""CostTable: every per-layer cost term of one outer configuration, in one place.
+
+``build_cost_table(profile, cluster, config)`` (autopar/cost_model/layer_costs.py) fills it;
+``assemble`` (autopar/cost_model/assemble.py) turns it plus a stage split and per-layer recompute
+choices into an Estimate; the search's ILP encodes the very same formula over the very same
+table, so the ILP objective, the plan's estimate and ``estimate(plan)`` never disagree.
+
+Units: seconds and bytes. "per micro-batch" terms are for one micro-batch on one rank (after
+tensor-parallel sharding); "per step" terms happen once per optimizer step. Tuples indexed by
+recompute mode follow ``autopar.config.RECOMPUTE`` = ("none", "selective", "full").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.config import RECOMPUTE, ParallelConfig
+
+__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
+
+RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCost:
+    """Cost terms of one profile layer under one outer configuration.
+
+    Attributes:
+        name: the profile layer's name.
+        num_params: parameters of the layer (unsharded).
+        model_flops_per_sample: forward + backward FLOPs per sample (unsharded; for MFU).
+        recompute_flops_per_sample: extra forward FLOPs per sample, by recompute mode.
+        compute_s: forward + backward compute of one micro-batch on one rank.
+        backward_s: the backward part of ``compute_s`` (the window that hides DP reduction).
+        recompute_s: re-run forward time per micro-batch, by recompute mode.
+        tp_comm_s: exposed tensor-parallel communication per micro-batch, by recompute mode
+            (full recompute repeats the forward's collectives).
+        dp_microbatch_s: exposed data-parallel communication per micro-batch (ZeRO-3 parameter
+            all-gathers in forward and backward).
+        act_bytes: activations saved for backward per micro-batch on one rank, by recompute mode.
+        transient_bytes: working memory while the layer runs (e.g. the activations a fully
+            recomputed layer re-creates during its backward, gathered parameters), by mode.
+        param_bytes: parameter bytes held per rank (after tp and ZeRO sharding).
+        grad_bytes: gradient bytes held per rank.
+        optimizer_bytes: optimizer-state bytes per rank (fp32 master weights and Adam moments).
+        dp_step_s: data-parallel gradient reduction time per step for this layer, before overlap.
+        optimizer_s: optimizer step time for this layer's local state.
+    """
+
+    name: str
+    num_params: int
+    model_flops_per_sample: float
+    recompute_flops_per_sample: tuple[float, float, float]
+    compute_s: float
+    backward_s: float
+    recompute_s: tuple[float, float, float]
+    tp_comm_s: tuple[float, float, float]
+    dp_microbatch_s: float
+    act_bytes: tuple[float, float, float]
+    transient_bytes: tuple[float, float, float]
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    dp_step_s: float
+    optimizer_s: float
+
+    def time_per_microbatch_s(self, recompute: str) -> float:
+        """t_i(r) = compute + recompute(r) + tp_comm(r) + dp per micro-batch."""
+        k = RECOMPUTE_INDEX[recompute]
+        return self.compute_s + self.recompute_s[k] + self.tp_comm_s[k] + self.dp_microbatch_s
+
+    @property
+    def static_bytes(self) -> float:
+        """Parameters + gradients + optimizer state held per rank."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostTable:
+    """All cost terms of one outer configuration (dp, tp, pp, micro-batch, schedule, ...).
+
+    Attributes:
+        config: the outer configuration (its ``recompute`` is the default per-layer choice).
+        layers: one LayerCost per profile layer, in order.
+        num_microbatches: m, micro-batches per pipeline per step.
+        p2p_s: exposed pipeline point-to-point time per micro-batch per stage (forward
+            activation send plus backward gradient send); 0 when pp == 1.
+        dp_tail_s: data-parallel reduction that no overlap can hide (the last bucket);
+            0 when dp == 1.
+        overlap_efficiency: fraction of one micro-batch's backward time usable to hide the
+            data-parallel gradient reduction (in [0, 1]).
+        buffers_bytes: per-rank constant memory: communication buffers, allocator reserve.
+        capacity_bytes: usable device memory: device memory minus the cluster's headroom.
+        peak_flops: the device's peak FLOP/s at the training dtype (for MFU).
+        tokens_per_step: global_batch * seq_len.
+        world_size: dp * tp * pp.
+    """
+
+    config: ParallelConfig
+    layers: tuple[LayerCost, ...]
+    num_microbatches: int
+    p2p_s: float
+    dp_tail_s: float
+    overlap_efficiency: float
+    buffers_bytes: float
+    capacity_bytes: float
+    peak_flops: float
+    tokens_per_step: int
+    world_size: int

@@ -1,0 +1,89 @@
+"""Named zoo models with the shapes their papers publish.
+
+Sources:
+- GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (n_layers, d_model,
+  n_heads); context 2048. Two rows of that table do not factor: 1.3B lists 24 heads of 128 for
+  d_model 2048, and 13B lists d_model 5140 with 40 heads of 128. autopar uses 16 heads (d_head 128)
+  for 1.3B and d_model 5120 for 13B, the shapes the common reproductions train (head count does not
+  change the parameter count). Vocabulary: GPT-3 uses GPT-2's BPE (50257 tokens); autopar uses the
+  Megatron-LM padding of it, 51200 (Narayanan et al. SC'21, Table 1), because planning needs a
+  vocabulary that tensor parallelism can shard (51200 = 2^11 * 25 divides by every tp up to 8;
+  50257 is odd). Pass ``vocab=50257`` to get the unpadded model. Embeddings tied (as in GPT-2).
+- GPT-2: Radford et al. 2019, Table 2 (12/24/36/48 layers, d_model 768/1024/1280/1600); heads
+  12/16/20/25 (head dim 64) from the released configs; context 1024, vocabulary 50257, tied.
+- Llama 2: Touvron et al. 2023, Table 1 and the released params.json (context 4096, vocabulary
+  32000, SwiGLU widths 11008 / 13824 / 28672, GQA with 8 kv heads for 70B only); untied head.
+- Llama 3 / 3.1: Llama Team 2024, "The Llama 3 Herd of Models", Table 3 (layers, width, FFN width,
+  heads, 8 kv heads, vocabulary 128256, RoPE base 500000); context 8192 (the pre-training length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["PRESETS", "preset_shape"]
+
+
+def _gpt3(layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    return dict(
+        kind="gpt", layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048,
+        tie_embeddings=True,
+    )  # fmt: skip
+
+
+def _gpt2(layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    return dict(
+        kind="gpt", layers=layers, hidden=hidden, heads=heads, vocab=50257, seq_len=1024,
+        tie_embeddings=True,
+    )  # fmt: skip
+
+
+def _llama2(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> dict[str, Any]:
+    return dict(
+        kind="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+        ffn_hidden=ffn, vocab=32000, seq_len=4096, rope_theta=10000.0,
+    )  # fmt: skip
+
+
+def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> dict[str, Any]:
+    return dict(
+        kind="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=8,
+        ffn_hidden=ffn, vocab=128256, seq_len=8192, rope_theta=500000.0,
+    )  # fmt: skip
+
+
+_GPT3 = "GPT-3 (Brown et al. 2020, Table 2.1)"
+_GPT2 = "GPT-2 (Radford et al. 2019)"
+_LLAMA2 = "Llama 2 (Touvron et al. 2023)"
+_LLAMA3 = "Llama 3 (Llama Team 2024, Table 3)"
+
+# name -> (shape keyword arguments for build, source)
+PRESETS: Mapping[str, tuple[Mapping[str, Any], str]] = MappingProxyType(
+    {
+        "gpt3-125m": (_gpt3(12, 768, 12), _GPT3),
+        "gpt3-350m": (_gpt3(24, 1024, 16), _GPT3),
+        "gpt3-760m": (_gpt3(24, 1536, 16), _GPT3),
+        "gpt3-1.3b": (_gpt3(24, 2048, 16), _GPT3),
+        "gpt3-2.7b": (_gpt3(32, 2560, 32), _GPT3),
+        "gpt3-6.7b": (_gpt3(32, 4096, 32), _GPT3),
+        "gpt3-13b": (_gpt3(40, 5120, 40), _GPT3),
+        "gpt3-175b": (_gpt3(96, 12288, 96), _GPT3),
+        "gpt2": (_gpt2(12, 768, 12), _GPT2),
+        "gpt2-medium": (_gpt2(24, 1024, 16), _GPT2),
+        "gpt2-large": (_gpt2(36, 1280, 20), _GPT2),
+        "gpt2-xl": (_gpt2(48, 1600, 25), _GPT2),
+        "llama2-7b": (_llama2(32, 4096, 32, 32, 11008), _LLAMA2),
+        "llama2-13b": (_llama2(40, 5120, 40, 40, 13824), _LLAMA2),
+        "llama2-70b": (_llama2(80, 8192, 64, 8, 28672), _LLAMA2),
+        "llama3-8b": (_llama3(32, 4096, 32, 14336), _LLAMA3),
+        "llama3-70b": (_llama3(80, 8192, 64, 28672), _LLAMA3),
+        "llama3-405b": (_llama3(126, 16384, 128, 53248), _LLAMA3),
+    }
+)
+
+
+def preset_shape(name: str) -> dict[str, Any]:
+    """A copy of preset ``name``'s keyword arguments (including ``kind``); KeyError if unknown."""
+    return dict(PRESETS[name][0])

@@ -1,0 +1,116 @@
+"""ModelSpec: the shape of a zoo model (kind, sizes, attention implementation), validated.
+
+Every zoo model carries its spec as ``model.autopar_spec``. Sizes are plain counts (layers, hidden
+width, heads, vocabulary entries, tokens per sequence); nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ATTENTIONS", "KINDS", "ModelSpec", "llama_default_ffn_hidden"]
+
+KINDS = ("gpt", "llama", "mlp")
+ATTENTIONS = ("sdpa", "eager")
+
+# Llama's default SwiGLU width (Touvron et al. 2023, reference code's FeedForward): start from 4h,
+# take 2/3 of it (SwiGLU has three matrices instead of two, so the parameter count stays ~8h^2),
+# then round up to a multiple of 256.  h=4096 -> 11008 (Llama 2 7B), h=5120 -> 13824 (13B).
+LLAMA_FFN_MULTIPLE_OF = 256
+
+
+def llama_default_ffn_hidden(hidden: int, multiple_of: int = LLAMA_FFN_MULTIPLE_OF) -> int:
+    """Llama's default SwiGLU inner width for a model of width ``hidden``.
+
+    Args:
+        hidden: model width h.
+        multiple_of: the rounding granule (256 in Llama 1 and 2).
+
+    Returns:
+        ``multiple_of * ceil(int(2 * 4h / 3) / multiple_of)``.
+    """
+    base = int(2 * (4 * hidden) / 3)
+    return multiple_of * ((base + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """The shape of one zoo model.
+
+    Attributes:
+        kind: "gpt", "llama" or "mlp".
+        layers: number of blocks L.
+        hidden: model width h.
+        heads: attention heads a (0 for mlp, which has no attention).
+        kv_heads: key/value heads (GQA); equals ``heads`` without GQA (0 for mlp).
+        ffn_hidden: inner width of the feed-forward (GeLU MLP or SwiGLU).
+        vocab: vocabulary size V.
+        seq_len: maximum tokens per sequence s (gpt: number of learned positions).
+        attention: "sdpa" (fused kernel, default) or "eager" (materialises the s x s scores).
+        dropout: dropout probability (gpt only; after softmax, after wo, after w2).
+        tie_embeddings: whether the lm head shares the token embedding's weight.
+        name: preset name, or the kind for a model built from explicit sizes.
+        rope_theta: RoPE base frequency (llama only; 10000 for Llama 2, 500000 for Llama 3).
+    """
+
+    kind: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    attention: str = "sdpa"
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    name: str = ""
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        """Check the sizes fit together; raise ValueError naming the first that does not."""
+        if self.kind not in KINDS:
+            raise ValueError(f"model kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        for field_name in ("layers", "hidden", "ffn_hidden", "vocab", "seq_len"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.kind == "mlp":
+            if self.heads != 0 or self.kv_heads != 0:
+                raise ValueError("an mlp model has no attention: heads and kv_heads must be 0")
+            return
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        for field_name in ("heads", "kv_heads"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"heads={self.heads} must divide hidden={self.hidden} "
+                f"(head_dim = hidden / heads); pick heads among the divisors of {self.hidden}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"kv_heads={self.kv_heads} must divide heads={self.heads} (grouped-query attention)"
+            )
+        if self.kind == "gpt" and self.kv_heads != self.heads:
+            raise ValueError("gpt models use multi-head attention: kv_heads must equal heads")
+        if self.kind == "llama" and self.head_dim % 2:
+            raise ValueError(
+                f"llama needs an even head_dim for RoPE, got hidden/heads = {self.head_dim}"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, ``hidden // heads`` (0 for mlp)."""
+        return self.hidden // self.heads if self.heads else 0

@@ -106,7 +106,7 @@ class Attention(nn.Module):
         # softmax(q k^T / sqrt(d) + causal mask) v, with the (b, heads, s, s) scores materialised.
         seq_len = q.shape[2]
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        keep = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        keep = q.new_ones((seq_len, seq_len), dtype=torch.bool).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
         probs = F.softmax(scores, dim=-1)
         probs = F.dropout(probs, p=self.dropout, training=self.training)

@@ -23,6 +23,13 @@ __all__ = ["INIT_STD", "Transformer", "cross_entropy_loss", "init_weights"]
 INIT_STD = 0.02
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    # NOTE: passing the weight skips nn.Embedding's default normal_ init, which on the meta device
+    # goes through a decomposition that imports torch._dynamo (over a second on a cold start).
+    # init_weights sets the real values on a real device.
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Transformer(nn.Module):
     """A decoder-only model: ``tokens[b, s] -> logits[b, s, vocab]``.
 
@@ -43,9 +50,9 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.autopar_spec = spec
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.tok_embeddings: nn.Embedding | None = _embedding(spec.vocab, spec.hidden)
         self.pos_embeddings: nn.Embedding | None = (
-            nn.Embedding(spec.seq_len, spec.hidden) if learned_positions else None
+            _embedding(spec.seq_len, spec.hidden) if learned_positions else None
         )
         self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(spec.layers)})
         self.norm: nn.Module | None = make_norm()

@@ -1,0 +1,102 @@
+"""The ``autopar`` command line: ``main(argv) -> int``.
+
+Every subcommand lives in its own module ``autopar/cli/cmd_<name>.py`` that defines ``NAME``,
+``HELP``, ``ORDER`` (position in ``--help``), ``add_arguments(parser)`` and ``run(args) -> int``.
+Adding a subcommand is adding one such module: they are discovered here. Only the selected
+subcommand's module builds its full argument list, so ``autopar presets`` does not pay for what
+``autopar run`` imports.
+
+Streams: a command's document (``--json``, ``export``) is the only thing on stdout; the report,
+progress, logs and warnings go to stderr (the report goes to stdout when no document is asked
+for). Errors: one line ``autopar: error: <message>`` on stderr and exit code 2; ``--debug``
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from autopar.errors import AutoparError
+
+__all__ = ["EXIT_USAGE", "main"]
+
+EXIT_USAGE = 2  # argparse's own exit code for bad usage; every user error uses it too.
+_PREFIX = "cmd_"
+
+
+def _command_modules() -> list[ModuleType]:
+    """The ``cmd_*`` modules of this package, in ``ORDER``."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith(_PREFIX))
+    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
+    return sorted(modules, key=lambda m: (getattr(m, "ORDER", 100), m.NAME))
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Build the parser; only the subcommand named in ``argv`` gets its full arguments.
+
+    Args:
+        argv: the arguments about to be parsed (``None``: build every subcommand fully).
+
+    Returns:
+        The top-level ``argparse.ArgumentParser``.
+    """
+    from autopar import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="Plan, explain, export and run the parallel split of a training job.",
+    )
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    modules = _command_modules()
+    wanted = next((a for a in (argv or ()) if a in {m.NAME for m in modules}), None)
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: the subcommand's --debug must not reset a --debug given before the subcommand.
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    for module in modules:
+        p = sub.add_parser(
+            module.NAME, help=module.HELP, description=module.HELP, parents=[common]
+        )
+        p.set_defaults(_module=module)
+        if argv is None or wanted is None or module.NAME == wanted:
+            module.add_arguments(p)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``autopar`` command line.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code: 0 on success, 2 for any user error.
+    """
+    from autopar.plan import PlanFormatError
+
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except (AutoparError, PlanFormatError, ValueError, OSError) as error:
+        if getattr(args, "debug", False):
+            raise
+        print(f"autopar: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE

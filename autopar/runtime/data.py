@@ -1,0 +1,79 @@
+"""Seeded synthetic token data for ``autopar run``.
+
+The batch of step ``k`` depends only on ``(seed, k)`` and the batch shape, never on the split or on
+how many steps ran before, so a run resumed from a checkpoint sees exactly the data an
+uninterrupted run would have seen, and every split sees the same global batch.
+
+Each sequence is an arithmetic progression modulo the vocabulary, ``x[t] = (start + stride * t)
+mod V`` with a random start and a random stride in ``[1, MAX_STRIDE]``: a model can learn it from
+context, so the loss visibly falls over a few steps (uniform random tokens would keep it at
+``ln V``). Labels are the inputs shifted by one position (next-token prediction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MAX_STRIDE", "TokenBatch", "dp_shard", "synthetic_batch"]
+
+# Largest stride of the synthetic progressions; small, so the task is learnable by a tiny model.
+MAX_STRIDE = 8
+# Multiplier that mixes the step into the generator seed (a large prime keeps (seed, step) pairs
+# from colliding for any realistic number of steps).
+_STEP_MIX = 1_000_003
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenBatch:
+    """One global batch of next-token-prediction data.
+
+    Attributes:
+        tokens: LongTensor[batch, seq_len], the model inputs.
+        labels: LongTensor[batch, seq_len], ``tokens`` shifted left by one position.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+
+
+def synthetic_batch(*, seed: int, step: int, batch: int, seq_len: int, vocab: int) -> TokenBatch:
+    """The global batch of step ``step`` (1-based), a pure function of its arguments.
+
+    Args:
+        seed: the run's seed (``--seed``).
+        step: the optimizer step the batch is for, counted from 1.
+        batch: sequences in the global batch.
+        seq_len: tokens per sequence.
+        vocab: vocabulary size V (token ids are in ``[0, V)``).
+
+    Returns:
+        The batch on the CPU (callers move it to their device).
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed * _STEP_MIX + step)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, MAX_STRIDE + 1, (batch, 1), generator=gen)
+    positions = torch.arange(seq_len + 1).unsqueeze(0)
+    seq = (start + stride * positions) % vocab
+    return TokenBatch(tokens=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous())
+
+
+def dp_shard(batch: TokenBatch, dp_rank: int, dp: int) -> TokenBatch:
+    """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` trains on.
+
+    Args:
+        batch: the global batch; its size must be divisible by ``dp``.
+        dp_rank: this replica's index on the dp mesh axis.
+        dp: the data-parallel degree.
+
+    Returns:
+        Rows ``[dp_rank * b, (dp_rank + 1) * b)`` with ``b = batch / dp``.
+    """
+    rows = batch.tokens.shape[0]
+    if rows % dp:
+        raise ValueError(f"global batch {rows} is not divisible by dp={dp}")
+    per_rank = rows // dp
+    lo, hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
+    return TokenBatch(tokens=batch.tokens[lo:hi], labels=batch.labels[lo:hi])

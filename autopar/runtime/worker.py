@@ -1,0 +1,291 @@
+"""The training process torchrun starts for ``autopar run``: ``python -m autopar.runtime.worker ARGS``.
+
+``ARGS`` is a JSON file the launcher wrote (``WorkerArgs``). Every rank builds the model from the
+run's seed on its real device, applies the plan, trains with AdamW at a constant learning rate on
+seeded synthetic tokens (``data.py``), checkpoints every K steps (``checkpoint.py``), and resumes
+from the last complete checkpoint when one exists (``--resume``, or a torchrun restart after a
+fault). The local rank 0 of every node appends one JSON line per step to the node's result file
+(loss, step time, peak memory); the launcher reads it.
+
+Peak memory is the peak of live tensor bytes on the rank (``LiveTensorBytes``, a counting
+``TorchDispatchMode``), reported as the largest over ranks; on CUDA it is
+``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autopar.runtime import checkpoint
+from autopar.runtime.data import TokenBatch, dp_shard, synthetic_batch
+
+__all__ = ["LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "WorkerArgs", "main"]
+
+# AdamW settings of ``autopar run``: constant (no dependence on --steps, so a run resumed up to
+# step N equals an uninterrupted run of N steps) and no warm-up.
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 0.01
+# Environment hook for fault tests: "RANK:STEP:MARKER" makes RANK exit with code 1 at the start of
+# STEP, once (the marker file records that it happened, so the restarted group does not repeat it).
+FAULT_ENV = "AUTOPAR_TEST_FAIL_AT"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerArgs:
+    """What the launcher tells every worker (the JSON args file).
+
+    Attributes:
+        plan: the Plan as ``Plan.to_dict()``.
+        model: how to build the model (``gpt:layers=...``, a preset, a model file, an HF config).
+        steps: total optimizer steps (a resumed run continues up to this step).
+        seed: seed of the weights and of the synthetic data.
+        checkpoint_dir: where checkpoints go ("" for none).
+        checkpoint_every: checkpoint every K steps (0: only at the end when checkpoint_dir is set).
+        result_path: JSON-lines file the node's local rank 0 appends its per-step results to.
+        device_type: "cpu" (gloo) or "cuda" (NCCL).
+        pg_timeout_s: process-group timeout; a hung collective fails after this long.
+    """
+
+    plan: dict[str, Any]
+    model: str
+    steps: int
+    seed: int
+    checkpoint_dir: str
+    checkpoint_every: int
+    result_path: str
+    device_type: str
+    pg_timeout_s: float
+
+    def to_json(self) -> str:
+        """The args as JSON text."""
+        return json.dumps({f: getattr(self, f) for f in self.__slots__}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerArgs:
+        """Inverse of ``to_json``."""
+        return cls(**json.loads(text))
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created under it and keeps their peak.
+
+    Every storage an operator returns is counted once, at its size when first seen, until Python
+    frees it (a weakref finalizer). Build the model under the mode so parameters, gradients and
+    optimizer state are all counted. DTensors count their local shard.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._seen: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.current_bytes -= nbytes
+
+    def _track(self, value: Any) -> None:
+        local = getattr(value, "_local_tensor", value)
+        if not isinstance(local, torch.Tensor) or local.device.type == "meta":
+            return
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            self._track(leaf)
+        return out
+
+
+class _Optimizers:
+    """One AdamW per model part, stepped together (AdamW is per parameter, so this equals one
+    optimizer over all parts; per-part optimizers let DCP map parameters to FQNs per part)."""
+
+    def __init__(self, model_parts: list[torch.nn.Module]) -> None:
+        self.optimizers = [
+            torch.optim.AdamW(p.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+            for p in model_parts
+        ]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Job:
+    """The parallelized model of this rank and how to train it one step."""
+
+    model_parts: list[torch.nn.Module]
+    step: Callable[[TokenBatch, _Optimizers], float]
+    global_batch: int
+    seq_len: int
+    vocab: int
+
+
+def _build_job(model_text: str, plan_dict: dict[str, Any], *, device: torch.device,
+               seed: int) -> _Job:
+    """Build the model from ``seed`` on ``device`` and parallelize it by the plan."""
+    from autopar.plan import Plan
+
+    plan = Plan.from_dict(plan_dict)
+    model = _build_model(model_text, device=device, seed=seed)
+    spec = model.autopar_spec
+    cfg = plan.config
+    if cfg.tp * cfg.pp > 1:
+        raise NotImplementedError("tp/pp need autopar.runtime.apply_plan")
+    dp_rank = dist.get_rank()
+    part: torch.nn.Module = model
+    if cfg.dp > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        part = DistributedDataParallel(model)
+
+    def step(batch: TokenBatch, optimizers: _Optimizers) -> float:
+        from autopar.models import cross_entropy_loss
+
+        local = dp_shard(batch, dp_rank, cfg.dp)
+        loss = cross_entropy_loss(part(local.tokens.to(device)), local.labels.to(device))
+        loss.backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return float(total) / cfg.dp
+
+    return _Job(model_parts=[model], step=step, global_batch=cfg.global_batch,
+                seq_len=spec.seq_len, vocab=spec.vocab)
+
+
+def _build_model(model_text: str, *, device: torch.device, seed: int) -> torch.nn.Module:
+    from autopar.models import build
+
+    kind, _, shape_text = model_text.partition(":")
+    shape = {k: int(v) for k, v in (kv.split("=") for kv in shape_text.split(",") if kv)}
+    return build(kind, device=device, seed=seed, **shape)
+
+
+def _init_process_group(args: WorkerArgs) -> torch.device:
+    backend = "nccl" if args.device_type == "cuda" else "gloo"
+    if args.device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout_s))
+    return device
+
+
+def _maybe_fail(step: int) -> None:
+    """The fault-test hook (see ``FAULT_ENV``): exit hard, once, at the start of a step."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    rank_text, step_text, marker = spec.split(":", 2)
+    if dist.get_rank() == int(rank_text) and step == int(step_text) and not Path(marker).exists():
+        Path(marker).write_text(f"rank {rank_text} exited at step {step}\n")
+        print(f"[autopar] fault injected: rank {rank_text} exits at step {step}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _append_result(args: WorkerArgs, record: dict[str, Any]) -> None:
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    with open(args.result_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | None) -> None:
+    with tracker if tracker is not None else contextlib.nullcontext():
+        job = _build_job(args.model, args.plan, device=device, seed=args.seed)
+        optimizers = _Optimizers(job.model_parts)
+        start = 0
+        if args.checkpoint_dir:
+            latest = checkpoint.latest_complete_step(args.checkpoint_dir)
+            if latest is not None:
+                checkpoint.load_checkpoint(
+                    args.checkpoint_dir, latest, job.model_parts, optimizers.optimizers
+                )
+                start = latest
+        if dist.get_rank() == 0:
+            print(f"[autopar] training steps {start + 1}..{args.steps}", file=sys.stderr)
+        for step in range(start + 1, args.steps + 1):
+            _maybe_fail(step)
+            batch = synthetic_batch(
+                seed=args.seed, step=step, batch=job.global_batch, seq_len=job.seq_len,
+                vocab=job.vocab,
+            )
+            t0 = time.perf_counter()
+            loss = job.step(batch, optimizers)
+            step_time_s = time.perf_counter() - t0
+            peak = _peak_bytes(device, tracker)
+            # Largest step time and peak memory over all ranks (one small all-reduce).
+            figures = torch.tensor([step_time_s, float(peak)], dtype=torch.float64, device=device)
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+            _append_result(args, {
+                "step": step, "loss": float(loss), "step_time_s": float(figures[0]),
+                "peak_memory_bytes": int(figures[1]),
+            })
+            if args.checkpoint_dir and (
+                step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+            ):
+                checkpoint.save_checkpoint(
+                    args.checkpoint_dir, step, job.model_parts, optimizers.optimizers,
+                    marker={"world_size": dist.get_world_size(), "config": args.plan["config"]},
+                )
+    _append_result(args, {"done": True, "world_size": dist.get_world_size()})
+
+
+def _peak_bytes(device: torch.device, tracker: LiveTensorBytes | None) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return tracker.peak_bytes if tracker is not None else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one worker: ``python -m autopar.runtime.worker ARGS_JSON``; exits the process."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = WorkerArgs.from_json(Path(argv[0]).read_text())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    device = _init_process_group(args)
+    tracker = LiveTensorBytes() if device.type == "cpu" else None
+    _train(args, device, tracker)
+    # Clean exit (runtime notes): without it TP processes can abort during interpreter shutdown.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -66,7 +66,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             module.NAME, help=module.HELP, description=module.HELP, parents=[common]
         )
         p.set_defaults(_module=module)
-        if argv is None or wanted is None or module.NAME == wanted:
+        if argv is None or wanted is None or wanted == module.NAME:
             module.add_arguments(p)
     return parser
 

@@ -55,33 +55,28 @@ def check_split(
         raise ValueError(f"need one recompute choice in {RECOMPUTE} per layer ({n})")
 
 
-def _stage_times(table: CostTable, stage_layers, recompute) -> list[float]:
-    p2p = table.p2p_s if table.config.pp > 1 else 0.0
-    return [
-        sum(table.layers[i].time_per_microbatch_s(recompute[i]) for i in range(a, b + 1)) + p2p
-        for a, b in stage_layers
-    ]
+def _layer_arrays(table: CostTable, recompute: Sequence[str]):
+    """Per-layer time, activation and transient bytes under each layer's recompute choice."""
+    idx = [RECOMPUTE_INDEX[r] for r in recompute]
+    layers = table.layers
+    time = [layer.time_per_microbatch_s(r) for layer, r in zip(layers, recompute)]
+    act = [layer.act_bytes[k] for layer, k in zip(layers, idx)]
+    transient = [layer.transient_bytes[k] for layer, k in zip(layers, idx)]
+    return idx, time, act, transient
 
 
-def _rank_memory(table: CostTable, stage_layers, recompute, stages) -> MemoryBreakdown:
+def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBreakdown:
     cfg = table.config
+    inflight = in_flight_microbatches(
+        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
+    )
     layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-    act = 0.0
-    for j in stages:
-        rank = rank_of_stage(cfg.schedule, cfg.pp, j)
-        inflight = in_flight_microbatches(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
-        )
-        a, b = stage_layers[j]
-        act += inflight * sum(
-            table.layers[i].act_bytes[RECOMPUTE_INDEX[recompute[i]]] for i in range(a, b + 1)
-        )
-    act += max(table.layers[i].transient_bytes[RECOMPUTE_INDEX[recompute[i]]] for i in layers)
+    peak_act = inflight * sum(act[i] for i in layers) + max(transient[i] for i in layers)
     return MemoryBreakdown(
         parameters_bytes=sum(table.layers[i].param_bytes for i in layers),
         gradients_bytes=sum(table.layers[i].grad_bytes for i in layers),
         optimizer_bytes=sum(table.layers[i].optimizer_bytes for i in layers),
-        activations_bytes=act,
+        activations_bytes=peak_act,
         buffers_bytes=table.buffers_bytes,
     )
 
@@ -111,12 +106,13 @@ def assemble(
     """
     check_split(table, stage_layers, recompute)
     cfg, m = table.config, table.num_microbatches
-    times = _stage_times(table, stage_layers, recompute)
-    ranks = list(range(cfg.pp))
-    stages_of = {
-        k: [j for j in range(len(stage_layers)) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
-        for k in ranks
-    }
+    idx, time, act, transient = _layer_arrays(table, recompute)
+    p2p = table.p2p_s if cfg.pp > 1 else 0.0
+    times = [sum(time[a : b + 1]) + p2p for a, b in stage_layers]
+    ranks = range(cfg.pp)
+    stages_of: dict[int, list[int]] = {k: [] for k in ranks}
+    for j in range(len(stage_layers)):
+        stages_of[rank_of_stage(cfg.schedule, cfg.pp, j)].append(j)
     layers_of = {
         k: [i for j in stages_of[k] for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
         for k in ranks
@@ -129,8 +125,6 @@ def assemble(
     step_s = m * rank_time[bottleneck] + bubble_s + sum(extras[tail])
 
     blayers = layers_of[bottleneck]
-    idx = [RECOMPUTE_INDEX[r] for r in recompute]
-    p2p = table.p2p_s if cfg.pp > 1 else 0.0
     breakdown = TimeBreakdown(
         compute_s=m * sum(table.layers[i].compute_s for i in blayers),
         recompute_s=m * sum(table.layers[i].recompute_s[idx[i]] for i in blayers),
@@ -140,19 +134,17 @@ def assemble(
         bubble_s=bubble_s,
         optimizer_s=extras[tail][1],
     )
-    per_rank = []
-    for k in ranks:
-        mem = _rank_memory(table, stage_layers, recompute, stages_of[k])
-        per_rank.append(
-            StageEstimate(
-                rank=k,
-                stages=tuple(stages_of[k]),
-                layers=tuple(tuple(stage_layers[j]) for j in stages_of[k]),
-                num_params=sum(table.layers[i].num_params for i in layers_of[k]),
-                time_per_microbatch_s=rank_time[k],
-                memory=mem,
-            )
+    per_rank = [
+        StageEstimate(
+            rank=k,
+            stages=tuple(stages_of[k]),
+            layers=tuple(tuple(stage_layers[j]) for j in stages_of[k]),
+            num_params=sum(table.layers[i].num_params for i in layers_of[k]),
+            time_per_microbatch_s=rank_time[k],
+            memory=_rank_memory(table, stage_layers, stages_of[k], k, act, transient),
         )
+        for k in ranks
+    ]
     largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
     return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck)
 

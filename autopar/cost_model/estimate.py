@@ -39,7 +39,10 @@ class TimeBreakdown:
     @property
     def total_s(self) -> float:
         """Sum of the terms (equals the step time)."""
-        return sum(dataclasses.astuple(self))
+        return (
+            self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
+            + self.dp_comm_s + self.bubble_s + self.optimizer_s
+        )
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready dict."""
@@ -68,7 +71,10 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> float:
         """Sum of the terms."""
-        return sum(dataclasses.astuple(self))
+        return (
+            self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
+            + self.activations_bytes + self.buffers_bytes
+        )
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready dict."""

@@ -32,7 +32,10 @@ class GPTFeedForward(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """Pre-norm block: ``x + attention(attention_norm(x))``, then ``+ feed_forward(ffn_norm(.))``."""
+    """Pre-norm block: ``x + attention(attention_norm(x))``, then ``+ feed_forward(ffn_norm(x))``.
+
+    (The second norm applies to the updated residual stream.)
+    """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

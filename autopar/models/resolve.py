@@ -21,7 +21,7 @@ from autopar.models.zoo import SHAPE_KEYS, build, make_spec, suggest_names
 
 __all__ = ["ModelBuilder", "parse_model_spec", "resolve_model"]
 
-# build_model(device="meta") -> nn.Module
+# build_model(device="meta", *, dtype=..., seed=None) -> nn.Module
 ModelBuilder = Callable[..., nn.Module]
 
 _FLOAT_KEYS = ("dropout", "rope_theta")
@@ -89,8 +89,8 @@ def parse_model_spec(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def _zoo_builder(name: str, shape: dict[str, Any]) -> ModelBuilder:
-    def build_model(**kwargs: Any) -> nn.Module:
-        return build(name, **shape, **kwargs)
+    def build_model(device: Any = "meta", **kwargs: Any) -> nn.Module:
+        return build(name, device=device, **shape, **kwargs)
 
     return build_model
 
@@ -111,8 +111,8 @@ def _json_builder(path: Path) -> tuple[ModelBuilder, str]:
         )
     from autopar.models.hf import from_hf_config
 
-    def build_model(**kwargs: Any) -> nn.Module:
-        return from_hf_config(data, **kwargs)
+    def build_model(device: Any = "meta", **kwargs: Any) -> nn.Module:
+        return from_hf_config(data, device=device, **kwargs)
 
     return build_model, f"HF {data['model_type']} config {path.name}"
 
@@ -120,8 +120,8 @@ def _json_builder(path: Path) -> tuple[ModelBuilder, str]:
 def resolve_model(text: str) -> tuple[ModelBuilder, str]:
     """Recognise a MODEL argument and return ``(build_model, description)``.
 
-    ``build_model(device="meta", ...)`` builds the model; for a model file it is the file's own
-    ``build_model`` (called with no arguments).
+    ``build_model(device="meta", *, dtype=..., seed=None)`` builds the model (for a model file,
+    ``ModelFile.instantiate``: the file's ``build_model()`` under that default device).
 
     Args:
         text: a ``.py`` model file, an HF config ``.json``, a preset name, or ``kind:k=v,...``.
@@ -138,8 +138,7 @@ def resolve_model(text: str) -> tuple[ModelBuilder, str]:
     if text.endswith(".py"):
         from autopar.models.model_file import load_model_file
 
-        model_file = load_model_file(path)
-        return model_file.build_model, f"model file {path.name}"
+        return load_model_file(path).instantiate, f"model file {path.name}"
     if text.endswith(".json"):
         if not path.is_file():
             raise UnknownModelError(f"config file {text} does not exist")

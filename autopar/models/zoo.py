@@ -89,7 +89,9 @@ def make_spec(kind_or_preset: str, **shape: Any) -> ModelSpec:
         )
     missing = [key for key in _REQUIRED[kind] if shape.get(key) is None]
     if missing:
-        raise ValueError(f"{name!r} needs {', '.join(missing)} (e.g. build({kind!r}, layers=4, ...))")
+        raise ValueError(
+            f"{name!r} needs {', '.join(missing)} (e.g. build({kind!r}, layers=4, ...))"
+        )
     return ModelSpec(kind=kind, name=name, **_with_defaults(kind, shape))
 
 

@@ -28,8 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autopar.errors import AutoparError
+
 __all__ = [
     "MARKER_NAME",
+    "check_checkpoint_dir",
     "checkpoint_path",
     "latest_complete_step",
     "load_checkpoint",
@@ -61,6 +64,59 @@ def latest_complete_step(checkpoint_dir: str | Path) -> int | None:
         if match and (entry / MARKER_NAME).is_file():
             steps.append(int(match.group(1)))
     return max(steps) if steps else None
+
+
+def check_checkpoint_dir(
+    checkpoint_dir: str | None, *, resume: bool, steps: int, every: int
+) -> int:
+    """Check the checkpoint arguments of a launch; return the step training starts after.
+
+    Args:
+        checkpoint_dir: ``--checkpoint-dir`` (None: no checkpoints).
+        resume: ``--resume``.
+        steps: ``--steps``, the total.
+        every: ``--checkpoint-every``.
+
+    Returns:
+        The step of the checkpoint resumed from (0 for a fresh run).
+
+    Raises:
+        AutoparError: --resume or --checkpoint-every without a directory; --resume with no
+            complete checkpoint; an existing non-empty directory without --resume (a run never
+            overwrites checkpoints silently); a checkpoint already past --steps.
+    """
+    if every < 0:
+        raise AutoparError(f"--checkpoint-every must be 0 or more, got {every}")
+    if not checkpoint_dir:
+        if resume:
+            raise AutoparError("--resume needs --checkpoint-dir DIR (the run to continue)")
+        if every:
+            raise AutoparError("--checkpoint-every needs --checkpoint-dir DIR")
+        return 0
+    root = Path(checkpoint_dir)
+    if root.exists() and not root.is_dir():
+        raise AutoparError(f"checkpoint dir {checkpoint_dir} is a file; give a directory")
+    if not resume:
+        if root.is_dir() and any(root.iterdir()):
+            raise AutoparError(
+                f"checkpoint dir {checkpoint_dir} already holds a run; pass --resume to continue "
+                "it, or give a new --checkpoint-dir"
+            )
+        return 0
+    if not root.is_dir():
+        raise AutoparError(
+            f"checkpoint dir {checkpoint_dir} does not exist; nothing to resume (drop --resume "
+            "to start a new run there)"
+        )
+    latest = latest_complete_step(root)
+    if latest is None:
+        raise AutoparError(f"checkpoint dir {checkpoint_dir} holds no complete checkpoint to resume")
+    if latest > steps:
+        raise AutoparError(
+            f"the last checkpoint in {checkpoint_dir} is at step {latest}, past --steps {steps}; "
+            f"--steps is the total, so pass --steps {latest} or more"
+        )
+    return latest
 
 
 def read_marker(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:

@@ -4,7 +4,9 @@ The layout's style names are torch's (``colwise``, ``rowwise``, ``sequence``, ``
 module only decides the input/output placements around them, Megatron-LM style:
 
 * Linears in a block: ``colwise`` -> ``ColwiseParallel()`` (q/k/v, MLP up/gate: attention heads
-  and kv heads are split over tp, every rank runs ``heads / tp`` local heads), ``rowwise`` ->
+  and kv heads are split over tp, every rank runs ``heads / tp`` local heads; their parent module
+  makes its input one replicated DTensor, so backward all-reduces the input gradient once per
+  attention and once per MLP, as Megatron-LM does), ``rowwise`` ->
   ``RowwiseParallel()`` (wo, MLP down), whose output is all-reduced (or, with sequence
   parallelism, reduce-scattered along the sequence).
 * Embedding ``rowwise`` -> vocab-parallel embedding ``RowwiseParallel(input_layouts=Replicate())``:
@@ -164,22 +166,24 @@ def build_tp_plan(
         parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block, sp=sp)
         if parallel_style is not None:
             tp_plan[fqn] = parallel_style
-    if sp:
-        # The parent of every colwise linear in a block consumes a norm's sequence-sharded output.
-        parents = {
-            fqn.rsplit(".", 1)[0]
-            for fqn, style in resolved.items()
-            if style == TPStyle.COLWISE.value and fqn.startswith(container + ".")
-        }
-        for parent in sorted(parents):
-            tp_plan[parent] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-        if first_block in modules:
-            tp_plan[first_block] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                use_local_output=True,
-            )
+    # The parent of the colwise linears in a block (attention, feed_forward) turns its input into
+    # one replicated DTensor that q/k/v (or w1/w3) share, so backward sums their partial input
+    # gradients and all-reduces once (Megatron's "f"); with SP it all-gathers the norm's sequence
+    # shards (and reduce-scatters in backward).
+    parents = {
+        fqn.rsplit(".", 1)[0]
+        for fqn, style in resolved.items()
+        if style == TPStyle.COLWISE.value and fqn.startswith(container + ".")
+    }
+    for parent in sorted(parents):
+        tp_plan[parent] = PrepareModuleInput(
+            input_layouts=(Shard(1) if sp else Replicate(),), desired_input_layouts=(Replicate(),)
+        )
+    if sp and first_block in modules:
+        tp_plan[first_block] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+            use_local_output=True,
+        )
     return tp_plan
 
 

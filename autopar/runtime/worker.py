@@ -32,9 +32,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autopar.runtime import checkpoint
-from autopar.runtime.data import TokenBatch, dp_shard, synthetic_batch
+from autopar.runtime.data import TokenBatch, synthetic_batch
 
-__all__ = ["LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "WorkerArgs", "main"]
+__all__ = [
+    "LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "WorkerArgs", "build_model", "main",
+]
 
 # AdamW settings of ``autopar run``: constant (no dependence on --steps, so a run resumed up to
 # step N equals an uninterrupted run of N steps) and no warm-up.
@@ -56,6 +58,8 @@ class WorkerArgs:
         seed: seed of the weights and of the synthetic data.
         checkpoint_dir: where checkpoints go ("" for none).
         checkpoint_every: checkpoint every K steps (0: only at the end when checkpoint_dir is set).
+        seq_len: tokens per synthetic sequence.
+        vocab: vocabulary size of the synthetic tokens.
         result_path: JSON-lines file the node's local rank 0 appends its per-step results to.
         device_type: "cpu" (gloo) or "cuda" (NCCL).
         pg_timeout_s: process-group timeout; a hung collective fails after this long.
@@ -67,6 +71,8 @@ class WorkerArgs:
     seed: int
     checkpoint_dir: str
     checkpoint_every: int
+    seq_len: int
+    vocab: int
     result_path: str
     device_type: str
     pg_timeout_s: float
@@ -150,46 +156,49 @@ class _Job:
     vocab: int
 
 
-def _build_job(model_text: str, plan_dict: dict[str, Any], *, device: torch.device,
-               seed: int) -> _Job:
-    """Build the model from ``seed`` on ``device`` and parallelize it by the plan."""
+def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
+    """Build the model from the run's seed on ``device`` and apply the plan (``apply_plan``)."""
     from autopar.plan import Plan
+    from autopar.runtime.apply import apply_plan
+    from autopar.runtime.mesh import build_mesh
+    from autopar.runtime.step import local_batch, train_step
 
-    plan = Plan.from_dict(plan_dict)
-    model = _build_model(model_text, device=device, seed=seed)
-    spec = model.autopar_spec
-    cfg = plan.config
-    if cfg.tp * cfg.pp > 1:
-        raise NotImplementedError("tp/pp need autopar.runtime.apply_plan")
-    dp_rank = dist.get_rank()
-    part: torch.nn.Module = model
-    if cfg.dp > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        part = DistributedDataParallel(model)
+    plan = Plan.from_dict(args.plan)
+    model = build_model(args.model, device=device, seed=args.seed)
+    pmodel = apply_plan(model, plan, build_mesh(plan, device.type))
 
     def step(batch: TokenBatch, optimizers: _Optimizers) -> float:
-        from autopar.models import cross_entropy_loss
+        tokens = local_batch(pmodel, batch.tokens.to(device))
+        labels = local_batch(pmodel, batch.labels.to(device))
+        return train_step(pmodel, tokens, labels, optimizers)
 
-        local = dp_shard(batch, dp_rank, cfg.dp)
-        loss = cross_entropy_loss(part(local.tokens.to(device)), local.labels.to(device))
-        loss.backward()
-        optimizers.step()
-        optimizers.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return float(total) / cfg.dp
-
-    return _Job(model_parts=[model], step=step, global_batch=cfg.global_batch,
-                seq_len=spec.seq_len, vocab=spec.vocab)
+    return _Job(model_parts=list(pmodel.model_parts), step=step,
+                global_batch=plan.config.global_batch, seq_len=args.seq_len, vocab=args.vocab)
 
 
-def _build_model(model_text: str, *, device: torch.device, seed: int) -> torch.nn.Module:
-    from autopar.models import build
+def build_model(model_text: str, *, device: str | torch.device, seed: int | None = None
+                ) -> torch.nn.Module:
+    """Build the model ``model_text`` names, as ``autopar run`` does on every rank.
 
-    kind, _, shape_text = model_text.partition(":")
-    shape = {k: int(v) for k, v in (kv.split("=") for kv in shape_text.split(",") if kv)}
-    return build(kind, device=device, seed=seed, **shape)
+    Args:
+        model_text: ``gpt:layers=...``, a zoo preset, a ``.py`` model file, an HF config JSON.
+        device: "meta" for planning and dry runs, the rank's device for training.
+        seed: weights seed on a real device (the same seed gives the same weights everywhere).
+
+    Returns:
+        The fp32 model.
+    """
+    from autopar.models import resolve_model
+
+    builder, _ = resolve_model(model_text)
+    if model_text.endswith(".py"):
+        # A model file's build_model() takes no arguments: seed torch's generator and build it
+        # under the device.
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.device(device):
+            return builder()
+    return builder(device=device) if seed is None else builder(device=device, seed=seed)
 
 
 def _init_process_group(args: WorkerArgs) -> torch.device:
@@ -226,7 +235,7 @@ def _append_result(args: WorkerArgs, record: dict[str, Any]) -> None:
 
 def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | None) -> None:
     with tracker if tracker is not None else contextlib.nullcontext():
-        job = _build_job(args.model, args.plan, device=device, seed=args.seed)
+        job = _build_job(args, device)
         optimizers = _Optimizers(job.model_parts)
         start = 0
         if args.checkpoint_dir:

@@ -1,0 +1,77 @@
+"""Reference splits to compare the chosen plan with (pure DP, pure FSDP, tp doubled).
+
+The planner's own runners-up say how close the race was; these references say why the obvious
+splits lose (memory, communication). Each is estimated with ``autopar.estimate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+from autopar.report import Alternative, config_label
+
+__all__ = ["alternatives_for"]
+
+
+def _references(best: ParallelConfig, world: int) -> list[tuple[str, dict[str, Any]]]:
+    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1}
+    refs = [
+        (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "zero": 0}),
+        (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "zero": 3}),
+    ]
+    if best.dp % 2 == 0:
+        refs.append(("", {"tp": best.tp * 2, "dp": best.dp // 2}))
+    return refs
+
+
+def _with_batch(best: ParallelConfig, fields: dict[str, Any]) -> ParallelConfig:
+    """``best`` with ``fields`` changed; micro-batch lowered to 1 if the batch no longer divides."""
+    merged = {**best.to_dict(), **fields}
+    if merged["global_batch"] % (merged["dp"] * merged["micro_batch"]):
+        merged["micro_batch"] = 1
+    return ParallelConfig.from_dict(merged)
+
+
+def alternatives_for(
+    profile: Any, cluster: Any, best: Any, runners_up: Sequence[Any] = ()
+) -> list[Alternative]:
+    """The planner's runners-up, then the reference splits, each with its estimate.
+
+    Args:
+        profile: the ModelProfile.
+        cluster: the Cluster.
+        best: the chosen Plan.
+        runners_up: the other Plans of the top-k, best first.
+
+    Returns:
+        Alternatives in display order; references that cannot be built carry the reason.
+    """
+    import autopar
+
+    out = [
+        Alternative(label=config_label(p.config, best.config), config=p.config, estimate=p.estimate)
+        for p in runners_up
+    ]
+    seen = {best.config, *(p.config for p in runners_up)}
+    for label, fields in _references(best.config, cluster.num_gpus):
+        try:
+            config = _with_batch(best.config, fields)
+        except ValueError as e:
+            out.append(Alternative(label=label or str(fields), reason=str(e)))
+            continue
+        if config in seen:
+            continue
+        seen.add(config)
+        name = label or config_label(config, best.config)
+        try:
+            estimate = autopar.estimate(profile, cluster, config)
+        except (AutoparError, ValueError) as e:
+            out.append(Alternative(label=name, config=config, reason=str(e)))
+            continue
+        out.append(Alternative(label=name, config=config, estimate=estimate))
+    return out
+
+

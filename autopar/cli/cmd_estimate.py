@@ -1,0 +1,76 @@
+"""``autopar estimate MODEL --dp D --tp T --pp P``: one split's prediction, as a report."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+from autopar.cli import common
+from autopar.config import DTYPES, MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
+
+NAME = "estimate"
+HELP = "predict time and memory of one given split of MODEL"
+ORDER = 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``estimate``'s arguments."""
+    common.add_model_argument(parser)
+    common.add_cluster_arguments(parser)
+    split = parser.add_argument_group("split")
+    for name in ("dp", "tp", "pp"):
+        split.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree (default 1)")
+    split.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    split.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    split.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    split.add_argument(
+        "--virtual-stages", type=int, default=None, help="chunks per rank (interleaved: 2)"
+    )
+    split.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    split.add_argument("--sequence-parallel", action="store_true")
+    split.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    split.add_argument("--dtype", default="bf16", choices=DTYPES)
+    common.add_output_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The ParallelConfig the flags describe (ValueError names a bad field)."""
+    from autopar.config import ParallelConfig
+
+    virtual = args.virtual_stages
+    if virtual is None:
+        virtual = 2 if args.schedule in MULTI_CHUNK_SCHEDULES and args.pp > 1 else 1
+    return ParallelConfig(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        schedule=args.schedule,
+        virtual_stages=virtual,
+        recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
+        zero=args.zero,
+        dtype=args.dtype,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Estimate the split; report it (or print its plan JSON) and save ``--out`` / ``--plot``."""
+    from autopar.search import plan_from_config
+
+    config = config_from_args(args)
+    common.check_writable(args.out, force=args.force)
+    common.check_writable(args.plot, force=args.force)
+    stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
+    with stream as emit:
+        cluster = common.cluster_from_args(args, default_gpus=config.world_size)
+        profile = common.load_profile(args.model, args.seq_len)
+        plan = plan_from_config(profile, cluster, config, model=args.model)
+        if args.json:
+            emit(plan.to_json())
+        else:
+            common.print_plan_report(plan, cluster)
+        common.save_outputs(plan, args)
+    return 0

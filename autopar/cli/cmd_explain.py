@@ -1,0 +1,36 @@
+"""``autopar explain plan.json``: the plan's memory and time formulas with its numbers in them."""
+
+from __future__ import annotations
+
+import argparse
+
+from autopar.cli import common
+from autopar.errors import AutoparError
+
+NAME = "explain"
+HELP = "show the symbolic memory and time formulas of a plan, numbers substituted"
+ORDER = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``explain``'s arguments."""
+    parser.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    parser.add_argument(
+        "--model", default=None, help="the model the plan was made for (default: the plan's own)"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rebuild the plan's model and cluster, check the fingerprints, print the formulas."""
+    plan = common.load_plan_file(args.plan)
+    profile, cluster = common.plan_context(plan, args.model, args.seq_len)
+    try:
+        from autopar.cost_model.symbolic import explain_plan
+    except ImportError as e:
+        raise AutoparError(
+            "autopar explain is not available in this build: the symbolic cost model "
+            "(autopar.cost_model.symbolic) is missing; `autopar show PLAN` prints the numbers"
+        ) from e
+    print(explain_plan(profile, cluster, plan))
+    return 0

@@ -1,0 +1,42 @@
+"""``autopar export plan.json --to torchtitan|megatron|deepspeed|slurm``: another tool's config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopar.cli import common
+
+NAME = "export"
+HELP = "write a plan as a torchtitan TOML, Megatron-LM flags, a DeepSpeed JSON or an sbatch script"
+ORDER = 50
+FORMATS = ("torchtitan", "megatron", "deepspeed", "slurm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``export``'s arguments."""
+    parser.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
+    parser.add_argument("--out", default=None, metavar="FILE", help="write here (default stdout)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="slurm: training steps for `autopar run`"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export; the document alone goes to stdout (or --out), notes go to stderr."""
+    from autopar.exporters import export_plan
+
+    common.check_writable(args.out, force=args.force)
+    plan = common.load_plan_file(args.plan)
+    options = {"plan_path": args.plan, "steps": args.steps} if args.to == "slurm" else {}
+    result = export_plan(plan, args.to, **options)
+    for note in result.notes:
+        print(f"autopar: note: {note}", file=sys.stderr)
+    if args.out:
+        common.write_output(args.out, result.text, force=args.force)
+        print(f"autopar: wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+    return 0

@@ -1,0 +1,67 @@
+"""``autopar plan MODEL``: search the best split, report it, save it, plot it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+from autopar.cli import common
+
+NAME = "plan"
+HELP = "find the best split of MODEL over a cluster"
+ORDER = 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``plan``'s arguments."""
+    common.add_model_argument(parser)
+    common.add_cluster_arguments(parser)
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    parser.add_argument("--top-k", type=int, default=3, help="alternatives to keep (default 3)")
+    parser.add_argument(
+        "--time-budget", type=float, default=None, metavar="S", help="search time limit, seconds"
+    )
+    common.add_output_arguments(parser)
+
+
+def search(args: argparse.Namespace, profile: Any, cluster: Any) -> list[Any]:
+    """Run the planner with a progress bar; the plans, best first."""
+    # NOTE: autopar.search.plan, not autopar.plan: once the autopar.plan module (Plan records)
+    # is imported, the package attribute `plan` names that module, not the function.
+    from autopar.search import plan as search_plan
+
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
+    with common.progress_bar("searching") as progress:
+        result = search_plan(
+            profile,
+            cluster,
+            global_batch=args.global_batch,
+            top_k=args.top_k,
+            progress=progress,
+            time_budget_s=args.time_budget,
+            model=args.model,
+        )
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, then print the report (or the JSON) and write ``--out`` / ``--plot``."""
+    from autopar.cli.alternatives import alternatives_for
+
+    common.check_writable(args.out, force=args.force)
+    common.check_writable(args.plot, force=args.force)
+    stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
+    with stream as emit:
+        cluster = common.cluster_from_args(args)
+        profile = common.load_profile(args.model, args.seq_len)
+        plans = search(args, profile, cluster)
+        best = plans[0]
+        if args.json:
+            emit(best.to_json())
+        else:
+            alternatives = alternatives_for(profile, cluster, best, plans[1:])
+            common.print_plan_report(best, cluster, alternatives=alternatives)
+        common.save_outputs(best, args)
+    return 0

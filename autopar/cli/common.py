@@ -1,0 +1,342 @@
+"""Helpers the subcommands share: model and cluster arguments, output files, streams, progress.
+
+Nothing here plans or estimates; each helper turns command-line text into a library object or
+writes a library result where the user asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError, ClusterConfigError
+
+__all__ = [
+    "DEFAULT_GPU",
+    "add_cluster_arguments",
+    "add_model_argument",
+    "add_output_arguments",
+    "cluster_from_args",
+    "document_stdout",
+    "load_plan_file",
+    "load_profile",
+    "make_console",
+    "progress_bar",
+    "split_gpu_count",
+    "write_output",
+]
+
+DEFAULT_GPU = "a100-80g"
+GPUS_PER_NODE = 8  # `--gpus N` alone means nodes of 8 GPUs (DESIGN.md).
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """MODEL positional and ``--seq-len``."""
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="model file (.py with build_model), zoo name (gpt3-175b, llama3-8b, ...), zoo kind "
+        "with its shape (gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32), or HF config JSON",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)"
+    )
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpus | --nodes``, ``--gpu``, ``--gpu-memory``, ``--cluster``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--gpus", type=int, help="total GPUs (8 a node; above 8 it must be a multiple of 8)"
+    )
+    group.add_argument("--nodes", type=int, help="nodes of 8 GPUs")
+    parser.add_argument(
+        "--gpu", default=None, help=f"GPU preset (a100-80g, h100, h200, ...; default {DEFAULT_GPU})"
+    )
+    parser.add_argument(
+        "--gpu-memory", type=float, default=None, metavar="GB", help="override the GPU's memory"
+    )
+    parser.add_argument("--cluster", default=None, metavar="YAML", help="cluster description file")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool = True) -> None:
+    """``--out``, ``--force``, ``--json`` and (optionally) ``--plot``."""
+    parser.add_argument("--out", default=None, metavar="FILE", help="write the plan JSON here")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out/--plot")
+    parser.add_argument("--json", action="store_true", help="print only the plan JSON on stdout")
+    if plot:
+        parser.add_argument(
+            "--plot", default=None, metavar="PNG", help="pipeline schedule and memory plot"
+        )
+
+
+def split_gpu_count(num_gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> tuple[int, int]:
+    """Nodes and GPUs a node for ``--gpus N``: ``(ceil(N / 8), min(N, 8))``.
+
+    Raises:
+        ClusterConfigError: N < 1, or N > 8 and not a multiple of 8.
+    """
+    if num_gpus < 1:
+        raise ClusterConfigError(f"--gpus must be at least 1, got {num_gpus}")
+    if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
+        lower = num_gpus // gpus_per_node * gpus_per_node
+        raise ClusterConfigError(
+            f"--gpus {num_gpus} does not fill nodes of {gpus_per_node} GPUs; use {lower} or "
+            f"{lower + gpus_per_node}, or describe the machines with --cluster FILE"
+        )
+    nodes = -(-num_gpus // gpus_per_node)
+    return nodes, min(num_gpus, gpus_per_node)
+
+
+def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = None) -> Any:
+    """The Cluster the arguments describe.
+
+    Args:
+        args: parsed arguments with the fields of ``add_cluster_arguments``.
+        default_gpus: GPU count to use when neither --gpus, --nodes nor --cluster is given.
+
+    Raises:
+        ClusterConfigError: conflicting or missing cluster arguments.
+    """
+    from autopar.cost_model.hardware import Cluster
+
+    if args.cluster:
+        if args.gpus or args.nodes or args.gpu:
+            raise ClusterConfigError(
+                "--cluster already describes the machines; drop --gpus/--nodes/--gpu"
+            )
+        if not Path(args.cluster).is_file():
+            raise ClusterConfigError(f"cluster file {args.cluster} does not exist")
+        cluster = Cluster.from_yaml(args.cluster)
+        if args.gpu_memory:
+            raise ClusterConfigError("set the memory in the cluster file, not with --gpu-memory")
+        return cluster
+    gpu = args.gpu or DEFAULT_GPU
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ClusterConfigError(f"--nodes must be at least 1, got {args.nodes}")
+        nodes, per_node = args.nodes, GPUS_PER_NODE
+    elif args.gpus is not None or default_gpus is not None:
+        nodes, per_node = split_gpu_count(args.gpus if args.gpus is not None else default_gpus)
+    else:
+        raise ClusterConfigError("say how many GPUs: --gpus N, --nodes N or --cluster FILE")
+    return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=args.gpu_memory)
+
+
+def load_profile(model_text: str, seq_len: int | None) -> Any:
+    """Resolve MODEL, build it on the meta device and profile it.
+
+    Args:
+        model_text: the MODEL argument (model file, zoo name or spec, HF config JSON).
+        seq_len: tokens per sequence (None: the model's own, from its spec or HF config).
+
+    Returns:
+        The ModelProfile.
+
+    Raises:
+        AutoparError: the model cannot be found, built or traced.
+    """
+    import autopar
+    from autopar.models import resolve_model
+
+    builder, _ = resolve_model(model_text)
+    model = builder(device="meta")
+    if seq_len is None:
+        spec = getattr(model, "autopar_spec", None)
+        config = getattr(model, "config", None)
+        seq_len = getattr(spec, "seq_len", None) or getattr(
+            config, "max_position_embeddings", None
+        )
+    if seq_len is None:
+        raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
+    return autopar.profile(model, seq_len=seq_len)
+
+
+def load_plan_file(path: str) -> Any:
+    """Read a plan JSON file (``PlanFormatError`` / ``AutoparError`` on a bad file)."""
+    from autopar.plan import Plan
+
+    file = Path(path)
+    if not file.is_file():
+        raise AutoparError(f"plan file {path} does not exist")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise AutoparError(f"cannot read plan file {path}: {e}") from e
+    return Plan.from_json(text)
+
+
+def write_output(path: str, data: str | bytes, *, force: bool) -> None:
+    """Write ``data`` to ``path``; never overwrite an existing file unless ``force``.
+
+    Raises:
+        AutoparError: the file exists (without ``force``) or cannot be written.
+    """
+    target = Path(path)
+    if target.exists() and not force:
+        raise AutoparError(f"{path} already exists; pass --force to overwrite it")
+    if target.is_dir():
+        raise AutoparError(f"{path} is a directory; give a file name")
+    try:
+        if isinstance(data, bytes):
+            target.write_bytes(data)
+        else:
+            target.write_text(data)
+    except OSError as e:
+        raise AutoparError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def check_writable(path: str | None, *, force: bool) -> None:
+    """Fail early (before a long search) when ``path`` cannot be written."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.exists() and not force:
+        raise AutoparError(f"{path} already exists; pass --force to overwrite it")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise AutoparError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise AutoparError(f"cannot write {path}: directory {parent} is not writable")
+
+
+@contextlib.contextmanager
+def document_stdout() -> Iterator[Callable[[str], None]]:
+    """Keep stdout for the document alone.
+
+    While the block runs, file descriptor 1 points at stderr, so whatever a library or a solver
+    prints (HiGHS writes a banner from C) lands on stderr. The yielded function writes the
+    document to the real stdout.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w")
+    try:
+        yield lambda text: (real.write(text), real.flush())
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        real.close()
+
+
+def make_console(*, stderr: bool) -> Any:
+    """A rich Console on stderr or stdout (wide enough for the tables when not a terminal)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 120
+    return Console(file=stream, width=width, highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar on stderr, fed by ``progress(done, total, message)`` callbacks."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = make_console(stderr=True)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[message]}"),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None, message="")
+
+        def update(done: int, total: int, message: str) -> None:
+            progress.update(task, completed=done, total=max(total, 1), message=message[:60])
+
+        yield update
+
+
+def describe_cluster(cluster: Any) -> str:
+    """``16 x 8 a100-80g (128 GPUs, 76.0 GiB usable each)``."""
+    from autopar.report import format_bytes
+
+    return (
+        f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.num_gpus} GPUs, "
+        f"{format_bytes(cluster.usable_memory_bytes)} usable each)"
+    )
+
+
+def print_plan_report(
+    plan: Any, cluster: Any | None, *, alternatives: Any = (), stderr: bool = False
+) -> None:
+    """The full report of a Plan on stdout (or stderr)."""
+    from autopar.report import render_report
+
+    where = describe_cluster(cluster) if cluster is not None else _cluster_text(plan.cluster)
+    title = f"{plan.model or 'model'} on {where}"
+    render_report(
+        make_console(stderr=stderr),
+        plan.config,
+        plan.estimate,
+        title=title,
+        plan=plan,
+        alternatives=alternatives,
+        gpus_per_node=(
+            cluster.gpus_per_node if cluster is not None else plan.cluster.get("gpus_per_node")
+        ),
+    )
+
+
+def _cluster_text(cluster: dict[str, Any]) -> str:
+    if not cluster:
+        return "an unrecorded cluster"
+    return f"{cluster.get('nodes')} x {cluster.get('gpus_per_node')} {cluster.get('name')}"
+
+
+def save_outputs(plan: Any, args: argparse.Namespace) -> None:
+    """Write ``--out`` (plan JSON) and ``--plot`` (PNG) when asked; say so on stderr."""
+    if getattr(args, "out", None):
+        write_output(args.out, plan.to_json(), force=args.force)
+        print(f"autopar: wrote {args.out}", file=sys.stderr)
+    if getattr(args, "plot", None):
+        from autopar.plotting import plot_plan
+
+        png = plot_plan(plan.config, plan.estimate, title=f"{plan.model}: {plan.config.describe()}")
+        write_output(args.plot, png, force=args.force)
+        print(f"autopar: wrote {args.plot}", file=sys.stderr)
+
+
+def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tuple[Any, Any]:
+    """Rebuild the profile and the Cluster a plan was made for, checking both fingerprints.
+
+    Args:
+        plan: the Plan.
+        model_text: MODEL to use instead of ``plan.model``.
+        seq_len: tokens per sequence (None: the model's own).
+
+    Raises:
+        PlanMismatchError: the model or the cluster is not the one the plan was made for.
+        AutoparError: the plan records no model and none was given.
+    """
+    from autopar.cost_model.hardware import Cluster
+    from autopar.errors import PlanMismatchError
+
+    text = model_text or plan.model
+    if not text:
+        raise AutoparError("the plan does not record its model; pass --model MODEL")
+    profile = load_profile(text, seq_len)
+    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for another model (profile fingerprint "
+            f"{plan.profile_fingerprint}, {text} gives {profile.fingerprint()}); pass the model "
+            "it was made for with --model (and --seq-len), or re-plan with `autopar plan`"
+        )
+    if not plan.cluster:
+        raise AutoparError("the plan does not record its cluster; re-create it with autopar plan")
+    cluster = Cluster.from_dict(plan.cluster)
+    if plan.cluster_fingerprint and cluster.fingerprint() != plan.cluster_fingerprint:
+        raise PlanMismatchError(
+            "the plan's cluster section does not match its cluster fingerprint (the file was "
+            "edited); re-plan with `autopar plan`"
+        )
+    return profile, cluster

@@ -1,0 +1,339 @@
+"""Cluster description: devices, links, presets, YAML round-trip.
+
+Units: FLOP/s, bytes, bytes/s, seconds. A ``Cluster`` is ``nodes`` x ``gpus_per_node`` identical
+devices (``DeviceSpec``) joined by two link tiers (``LinkSpec``): inside a node (NVLink/NVSwitch)
+and between nodes (the NIC share of one GPU). Link bandwidths are the *bus bandwidth* a ring
+collective achieves per GPU per direction (NCCL's ``busbw``, reference/formulas.md section 6), not
+the line rate: a ring all-reduce of S bytes over n ranks then takes ``2 (n-1)/n * S / bw``.
+
+The compute-efficiency parameters (``matmul_efficiency_max``, ``matmul_half_flops``,
+``elementwise_traffic_factor``) and ``dp_overlap_efficiency`` are fitted once, to all records of
+reference/calibration_runs.json together, by ``benchmarks/calibration.py --fit``; the values below
+are its output (see docs/cost_model.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import ClusterConfigError
+
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec"]
+
+GIB = 2**30
+MIB = 2**20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU worker process).
+
+    Attributes:
+        name: part name, e.g. "A100-SXM4-80GB".
+        peak_bf16_flops: dense bf16 peak FLOP/s (tensor cores, no sparsity).
+        peak_fp16_flops: dense fp16 peak FLOP/s.
+        peak_tf32_flops: dense tf32 peak FLOP/s.
+        peak_fp32_flops: fp32 peak FLOP/s (what torch's default fp32 matmul runs at).
+        memory_bytes: device memory in bytes.
+        hbm_bytes_per_s: memory bandwidth in bytes/s (bounds elementwise ops and the optimizer).
+        matmul_efficiency_max: fraction of peak that very large matmuls reach (fitted).
+        matmul_half_flops: matmul work per layer per micro-batch per rank (FLOPs) at which the
+            achieved efficiency is half of ``matmul_efficiency_max`` (fitted): small matrices, as
+            tensor parallelism makes them, run further from peak.
+        elementwise_traffic_factor: memory traffic of the non-matmul ops (norms, activations,
+            dropout, residual adds, softmax) as a multiple of the bytes a layer saves for backward
+            (fitted; read/written at ``hbm_bytes_per_s``).
+    """
+
+    name: str
+    peak_bf16_flops: float
+    peak_fp16_flops: float
+    peak_tf32_flops: float
+    peak_fp32_flops: float
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    matmul_efficiency_max: float
+    matmul_half_flops: float
+    elementwise_traffic_factor: float
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of the training dtype ("bf16", "fp16", "fp32" or "tf32")."""
+        if dtype == "bf16":
+            return self.peak_bf16_flops
+        if dtype == "fp16":
+            return self.peak_fp16_flops
+        if dtype == "fp32":
+            return self.peak_fp32_flops
+        if dtype == "tf32":
+            return self.peak_tf32_flops
+        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, tf32 or fp32")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """One link tier, per GPU per direction.
+
+    Attributes:
+        bandwidth_bytes_per_s: achievable ring bus bandwidth per GPU (NCCL busbw), bytes/s.
+        latency_s: latency of one ring step (alpha), seconds.
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """A homogeneous cluster: ``nodes`` x ``gpus_per_node`` devices and two link tiers.
+
+    Attributes:
+        name: preset name or a user label.
+        nodes: number of nodes (>= 1).
+        gpus_per_node: devices per node (>= 1).
+        device: the device spec.
+        intra_node: link between devices of one node.
+        inter_node: the NIC share of one device for traffic between nodes.
+        memory_headroom_fraction: fraction of device memory held back from the plan (CUDA
+            context, allocator fragmentation); usable = memory_bytes * (1 - fraction).
+        dp_overlap_efficiency: fraction of the last micro-batch's backward time usable to hide
+            the data-parallel gradient reduction (fitted).
+    """
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    memory_headroom_fraction: float = 0.05
+    dp_overlap_efficiency: float = 0.8
+
+    def __post_init__(self) -> None:
+        _validate(self.to_dict())
+
+    @property
+    def num_gpus(self) -> int:
+        """Total devices: nodes * gpus_per_node."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """Device memory a plan may use: memory_bytes * (1 - memory_headroom_fraction)."""
+        return self.device.memory_bytes * (1.0 - self.memory_headroom_fraction)
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        nodes: int = 1,
+        gpus_per_node: int = 8,
+        gpu_memory_gb: float | None = None,
+    ) -> Cluster:
+        """A cluster of a known part (see ``list_presets()``).
+
+        Args:
+            name: preset name, e.g. "a100-80g", "h100", "cpu".
+            nodes: number of nodes.
+            gpus_per_node: devices per node (for "cpu": worker processes on this machine).
+            gpu_memory_gb: override the device memory, in GB as vendors label parts (GiB), e.g.
+                96 for the 96 GB H100 variants.
+
+        Raises:
+            ClusterConfigError: unknown preset or impossible values.
+        """
+        from autopar.cost_model.presets import PRESETS, cpu_cluster_fields
+
+        key = name.lower()
+        if key == "cpu":
+            fields = cpu_cluster_fields(gpus_per_node)
+        elif key in PRESETS:
+            fields = PRESETS[key]
+        else:
+            raise ClusterConfigError(
+                f"unknown cluster preset {name!r}; use one of {', '.join(cls.list_presets())} "
+                "or describe the cluster in a YAML file"
+            )
+        data = json.loads(json.dumps(fields))
+        data.update(name=key, nodes=nodes, gpus_per_node=gpus_per_node)
+        if gpu_memory_gb is not None:
+            if not isinstance(gpu_memory_gb, (int, float)) or gpu_memory_gb <= 0:
+                raise ClusterConfigError(f"gpu_memory_gb must be positive, got {gpu_memory_gb!r}")
+            data["device"]["memory_bytes"] = round(gpu_memory_gb * GIB)
+        return cls.from_dict(data)
+
+    @staticmethod
+    def list_presets() -> tuple[str, ...]:
+        """Names accepted by ``preset()``."""
+        from autopar.cost_model.presets import PRESETS
+
+        return (*sorted(PRESETS), "cpu")
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON/YAML-ready dict (nested dicts for the device and links)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """Build a Cluster from ``to_dict()`` output, validating every field.
+
+        Raises:
+            ClusterConfigError: naming the first missing, unknown or impossible field.
+        """
+        clean = _validate(data)
+        return cls(
+            name=clean["name"],
+            nodes=clean["nodes"],
+            gpus_per_node=clean["gpus_per_node"],
+            device=DeviceSpec(**clean["device"]),
+            intra_node=LinkSpec(**clean["intra_node"]),
+            inter_node=LinkSpec(**clean["inter_node"]),
+            memory_headroom_fraction=clean["memory_headroom_fraction"],
+            dp_overlap_efficiency=clean["dp_overlap_efficiency"],
+        )
+
+    def to_yaml(self, path: str | Path) -> None:
+        """Write the cluster as YAML to ``path``."""
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        """Read a cluster YAML file written by ``to_yaml`` (or by hand).
+
+        Raises:
+            ClusterConfigError: unreadable file, bad YAML, or a missing/impossible field.
+        """
+        import yaml
+
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ClusterConfigError(f"cannot read cluster file {path}: {e.strerror}") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ClusterConfigError(f"cluster file {path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ClusterConfigError(f"cluster file {path} must hold a mapping of fields")
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """Stable short hash (sha256 of the canonical JSON, first 16 hex digits)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------- validation
+# field -> (kind, rule); rules: "pos" > 0, "nonneg" >= 0, "frac" in [0, 1), "eff" in (0, 1].
+_DEVICE_FIELDS: dict[str, tuple[str, str]] = {
+    "name": ("str", ""),
+    "peak_bf16_flops": ("float", "pos"),
+    "peak_fp16_flops": ("float", "pos"),
+    "peak_tf32_flops": ("float", "pos"),
+    "peak_fp32_flops": ("float", "pos"),
+    "memory_bytes": ("int", "pos"),
+    "hbm_bytes_per_s": ("float", "pos"),
+    "matmul_efficiency_max": ("float", "eff"),
+    "matmul_half_flops": ("float", "nonneg"),
+    "elementwise_traffic_factor": ("float", "nonneg"),
+}
+_LINK_FIELDS: dict[str, tuple[str, str]] = {
+    "bandwidth_bytes_per_s": ("float", "pos"),
+    "latency_s": ("float", "nonneg"),
+}
+_CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
+    "name": ("str", ""),
+    "nodes": ("int", "pos"),
+    "gpus_per_node": ("int", "pos"),
+    "memory_headroom_fraction": ("float", "frac"),
+    "dp_overlap_efficiency": ("float", "unit"),
+}
+_OPTIONAL: dict[str, Any] = {"memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8}
+_RULE_TEXT = {
+    "pos": "must be > 0",
+    "nonneg": "must be >= 0",
+    "frac": "must be in [0, 1)",
+    "eff": "must be in (0, 1]",
+    "unit": "must be in [0, 1]",
+}
+
+
+def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ClusterConfigError(f"cluster field {path} must be a string, got {value!r}")
+        return value
+    if isinstance(value, str):  # YAML 1.1 reads "312e12" as a string; accept numeric text
+        try:
+            value = float(value)
+        except ValueError:
+            raise ClusterConfigError(
+                f"cluster field {path} must be a number, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ClusterConfigError(f"cluster field {path} must be a number, got {value!r}")
+    if kind == "int":
+        if float(value) != int(value):
+            raise ClusterConfigError(f"cluster field {path} must be an integer, got {value!r}")
+        value = int(value)
+    else:
+        value = float(value)
+    ok = {
+        "pos": value > 0,
+        "nonneg": value >= 0,
+        "frac": 0 <= value < 1,
+        "eff": 0 < value <= 1,
+        "unit": 0 <= value <= 1,
+    }[rule]
+    if not ok or value in (float("inf"), float("-inf")):
+        raise ClusterConfigError(f"cluster field {path} {_RULE_TEXT[rule]}, got {value!r}")
+    return value
+
+
+def _check_section(
+    prefix: str, data: Any, fields: dict[str, tuple[str, str]], optional: dict[str, Any]
+) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"cluster field {prefix or 'root'} must be a mapping")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ClusterConfigError(
+            f"unknown cluster field {prefix}{unknown[0]}; known fields: {', '.join(fields)}"
+        )
+    out: dict[str, Any] = {}
+    for key, (kind, rule) in fields.items():
+        if key not in data:
+            if key in optional:
+                out[key] = optional[key]
+                continue
+            raise ClusterConfigError(f"cluster field {prefix}{key} is missing")
+        out[key] = _check_value(prefix + key, data[key], kind, rule)
+    return out
+
+
+def _validate(data: Any) -> dict[str, Any]:
+    """Check a cluster dict; return it with numbers normalised (ints, floats)."""
+    nested = {"device": _DEVICE_FIELDS, "intra_node": _LINK_FIELDS, "inter_node": _LINK_FIELDS}
+    top_fields = {**_CLUSTER_FIELDS, **{k: ("dict", "") for k in nested}}
+    if not isinstance(data, dict):
+        raise ClusterConfigError("a cluster description must be a mapping of fields")
+    unknown = sorted(set(data) - set(top_fields))
+    if unknown:
+        raise ClusterConfigError(
+            f"unknown cluster field {unknown[0]}; known fields: {', '.join(top_fields)}"
+        )
+    out = _check_section("", {k: v for k, v in data.items() if k not in nested},
+                         _CLUSTER_FIELDS, _OPTIONAL)
+    for key, fields in nested.items():
+        if key not in data:
+            raise ClusterConfigError(f"cluster field {key} is missing")
+        out[key] = _check_section(f"{key}.", data[key], fields, {})
+    return out

@@ -1,0 +1,188 @@
+"""Memory terms: model state (parameters, gradients, optimizer) and activations, per rank.
+
+Units: bytes. Model state follows what the runtime does for each ``zero`` stage
+(autopar/runtime/data_parallel.py), per parameter held by the rank after tensor-parallel and
+pipeline sharding (w = bytes of the training dtype, 2 for bf16/fp16, 4 for fp32; n = dp):
+
+| mechanism (dp > 1 unless noted)           | parameters        | gradients         | optimizer |
+|-------------------------------------------|-------------------|-------------------|-----------|
+| none (dp == 1): autocast, fp32 params     | 4 + w'            | 4                 | 8         |
+| zero 0, pp == 1: DDP                      | 4 + w'            | 4 + 4 (buckets)   | 8         |
+| zero 0, pp > 1: replicate()               | 4 + w'            | 4                 | 8         |
+| zero 1: fully_shard(reshard=False)        | 4/n + w           | w + 4/n           | 8/n       |
+| zero 2: fully_shard(reshard=False)        | 4/n + w           | 4/n               | 8/n       |
+| zero 3: fully_shard                       | 4/n               | 4/n               | 8/n       |
+
+w' = w when the training dtype is 16-bit (the bf16 copies autocast makes and the backward keeps;
+FSDP2's unsharded compute copy for replicate()) and 0 for fp32. Optimizer = fp32 Adam moments
+(8 bytes); the fp32 master weights are the 4-byte stored parameters. Zero 1 keeps unsharded
+gradients across micro-batches (``set_requires_gradient_sync(False)``), zero 2 reduce-scatters
+every micro-batch; both keep parameters unsharded from the first forward to the last backward.
+Zero 3 gathers one layer at a time: its unsharded parameters (current + prefetched layer) and
+unsharded gradients are transient. The ZeRO paper's accounting (16 bytes per parameter, sharded
+by stage, reference/formulas.md section 3) is ``zero_paper_model_state_bytes``.
+
+Activations per micro-batch come from the profile's ``saved_bytes`` (bytes per sample at the
+profile dtype), rescaled to the training dtype, sharded by tp except ``saved_bytes_replicated``
+(sharded too when sequence parallelism is on). The loss's log-softmax is fp32 whatever the
+training dtype (the zoo's ``cross_entropy_loss`` upcasts logits): 4 s V bytes per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
+from autopar.graph.types import LayerProfile
+
+__all__ = [
+    "ALLOCATOR_RESERVE_BYTES",
+    "COMM_BUFFER_BYTES_PER_GROUP",
+    "LayerState",
+    "activation_bytes",
+    "buffers_bytes",
+    "dp_mechanism",
+    "layer_state",
+    "transient_bytes",
+    "zero_paper_model_state_bytes",
+]
+
+MIB = 2**20
+# NCCL allocates its channel buffers per communicator (NCCL_BUFFSIZE 4 MiB per channel and peer;
+# ~16 ring channels on NVLink): ~64 MiB per process group in use (tp, dp, pp with degree > 1).
+COMM_BUFFER_BYTES_PER_GROUP = 64 * MIB
+# DDP's buckets (25 MiB each, gradient copies) are charged as gradients. The caching allocator's
+# rounding and block splitting over the step (beyond the cluster's headroom fraction, which holds
+# the CUDA context and long-term fragmentation): a fixed reserve.
+ALLOCATOR_RESERVE_BYTES = 256 * MIB
+MASTER_BYTES = 4  # fp32 parameters (the master weights under mixed precision)
+GRAD_BYTES = 4  # fp32 gradients (reduce dtype fp32)
+ADAM_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+FP32_LOGPROB_BYTES = 4  # the loss's log-softmax is fp32
+
+
+def zero_paper_model_state_bytes(psi: float, nd: int, stage: int, k: float = 12.0) -> float:
+    """Per-GPU model-state bytes of ZeRO stage ``stage`` (Rajbhandari et al. 2020, Table 1).
+
+    Mixed-precision Adam: 2 psi fp16 parameters, 2 psi fp16 gradients, K psi optimizer state.
+    Stage 0: (2 + 2 + K) psi; 1: 4 psi + K psi / Nd; 2: 2 psi + (2 + K) psi / Nd;
+    3: (2 + 2 + K) psi / Nd.
+    """
+    if stage == 0:
+        return (4 + k) * psi
+    if stage == 1:
+        return 4 * psi + k * psi / nd
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / nd
+    if stage == 3:
+        return (4 + k) * psi / nd
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerState:
+    """Model-state bytes one rank holds for one layer.
+
+    Attributes:
+        param_bytes: stored parameters plus unsharded compute copies kept across the step.
+        grad_bytes: gradients (and DDP's bucket copies).
+        optimizer_bytes: Adam moments.
+        local_params: parameters whose optimizer update this rank performs.
+    """
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    local_params: float
+
+
+def dp_mechanism(config: ParallelConfig) -> str:
+    """none | ddp | replicate | fsdp, as the runtime picks it (a no-op when dp == 1)."""
+    if config.dp == 1:
+        return "none"
+    if config.zero == 0:
+        return "ddp" if config.pp == 1 else "replicate"
+    return "fsdp"
+
+
+def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
+    """Model state of ``params_per_rank`` parameters (after tp sharding) under the config."""
+    w = DTYPE_BYTES[config.dtype]
+    copy = w if config.dtype != "fp32" else 0  # autocast / replicate() 16-bit compute copy
+    p, n = params_per_rank, config.dp
+    kind = dp_mechanism(config)
+    if kind in ("none", "replicate", "ddp"):
+        buckets = GRAD_BYTES if kind == "ddp" else 0
+        return LayerState(
+            param_bytes=(MASTER_BYTES + copy) * p,
+            grad_bytes=(GRAD_BYTES + buckets) * p,
+            optimizer_bytes=ADAM_BYTES * p,
+            local_params=p,
+        )
+    sharded = p / n
+    unsharded_params = w * p if config.zero in (1, 2) else 0.0
+    unsharded_grads = w * p if config.zero == 1 else 0.0
+    return LayerState(
+        param_bytes=MASTER_BYTES * sharded + unsharded_params,
+        grad_bytes=GRAD_BYTES * sharded + unsharded_grads,
+        optimizer_bytes=ADAM_BYTES * sharded,
+        local_params=sharded,
+    )
+
+
+def activation_bytes(
+    layer: LayerProfile,
+    config: ParallelConfig,
+    *,
+    dtype_ratio: float,
+    tp_sharded: bool,
+    logprob_elements: float,
+) -> tuple[float, float, float]:
+    """Bytes one rank saves for backward for one micro-batch, by recompute mode.
+
+    Args:
+        layer: the profile layer.
+        config: the config (micro_batch, tp, sequence_parallel).
+        dtype_ratio: training-dtype bytes over profile-dtype bytes.
+        tp_sharded: whether tensor parallelism splits this layer's activations.
+        logprob_elements: elements of the fp32 log-softmax per sample on this rank (head
+            layer only: s * V / vocab shards), 0 elsewhere.
+    """
+    b, tp = config.micro_batch, config.tp
+    out = []
+    for mode in RECOMPUTE:
+        saved = layer.saved_bytes.get(mode, 0) * b * dtype_ratio
+        rep = layer.saved_bytes_replicated.get(mode, 0) * b * dtype_ratio
+        if tp_sharded and tp > 1:
+            saved = (saved - rep) / tp + (rep / tp if config.sequence_parallel else rep)
+        # The profile counted the fp32 log-softmax at ratio-scaled size; restore its 4 bytes.
+        if mode != "full":
+            saved += FP32_LOGPROB_BYTES * logprob_elements * b * (1.0 - dtype_ratio)
+        out.append(max(0.0, saved))
+    return out[0], out[1], out[2]
+
+
+def transient_bytes(
+    act: tuple[float, float, float],
+    *,
+    output_bytes: float,
+    gathered_param_bytes: float,
+    unsharded_grad_bytes: float,
+    logits_bytes: float,
+) -> tuple[float, float, float]:
+    """Working memory while one layer runs, by recompute mode (one micro-batch, one rank).
+
+    Every mode: the output gradient and input gradient (2 x output bytes), gathered ZeRO-3
+    parameters and unsharded gradients awaiting reduce-scatter, and the head's logits with
+    their fp32 copy. Selective recompute re-creates the attention core (act_none - act_sel),
+    full recompute re-creates the whole layer (act_none - act_full) during its backward.
+    """
+    base = 2 * output_bytes + gathered_param_bytes + unsharded_grad_bytes + logits_bytes
+    none, sel, full = act
+    return base, base + max(0.0, none - sel), base + max(0.0, none - full)
+
+
+def buffers_bytes(config: ParallelConfig) -> float:
+    """Communication buffers (one set per process group in use) plus the allocator reserve."""
+    groups = sum(1 for d in (config.tp, config.dp, config.pp) if d > 1)
+    return groups * COMM_BUFFER_BYTES_PER_GROUP + ALLOCATOR_RESERVE_BYTES

@@ -1,0 +1,83 @@
+"""Balanced contiguous partition of layers into pipeline stages (min-max stage time).
+
+Pure python and deterministic. The smallest feasible bottleneck T* is found by bisection between
+the lower bound max(max_i c_i, sum c / k) and the upper bound lower + max_i c_i (a greedy split
+under that limit always needs <= k stages) to a relative precision of 1e-7; each probe is a
+greedy left-to-right packing using bisection on prefix sums, O(k log n). The split returned is
+the greedy packing under the final bound that leaves at least one layer for every later stage.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+__all__ = ["balanced_partition"]
+
+_RELATIVE_TOLERANCE = 1e-7  # stop bisecting when the bottleneck is known to this precision
+
+
+def _greedy(prefix: list[float], limit: float, num_stages: int) -> list[int] | None:
+    """Stage end indices (exclusive) of a greedy packing under ``limit``, or None if > k."""
+    n = len(prefix) - 1
+    ends: list[int] = []
+    start = 0
+    while start < n:
+        stages_left = num_stages - len(ends)
+        if stages_left <= 0:
+            return None
+        # furthest end e with prefix[e] - prefix[start] <= limit, keeping one layer per later stage
+        e = bisect_right(prefix, prefix[start] + limit) - 1
+        e = min(e, n - (stages_left - 1))
+        if e <= start:
+            return None
+        ends.append(e)
+        start = e
+    # Leaving one layer per later stage makes the packing use exactly k stages when it fits.
+    return ends if len(ends) == num_stages else None
+
+
+def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Split ``costs`` into ``num_stages`` non-empty contiguous ranges minimising the largest sum.
+
+    Args:
+        costs: per-layer cost (e.g. seconds per micro-batch), in order; all >= 0.
+        num_stages: number of stages k, 1 <= k <= len(costs).
+
+    Returns:
+        ((first, last), ...) inclusive layer indices of each stage, in order.
+
+    Raises:
+        ValueError: if num_stages is out of range or a cost is negative.
+
+    Example:
+        >>> balanced_partition([1, 1, 1, 1], 2)
+        ((0, 1), (2, 3))
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    if any(c < 0 for c in costs):
+        raise ValueError("layer costs must be >= 0")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    biggest = max(float(c) for c in costs)
+    lo = max(biggest, prefix[-1] / num_stages)
+    hi = lo + biggest
+    ends = _greedy(prefix, hi * (1 + 1e-12), num_stages)
+    if ends is None:  # pragma: no cover - the bound above is always feasible
+        raise AssertionError("balanced_partition: upper bound infeasible")
+    if _greedy(prefix, lo, num_stages) is not None:
+        hi = lo
+    else:
+        while hi - lo > _RELATIVE_TOLERANCE * hi:
+            mid = 0.5 * (lo + hi)
+            if _greedy(prefix, mid, num_stages) is None:
+                lo = mid
+            else:
+                hi = mid
+    ends = _greedy(prefix, hi, num_stages)
+    assert ends is not None
+    starts = [0, *ends[:-1]]
+    return tuple((a, b - 1) for a, b in zip(starts, ends))

@@ -1,0 +1,197 @@
+"""Cluster presets: datasheet and measured numbers for common parts, with their sources.
+
+Units: FLOP/s, bytes, bytes/s, seconds. Link bandwidths are achievable ring bus bandwidths per GPU
+per direction (NCCL busbw), reference/formulas.md sections 6-7. Memory sizes are what the driver
+reports (vendors' "80GB" parts hold 80 GiB). ``Cluster.preset`` adds nodes and GPUs per node.
+
+Compute efficiency (``matmul_efficiency_max``, ``matmul_half_flops``,
+``elementwise_traffic_factor``) and ``dp_overlap_efficiency`` come from one joint fit to every
+record of reference/calibration_runs.json (``benchmarks/calibration.py --fit``). The half-work
+point is fitted as a time (``MATMUL_HALF_S``: the per-layer fixed cost of launching and draining
+matmul kernels) and converted to FLOPs with each part's peak, so parts without calibration
+records (V100, H200) inherit the same physics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CPU_CORES", "PRESETS", "cpu_cluster_fields"]
+
+GIB = 2**30
+MIB = 2**20
+
+# ---- fitted once by `benchmarks/calibration.py --fit` (all 13 records, one joint fit) ----------
+A100_EFFICIENCY_MAX = 0.746  # fraction of 312 TFLOP/s large 16-bit matmuls reach (fit)
+H100_EFFICIENCY_MAX = 0.618  # fraction of 989 TFLOP/s (fit; H100 runs further from its peak)
+# Work (as seconds at peak) per layer and micro-batch at which matmul efficiency is half its max:
+# about 1 GFLOP per GEMM (5 GEMMs a layer), where cuBLAS reaches roughly half its large-size
+# throughput on A100. Physics, not fitted: every calibration run's layers are far larger.
+MATMUL_HALF_S = 2.0e-5
+ELEMENTWISE_TRAFFIC = 7.66  # non-matmul HBM traffic / bytes saved for backward (fit)
+DP_OVERLAP = 0.8  # usable fraction of the last backward for hiding DP reduction (fit)
+HEADROOM = 0.05  # CUDA context (~0.5-1 GiB) + allocator fragmentation, of device memory
+
+
+def _gpu(
+    name: str,
+    *,
+    bf16: float,
+    fp16: float,
+    tf32: float,
+    fp32: float,
+    memory_bytes: int,
+    hbm: float,
+    eff: float,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "peak_bf16_flops": bf16,
+        "peak_fp16_flops": fp16,
+        "peak_tf32_flops": tf32,
+        "peak_fp32_flops": fp32,
+        "memory_bytes": memory_bytes,
+        "hbm_bytes_per_s": hbm,
+        "matmul_efficiency_max": eff,
+        "matmul_half_flops": MATMUL_HALF_S * max(bf16, fp16),
+        "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
+    }
+
+
+def _link(bw: float, latency: float) -> dict[str, float]:
+    return {"bandwidth_bytes_per_s": bw, "latency_s": latency}
+
+
+# A100 SXM4: 312 TFLOP/s dense bf16/fp16, 156 tf32, 19.5 fp32 (NVIDIA A100 datasheet; Megatron-LM
+# SC'21 section 5). HBM2e 2,039 GB/s (80GB) and HBM2 1,555 GB/s (40GB) (A100 datasheet).
+# NVLink3/NVSwitch: ~230 GB/s all-reduce busbw at large sizes (sjeaugey, NVIDIA/nccl-tests#149).
+# IB: DGX-A100 8 x HDR 200 Gb/s -> 192 GB/s busbw per node = 24 GB/s per GPU (NVIDIA/nccl#812).
+# Latencies: ~5 us per NVLink ring step, ~10 us per IB ring step (typical NCCL small-message
+# figures; an assumption, they matter only for small messages).
+_A100_NVLINK = _link(230e9, 5e-6)
+_HDR_IB = _link(24e9, 10e-6)
+# H100 SXM: 989 TFLOP/s dense bf16/fp16, 494.5 tf32 ("one-half lower without sparsity",
+# torchtitan utils.py at 3faaa1a0), 67 fp32 (H100 datasheet); HBM3 3.35 TB/s (datasheet).
+# NVLink4: ~370 GB/s busbw for ring collectives (sjeaugey, NVIDIA/nccl-tests#212).
+# NDR 400 Gb/s per GPU: 46-48 GB/s measured per NIC (NVIDIA/nccl-tests#290).
+_H100_NVLINK = _link(370e9, 5e-6)
+_NDR_IB = _link(47e9, 10e-6)
+# V100 SXM2 32GB: 125 TFLOP/s fp16 tensor cores; no bf16 or tf32 tensor cores, so those run at
+# the 15.7 TFLOP/s fp32 rate (V100 datasheet); HBM2 900 GB/s (datasheet). NVLink2: 6 links x
+# 25 GB/s per direction = 150 GB/s line rate; busbw taken as 80% of it (assumption, the same
+# ratio as A100's 230/300). Inter-node: ZeRO's DGX-2 cluster had 800 Gb/s per 16-GPU node
+# = 6.25 GB/s per GPU (Rajbhandari et al. 2020, section 10).
+_V100_NVLINK = _link(120e9, 5e-6)
+_V100_IB = _link(6.25e9, 10e-6)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "a100-40g": {
+        "device": _gpu(
+            "A100-SXM4-40GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
+            memory_bytes=40 * GIB, hbm=1.555e12, eff=A100_EFFICIENCY_MAX,
+        ),
+        "intra_node": _A100_NVLINK,
+        "inter_node": _HDR_IB,
+        "memory_headroom_fraction": HEADROOM,
+        "dp_overlap_efficiency": DP_OVERLAP,
+    },
+    "a100-80g": {
+        "device": _gpu(
+            "A100-SXM4-80GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
+            memory_bytes=80 * GIB, hbm=2.039e12, eff=A100_EFFICIENCY_MAX,
+        ),
+        "intra_node": _A100_NVLINK,
+        "inter_node": _HDR_IB,
+        "memory_headroom_fraction": HEADROOM,
+        "dp_overlap_efficiency": DP_OVERLAP,
+    },
+    "h100": {
+        # H100 SXM5 80GB: nvidia-smi reports 81,559 MiB.
+        "device": _gpu(
+            "H100-SXM5-80GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
+            memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX,
+        ),
+        "intra_node": _H100_NVLINK,
+        "inter_node": _NDR_IB,
+        "memory_headroom_fraction": HEADROOM,
+        "dp_overlap_efficiency": DP_OVERLAP,
+    },
+    "h200": {
+        # H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
+        # HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency as H100 (same core).
+        "device": _gpu(
+            "H200-SXM-141GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
+            memory_bytes=143771 * MIB, hbm=4.8e12, eff=H100_EFFICIENCY_MAX,
+        ),
+        "intra_node": _H100_NVLINK,
+        "inter_node": _NDR_IB,
+        "memory_headroom_fraction": HEADROOM,
+        "dp_overlap_efficiency": DP_OVERLAP,
+    },
+    "v100-32g": {
+        # No calibration record: efficiency as A100 (assumption).
+        "device": _gpu(
+            "V100-SXM2-32GB", bf16=15.7e12, fp16=125e12, tf32=15.7e12, fp32=15.7e12,
+            memory_bytes=32 * GIB, hbm=0.9e12, eff=A100_EFFICIENCY_MAX,
+        ),
+        "intra_node": _V100_NVLINK,
+        "inter_node": _V100_IB,
+        "memory_headroom_fraction": HEADROOM,
+        "dp_overlap_efficiency": DP_OVERLAP,
+    },
+}
+
+# ---- cpu: this machine (2 cores of an AMD EPYC Zen 3, 23.5 GiB RAM), gloo over loopback -------
+CPU_CORES = 2
+# Zen 3 core: 2 x 256-bit FMA pipes = 32 fp32 FLOP/cycle; at ~3.0 GHz that is 96 GFLOP/s per core.
+# Measured here: a 2048^3 fp32 matmul on 2 threads ran at 167 GFLOP/s (87% of 2 x 96).
+CPU_CORE_FP32_FLOPS = 96e9
+# No bf16/fp16 matmul units on Zen 3 (AVX2 only): 16-bit matmuls convert to fp32, no faster.
+CPU_HOST_MEMORY_BYTES = 24684092 * 1024  # /proc/meminfo MemTotal of this machine
+CPU_MEMORY_BYTES_PER_S = 36e9  # measured: 64 MiB tensor copy on 2 threads, 36 GB/s read+write
+# gloo all_reduce over loopback (reference/runtime_notes.md, "Collective micro-benchmarks"):
+# alpha-beta fits per process count. Ring all-reduce = 2(n-1) steps moving 2(n-1)/n S bytes:
+# busbw = algbw * 2(n-1)/n and per-step latency = alpha / (2(n-1)).
+#   N=2: alpha 0.37 ms, algbw 1.8 GB/s  -> busbw 1.8 GB/s,  step latency 0.185 ms
+#   N=4: alpha 5 ms,    algbw 0.9 GB/s  -> busbw 1.35 GB/s, step latency 0.83 ms
+#   N=8: alpha 16 ms,   algbw 0.5 GB/s  -> busbw 0.875 GB/s, step latency 1.14 ms
+_CPU_LINKS: dict[int, tuple[float, float]] = {
+    1: (1.8e9, 0.185e-3),
+    2: (1.8e9, 0.185e-3),
+    4: (1.35e9, 0.83e-3),
+    8: (0.875e9, 1.14e-3),
+}
+
+
+def cpu_cluster_fields(workers: int) -> dict[str, Any]:
+    """The "cpu" preset for ``workers`` gloo processes on this machine's 2 cores.
+
+    Each worker runs one thread (OMP_NUM_THREADS=1): it gets a whole core while workers <= 2 and
+    2 / workers of a core beyond that; the host memory is shared equally.
+    """
+    workers = max(1, int(workers))
+    cores = min(1.0, CPU_CORES / workers)
+    flops = CPU_CORE_FP32_FLOPS * cores
+    key = min(_CPU_LINKS, key=lambda n: (abs(n - workers), n))
+    bw, latency = _CPU_LINKS[key]
+    device = {
+        "name": "cpu-worker",
+        "peak_bf16_flops": flops,
+        "peak_fp16_flops": flops,
+        "peak_tf32_flops": flops,
+        "peak_fp32_flops": flops,
+        "memory_bytes": CPU_HOST_MEMORY_BYTES // workers,
+        "hbm_bytes_per_s": CPU_MEMORY_BYTES_PER_S * min(1.0, workers / CPU_CORES) / workers,
+        # CPU matmuls: torch's tiny-model steps are dominated by per-op overhead (~10 us per op);
+        # not fitted to GPU records. Max 0.87 as measured above; half point 1e-4 s of work.
+        "matmul_efficiency_max": 0.87,
+        "matmul_half_flops": 1e-4 * flops,
+        "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
+    }
+    return {
+        "device": device,
+        "intra_node": _link(bw, latency),
+        "inter_node": _link(bw, latency),
+        "memory_headroom_fraction": 0.2,  # shared with the OS and other processes
+        "dp_overlap_efficiency": 0.0,  # gloo work runs on the same cores: no overlap
+    }

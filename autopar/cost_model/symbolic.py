@@ -1,0 +1,139 @@
+"""The cost model's main formulas as sympy expressions, and ``explain_plan``.
+
+Units: bytes and seconds. The expressions are built once (module constants) and evaluated with
+numbers from the plan's CostTable; tests check that they evaluate to what the numeric code
+(memory.py, comm.py, compute.py, assemble.py) computes, so the printed formulas are the model.
+
+Symbols: Psi parameters a rank holds after tensor-parallel and pipeline sharding, d data-parallel
+degree, w bytes of the training dtype, m micro-batches, p pipeline ranks, v chunks per rank,
+n group size, S message bytes, B bus bandwidth, alpha per-step latency, F FLOPs, P peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy as sp
+
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.memory import dp_mechanism
+from autopar.cost_model.pipeline import bubble_coefficient
+
+if TYPE_CHECKING:
+    from autopar.cost_model.hardware import Cluster
+    from autopar.graph.types import ModelProfile
+    from autopar.plan import Plan
+
+__all__ = [
+    "ALL_REDUCE",
+    "BUBBLE_COEFFICIENT",
+    "MATMUL_TIME",
+    "MODEL_STATE",
+    "STEP_TIME",
+    "explain_plan",
+    "model_state_expr",
+]
+
+Psi, d, w, m, p, v, n, S, B, alpha = sp.symbols("Psi d w m p v n S B alpha", positive=True)
+F, P, eff_max, W, W_half = sp.symbols("F P eff_max W W_half", positive=True)
+R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
+
+# Model state per mechanism (memory.py's table): (parameters, gradients, optimizer) bytes.
+MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
+    "none": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
+    "ddp": ((4 + w) * Psi, 8 * Psi, 8 * Psi),
+    "replicate": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
+    "zero1": ((4 / d + w) * Psi, (w + 4 / d) * Psi, 8 * Psi / d),
+    "zero2": ((4 / d + w) * Psi, 4 * Psi / d, 8 * Psi / d),
+    "zero3": (4 * Psi / d, 4 * Psi / d, 8 * Psi / d),
+}
+# Ring all-reduce = reduce-scatter + all-gather (formulas.md section 6).
+REDUCE_SCATTER = (n - 1) / n * S / B + (n - 1) * alpha
+ALL_REDUCE = 2 * REDUCE_SCATTER
+# Matmul time at the saturating efficiency eff(W) = eff_max W / (W + W_half) (compute.py).
+MATMUL_TIME = F / (P * eff_max * W / (W + W_half))
+# Pipeline: step = m R_max + c sum_j T_j + max_k E_k, c = (p - 1) / (v p) (assemble.py).
+BUBBLE_COEFFICIENT = (p - 1) / (v * p)
+STEP_TIME = m * R_max + BUBBLE_COEFFICIENT * T_sum + E_max
+
+
+def model_state_expr(kind: str, zero: int, dtype: str) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """(parameters, gradients, optimizer) expressions of a mechanism, w' = 0 for fp32 copies."""
+    key = f"zero{zero}" if kind == "fsdp" else kind
+    exprs = MODEL_STATE[key]
+    if dtype == "fp32" and kind in ("none", "ddp", "replicate"):
+        exprs = tuple(e.subs(w, 0) for e in exprs)
+    return exprs  # type: ignore[return-value]
+
+
+def _gib(x: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
+    """The plan's memory and time formulas, then the same with its numbers substituted.
+
+    Args:
+        profile: the model profile the plan was made for.
+        cluster: the cluster the plan was made for.
+        plan: the plan.
+
+    Returns:
+        Multi-line text.
+    """
+    from autopar.config import DTYPE_BYTES
+    from autopar.cost_model.assemble import assemble
+
+    cfg = plan.config
+    table = build_cost_table(profile, cluster, cfg)
+    split = tuple(tuple(s.layers) for s in plan.stages)
+    est = assemble(table, split, plan.recompute_per_layer)
+    kind = dp_mechanism(cfg)
+    largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
+    psi = largest.num_params / cfg.tp
+    values = {Psi: psi, d: cfg.dp, w: DTYPE_BYTES[cfg.dtype]}
+    state = model_state_expr(kind, cfg.zero, cfg.dtype)
+    names = ("parameters", "gradients", "optimizer")
+    lines = [
+        f"plan: {cfg.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)",
+        "",
+        f"memory of pipeline rank {largest.rank} (data parallel: {kind}, zero {cfg.zero}):",
+        f"  Psi = parameters of the rank / tp = {largest.num_params:,} / {cfg.tp} = {psi:,.0f}",
+    ]
+    for name, expr in zip(names, state):
+        lines.append(f"  {name:11s} = {sp.sstr(expr)} = {_gib(float(expr.subs(values)))}")
+    mem = largest.memory
+    lines += [
+        f"  activations = sum_j inflight_j * sum_i act_i + max_i transient_i = "
+        f"{_gib(mem.activations_bytes)}",
+        f"  buffers     = comm buffers + allocator reserve = {_gib(mem.buffers_bytes)}",
+        f"  total       = {_gib(largest.memory_bytes)} of {_gib(est.memory_capacity_bytes)} "
+        f"usable -> {'fits' if est.fits else 'does NOT fit'}",
+        "",
+        f"step time: {sp.sstr(STEP_TIME)}",
+    ]
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    r_max = max(s.time_per_microbatch_s for s in est.stages)
+    tb = est.time_breakdown
+    e_max = est.step_time_s - table.num_microbatches * r_max - tb.bubble_s
+    step_values = {m: table.num_microbatches, R_max: r_max, E_max: e_max,
+                   T_sum: tb.bubble_s / c if c else 0.0, p: max(cfg.pp, 2),
+                   v: cfg.virtual_stages}
+    step = float(STEP_TIME.subs(step_values)) if c else table.num_microbatches * r_max + e_max
+    lines += [
+        f"  m = {table.num_microbatches}, R_max = {r_max * 1e3:.3f} ms per micro-batch "
+        f"(slowest rank), c = {c:.4f}, E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer)",
+        f"  step = {step:.4f} s -> {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
+        "",
+        f"collectives: all_reduce = {sp.sstr(ALL_REDUCE)} (ring: reduce-scatter + all-gather)",
+        f"matmul time: {sp.sstr(MATMUL_TIME)}  (eff_max = "
+        f"{cluster.device.matmul_efficiency_max}, W_half = {cluster.device.matmul_half_flops:.3g}"
+        " FLOPs)",
+        "time by term: " + ", ".join(f"{k.removesuffix('_s')} {val:.4f} s"
+                                     for k, val in tb.to_dict().items()),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,294 @@
+"""Write a Plan in other tools' formats: torchtitan TOML, Megatron-LM flags, DeepSpeed JSON, slurm.
+
+Each exporter is a pure function ``Plan -> Export`` (the document text, plus notes about what the
+target tool cannot express, which the CLI prints on stderr). Mappings of autopar's knobs:
+
+- ``zero`` 0: replicated data parallel (torchtitan ``data_parallel_replicate_degree``; DDP);
+  1 and 2: FSDP2 keeping parameters unsharded between forward and backward (torchtitan shard
+  degree with ``fsdp_reshard_after_forward = "never"``; Megatron's distributed optimizer;
+  DeepSpeed ZeRO stage 1/2); 3: FSDP2 ``fully_shard`` (``"always"``; DeepSpeed stage 3).
+- ``recompute``: none / selective (the attention core) / full (each layer's input only).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.plan import Plan
+
+__all__ = [
+    "EXPORTERS",
+    "TORCHTITAN_SCHEDULES",
+    "Export",
+    "export_plan",
+    "to_deepspeed",
+    "to_megatron",
+    "to_slurm",
+    "to_torchtitan",
+]
+
+# autopar schedule name -> torchtitan's `pipeline_parallel_schedule` (torch's class names less the
+# "Schedule" prefix: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ...).
+TORCHTITAN_SCHEDULES: dict[str, str] = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "interleaved-zero-bubble": "InterleavedZeroBubble",
+    "zbv-zero-bubble": "ZBVZeroBubble",
+    "dualpipe-v": "DualPipeV",
+}
+TORCH_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+RDZV_PORT = 29500  # torchrun's default rendezvous port
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Export:
+    """An exported document.
+
+    Attributes:
+        text: the document, exactly as it should be written.
+        notes: what the target cannot express or what the user must still do (for stderr).
+    """
+
+    text: str
+    notes: tuple[str, ...] = ()
+
+
+def _split_points(plan: Plan) -> list[str]:
+    """Module where every stage after the first begins (torchtitan's split points).
+
+    Zoo layer names are module names ("layers.3"), except "head", which begins at the final
+    norm (docs/model-structure.md).
+    """
+    return ["norm" if s.layer_names[0] == "head" else s.layer_names[0] for s in plan.stages[1:]]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string (ASCII)
+
+
+def _toml(tables: dict[str, dict[str, Any]], header: str) -> str:
+    lines = [f"# {header}"]
+    for name, table in tables.items():
+        lines.append("")
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+    return "\n".join(lines) + "\n"
+
+
+def to_torchtitan(plan: Plan) -> Export:
+    """torchtitan job TOML: ``[parallelism]``, ``[activation_checkpoint]``, ``[training]``."""
+    cfg = plan.config
+    notes = []
+    sharded = cfg.zero > 0 and cfg.dp > 1
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
+        "data_parallel_shard_degree": cfg.dp if sharded else 1,
+        "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
+        "tensor_parallel_degree": cfg.tp,
+        "enable_async_tensor_parallel": False,
+        "pipeline_parallel_degree": cfg.pp,
+        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[cfg.schedule],
+        "pipeline_parallel_microbatch_size": cfg.micro_batch,
+        "context_parallel_degree": 1,
+    }
+    if cfg.pp > 1:
+        starts = _split_points(plan)
+        if all(name.startswith("layers.") or name == "norm" for name in starts):
+            parallelism["pipeline_parallel_split_points"] = starts
+        else:
+            notes.append(f"stage starts {starts} are not all blocks; set the split by hand")
+    if cfg.tp > 1 and not cfg.sequence_parallel:
+        notes.append("torchtitan always runs sequence parallelism with tp > 1")
+    if len(set(plan.recompute_per_layer)) > 1:
+        notes.append(
+            "the plan recomputes per layer; torchtitan takes one mode, set to the plan's "
+            f"most common ({cfg.recompute})"
+        )
+    tables = {
+        "parallelism": parallelism,
+        "activation_checkpoint": {"mode": cfg.recompute, "selective_ac_option": "op"},
+        "training": {
+            "local_batch_size": cfg.global_batch // cfg.dp,
+            "global_batch_size": cfg.global_batch,
+            "seq_len": _seq_len(plan),
+            "mixed_precision_param": TORCH_DTYPES["fp32" if cfg.dtype == "fp32" else "bf16"],
+            "mixed_precision_reduce": "float32",
+        },
+    }
+    if cfg.dtype == "fp16":
+        notes.append("torchtitan has no fp16 recipe; exported as bfloat16")
+    return Export(text=_toml(tables, _header(plan)), notes=tuple(notes))
+
+
+def _seq_len(plan: Plan) -> int:
+    """Tokens per sequence: tokens/s x step time / global batch (the Estimate's own identity)."""
+    est = plan.estimate
+    return round(est.tokens_per_s * est.step_time_s / plan.config.global_batch)
+
+
+def _header(plan: Plan) -> str:
+    model = plan.model or "model"
+    return f"autopar plan for {model}: {plan.config.describe()}"
+
+
+def _blocks_per_stage(plan: Plan) -> list[int]:
+    return [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
+
+
+def to_megatron(plan: Plan) -> Export:
+    """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations."""
+    cfg = plan.config
+    notes = []
+    flags: list[list[str]] = [
+        ["--tensor-model-parallel-size", str(cfg.tp)],
+        ["--pipeline-model-parallel-size", str(cfg.pp)],
+        ["--micro-batch-size", str(cfg.micro_batch)],
+        ["--global-batch-size", str(cfg.global_batch)],
+        ["--seq-length", str(_seq_len(plan))],
+    ]
+    blocks = _blocks_per_stage(plan)
+    if cfg.virtual_stages > 1 and cfg.pp > 1:
+        flags.append(["--num-layers-per-virtual-pipeline-stage", str(max(blocks))])
+        if len(set(blocks)) > 1:
+            notes.append(f"chunks hold {blocks} blocks; Megatron interleaving needs equal chunks")
+        if cfg.schedule != "interleaved-1f1b":
+            notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
+    elif cfg.pp > 1 and len(set(blocks)) > 1:
+        flags.append(["--decoder-first-pipeline-num-layers", str(blocks[0])])
+        flags.append(["--decoder-last-pipeline-num-layers", str(blocks[-1])])
+        if len(set(blocks[1:-1])) > 1:
+            notes.append(f"middle stages hold {blocks[1:-1]} blocks; Megatron splits them evenly")
+    if cfg.pp > 1 and cfg.schedule == "gpipe":
+        notes.append("Megatron runs 1F1B; GPipe's bubble is the same, its memory is higher")
+    if cfg.sequence_parallel:
+        flags.append(["--sequence-parallel"])
+    if cfg.recompute != "none":
+        flags.append(["--recompute-granularity", cfg.recompute])
+        if cfg.recompute == "full":
+            flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
+    if cfg.zero in (1, 2):
+        flags.append(["--use-distributed-optimizer"])
+    elif cfg.zero == 3:
+        flags.append(["--use-torch-fsdp2"])
+    if cfg.dtype in ("bf16", "fp16"):
+        flags.append([f"--{cfg.dtype}"])
+    lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
+    return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))
+
+
+def to_deepspeed(plan: Plan) -> Export:
+    """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
+    cfg = plan.config
+    notes = []
+    doc: dict[str, Any] = {
+        "train_batch_size": cfg.global_batch,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.num_microbatches,
+        "zero_optimization": {
+            "stage": cfg.zero,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "fp16": {"enabled": cfg.dtype == "fp16"},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10,
+    }
+    if cfg.pp > 1:
+        # DeepSpeed's PipelineModule reads these; it runs its own 1F1B-like schedule.
+        doc["pipeline"] = {"stages": cfg.pp, "partition": "parameters"}
+        notes.append(
+            f"build a PipelineModule with num_stages={cfg.pp}; stage bounds "
+            f"{[list(s.layers) for s in plan.stages]} (profile layers)"
+        )
+        if cfg.zero > 1:
+            notes.append("DeepSpeed pipeline parallelism supports ZeRO stage 0 and 1 only")
+    if cfg.tp > 1:
+        doc["tensor_parallel"] = {"autotp_size": cfg.tp}
+    if cfg.recompute != "none":
+        doc["activation_checkpointing"] = {
+            "partition_activations": cfg.tp > 1,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+        }
+        if cfg.recompute == "selective":
+            notes.append("DeepSpeed checkpoints whole layers; selective recompute needs the model")
+    return Export(text=json.dumps(doc, indent=2) + "\n", notes=tuple(notes))
+
+
+def cluster_shape(plan: Plan) -> tuple[int, int]:
+    """``(nodes, gpus_per_node)`` of the plan's cluster (8 a node when the plan does not say)."""
+    cluster = plan.cluster or {}
+    per_node = int(cluster.get("gpus_per_node") or 8)
+    world = plan.config.world_size
+    nodes = int(cluster.get("nodes") or max(1, -(-world // per_node)))
+    return nodes, min(per_node, world)
+
+
+def to_slurm(plan: Plan, *, plan_path: str = "plan.json", steps: int = 100) -> Export:
+    """An sbatch script: ``autopar run`` on every node (srun, one task a node).
+
+    ``autopar run`` starts torchrun on its node; the nodes meet at a c10d rendezvous on the
+    first node of the allocation. Values reach the per-node shell through the environment, so
+    paths with spaces or quotes need no nested quoting.
+    """
+    nodes, per_node = cluster_shape(plan)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in (plan.model or "autopar"))
+    text = f"""#!/bin/bash
+# {_header(plan)}
+#SBATCH --job-name=autopar-{name[:32]}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --exclusive
+set -euo pipefail
+
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export AUTOPAR_PLAN={shlex.quote(plan_path)}
+export AUTOPAR_RDZV_ENDPOINT="$head_node:{RDZV_PORT}"
+export OMP_NUM_THREADS=1
+
+# One task a node; each runs torchrun with {per_node} workers (through `autopar run`).
+srun --nodes={nodes} --ntasks-per-node=1 bash -c 'exec autopar run "$AUTOPAR_PLAN" \\
+  --steps {steps} \\
+  --nnodes {nodes} \\
+  --node-rank "$SLURM_NODEID" \\
+  --nproc-per-node {per_node} \\
+  --rdzv-endpoint "$AUTOPAR_RDZV_ENDPOINT"'
+"""
+    return Export(text=text)
+
+
+EXPORTERS: dict[str, Callable[..., Export]] = {
+    "torchtitan": to_torchtitan,
+    "megatron": to_megatron,
+    "deepspeed": to_deepspeed,
+    "slurm": to_slurm,
+}
+
+
+def export_plan(plan: Plan, to: str, **options: Any) -> Export:
+    """Export ``plan`` in the format ``to`` (a key of ``EXPORTERS``).
+
+    Args:
+        plan: the plan.
+        to: torchtitan | megatron | deepspeed | slurm.
+        **options: exporter options (slurm: ``plan_path``, ``steps``).
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    if to not in EXPORTERS:
+        raise ValueError(f"unknown export format {to!r}; use one of {', '.join(EXPORTERS)}")
+    return EXPORTERS[to](plan, **options)

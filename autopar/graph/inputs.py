@@ -1,0 +1,146 @@
+"""Example inputs at a given batch size, on the meta device, and the loss the profile runs.
+
+Zoo and HF models get token ids ``[b, s]``; a model file's ``example_inputs(batch_size)`` (or a
+batch given directly, re-sized along dim 0) is moved to the meta device. The loss is the model
+file's ``loss_fn`` when there is one; otherwise logits get the token cross entropy with the logits
+upcast to fp32 (what the zoo and HF losses do), and any other output a plain fp32 sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["Batch", "compute_loss", "make_batch", "seq_len_of"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Inputs of one profiling run.
+
+    Attributes:
+        args: positional inputs of ``model(...)``.
+        kwargs: keyword inputs (HF models: ``use_cache=False``).
+        raw: the batch as the user's ``example_inputs`` returned it (passed to ``loss_fn``).
+        labels: token ids for the default loss, or None.
+    """
+
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    raw: Any = None
+    labels: torch.Tensor | None = None
+
+
+def _to_meta(value: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def _resize(value: Any, batch_size: int) -> Any:
+    # Re-size every tensor that shares the first tensor's leading (batch) dimension.
+    leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not leaves:
+        return value
+    batch = leaves[0].shape[0]
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            return t[:1].expand(batch_size, *t.shape[1:]).contiguous()
+        return t
+
+    return tree_map(one, value)
+
+
+def _as_call(raw: Any) -> tuple[tuple, dict[str, Any]]:
+    if isinstance(raw, Mapping):
+        return (), dict(raw)
+    if isinstance(raw, (tuple, list)):
+        return tuple(raw), {}
+    return (raw,), {}
+
+
+def make_batch(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    example_inputs: Any,
+) -> Batch:
+    """Build the meta-device inputs of one run.
+
+    Args:
+        model: the model (an HF model gets ``use_cache=False``).
+        batch_size: sequences in the batch.
+        seq_len: tokens per sequence (used when ``example_inputs`` is None).
+        example_inputs: None (token ids), ``example_inputs(batch_size)`` callable, or a batch.
+
+    Returns:
+        The Batch.
+    """
+    hf_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    if example_inputs is None:
+        tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
+        return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=tokens)
+    if callable(example_inputs):
+        raw = _to_meta(example_inputs(batch_size))
+    else:
+        raw = _resize(_to_meta(example_inputs), batch_size)
+    args, kwargs = _as_call(raw)
+    first = next((t for t in tree_flatten(raw)[0] if isinstance(t, torch.Tensor)), None)
+    labels = None
+    if first is not None and first.dim() == 2 and not first.is_floating_point():
+        labels = first
+    return Batch(args=args, kwargs={**hf_kwargs, **kwargs}, raw=raw, labels=labels)
+
+
+def seq_len_of(example_inputs: Any) -> int | None:
+    """Tokens per sequence of a batch: dim 1 of its first tensor (None if it has none)."""
+    raw = example_inputs(1) if callable(example_inputs) else example_inputs
+    for leaf in tree_flatten(raw)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
+            return int(leaf.shape[1])
+    return None
+
+
+def _logits(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return leaves[0] if leaves else None
+
+
+def compute_loss(
+    output: Any, batch: Batch, vocab: int, loss_fn: Callable[..., Any] | None
+) -> torch.Tensor:
+    """The scalar the profile runs backward from.
+
+    Args:
+        output: what the model returned.
+        batch: the run's inputs.
+        vocab: vocabulary size (0 if unknown): a ``[b, s, vocab]`` output is taken as logits.
+        loss_fn: the model file's ``loss_fn(output, batch)``, or None.
+
+    Returns:
+        A scalar tensor.
+    """
+    if loss_fn is not None:
+        return loss_fn(output, batch.raw)
+    logits = _logits(output)
+    if logits is None:
+        raise ValueError("the model returned no tensor to run backward from")
+    looks_like_logits = vocab > 0 and logits.dim() == 3 and logits.shape[-1] == vocab
+    if looks_like_logits and batch.labels is not None and batch.labels.shape == logits.shape[:2]:
+        # Token cross entropy with fp32 logits (the zoo's and HF's loss): log_softmax keeps the
+        # fp32 log-probabilities (4 s V bytes a sample) for backward.
+        flat = logits.reshape(-1, vocab).float()
+        return F.cross_entropy(flat, batch.labels.reshape(-1))
+    return logits.float().sum()

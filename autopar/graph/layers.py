@@ -1,0 +1,165 @@
+"""Turn the measurements into LayerProfile records: embedding, one per block, head.
+
+Recompute modes (DESIGN.md), per layer:
+
+- ``none``: everything the layer saves for backward.
+- ``selective``: the attention core is recomputed: what only the core saves (scores, softmax,
+  dropout mask on the scores; the fused kernel's output and log-sum-exp) is dropped, its inputs
+  q, k, v kept; extra FLOPs = the core's forward FLOPs.
+- ``full``: only the layer's input is kept (``2 s h`` bytes at 16-bit for a block); extra FLOPs =
+  the layer's forward FLOPs.
+
+Parameters are counted once, at the first layer that owns them (a tied lm head is counted in the
+embedding); parameters of no called module go to the embedding layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from autopar.graph.facts import ModelFacts
+from autopar.graph.measure import Measured, ModelRun
+from autopar.graph.recorder import SavedTotals
+from autopar.graph.structure import Structure
+from autopar.graph.tp import block_tp, embedding_tp, head_tp
+from autopar.graph.types import LayerProfile, TPStructure
+
+__all__ = ["build_layers", "per_sample"]
+
+
+def per_sample(one: Measured, two: Measured) -> Measured:
+    """Counts per sample: the run at batch 2 minus the run at batch 1 (heads from batch 1)."""
+    s1, s2 = one.saved, two.saved
+    return Measured(
+        fwd_flops=two.fwd_flops - one.fwd_flops,
+        bwd_flops=two.bwd_flops - one.bwd_flops,
+        core_fwd_flops=two.core_fwd_flops - one.core_fwd_flops,
+        saved=SavedTotals(
+            total_bytes=s2.total_bytes - s1.total_bytes,
+            replicated_bytes=s2.replicated_bytes - s1.replicated_bytes,
+            core_bytes=s2.core_bytes - s1.core_bytes,
+            core_replicated_bytes=s2.core_replicated_bytes - s1.core_replicated_bytes,
+        ),
+        input_bytes=two.input_bytes - one.input_bytes,
+        output_bytes=two.output_bytes - one.output_bytes,
+        attention=one.attention,
+    )
+
+
+def _params(model: nn.Module, groups: Sequence[Sequence[str]]) -> list[tuple[int, int]]:
+    """(num_params, bytes) per group of module FQNs; each parameter counted once, first owner."""
+    owner: dict[int, int] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for index, fqns in enumerate(groups):
+        for fqn in fqns:
+            for param in model.get_submodule(fqn).parameters():
+                owner.setdefault(id(param), index)
+                tensors[id(param)] = param
+    for param in model.parameters():  # owned by no called module: the embedding layer (0)
+        owner.setdefault(id(param), 0)
+        tensors[id(param)] = param
+    totals = [[0, 0] for _ in groups]
+    for key, index in owner.items():
+        totals[index][0] += tensors[key].numel()
+        totals[index][1] += tensors[key].numel() * tensors[key].element_size()
+    return [(n, b) for n, b in totals]
+
+
+def _record(
+    *,
+    name: str,
+    kind: str,
+    fqns: Sequence[str],
+    params: tuple[int, int],
+    m: Measured,
+    tp: TPStructure,
+    repeat_of: str = "",
+) -> LayerProfile:
+    saved = m.saved
+    return LayerProfile(
+        name=name,
+        kind=kind,
+        module_fqns=tuple(fqns),
+        num_params=params[0],
+        param_bytes=params[1],
+        fwd_flops=float(m.fwd_flops),
+        bwd_flops=float(m.bwd_flops),
+        recompute_flops={
+            "none": 0.0,
+            "selective": float(m.core_fwd_flops),
+            "full": float(m.fwd_flops),
+        },
+        saved_bytes={
+            "none": saved.total_bytes,
+            "selective": saved.total_bytes - saved.core_bytes,
+            "full": m.input_bytes,
+        },
+        saved_bytes_replicated={
+            "none": saved.replicated_bytes,
+            "selective": saved.replicated_bytes - saved.core_replicated_bytes,
+            "full": m.input_bytes,  # the layer input is the residual stream: replicated
+        },
+        output_bytes=m.output_bytes,
+        tp=tp,
+        repeat_of=repeat_of,
+    )
+
+
+def build_layers(
+    model: nn.Module,
+    *,
+    structure: Structure,
+    facts: ModelFacts,
+    runs: dict[int, ModelRun],
+    representative: dict[str, str],
+    measured: dict[str, Measured],
+    seq_len: int,
+    dtype: torch.dtype,
+) -> tuple[LayerProfile, ...]:
+    """The profile's layers in execution order.
+
+    Args:
+        model: the (meta) model.
+        structure: which modules form which layer.
+        facts: model-wide sizes.
+        runs: the model runs at batch 1 and 2.
+        representative: block FQN -> the block whose measurements it shares.
+        measured: per-sample counts of each representative block.
+        seq_len: tokens per sample.
+        dtype: the profile dtype.
+
+    Returns:
+        The LayerProfiles.
+    """
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    embedding = per_sample(runs[1].embedding, runs[2].embedding)
+    if not structure.blocks:
+        params = _params(model, [structure.embedding])
+        return (_record(name="model", kind="other", fqns=structure.embedding, params=params[0],
+                        m=embedding, tp=TPStructure()),)  # fmt: skip
+    groups = [structure.embedding, *[(b,) for b in structure.blocks], structure.head]
+    params = _params(model, groups)
+    layers = [
+        _record(
+            name="embedding", kind="embedding", fqns=structure.embedding, params=params[0],
+            m=embedding, tp=embedding_tp(model, structure.embedding, vocab=facts.vocab,
+                                         seq_len=seq_len, dtype_bytes=dtype_bytes),
+        )
+    ]  # fmt: skip
+    for index, fqn in enumerate(structure.blocks, start=1):
+        rep = representative[fqn]
+        tp = block_tp(model, fqn, heads=facts.heads, kv_heads=facts.kv_heads, seq_len=seq_len,
+                      dtype_bytes=dtype_bytes)  # fmt: skip
+        layers.append(
+            _record(name=fqn, kind="block", fqns=(fqn,), params=params[index], m=measured[rep],
+                    tp=tp, repeat_of="" if rep == fqn else rep)  # fmt: skip
+        )
+    head = per_sample(runs[1].head, runs[2].head)
+    layers.append(
+        _record(name="head", kind="head", fqns=structure.head, params=params[-1], m=head,
+                tp=head_tp(model, structure.head, vocab=facts.vocab))  # fmt: skip
+    )
+    return tuple(layers)

@@ -1,0 +1,309 @@
+"""``profile(model)``: a ModelProfile of any PyTorch model, measured on the meta device.
+
+Steps: copy the model onto the meta device at the profile dtype (the caller's model is left
+untouched); find the repeated blocks; trace the module order (fx, else torch.export, else module
+hooks); run the model with the blocks relayed to measure the embedding and the head, then each
+distinct block alone; do both at batch 1 and 2 and keep the difference (per sample). Counts are
+per sample of ``seq_len`` tokens (see ``autopar.graph.types``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.errors import AutoparError, TraceError
+from autopar.graph.facts import ModelFacts, default_seq_len, model_facts
+from autopar.graph.inputs import Batch, compute_loss, make_batch, seq_len_of
+from autopar.graph.layers import build_layers, per_sample
+from autopar.graph.measure import (
+    Measured,
+    ModelRun,
+    RunFailure,
+    main_tensor,
+    measure_block,
+    run_model,
+)
+from autopar.graph.recorder import SavedRecorder
+from autopar.graph.structure import find_blocks, group_outside, module_signature
+from autopar.graph.tp import block_tp
+from autopar.graph.trace import CallOrder, trace_call_order
+from autopar.graph.types import ModelProfile
+
+__all__ = ["profile"]
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_BATCH_SIZES = (1, 2)  # per-sample counts = counts(b=2) - counts(b=1)
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_BY_NAME:
+            raise AutoparError(f"dtype {dtype!r} is not one of bf16, fp16, fp32")
+        return _DTYPE_BY_NAME[dtype]
+    if dtype not in _DTYPE_NAMES:
+        raise AutoparError(f"dtype {dtype} is not one of torch.bfloat16, float16, float32")
+    return dtype
+
+
+def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A structural copy of ``model`` on the meta device at ``dtype``, in train mode.
+
+    Every module is copied shallowly with its own parameter, buffer, child and hook dicts, the
+    parameters and buffers replaced by empty meta tensors (no memory), tied weights kept tied. The
+    caller's model is not touched (the profile sets hooks and train mode on the copy only).
+    """
+    tensors: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) not in tensors:
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            data = torch.empty(tensor.shape, dtype=target, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                data = nn.Parameter(data, requires_grad=tensor.requires_grad)
+            tensors[id(tensor)] = data
+    copies: dict[int, nn.Module] = {}
+
+    def clone(module: nn.Module) -> nn.Module:
+        if id(module) in copies:
+            return copies[id(module)]
+        new = copy.copy(module)
+        copies[id(module)] = new
+        state = new.__dict__
+        for key, value in vars(module).items():
+            if isinstance(value, dict) and key.startswith("_"):
+                state[key] = type(value)(value)  # own hook / registry dicts
+        state["_parameters"] = {k: tensors[id(v)] if v is not None else None
+                                for k, v in module._parameters.items()}  # fmt: skip
+        state["_buffers"] = {k: tensors[id(v)] if v is not None else None
+                             for k, v in module._buffers.items()}  # fmt: skip
+        state["_modules"] = {k: clone(v) if v is not None else None
+                             for k, v in module._modules.items()}  # fmt: skip
+        state["training"] = True
+        return new
+
+    return clone(model)
+
+
+def _vocab_modules(model: nn.Module, blocks: Sequence[str], vocab: int) -> tuple[list, list]:
+    # Outside the blocks: token embeddings (vocab rows) and lm heads (vocab outputs).
+    embeddings, heads = [], []
+    inside = {id(m) for b in blocks for m in model.get_submodule(b).modules()}
+    for module in model.modules():
+        if id(module) in inside or not vocab:
+            continue
+        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+            embeddings.append(module)
+        elif isinstance(module, nn.Linear) and module.out_features == vocab:
+            heads.append(module)
+    return embeddings, heads
+
+
+def _recorder(
+    model: nn.Module, sharded: Sequence[torch.Tensor], fake_mode: FakeTensorMode
+) -> SavedRecorder:
+    # Parameters and buffers are meta tensors; inside the fake mode ops see their fake versions
+    # (memoized by the mode, so converting them here gives the very tensors the ops will use).
+    def both(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [*tensors, *(fake_mode.from_tensor(t) for t in tensors)]
+
+    return SavedRecorder(both([*model.parameters(), *model.buffers()]), both(sharded))
+
+
+def _run_all(
+    work: nn.Module,
+    batches: dict[int, Batch],
+    blocks: Sequence[str],
+    vocab: int,
+    loss_fn: Callable[..., Any] | None,
+    fake_mode: FakeTensorMode,
+) -> dict[int, ModelRun]:
+    signatures = {b: module_signature(work.get_submodule(b)) for b in blocks}
+    embeddings, heads = _vocab_modules(work, blocks, vocab)
+    sharded = [p for m in (*embeddings, *heads) for p in m.parameters()]
+    runs = {}
+    for size, batch in batches.items():
+
+        def forward_and_loss(batch: Batch = batch) -> torch.Tensor:
+            return compute_loss(work(*batch.args, **batch.kwargs), batch, vocab, loss_fn)
+
+        tokens = batch.args[0] if batch.args else None
+        runs[size] = run_model(
+            work,
+            forward_and_loss,
+            blocks=blocks,
+            signatures=signatures,
+            recorder=_recorder(work, sharded, fake_mode),
+            fake_mode=fake_mode,
+            reduce_modules=embeddings,
+            input_bytes=tokens.numel() * tokens.element_size()
+            if isinstance(tokens, torch.Tensor) else 0,
+        )  # fmt: skip
+    return runs
+
+
+def _measure_blocks(
+    work: nn.Module,
+    blocks: Sequence[str],
+    runs: dict[int, ModelRun],
+    sharding: dict[str, dict],
+    fake_mode: FakeTensorMode,
+) -> tuple[dict[str, str], dict[str, Measured]]:
+    """Measure each distinct block once per batch size; return (block -> representative, counts)."""
+    representative: dict[str, str] = {}
+    first_of_key: dict[tuple, str] = {}
+    measured: dict[str, Measured] = {}
+    for fqn in blocks:
+        key = runs[1].block_keys[fqn]
+        rep = first_of_key.setdefault(key, fqn)
+        representative[fqn] = rep
+        if rep != fqn:
+            continue
+        block = work.get_submodule(fqn)
+        params, reduce = sharding[fqn]["params"], sharding[fqn]["reduce"]
+        counts = {}
+        for size, run in runs.items():
+            call = run.calls[run.block_keys[fqn]]
+            recorder = _recorder(work, params, fake_mode)
+            counts[size] = measure_block(block, call, recorder, reduce, fake_mode)
+        measured[fqn] = per_sample(counts[1], counts[2])
+    return representative, measured
+
+
+def _block_sharding(work: nn.Module, blocks: Sequence[str]) -> dict[str, dict]:
+    sharding = {}
+    for fqn in blocks:
+        tp = block_tp(work, fqn, heads=0, kv_heads=0, seq_len=1, dtype_bytes=1)
+        modules = [work.get_submodule(n) for n in (*tp.colwise, *tp.rowwise)]
+        params = [p for m in modules[: len(tp.colwise)] for p in m.parameters()]
+        params += [m.weight for m in modules[len(tp.colwise) :]]
+        sharding[fqn] = {"params": params, "reduce": modules[len(tp.colwise) :]}
+    return sharding
+
+
+def _trace_error(work: nn.Module, failure: RunFailure, trace: CallOrder, name: str) -> TraceError:
+    module = failure.module or "<root>"
+    kind = type(work.get_submodule(failure.module)).__name__ if failure.module else "model"
+    err = failure.error
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    tried = "; ".join(trace.failures)
+    return TraceError(
+        f"cannot profile {name}: module {module!r} ({kind}) fails on meta tensors with "
+        f"{type(err).__name__}: {first} [{tried}]; make its forward depend only on tensor "
+        "shapes, not values (no .item(), .tolist() or Python `if` on a tensor), or move that "
+        "computation out of forward"
+    )
+
+
+def profile(
+    model: nn.Module,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+) -> ModelProfile:
+    """Profile ``model`` layer by layer on the meta device, per sample of ``seq_len`` tokens.
+
+    Args:
+        model: any ``nn.Module`` (zoo, HF, or a model file's ``build_model()``); real or meta
+            parameters: it is copied onto the meta device and left unchanged.
+        seq_len: tokens per sample; default the zoo spec's, the HF context (capped at 4096), or
+            the example inputs' dim 1.
+        example_inputs: None (token ids ``[b, seq_len]``), ``example_inputs(batch_size)``, or a
+            batch (tensor, tuple or dict) re-sized along dim 0.
+        dtype: the dtype counts are at (bf16 default; also fp16, fp32 or their short names).
+        loss_fn: ``loss_fn(output, batch)``; default token cross entropy on fp32 logits.
+
+    Returns:
+        The ModelProfile.
+
+    Raises:
+        TraceError: the model cannot run on meta tensors (names the module and the construct).
+        AutoparError: no sequence length is known, or an unsupported dtype.
+
+    Example:
+        >>> model = autopar.models.build("gpt", layers=2, hidden=64, heads=4, vocab=256,
+        ...                              seq_len=32)
+        >>> autopar.profile(model).layers[1].fwd_flops   # 24 s h^2 + 4 s^2 h
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    if seq_len is None:
+        seq_len = (
+            seq_len_of(example_inputs) if example_inputs is not None else default_seq_len(model)
+        )
+    if not seq_len:
+        raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
+    work = _meta_copy(model, torch_dtype)
+    container, blocks = find_blocks(work)
+    prelim = model_facts(work, hidden_seen=0, heads_seen=0, kv_heads_seen=0, block=None)
+    batches = {b: make_batch(work, b, seq_len, example_inputs) for b in _BATCH_SIZES}
+    trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
+    name = prelim.name
+    # HF models skip value checks (packed sequences, all-ones masks) on fake tensors.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode)
+    except RunFailure as failure:
+        raise _trace_error(work, failure, trace, name) from failure.error
+    order = trace.order if trace.method else runs[1].call_order
+    structure = group_outside(container, blocks, order)
+    sharding = _block_sharding(work, blocks)
+    representative, measured = _measure_blocks(work, blocks, runs, sharding, fake_mode)
+    facts = _facts(work, blocks, measured, runs[1])
+    layers = build_layers(
+        work,
+        structure=structure,
+        facts=facts,
+        runs=runs,
+        representative=representative,
+        measured=measured,
+        seq_len=seq_len,
+        dtype=torch_dtype,
+    )
+    return ModelProfile(
+        name=facts.name,
+        layers=layers,
+        seq_len=int(seq_len),
+        dtype=_DTYPE_NAMES[torch_dtype],
+        hidden=facts.hidden,
+        heads=facts.heads,
+        kv_heads=facts.kv_heads,
+        ffn_hidden=facts.ffn_hidden,
+        vocab=facts.vocab,
+        num_blocks=len(blocks),
+        attention=facts.attention,
+        trace_method=trace.method or "modules",
+        tied_embeddings=_tied(work, structure.embedding, structure.head),
+    )
+
+
+def _facts(
+    work: nn.Module, blocks: Sequence[str], measured: dict[str, Measured], run: ModelRun
+) -> ModelFacts:
+    first = measured.get(blocks[0]) if blocks else None
+    calls = first.attention if first is not None else ()
+    block = work.get_submodule(blocks[0]) if blocks else None
+    hidden_seen = 0
+    if blocks:
+        call = run.calls[run.block_keys[blocks[0]]]
+        main = main_tensor((call.args, call.kwargs))
+        hidden_seen = int(main.shape[-1]) if main is not None and main.dim() else 0
+    return model_facts(
+        work,
+        hidden_seen=hidden_seen,
+        heads_seen=calls[0].heads if calls else 0,
+        kv_heads_seen=calls[0].kv_heads if calls else 0,
+        block=block,
+    )
+
+
+def _tied(work: nn.Module, embedding: Sequence[str], head: Sequence[str]) -> bool:
+    emb = {id(p) for f in embedding for p in work.get_submodule(f).parameters()}
+    return any(id(p) in emb for f in head for p in work.get_submodule(f).parameters())

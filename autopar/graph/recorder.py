@@ -1,0 +1,192 @@
+"""Bytes saved for backward, by storage, with what tensor parallelism shards and the attention core.
+
+``SavedRecorder`` is installed as the pack hook of ``torch.autograd.graph.saved_tensors_hooks`` and,
+as a ``TorchDispatchMode``, follows two properties of every tensor through the ops:
+
+- *sharded*: computed from a parameter that tensor parallelism shards (a column-parallel weight,
+  the vocabulary-parallel embedding / lm head), and not yet reduced (a row-parallel linear or a
+  vocab-parallel embedding clears it on its output, where the all-reduce happens). Saved tensors
+  with it shrink by ``tp``; the others (norm inputs, the residual stream, the inputs of the
+  column-parallel linears, dropout masks on the residual) are Korthikanti's replicated part.
+- *core*: computed by the attention core, i.e. from an activation x activation matmul (q k^T) up to
+  the next one (attention-over-V), which ends it. Tensors saved only by the core (scores, softmax,
+  dropout mask on the scores) are what selective recomputation drops; the core's inputs q, k, v
+  are kept. The fused SDPA stand-in marks what its kernel saves (output, log-sum-exp) the same way.
+
+Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
+counts once. Parameters and buffers are not activations and are never counted. Bytes are the
+storage's bytes at the dtype it was created in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["SavedRecorder", "SavedTotals", "storage_key"]
+
+_aten = torch.ops.aten
+# Matmuls whose two operands may both be activations (attention's q k^T and probs @ v).
+_MATMULS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.baddbmm: (1, 2), _aten.addmm: (1, 2)}
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity for the storage behind ``tensor`` (views of one storage share it)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return id(tensor)
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return tensor.numel() * tensor.element_size()
+
+
+@dataclass(slots=True)
+class _Saved:
+    nbytes: int
+    tag: str
+    sharded: bool
+    only_core: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedTotals:
+    """Saved bytes of one tag (one layer), storages de-duplicated.
+
+    Attributes:
+        total_bytes: everything saved for backward.
+        replicated_bytes: the part tensor parallelism does not shard.
+        core_bytes: the part saved only by the attention core (dropped by selective recompute).
+        core_replicated_bytes: the replicated part of ``core_bytes``.
+    """
+
+    total_bytes: int
+    replicated_bytes: int
+    core_bytes: int
+    core_replicated_bytes: int
+
+
+class SavedRecorder(TorchDispatchMode):
+    """Record saved tensors by storage; propagate the sharded and core properties through ops.
+
+    Args:
+        excluded: tensors that are not activations (parameters, buffers); storages compared.
+        sharded_params: parameters tensor parallelism shards (their products are sharded).
+    """
+
+    def __init__(
+        self, excluded: Iterable[torch.Tensor], sharded_params: Iterable[torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self._excluded = {storage_key(t) for t in excluded}
+        self._sharded = {storage_key(t) for t in sharded_params}
+        self._core: set[int] = set()
+        self._core_inputs: set[int] | None = None
+        self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
+        self._saved: dict[int, _Saved] = {}
+        self.tag = ""
+        self.forward_active = True
+        self.core_fwd_flops: dict[str, int] = {}
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
+        self._excluded.update(storage_key(t) for t in tensors)
+
+    # -- saved tensors -------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook: note the tensor's storage, return the tensor unchanged."""
+        key = storage_key(tensor)
+        if key in self._excluded:
+            return tensor
+        in_core = self._core_inputs is not None and key not in self._core_inputs
+        is_core = in_core or key in self._core
+        entry = self._saved.get(key)
+        if entry is None:
+            self._alive.append(tensor)
+            entry = _Saved(_storage_nbytes(tensor), self.tag, key in self._sharded, is_core)
+            self._saved[key] = entry
+        else:
+            entry.sharded = entry.sharded or key in self._sharded
+            entry.only_core = entry.only_core and is_core
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        """The unpack hook (identity)."""
+        return tensor
+
+    @contextlib.contextmanager
+    def attention_core(self, inputs: tuple) -> Iterator[None]:
+        """While active, tensors saved (other than ``inputs``) belong to the attention core."""
+        previous = self._core_inputs
+        self._core_inputs = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        try:
+            yield
+        finally:
+            self._core_inputs = previous
+
+    def clear_sharded(self, tensors: Any) -> None:
+        """Mark ``tensors`` (a pytree) as reduced over tp: replicated from here on."""
+        for leaf in tree_flatten(tensors)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._sharded.discard(storage_key(leaf))
+
+    def totals(self, tag: str) -> SavedTotals:
+        """Sum the storages first saved under ``tag``."""
+        entries = [e for e in self._saved.values() if e.tag == tag]
+        return SavedTotals(
+            total_bytes=sum(e.nbytes for e in entries),
+            replicated_bytes=sum(e.nbytes for e in entries if not e.sharded),
+            core_bytes=sum(e.nbytes for e in entries if e.only_core),
+            core_replicated_bytes=sum(e.nbytes for e in entries if e.only_core and not e.sharded),
+        )
+
+    # -- property propagation ------------------------------------------------------------------
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        keys = [storage_key(t) for t in inputs]
+        sharded = any(k in self._sharded for k in keys)
+        core = any(k in self._core for k in keys)
+        if self.forward_active and self._is_activation_matmul(func, args):
+            # q k^T starts the core; probs @ v (one operand already core) ends it.
+            self.core_fwd_flops[self.tag] = self.core_fwd_flops.get(self.tag, 0) + int(
+                flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            )
+            core = not core
+        if sharded or core:
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    self._alive.append(leaf)
+                    key = storage_key(leaf)
+                    if sharded:
+                        self._sharded.add(key)
+                    if core:
+                        self._core.add(key)
+        return out
+
+    def _is_activation_matmul(self, func: Any, args: tuple) -> bool:
+        operands = _MATMULS.get(func.overloadpacket)
+        if operands is None:
+            return False
+        pair = [args[i] for i in operands]
+        return all(
+            isinstance(t, torch.Tensor)
+            and t.requires_grad
+            and storage_key(t) not in self._excluded
+            for t in pair
+        )

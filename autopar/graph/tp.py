@@ -1,0 +1,134 @@
+"""Tensor-parallel structure of a layer, by the names of its linears (Megatron's split).
+
+In a block, the linears that open a sharded region are column-parallel (q/k/v projections, the
+MLP's up and gate projections) and those that close it row-parallel (attention output, MLP down
+projection); norms run sequence-parallel. The token embedding and the lm head shard over the
+vocabulary. Names known: the zoo's (``wq wk wv wo w1 w2 w3``), HF Llama-family (``q_proj k_proj
+v_proj o_proj gate_proj up_proj down_proj``) and a few common ones (``fc1/fc2``, ``query/key/value``
+with ``out_proj``). Only ``nn.Linear`` qualifies: torch's ParallelStyles shard Linear and Embedding.
+GPT-2's HF ``Conv1D`` modules (and its fused ``c_attn`` q/k/v, which a plain column split would cut
+across q, k and v) are left out, so such a block gets no TP structure (replicated over tp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from autopar.graph.types import TPStructure
+
+__all__ = [
+    "COLWISE_NAMES",
+    "ROWWISE_NAMES",
+    "block_tp",
+    "embedding_tp",
+    "head_tp",
+    "is_norm",
+    "sharded_modules",
+]
+
+COLWISE_NAMES = frozenset(
+    {
+        "wq", "wk", "wv", "w1", "w3",
+        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+        "query", "key", "value", "fc1", "fc_in", "dense_h_to_4h",
+    }
+)  # fmt: skip
+ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out",
+                           "dense_4h_to_h"})  # fmt: skip
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a LayerNorm / RMSNorm (torch's or a model's own, by class name)."""
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    name = type(module).__name__.lower()
+    return name.endswith(("layernorm", "rmsnorm"))
+
+
+def _named(model: nn.Module, fqns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    for root in fqns:
+        for name, module in model.get_submodule(root).named_modules():
+            found.append((f"{root}.{name}" if name else root, module))
+    return found
+
+
+def block_tp(
+    model: nn.Module, fqn: str, *, heads: int, kv_heads: int, seq_len: int, dtype_bytes: int
+) -> TPStructure:
+    """TP structure of block ``fqn``: colwise/rowwise linears by name, norms, all-reduce bytes.
+
+    A block with no column- or no row-parallel linear gets an empty structure (replicated).
+    ``allreduce_fwd_bytes`` is one all-reduce of each row-parallel output per sample,
+    ``s * out_features * bytes``: ``2 s h bytes`` for a transformer block (Megatron-LM SC'21).
+
+    Args:
+        model: the model.
+        fqn: the block's FQN.
+        heads: attention heads of the block.
+        kv_heads: key/value heads.
+        seq_len: tokens per sample.
+        dtype_bytes: bytes per element of the activations.
+
+    Returns:
+        The TPStructure.
+    """
+    colwise, rowwise, sequence, allreduce = [], [], [], 0
+    for name, module in _named(model, [fqn]):
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, nn.Linear) and leaf in COLWISE_NAMES:
+            colwise.append(name)
+        elif isinstance(module, nn.Linear) and leaf in ROWWISE_NAMES:
+            rowwise.append(name)
+            allreduce += seq_len * module.out_features * dtype_bytes
+        elif is_norm(module):
+            sequence.append(name)
+    if not colwise or not rowwise:
+        return TPStructure(heads=heads, kv_heads=kv_heads)
+    return TPStructure(
+        colwise=tuple(colwise),
+        rowwise=tuple(rowwise),
+        sequence=tuple(sequence),
+        heads=heads,
+        kv_heads=kv_heads,
+        allreduce_fwd_bytes=allreduce,
+    )
+
+
+def embedding_tp(
+    model: nn.Module, fqns: Sequence[str], *, vocab: int, seq_len: int, dtype_bytes: int
+) -> TPStructure:
+    """The embedding layer: the token embedding (``vocab`` rows) is vocabulary-parallel.
+
+    Its output is all-reduced over tp: ``s * h * bytes`` per sample.
+    """
+    vocab_parallel, allreduce = [], 0
+    for name, module in _named(model, fqns):
+        if isinstance(module, nn.Embedding) and vocab and module.num_embeddings == vocab:
+            vocab_parallel.append(name)
+            allreduce += seq_len * module.embedding_dim * dtype_bytes
+    return TPStructure(vocab_parallel=tuple(vocab_parallel), allreduce_fwd_bytes=allreduce)
+
+
+def head_tp(model: nn.Module, fqns: Sequence[str], *, vocab: int) -> TPStructure:
+    """The head: the final norm runs sequence-parallel, the lm head (``vocab`` outputs) is
+    vocabulary-parallel (its logits stay sharded into a vocab-parallel loss)."""
+    vocab_parallel, sequence = [], []
+    for name, module in _named(model, fqns):
+        if isinstance(module, nn.Linear) and vocab and module.out_features == vocab:
+            vocab_parallel.append(name)
+        elif is_norm(module):
+            sequence.append(name)
+    return TPStructure(vocab_parallel=tuple(vocab_parallel), sequence=tuple(sequence))
+
+
+def sharded_modules(model: nn.Module, tps: Sequence[TPStructure]) -> dict[str, str]:
+    """FQN -> "colwise" | "rowwise" | "vocab" for every sharded module in ``tps``."""
+    result: dict[str, str] = {}
+    for tp in tps:
+        result.update(dict.fromkeys(tp.colwise, "colwise"))
+        result.update(dict.fromkeys(tp.rowwise, "rowwise"))
+        result.update(dict.fromkeys(tp.vocab_parallel, "vocab"))
+    return result

@@ -1,0 +1,247 @@
+"""Build Hugging Face transformers models from a config alone (no download), on meta by default.
+
+``from_hf_config`` accepts a config object, a dict, or a path to a ``config.json``; it builds
+``AutoModelForCausalLM.from_config`` under ``torch.device(device)`` with ``use_cache=False`` (the
+KV cache is for generation; it also breaks tracing). ``hf_tp_structure`` reads the sizes and the
+module layout (the decoder-layer ModuleList, embedding, lm head, which linears shard column- or
+row-wise) that the profiler and runtime need. transformers is an optional dependency.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError, UnknownModelError
+
+__all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
+
+# Last FQN component of a linear inside a decoder layer -> its tensor-parallel style. Column-wise:
+# input projections (q, k, v, gate, up, fc in); row-wise: output projections (o, down, fc out).
+# Fused projections (qkv in one matrix, gate+up in one) are listed apart: a plain column split
+# of them would mix q with k/v, so they need a layout-aware split.
+_COLWISE = frozenset(
+    {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h",
+     "w1", "w3", "fc_in", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv"}
+)  # fmt: skip
+_ROWWISE = frozenset(
+    {"o_proj", "down_proj", "fc2", "c_proj", "dense_4h_to_h", "out_proj", "dense", "w2",
+     "fc_out", "o", "wo"}
+)  # fmt: skip
+_FUSED = frozenset({"qkv_proj", "query_key_value", "c_attn", "gate_up_proj", "Wqkv", "qkv"})
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise AutoparError(
+            "building a model from an HF config needs transformers: pip install 'autopar[hf]'"
+        ) from None
+    return transformers
+
+
+def load_hf_config(config: Any) -> Any:
+    """Turn a config object, dict, or JSON path into a transformers ``PretrainedConfig``.
+
+    Args:
+        config: a ``PretrainedConfig``, a dict with ``model_type``, or a path to a config JSON
+            (a file, or a directory holding ``config.json``).
+
+    Returns:
+        The config, with ``use_cache=False``.
+
+    Raises:
+        AutoparError: transformers is not installed, or the file cannot be read.
+        UnknownModelError: no ``model_type``, or one this transformers does not know.
+    """
+    transformers = _transformers()
+    if isinstance(config, transformers.PretrainedConfig):
+        config = config.to_dict()
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise AutoparError(f"cannot read HF config {path}: {err}") from None
+    if not isinstance(config, Mapping) or "model_type" not in config:
+        raise UnknownModelError('an HF config needs a \'model_type\' key (e.g. "llama", "gpt2")')
+    data = dict(config)
+    model_type = data.pop("model_type")
+    known = transformers.CONFIG_MAPPING.keys()
+    if model_type not in known:
+        close = difflib.get_close_matches(str(model_type), list(known), n=3)
+        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise UnknownModelError(
+            f"transformers {transformers.__version__} does not know model_type "
+            f"{model_type!r}.{hint} Upgrade transformers or check the config"
+        )
+    data["use_cache"] = False
+    return transformers.AutoConfig.for_model(model_type, **data)
+
+
+def from_hf_config(
+    config: Any,
+    *,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> nn.Module:
+    """Build a causal-LM transformers model from its config, without downloading weights.
+
+    Args:
+        config: a ``PretrainedConfig``, a dict, or a path to ``config.json`` (see
+            ``load_hf_config``).
+        device: default device while building ("meta": no memory).
+        dtype: parameter dtype (None: float32, transformers' default for ``from_config``).
+        seed: on a real device, seed torch's generator for the init (restored afterwards).
+
+    Returns:
+        The model (``AutoModelForCausalLM.from_config``), in train mode.
+
+    Raises:
+        AutoparError: transformers missing, or the family has no causal-LM class.
+        UnknownModelError: unknown ``model_type``.
+
+    Example:
+        >>> model = from_hf_config({"model_type": "llama", "hidden_size": 64,
+        ...     "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        ...     "vocab_size": 256})
+    """
+    transformers = _transformers()
+    cfg = load_hf_config(config)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
+        except ValueError as err:
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            raise AutoparError(
+                f"HF model_type {cfg.model_type!r} has no causal-LM model in transformers; "
+                f"autopar plans decoder-only language models"
+            ) from None
+    model.train()
+    return model
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HFStructure:
+    """Sizes and module layout of a transformers causal LM.
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        hidden: model width h.
+        heads: attention heads.
+        kv_heads: key/value heads (== heads without GQA).
+        ffn_hidden: MLP inner width (0 when the config does not say).
+        vocab: vocabulary size.
+        num_layers: decoder layers.
+        layers_fqn: FQN of the decoder-layer ModuleList ("model.layers", "transformer.h", ...).
+        embedding_fqn: FQN of the token embedding.
+        lm_head_fqn: FQN of the output projection ("" if none found).
+        tied_embeddings: whether the lm head shares the embedding's weight.
+        colwise: linears inside one decoder layer (relative FQNs) to shard column-wise.
+        rowwise: linears inside one decoder layer to shard row-wise.
+        fused: fused projections (qkv, gate+up) that need a layout-aware split.
+        other: linears not recognised (kept replicated unless the caller knows better).
+    """
+
+    model_type: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    num_layers: int
+    layers_fqn: str
+    embedding_fqn: str
+    lm_head_fqn: str
+    tied_embeddings: bool
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    fused: tuple[str, ...]
+    other: tuple[str, ...]
+
+
+def _layers_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    # The decoder stack is the longest ModuleList of same-class modules.
+    best: tuple[str, nn.ModuleList] | None = None
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            same = len({type(m) for m in module}) == 1
+            if same and (best is None or len(module) > len(best[1])):
+                best = (fqn, module)
+    if best is None:
+        raise AutoparError(f"{type(model).__name__} has no ModuleList of decoder layers")
+    return best
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _classify(layer: nn.Module) -> dict[str, tuple[str, ...]]:
+    groups: dict[str, list[str]] = {"colwise": [], "rowwise": [], "fused": [], "other": []}
+    for fqn, module in layer.named_modules():
+        if not _is_linear(module):
+            continue
+        leaf = fqn.rsplit(".", 1)[-1]
+        group = (
+            "fused" if leaf in _FUSED
+            else "colwise" if leaf in _COLWISE
+            else "rowwise" if leaf in _ROWWISE
+            else "other"
+        )  # fmt: skip
+        groups[group].append(fqn)
+    return {k: tuple(v) for k, v in groups.items()}
+
+
+def _fqn_of(model: nn.Module, target: nn.Module | None) -> str:
+    if target is None:
+        return ""
+    return next((fqn for fqn, m in model.named_modules() if m is target), "")
+
+
+def hf_tp_structure(model: nn.Module) -> HFStructure:
+    """Read sizes and layout from a transformers causal LM (any device, meta included).
+
+    Args:
+        model: a model from ``from_hf_config`` (or any ``PreTrainedModel`` causal LM).
+
+    Returns:
+        The HFStructure.
+    """
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None)
+    if ffn is None and hasattr(cfg, "n_inner"):
+        ffn = cfg.n_inner or 4 * int(cfg.hidden_size)  # GPT-2 family: n_inner None means 4h
+    layers_fqn, layers = _layers_list(model)
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = bool(head is not None and embedding is not None and head.weight is embedding.weight)
+    return HFStructure(
+        model_type=str(cfg.model_type),
+        hidden=int(cfg.hidden_size),
+        heads=heads,
+        kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        ffn_hidden=int(ffn or 0),
+        vocab=int(cfg.vocab_size),
+        num_layers=len(layers),
+        layers_fqn=layers_fqn,
+        embedding_fqn=_fqn_of(model, embedding),
+        lm_head_fqn=_fqn_of(model, head),
+        tied_embeddings=tied,
+        **_classify(layers[0]),
+    )

@@ -1,0 +1,259 @@
+"""Text reports of plans and estimates (rich), and the alternatives' deltas in words.
+
+Units shown: bytes as GiB/TiB (binary, as device memory is sold and reported by torch), times in
+s/ms/us, parameters and tokens with k/M/B suffixes. The report reads only the records: a Plan, a
+ParallelConfig, an Estimate, and ``Alternative`` records computed by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.estimate import Estimate
+
+__all__ = [
+    "TIME_TERMS",
+    "Alternative",
+    "describe_alternative",
+    "format_bytes",
+    "format_count",
+    "format_time",
+    "render_report",
+]
+
+# TimeBreakdown field -> words; the order of the report's time table.
+TIME_TERMS: tuple[tuple[str, str], ...] = (
+    ("compute_s", "compute"),
+    ("recompute_s", "recompute"),
+    ("tp_comm_s", "TP communication (exposed)"),
+    ("dp_comm_s", "DP communication (exposed)"),
+    ("pp_comm_s", "PP communication (exposed)"),
+    ("bubble_s", "pipeline bubble"),
+    ("optimizer_s", "optimizer step"),
+)
+MEMORY_KINDS: tuple[tuple[str, str], ...] = (
+    ("parameters_bytes", "params"),
+    ("gradients_bytes", "grads"),
+    ("optimizer_bytes", "optim"),
+    ("activations_bytes", "activ"),
+    ("buffers_bytes", "buffers"),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alternative:
+    """Another split, compared with the chosen one.
+
+    Attributes:
+        label: what differs, in a few words (e.g. "tp=16", "pure DP (dp=64)").
+        config: the alternative's config (None when it could not be built).
+        estimate: its Estimate (None when it could not be estimated).
+        reason: why it has no estimate (e.g. "heads 12 not divisible by tp 8").
+    """
+
+    label: str
+    config: ParallelConfig | None = None
+    estimate: Estimate | None = None
+    reason: str = ""
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1.5 GiB``-style text (binary units)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"
+
+
+def format_time(seconds: float) -> str:
+    """``12.3 s`` / ``45.6 ms`` / ``7.8 us`` (``0`` for nothing)."""
+    if seconds == 0:
+        return "0"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def format_count(count: float) -> str:
+    """``175.0B`` / ``6.7M`` / ``950`` (decimal suffixes)."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= scale:
+            return f"{count / scale:.1f}{suffix}"
+    return f"{count:.0f}"
+
+
+def config_label(config: ParallelConfig, reference: ParallelConfig) -> str:
+    """The fields where ``config`` differs from ``reference``, as ``name=value`` words."""
+    ours, theirs = config.to_dict(), reference.to_dict()
+    parts = [f"{k}={v}" for k, v in ours.items() if theirs.get(k) != v]
+    return " ".join(parts) or "same split"
+
+
+def describe_alternative(
+    alternative: Alternative, best: Estimate, *, gpus_per_node: int | None = None
+) -> str:
+    """One line saying how an alternative compares with the chosen split.
+
+    Examples: ``"tp=16 dp=4: crosses nodes; step +38%: TP communication 0.21 s -> 0.52 s"``,
+    ``"pure DP (dp=64): needs 1.9 TiB per GPU (capacity 76.0 GiB)"``.
+
+    Args:
+        alternative: the other split and its estimate.
+        best: the chosen split's estimate.
+        gpus_per_node: GPUs a node, to say when tensor parallelism crosses nodes.
+    """
+    label = alternative.label
+    est = alternative.estimate
+    if est is None:
+        return f"{label}: {alternative.reason or 'could not be estimated'}"
+    notes = []
+    cfg = alternative.config
+    if cfg is not None and gpus_per_node and cfg.tp > gpus_per_node:
+        notes.append("crosses nodes")
+    if not est.fits:
+        notes.append(
+            f"needs {format_bytes(est.memory_per_gpu_bytes)} per GPU "
+            f"(capacity {format_bytes(est.memory_capacity_bytes)})"
+        )
+        return f"{label}: " + "; ".join(notes)
+    change = est.step_time_s / best.step_time_s - 1 if best.step_time_s > 0 else 0.0
+    words = f"step {change * 100:+.0f}%" if abs(change) >= 0.01 else f"step {change * 100:+.1f}%"
+    deltas = [
+        (getattr(est.time_breakdown, f) - getattr(best.time_breakdown, f), f, name)
+        for f, name in TIME_TERMS
+    ]
+    grow, field, name = max(deltas) if change >= 0 else min(deltas)
+    if abs(grow) > 0.005 * max(best.step_time_s, 1e-12):
+        before, after = getattr(best.time_breakdown, field), getattr(est.time_breakdown, field)
+        words += f": {name.split(' (')[0]} {format_time(before)} -> {format_time(after)}"
+    mem_ratio = est.memory_per_gpu_bytes / max(best.memory_per_gpu_bytes, 1.0)
+    if abs(mem_ratio - 1) > 0.1:
+        words += (
+            f"; memory {format_bytes(best.memory_per_gpu_bytes)} -> "
+            f"{format_bytes(est.memory_per_gpu_bytes)}"
+        )
+    return f"{label}: " + "; ".join([*notes, words])
+
+
+def _summary_lines(config: ParallelConfig, est: Estimate) -> list[str]:
+    mfu = f"{est.mfu * 100:.1f}%"
+    return [
+        f"[bold]Split[/bold]  {config.describe()}",
+        f"  global batch {config.global_batch} = dp {config.dp} x micro-batch "
+        f"{config.micro_batch} x {config.num_microbatches} micro-batches",
+        f"[bold]Step[/bold] {format_time(est.step_time_s)}   "
+        f"[bold]tokens/s[/bold] {format_count(est.tokens_per_s)}   "
+        f"[bold]TFLOP/s per GPU[/bold] {est.tflops_per_gpu:.1f} "
+        f"(hardware {est.hardware_tflops_per_gpu:.1f})   [bold]MFU[/bold] {mfu}",
+        f"[bold]Memory[/bold] {format_bytes(est.memory_per_gpu_bytes)} of "
+        f"{format_bytes(est.memory_capacity_bytes)} per GPU "
+        f"({'fits' if est.fits else '[red]does not fit[/red]'})",
+        f"[bold]Binding[/bold] {est.binding or 'n/a'}",
+    ]
+
+
+def _layer_text(ranges: Sequence[Sequence[int]]) -> str:
+    """``0-12`` or ``0-5,24-29`` (interleaved chunks), then the layer count."""
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    return f"{','.join(parts)} ({sum(b - a + 1 for a, b in ranges)})"
+
+
+def _table(title: str) -> Any:
+    """A rich Table drawn with ASCII characters (logs, pasted transcripts)."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, title_justify="left", box=box.MARKDOWN, show_edge=False)
+
+
+def stage_table(est: Estimate) -> Any:
+    """Per pipeline rank: layers, parameters, memory by kind against capacity, time."""
+    table = _table("Per pipeline rank (layers: profile layer indices, count)")
+    table.add_column("rank", justify="right")
+    table.add_column("layers")
+    table.add_column("params", justify="right")
+    for _, head in MEMORY_KINDS:
+        table.add_column(head, justify="right")
+    table.add_column("total / capacity", justify="right")
+    table.add_column("time/mb", justify="right")
+    for stage in est.stages:
+        mem = stage.memory
+        share = stage.memory_bytes / max(est.memory_capacity_bytes, 1.0)
+        total = f"{format_bytes(stage.memory_bytes)} ({share * 100:.0f}%)"
+        table.add_row(
+            str(stage.rank),
+            _layer_text(stage.layers),
+            format_count(stage.num_params),
+            *(format_bytes(getattr(mem, field)) for field, _ in MEMORY_KINDS),
+            f"[red]{total}[/red]" if share > 1 else total,
+            format_time(stage.time_per_microbatch_s),
+        )
+    return table
+
+
+def time_table(est: Estimate) -> Any:
+    """The step time by term, with shares."""
+    table = _table("Where the step time goes")
+    table.add_column("term")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    step = max(est.step_time_s, 1e-30)
+    for field, name in TIME_TERMS:
+        value = getattr(est.time_breakdown, field)
+        table.add_row(name, format_time(value), f"{value / step * 100:.1f}%")
+    table.add_row("[bold]step[/bold]", format_time(est.step_time_s), "100.0%")
+    return table
+
+
+def render_report(
+    console: Any,
+    config: ParallelConfig,
+    est: Estimate,
+    *,
+    title: str = "",
+    plan: Any | None = None,
+    alternatives: Sequence[Alternative] = (),
+    gpus_per_node: int | None = None,
+) -> None:
+    """Print the full report of one split to a rich console.
+
+    Args:
+        console: a ``rich.console.Console``.
+        config: the split.
+        est: its estimate.
+        title: a first line (model and cluster).
+        plan: the Plan when there is one (adds layer names and how the search went).
+        alternatives: other splits to compare, best first.
+        gpus_per_node: GPUs a node (to say when tp crosses nodes).
+    """
+    if title:
+        console.print(f"[bold]{title}[/bold]")
+    for line in _summary_lines(config, est):
+        console.print(line)
+    console.print()
+    if est.stages:
+        console.print(stage_table(est))
+        console.print()
+    console.print(time_table(est))
+    if alternatives:
+        console.print()
+        console.print("[bold]Alternatives[/bold]")
+        for alt in alternatives:
+            line = describe_alternative(alt, est, gpus_per_node=gpus_per_node)
+            console.print(f"  - {line}", markup=False)
+    search = getattr(plan, "search", None)
+    if search is not None and search.candidates_considered:
+        gap = "optimal" if search.optimal else f"gap {search.mip_gap * 100:.1f}%"
+        limit = ", time limit hit" if search.time_limit_hit else ""
+        console.print()
+        console.print(
+            f"Search: {search.candidates_considered} candidates, {search.candidates_pruned} "
+            f"pruned, {search.ilps_solved} ILPs ({gap}{limit})"
+        )

@@ -1,0 +1,317 @@
+"""apply_plan: turn a Plan into this rank's sharded modules and pipeline schedule.
+
+Order (STYLE.md section 6): PP split -> TP -> recompute (AC) -> DP, one ``apply_<axis>`` per mesh
+axis, each a no-op at degree 1. ``check_plan_runnable`` raises every error it can before any
+process group exists, so the launcher calls it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
+from autopar.runtime.pipeline_parallel import (
+    ModelStructure,
+    build_schedule,
+    build_stages,
+    find_structure,
+    split_stage,
+)
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.tensor_parallel import (
+    NORM_TYPES,
+    apply_tensor_parallel,
+    build_tp_plan,
+    default_tp_layout,
+    resolve_layout,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.models.spec import ModelSpec
+    from autopar.plan import Plan, StagePlan
+
+__all__ = ["ParallelizedModel", "apply_plan", "check_plan_runnable"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelizedModel:
+    """This rank's share of a model under a plan.
+
+    Attributes:
+        model_parts: the modules this rank owns (one per pipeline stage it runs, model order; one
+            when pp == 1). Give ``[p for m in model_parts for p in m.parameters()]`` to the
+            optimizer and ``model_parts`` to ``torch.distributed.checkpoint``. A part may be a
+            ``DistributedDataParallel`` wrapper (zero 0, pp == 1): its FQNs carry ``module.``.
+        schedule: the torch pipelining schedule (pp > 1), else None.
+        stages: the ``PipelineStage`` objects (pp > 1), else empty.
+        has_first_stage: this rank runs the model's first stage (it takes the tokens).
+        has_last_stage: this rank runs the last stage (it takes the labels, computes the loss).
+        plan: the plan applied.
+        mesh: the ("pp", "dp", "tp") mesh.
+        loss_fn: ``loss_fn(logits, labels) -> scalar`` (mean token cross entropy by default).
+        stage_indices: the stage indices of ``model_parts``.
+        autocast_dtype: dtype for ``torch.autocast`` around the forward, or None (fp32, or FSDP2
+            mixed precision, which casts by itself).
+    """
+
+    model_parts: tuple[nn.Module, ...]
+    schedule: Any
+    stages: tuple[Any, ...]
+    has_first_stage: bool
+    has_last_stage: bool
+    plan: Plan
+    mesh: DeviceMesh
+    loss_fn: LossFn
+    stage_indices: tuple[int, ...]
+    autocast_dtype: torch.dtype | None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """All parameters of ``model_parts`` (for the optimizer)."""
+        return [p for part in self.model_parts for p in part.parameters()]
+
+
+
+def _spec_of(model_or_spec: nn.Module | ModelSpec) -> ModelSpec | None:
+    if isinstance(model_or_spec, nn.Module):
+        return getattr(model_or_spec, "autopar_spec", None)
+    return model_or_spec
+
+
+def _has_tied_params(model: nn.Module) -> bool:
+    seen: set[int] = set()
+    for _module_fqn, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                return True
+            seen.add(id(param))
+    return False
+
+
+def _check_spec(spec: ModelSpec, plan: Plan) -> None:
+    cfg = plan.config
+    if plan.num_layers != spec.layers + 2:
+        raise PlanMismatchError(
+            f"the plan covers {plan.num_layers} layers but the model has {spec.layers} blocks "
+            f"(+ embedding and head = {spec.layers + 2}); make the plan for this model"
+        )
+    if cfg.tp > 1:
+        for name in ("heads", "kv_heads"):
+            value = getattr(spec, name)
+            if value and value % cfg.tp:
+                raise AutoparError(
+                    f"tp={cfg.tp} does not divide {name}={value}: tensor parallelism shards "
+                    f"attention heads; use a tp that divides {value}"
+                )
+        if cfg.sequence_parallel and spec.seq_len % cfg.tp:
+            raise AutoparError(
+                f"sequence parallelism with tp={cfg.tp} needs seq_len divisible by tp "
+                f"(seq_len={spec.seq_len}); change tp or the sequence length"
+            )
+
+
+def _check_schedule(plan: Plan) -> None:
+    cfg = plan.config
+    n_mb = cfg.num_microbatches
+    if cfg.pp == 1:
+        return
+    if cfg.schedule == "1f1b" and n_mb < cfg.pp:
+        raise AutoparError(
+            f"schedule 1f1b needs at least pp={cfg.pp} micro-batches, got {n_mb} "
+            "(global_batch / (dp * micro_batch)); raise the global batch or lower micro_batch"
+        )
+    if cfg.schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
+        rounds = max(1, n_mb // cfg.pp)
+        if n_mb % rounds:
+            raise AutoparError(
+                f"schedule {cfg.schedule} needs the micro-batch count ({n_mb}) to be a multiple "
+                f"of n_mb // pp = {rounds}; use a multiple of pp={cfg.pp} micro-batches"
+            )
+
+
+def _check_model(model: nn.Module, plan: Plan) -> None:
+    cfg = plan.config
+    structure = find_structure(model)
+    if plan.num_layers != len(structure.block_keys) + 2:
+        raise PlanMismatchError(
+            f"the plan covers {plan.num_layers} layers but the model has "
+            f"{len(structure.block_keys)} blocks (+ embedding and head); make the plan for "
+            "this model"
+        )
+    if _has_tied_params(model) and (cfg.pp > 1 or cfg.tp > 1):
+        raise AutoparError(
+            "the model ties its lm head to its token embedding, which autopar cannot split over "
+            "pp > 1 or tp > 1; build the model with tie_embeddings=False or use dp only"
+        )
+    if cfg.tp > 1:
+        layout = plan.tp_layout or default_tp_layout(model, structure.container)
+        sp = cfg.sequence_parallel
+        build_tp_plan(model, layout, container=structure.container, sp=sp,
+                      first_block=structure.first_block)
+        if sp:
+            resolved = resolve_layout(model, layout)
+            for fqn, module in model.named_modules():
+                if isinstance(module, NORM_TYPES) and resolved.get(fqn) != "sequence":
+                    raise AutoparError(
+                        f"sequence parallelism needs every norm in the tp_layout as 'sequence'; "
+                        f"{fqn} is not: fix the plan's tp_layout or turn sequence_parallel off"
+                    )
+    for stage in plan.stages:
+        for offset, mode in enumerate(stage.recompute):
+            layer = stage.layers[0] + offset
+            if mode == "selective" and 1 <= layer <= len(structure.block_keys):
+                block = model.get_submodule(
+                    structure.block_fqn(structure.block_keys[layer - 1])
+                )
+                apply_recompute_check(block, layer)
+
+
+def apply_recompute_check(block: nn.Module, layer: int) -> None:
+    """Raise if selective recomputation cannot find the attention of profile layer ``layer``."""
+    from autopar.runtime.recompute import ATTENTION_NAMES, find_attention
+
+    if find_attention(block) is None:
+        raise AutoparError(
+            f"selective recomputation of layer {layer} needs an attention child named one of "
+            f"{ATTENTION_NAMES}; use recompute 'full' or 'none' for this model"
+        )
+
+
+def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
+    """Raise an AutoparError if the runtime cannot run ``plan`` on this model.
+
+    Call it before starting processes: it needs no process group. With a ModelSpec it checks the
+    shape (layers, heads, kv heads, sequence length against tp); with a model (meta device is
+    fine) it also checks the block container, tied weights, the tp_layout against the modules,
+    and selective recomputation.
+
+    Args:
+        model_or_spec: the model (any device) or its ``ModelSpec``.
+        plan: the plan.
+
+    Raises:
+        AutoparError: with a one-line message saying what is wrong and what to do.
+    """
+    spec = _spec_of(model_or_spec)
+    if spec is not None:
+        _check_spec(spec, plan)
+        if spec.tie_embeddings and (plan.config.pp > 1 or plan.config.tp > 1):
+            raise AutoparError(
+                "the model ties its lm head to its token embedding, which autopar cannot split "
+                "over pp > 1 or tp > 1; build it with tie_embeddings=False or use dp only"
+            )
+    _check_schedule(plan)
+    if isinstance(model_or_spec, nn.Module):
+        _check_model(model_or_spec, plan)
+
+
+def _default_loss() -> LossFn:
+    from autopar.models.transformer import cross_entropy_loss
+
+    return cross_entropy_loss
+
+
+def _owned_block_fqns(stage: StagePlan, structure: ModelStructure) -> dict[str, str]:
+    # Block FQN -> recompute choice for the blocks in the stage's profile-layer range.
+    choices: dict[str, str] = {}
+    num_blocks = len(structure.block_keys)
+    for offset, layer in enumerate(range(stage.layers[0], stage.layers[1] + 1)):
+        if 1 <= layer <= num_blocks:
+            choices[structure.block_fqn(structure.block_keys[layer - 1])] = stage.recompute[offset]
+    return choices
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _autocast_dtype(plan: Plan) -> torch.dtype | None:
+    cfg = plan.config
+    if cfg.dtype == "fp32" or (cfg.dp > 1 and cfg.zero > 0):
+        return None  # fp32, or FSDP2's MixedPrecisionPolicy casts parameters itself
+    return TORCH_DTYPES[cfg.dtype]
+
+
+def apply_plan(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh, *, loss_fn: LossFn | None = None
+) -> ParallelizedModel:
+    """Apply ``plan`` to ``model`` on this rank: PP split -> TP -> recompute -> DP.
+
+    Args:
+        model: the full model with its weights (built from the same seed on every rank). Its
+            submodules are reused, not copied: do not use ``model`` itself afterwards.
+        plan: the plan (its world size must equal the mesh's).
+        mesh: ``build_mesh(plan)``: axes ("pp", "dp", "tp").
+        loss_fn: ``loss_fn(logits, labels) -> scalar`` mean loss; default the zoo's token cross
+            entropy.
+
+    Returns:
+        The ParallelizedModel of this rank.
+
+    Raises:
+        AutoparError: the model cannot be run under the plan (see ``check_plan_runnable``).
+
+    Example:
+        >>> mesh = build_mesh(plan, "cpu")
+        >>> pm = apply_plan(model, plan, mesh)
+        >>> opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        >>> loss = train_step(pm, tokens, labels, opt)
+    """
+    check_plan_runnable(model, plan)
+    cfg = plan.config
+    loss = loss_fn or _default_loss()
+    structure = find_structure(model)
+    pp_rank = mesh["pp"].get_local_rank()
+    stage_plans = plan.stages_for_rank(pp_rank)
+    # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
+    parts = [split_stage(model, s, structure) for s in stage_plans] if cfg.pp > 1 else [model]
+    layout = plan.tp_layout or default_tp_layout(model, structure.container)
+    wrapped: list[nn.Module] = []
+    for part, stage_plan in zip(parts, stage_plans):
+        # [TP] parallelize_module by the plan's layout.
+        apply_tensor_parallel(
+            part,
+            mesh["tp"],
+            layout,
+            container=structure.container,
+            sequence_parallel=cfg.sequence_parallel,
+            first_block=structure.first_block,
+        )
+        # [AC] per-block recomputation.
+        choices = _owned_block_fqns(stage_plan, structure)
+        blocks = {fqn: part.get_submodule(fqn) for fqn in choices}
+        apply_recompute(blocks, choices)
+        # [DP] by ZeRO stage.
+        wrapped.append(apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg))
+    indices = tuple(s.index for s in stage_plans)
+    schedule, stages = None, ()
+    if cfg.pp > 1:
+        stages = tuple(
+            build_stages(
+                wrapped, stage_plans, cfg.num_stages, _device_of(mesh), mesh["pp"].get_group()
+            )
+        )
+        schedule = build_schedule(list(stages), plan, loss)
+    return ParallelizedModel(
+        model_parts=tuple(wrapped),
+        schedule=schedule,
+        stages=stages,
+        has_first_stage=0 in indices,
+        has_last_stage=cfg.num_stages - 1 in indices,
+        plan=plan,
+        mesh=mesh,
+        loss_fn=loss,
+        stage_indices=indices,
+        autocast_dtype=_autocast_dtype(plan),
+    )

@@ -1,0 +1,191 @@
+"""Start the workers of ``autopar run`` with torchrun and collect what rank 0 measured.
+
+The launcher runs ``python -m torch.distributed.run`` (torchrun) in a child process:
+``--standalone`` on one node, or a c10d rendezvous (``--rdzv-backend c10d --rdzv-endpoint
+host:port --nnodes N --node-rank R``) across nodes, with ``--max-restarts``. Each worker runs
+``python -m autopar.runtime.worker ARGS`` (see ``worker.py``). Everything the workers and torchrun
+print goes to this process's stderr, so stdout stays free for the one JSON document of ``--json``.
+The local rank 0 of the node appends one JSON line per step to a result file in a private
+temporary directory; after a torchrun restart the replayed steps overwrite the earlier records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.runtime.worker import WorkerArgs
+
+__all__ = ["LaunchResult", "LaunchSpec", "launch", "launch_spec_for", "torchrun_command"]
+
+# Rendezvous id shared by every node of one multi-node job (torchrun's --rdzv-id).
+RDZV_ID = "autopar"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """Where and how many workers to start.
+
+    Attributes:
+        nproc_per_node: worker processes on this node.
+        nnodes: nodes in the job (1: ``--standalone``).
+        node_rank: this node's index (0 .. nnodes - 1).
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (required when nnodes > 1).
+        max_restarts: torchrun restarts of the whole group after a worker fails.
+    """
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchResult:
+    """What one launch measured (from the node's local rank 0).
+
+    Attributes:
+        returncode: torchrun's exit code (0: every worker finished).
+        losses: global mean loss of every step this launch ran, in step order.
+        steps: the step numbers of ``losses`` (1-based).
+        step_times_s: the slowest rank's wall time of each step.
+        peak_memory_bytes: the largest per-rank peak of live tensor bytes over the launch.
+        world_size: the number of ranks (0 if no worker reported).
+        finished: the workers reached the end of training.
+    """
+
+    returncode: int
+    losses: tuple[float, ...]
+    steps: tuple[int, ...]
+    step_times_s: tuple[float, ...]
+    peak_memory_bytes: int
+    world_size: int
+    finished: bool
+
+
+def launch_spec_for(
+    *,
+    world_size: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str,
+    nproc_per_node: int | None,
+    max_restarts: int,
+) -> LaunchSpec:
+    """The launch geometry of a plan's world size, checked against the node arguments.
+
+    Raises:
+        PlanMismatchError: the nodes do not hold exactly the plan's world size.
+        AutoparError: an impossible node rank, a missing rendezvous endpoint, negative restarts.
+    """
+    if nnodes < 1:
+        raise AutoparError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise AutoparError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (--nnodes {nnodes})")
+    if max_restarts < 0:
+        raise AutoparError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise AutoparError(
+            "a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)"
+        )
+    per_node = nproc_per_node if nproc_per_node is not None else world_size // nnodes
+    if per_node < 1 or per_node * nnodes != world_size:
+        raise PlanMismatchError(
+            f"the plan needs {world_size} processes but the launch has {nnodes} node(s) x "
+            f"{per_node} process(es); use --nnodes and --nproc-per-node whose product is "
+            f"{world_size}, or a plan for {max(per_node, 1) * nnodes} processes"
+        )
+    return LaunchSpec(
+        nproc_per_node=per_node, nnodes=nnodes, node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+    )
+
+
+def torchrun_command(spec: LaunchSpec, args_path: str | Path) -> list[str]:
+    """The torchrun command line that starts this node's workers.
+
+    Args:
+        spec: the launch geometry.
+        args_path: the worker args JSON file.
+
+    Returns:
+        argv for ``subprocess``.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc_per_node}"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={RDZV_ID}",
+            f"--nnodes={spec.nnodes}",
+            f"--node-rank={spec.node_rank}",
+        ]
+    cmd += [f"--max-restarts={spec.max_restarts}", "-m", "autopar.runtime.worker", str(args_path)]
+    return cmd
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    # Make this autopar importable in the workers even when it is not installed.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _read_results(path: Path, returncode: int) -> LaunchResult:
+    by_step: dict[int, dict] = {}
+    world_size = 0
+    finished = False
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("done"):
+                finished = True
+                world_size = int(record["world_size"])
+            else:
+                by_step[int(record["step"])] = record
+    steps = tuple(sorted(by_step))
+    return LaunchResult(
+        returncode=returncode,
+        losses=tuple(float(by_step[s]["loss"]) for s in steps),
+        steps=steps,
+        step_times_s=tuple(float(by_step[s]["step_time_s"]) for s in steps),
+        peak_memory_bytes=max((int(r["peak_memory_bytes"]) for r in by_step.values()), default=0),
+        world_size=world_size,
+        finished=finished,
+    )
+
+
+def launch(worker_args: WorkerArgs, spec: LaunchSpec) -> LaunchResult:
+    """Run torchrun to completion on this node and return what the workers measured.
+
+    Args:
+        worker_args: the training job (its ``result_path`` is replaced by a private file).
+        spec: the launch geometry.
+
+    Returns:
+        The launch's results; ``returncode`` is non-zero when torchrun failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
+        result_path = Path(tmp) / "results.jsonl"
+        args_path = Path(tmp) / "worker_args.json"
+        args_path.write_text(replace(worker_args, result_path=str(result_path)).to_json())
+        proc = subprocess.run(
+            torchrun_command(spec, args_path),
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),
+            stderr=sys.stderr.fileno(),
+            env=_worker_env(),
+            check=False,
+        )
+        return _read_results(result_path, proc.returncode)

@@ -1,0 +1,182 @@
+"""Pipeline parallelism: split a model into stage modules along a plan's stage boundaries.
+
+A stage module is a shallow copy of the model's root whose non-owned parts are removed: outer
+modules (embeddings before the block container, final norm and head after it) are set to None and
+the block container keeps only the owned blocks under their original keys. No parameter is
+copied, and FQNs stay those of the full model (``layers.5.attention.wq.weight`` on whichever
+stage owns block 5), so gradients, checkpoints and tensor-parallel layouts line up across splits.
+The stage's forward is the model's own: it must run whatever parts are present (the zoo's
+convention, docs/model-structure.md). Each stage becomes a hand-built
+``torch.distributed.pipelining.PipelineStage``; the schedule class comes from the plan's
+``schedule`` name.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from autopar.errors import AutoparError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.plan import Plan, StagePlan
+
+__all__ = [
+    "CONTAINER_NAMES",
+    "ModelStructure",
+    "build_schedule",
+    "find_structure",
+    "split_stage",
+]
+
+# Attribute names recognised as the block container (zoo: "layers"; HF-like: "h", "blocks").
+CONTAINER_NAMES: tuple[str, ...] = ("layers", "blocks", "h")
+
+# Plan schedule name -> torch.distributed.pipelining class name.
+SCHEDULE_CLASSES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv-zero-bubble": "ScheduleZBVZeroBubble",
+    "dualpipe-v": "ScheduleDualPipeV",
+}
+SINGLE_STAGE_SCHEDULES = frozenset({"gpipe", "1f1b"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelStructure:
+    """Where a model keeps its parts.
+
+    Attributes:
+        container: attribute name of the block container (a ModuleDict or ModuleList).
+        block_keys: the container's keys in order ("0", "1", ...).
+        before: names of the root's children registered before the container (the
+            "embedding" layer), e.g. ("tok_embeddings", "pos_embeddings").
+        after: names registered after it (the "head" layer), e.g. ("norm", "output").
+    """
+
+    container: str
+    block_keys: tuple[str, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+
+    def block_fqn(self, key: str) -> str:
+        """FQN of a block, e.g. "layers.3"."""
+        return f"{self.container}.{key}"
+
+    @property
+    def first_block(self) -> str:
+        """FQN of the model's first block."""
+        return self.block_fqn(self.block_keys[0])
+
+
+def find_structure(model: nn.Module) -> ModelStructure:
+    """Recognise the block container and the outer modules of ``model``.
+
+    Raises:
+        AutoparError: no child named one of ``CONTAINER_NAMES`` holding blocks in a ModuleDict or
+            ModuleList.
+    """
+    names = list(model._modules)
+    for container in CONTAINER_NAMES:
+        blocks = model._modules.get(container)
+        if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)) and len(blocks) > 0:
+            index = names.index(container)
+            return ModelStructure(
+                container=container,
+                block_keys=tuple(blocks._modules),
+                before=tuple(names[:index]),
+                after=tuple(names[index + 1 :]),
+            )
+    raise AutoparError(
+        f"{type(model).__name__} has no recognised block container: autopar needs the "
+        f"transformer blocks in an nn.ModuleDict or nn.ModuleList attribute named one of "
+        f"{CONTAINER_NAMES} directly on the model"
+    )
+
+
+def _owned_blocks(stage: StagePlan, structure: ModelStructure) -> list[str]:
+    # Profile layer i (1..L) is block i-1; layer 0 is the embedding, L+1 the head.
+    first, last = stage.layers
+    num_blocks = len(structure.block_keys)
+    return [structure.block_keys[i - 1] for i in range(first, last + 1) if 1 <= i <= num_blocks]
+
+
+def split_stage(model: nn.Module, stage: StagePlan, structure: ModelStructure) -> nn.Module:
+    """The stage module for ``stage``: the model's parts in the stage's layer range.
+
+    Args:
+        model: the full model (not modified; its submodules are shared, not copied).
+        stage: the stage's plan (layer range over the profile's layers).
+        structure: ``find_structure(model)``.
+
+    Returns:
+        A shallow copy of the root with the parts outside the stage removed.
+    """
+    num_blocks = len(structure.block_keys)
+    first, last = stage.layers
+    part = copy.copy(model)
+    # Fresh registries: the shallow copy would otherwise share the dicts with ``model``.
+    part._modules = dict(model._modules)
+    part._parameters = dict(model._parameters)
+    part._buffers = dict(model._buffers)
+    for name in structure.before:
+        if first > 0:
+            part._modules[name] = None
+    for name in structure.after:
+        if last < num_blocks + 1:
+            part._modules[name] = None
+    source = model._modules[structure.container]
+    owned = _owned_blocks(stage, structure)
+    blocks = type(source)() if isinstance(source, nn.ModuleList) else nn.ModuleDict()
+    # Keep the original keys (also for a ModuleList, whose iteration follows _modules' values).
+    blocks._modules = {key: source._modules[key] for key in owned}
+    part._modules[structure.container] = blocks
+    if model._parameters and first > 0:
+        raise AutoparError(
+            f"{type(model).__name__} has parameters directly on the root module "
+            f"({', '.join(model._parameters)}); pipeline splitting needs them inside submodules"
+        )
+    return part
+
+
+def build_stages(
+    parts: list[nn.Module],
+    stage_plans: tuple[StagePlan, ...],
+    num_stages: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup,
+) -> list[Any]:
+    """Hand-built ``PipelineStage`` objects for this rank's stage modules (model order)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return [
+        PipelineStage(part, stage_plan.index, num_stages, device, group=pp_group)
+        for part, stage_plan in zip(parts, stage_plans)
+    ]
+
+
+def build_schedule(
+    stages: list[Any], plan: Plan, loss_fn: Callable[..., Any]
+) -> Any:
+    """The torch pipelining schedule of ``plan.config.schedule`` over this rank's stages.
+
+    ``n_microbatches = global_batch / (dp * micro_batch)``; gradients are scaled by
+    ``1 / n_microbatches`` (``scale_grads=True``) so the step equals one on the whole batch.
+    """
+    import torch.distributed.pipelining as pipelining
+
+    cfg = plan.config
+    cls = getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule])
+    n_mb = cfg.num_microbatches
+    if cfg.schedule in SINGLE_STAGE_SCHEDULES:
+        return cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)

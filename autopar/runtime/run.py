@@ -1,0 +1,297 @@
+"""``autopar run``: train a plan (or a given split of a model) with torchrun and report what it did.
+
+``add_run_arguments(parser)`` declares the command's arguments and ``run_command(args)`` runs it;
+``python -m autopar.runtime.run ...`` runs the same thing without the CLI. Everything a user can get
+wrong (a world size that does not match the launch, a plan for another model, checkpoint
+directories) is checked here, before any worker starts, and ends with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError, PlanMismatchError
+
+__all__ = ["add_run_arguments", "main", "run_command"]
+
+# Default process-group timeout: long enough for 8 oversubscribed CPU ranks, short enough that a
+# hung collective fails in minutes rather than hours.
+PG_TIMEOUT_S = 300.0
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the arguments of ``autopar run`` on ``parser``."""
+    parser.add_argument(
+        "source", metavar="PLAN_OR_MODEL",
+        help="a plan JSON file (brings its split and global batch), or a model: "
+        "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32, a zoo preset, a .py model file, "
+        "an HF config JSON",
+    )
+    parser.add_argument("--model", default=None,
+                        help="with a plan: the model to run (default: the plan's model field)")
+    split = parser.add_argument_group("split (with a model; a plan brings its own)")
+    for name in ("dp", "tp", "pp"):
+        split.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default 1)")
+    split.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b)")
+    split.add_argument("--virtual-stages", type=int, default=None,
+                       help="model chunks per pipeline rank (default 2 for interleaved schedules)")
+    split.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch")
+    split.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
+    split.add_argument("--recompute", default=None, choices=("none", "selective", "full"))
+    split.add_argument("--sequence-parallel", action="store_true", default=None)
+    split.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                       help="training precision (default fp32 on CPU, bf16 on GPU)")
+    split.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    parser.add_argument("--steps", type=int, required=True,
+                        help="total optimizer steps (with --resume: continue up to this step)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ckpt = parser.add_argument_group("checkpoints and faults")
+    ckpt.add_argument("--checkpoint-dir", default=None, metavar="DIR")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                      help="checkpoint every K steps (and after the last)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the last complete checkpoint in --checkpoint-dir")
+    ckpt.add_argument("--max-restarts", type=int, default=0,
+                      help="torchrun restarts after a worker fails (resumes from the checkpoint)")
+    nodes = parser.add_argument_group("multi-node (passed to torchrun; same command on every node)")
+    nodes.add_argument("--nnodes", type=int, default=1)
+    nodes.add_argument("--node-rank", type=int, default=0)
+    nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
+    nodes.add_argument("--nproc-per-node", type=int, default=None,
+                       help="workers on this node (default: world size / nnodes)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the plan at full world size on a fake process group")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``autopar run`` for parsed arguments; returns the exit code (2 for bad input)."""
+    try:
+        return _run(args)
+    except (AutoparError, ValueError) as err:
+        # Every user error is one line; ValueError covers ParallelConfig's own checks.
+        print(f"autopar run: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from autopar.runtime.checkpoint import check_checkpoint_dir
+    from autopar.runtime.launch import launch, launch_spec_for
+
+    if args.steps < 1:
+        raise AutoparError(f"--steps must be at least 1, got {args.steps}")
+    job = _resolve_job(args)
+    if args.dry_run:
+        from autopar.runtime.dry_run import dry_run, format_report
+
+        report = dry_run(job.plan, job.model_text)
+        _emit(args.json, report.to_dict(), format_report(report))
+        return 0
+    spec = launch_spec_for(
+        world_size=job.plan.config.world_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint, nproc_per_node=args.nproc_per_node,
+        max_restarts=args.max_restarts,
+    )
+    start = check_checkpoint_dir(
+        args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every
+    )
+    result = launch(_worker_args(args, job), spec)
+    if result.returncode != 0 or not result.finished:
+        print(f"autopar run: the workers failed (torchrun exit code {result.returncode}); "
+              "see the log above", file=sys.stderr)
+        return 1
+    record = {
+        "losses": list(result.losses),
+        "step_times_s": list(result.step_times_s),
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "world_size": result.world_size,
+        "config": job.plan.config.to_dict(),
+        "steps": list(result.steps),
+        "first_step": start + 1,
+    }
+    _emit(args.json, record, _format_result(record, job.plan))
+    return 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Job:
+    """What to run: the plan, how to rebuild its model, and the synthetic data's shape."""
+
+    plan: Any
+    model_text: str
+    seq_len: int
+    vocab: int
+
+
+_SPLIT_FLAGS = ("dp", "tp", "pp", "schedule", "virtual_stages", "micro_batch", "zero",
+                "recompute", "sequence_parallel", "dtype", "global_batch")
+
+
+def _read_plan_doc(source: str) -> dict[str, Any] | None:
+    """The plan document if ``source`` is a plan JSON file (has ``schema_version``), else None."""
+    path = Path(source)
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AutoparError(f"cannot read {source} as JSON: {err}") from None
+    return data if isinstance(data, dict) and "schema_version" in data else None
+
+
+def _resolve_job(args: argparse.Namespace) -> _Job:
+    from autopar.plan import Plan
+
+    doc = _read_plan_doc(args.source)
+    if doc is not None:
+        given = [f"--{f.replace('_', '-')}" for f in _SPLIT_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise AutoparError(
+                f"{args.source} is a plan and brings its own split and global batch; drop "
+                f"{' '.join(given)} (or run the model with the split you want)"
+            )
+        plan = Plan.from_dict(doc)
+        model_text = args.model or plan.model
+        if not model_text:
+            raise AutoparError(f"plan {args.source} does not say its model; pass --model MODEL")
+        profile = model_profile(model_text)
+        if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
+            raise PlanMismatchError(
+                f"plan {args.source} was made for another model (profile fingerprint "
+                f"{plan.profile_fingerprint}, {model_text} has {profile.fingerprint()}); "
+                "re-plan with `autopar plan` for this model"
+            )
+    else:
+        if args.model:
+            raise AutoparError("--model goes with a plan file; give the model as PLAN_OR_MODEL")
+        model_text = args.source
+        profile = model_profile(model_text)
+        plan = _plan_for_split(profile, _config_from_args(args), model_text)
+    return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab)
+
+
+def model_profile(model_text: str) -> Any:
+    """Build ``model_text`` on the meta device and profile it at its own sequence length."""
+    import autopar
+    from autopar.runtime.worker import build_model
+
+    model = build_model(model_text, device="meta")
+    spec = getattr(model, "autopar_spec", None)
+    seq_len = getattr(spec, "seq_len", None) or getattr(
+        getattr(model, "config", None), "max_position_embeddings", None
+    )
+    if seq_len is None:
+        raise AutoparError(f"cannot tell the sequence length of {model_text}")
+    return autopar.profile(model, seq_len=seq_len)
+
+
+def _plan_for_split(profile: Any, config: Any, model_text: str) -> Any:
+    """A Plan for a bare split: the most balanced contiguous stages, the default TP layout.
+
+    NOTE: stands in for ``autopar.search.plan_from_config`` until it lands; its Estimate is
+    empty (binding "not estimated"), so no prediction is printed.
+    """
+    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
+    from autopar.plan import Plan, StagePlan
+
+    names = [layer.name for layer in profile.layers]
+    num_stages = config.num_stages
+    if num_stages > len(names):
+        raise AutoparError(
+            f"{num_stages} pipeline stages need at least {num_stages} layers; the model has "
+            f"{len(names)} (embedding, blocks, head): lower --pp or --virtual-stages"
+        )
+    # Most balanced by layer count: the first (n mod k) stages get one extra layer.
+    base, extra = divmod(len(names), num_stages)
+    stages, first = [], 0
+    for index in range(num_stages):
+        size = base + (1 if index < extra else 0)
+        stages.append(StagePlan(
+            index=index, layers=(first, first + size - 1),
+            layer_names=tuple(names[first:first + size]),
+            recompute=(config.recompute,) * size,
+        ))
+        first += size
+    empty = Estimate(
+        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
+        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
+        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
+        binding="not estimated",
+    )
+    return Plan(config=config, stages=tuple(stages), estimate=empty,
+                profile_fingerprint=profile.fingerprint(), model=model_text)
+
+
+def _config_from_args(args: argparse.Namespace) -> Any:
+    from autopar.config import MULTI_CHUNK_SCHEDULES, ParallelConfig
+
+    if args.global_batch is None:
+        raise AutoparError("give --global-batch B (sequences per step) to run a model")
+    schedule = args.schedule or "1f1b"
+    virtual = args.virtual_stages
+    if virtual is None:
+        virtual = 2 if schedule in MULTI_CHUNK_SCHEDULES and (args.pp or 1) > 1 else 1
+    return ParallelConfig(
+        dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
+        micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
+        schedule=schedule, virtual_stages=virtual, recompute=args.recompute or "none",
+        sequence_parallel=bool(args.sequence_parallel), zero=args.zero or 0,
+        dtype=args.dtype or _default_dtype(),
+    )
+
+
+def _default_dtype() -> str:
+    import torch
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def _worker_args(args: argparse.Namespace, job: _Job) -> Any:
+    import torch
+
+    from autopar.runtime.worker import WorkerArgs
+
+    return WorkerArgs(
+        plan=job.plan.to_dict(), model=job.model_text, steps=args.steps, seed=args.seed,
+        checkpoint_dir=str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else "",
+        checkpoint_every=args.checkpoint_every, seq_len=job.seq_len, vocab=job.vocab,
+        result_path="", device_type="cuda" if torch.cuda.is_available() else "cpu",
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+
+
+def _emit(as_json: bool, record: dict[str, Any], text: str) -> None:
+    sys.stdout.write(json.dumps(record, sort_keys=True) + "\n" if as_json else text)
+    sys.stdout.flush()
+
+
+def _format_result(record: dict[str, Any], plan: Any) -> str:
+    lines = [f"autopar run: {plan.config.describe()} on {record['world_size']} process(es)"]
+    for step, loss, t in zip(record["steps"], record["losses"], record["step_times_s"]):
+        lines.append(f"  step {step:5d}  loss {loss:.6f}  time {t * 1e3:9.2f} ms")
+    peak_mib = record["peak_memory_bytes"] / 2**20
+    lines.append(f"  peak memory (largest rank): {peak_mib:.2f} MiB")
+    est = plan.estimate
+    if est.step_time_s > 0:
+        lines.append(
+            f"  predicted: step {est.step_time_s * 1e3:.2f} ms, memory "
+            f"{est.memory_per_gpu_bytes / 2**20:.2f} MiB per GPU (on the plan's cluster)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m autopar.runtime.run PLAN_OR_MODEL ...``."""
+    parser = argparse.ArgumentParser(prog="autopar run", description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    return run_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,182 @@
+"""One training step of a ParallelizedModel, equal to the one-process step on the global batch.
+
+Loss: the mean token cross entropy of the whole global batch. Every data-parallel rank gets
+``global_batch / dp`` sequences (``local_batch``), split into ``n_mb = global_batch / (dp *
+micro_batch)`` micro-batches of equal size, so the global mean is the mean of the micro-batch means
+and its gradient is ``1 / (dp * n_mb)`` times the sum of the micro-batch gradients: each
+micro-batch loss is scaled by ``1 / n_mb`` (the pipeline schedule does the same with
+``scale_grads=True``) and DDP / FSDP2 average gradients over dp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from autopar.runtime.apply import ParallelizedModel
+
+__all__ = ["gathered_grads", "local_batch", "one_process_reference", "train_step"]
+
+
+def local_batch(pmodel: ParallelizedModel, global_tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a global batch: the dp-rank's contiguous ``global_batch / dp`` rows.
+
+    Every tp and pp rank of one data-parallel replica gets the same rows.
+    """
+    dp = pmodel.mesh["dp"]
+    return global_tensor.chunk(dp.size())[dp.get_local_rank()]
+
+
+@contextlib.contextmanager
+def _grad_sync(model: nn.Module, zero: int, last: bool) -> Iterator[None]:
+    # Gradient synchronisation for micro-batch accumulation (see data_parallel.py).
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not last:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule) and zero == 0:  # replicate(): one all-reduce per step
+        model.set_requires_gradient_sync(last)
+    if isinstance(model, FSDPModule) and zero in (1, 2):
+        model.set_reshard_after_backward(last)
+        model.set_requires_gradient_sync(last or zero == 2)
+    yield
+
+
+def _autocast(pmodel: ParallelizedModel) -> contextlib.AbstractContextManager[Any]:
+    if pmodel.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(pmodel.mesh.device_type, dtype=pmodel.autocast_dtype)
+
+
+def _accumulate(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    model = pmodel.model_parts[0]
+    n_mb = pmodel.plan.config.num_microbatches
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (x, y) in enumerate(zip(tokens.chunk(n_mb), labels.chunk(n_mb))):
+        with _grad_sync(model, pmodel.plan.config.zero, last=i == n_mb - 1):
+            with _autocast(pmodel):
+                logits = model(x)
+            loss = pmodel.loss_fn(logits, y)
+            (loss / n_mb).backward()
+        total += loss.detach().double().cpu()
+    return float(total) / n_mb
+
+
+def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    losses: list[torch.Tensor] = []
+    args = (tokens,) if pmodel.has_first_stage else ()
+    kwargs: dict[str, Any] = {}
+    if pmodel.has_last_stage:
+        kwargs = {"target": labels, "losses": losses}
+    with _autocast(pmodel):
+        pmodel.schedule.step(*args, **kwargs)
+    if not losses:
+        return 0.0
+    return float(torch.stack([x.detach().double().cpu() for x in losses]).mean())
+
+
+def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:
+    # Every (dp, tp) coordinate has exactly one pp rank with the last stage, so the world sum of
+    # (loss on last-stage ranks, 0 elsewhere) is tp * sum_dp(loss); divide by dp * tp.
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local_loss
+    cfg = pmodel.plan.config
+    value = torch.tensor([local_loss if pmodel.has_last_stage else 0.0], dtype=torch.float64)
+    if pmodel.mesh.device_type == "cuda":
+        value = value.cuda()
+    dist.all_reduce(value)
+    return float(value.item()) / (cfg.dp * cfg.tp)
+
+
+def train_step(
+    pmodel: ParallelizedModel,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None,
+) -> float:
+    """One optimizer step on this rank's share of a global batch.
+
+    Args:
+        pmodel: ``apply_plan``'s result.
+        tokens: ``LongTensor[global_batch / dp, s]``: this rank's share (``local_batch``); ranks
+            without the first pipeline stage may pass anything (it is not read).
+        labels: the matching targets (read only on ranks with the last stage).
+        optimizer: the optimizer over ``pmodel.parameters()``; None to only compute gradients
+            (they are zeroed first either way).
+
+    Returns:
+        The mean token loss of the whole global batch, the same on every rank.
+    """
+    for part in pmodel.model_parts:
+        part.zero_grad(set_to_none=True)
+    if pmodel.schedule is None:
+        local = _accumulate(pmodel, tokens, labels)
+    else:
+        local = _pipeline(pmodel, tokens, labels)
+    if optimizer is not None:
+        optimizer.step()
+    return _global_mean(pmodel, local)
+
+
+def one_process_reference(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """The one-process step every split must reproduce: forward and backward on the whole batch.
+
+    Args:
+        model: the full model (a separate copy from the one given to ``apply_plan``).
+        tokens: ``LongTensor[global_batch, s]``.
+        labels: the targets.
+        optimizer: stepped after backward if given.
+        loss_fn: the loss (default the zoo's token cross entropy).
+
+    Returns:
+        The loss; the gradients are left in ``model``'s parameters.
+    """
+    if loss_fn is None:
+        from autopar.models.transformer import cross_entropy_loss
+
+        loss_fn = cross_entropy_loss
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(tokens), labels)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    return float(loss.detach())
+
+
+def _plain_fqn(fqn: str) -> str:
+    # DDP prefixes "module."; FSDP2 and replicate() keep FQNs.
+    return fqn.removeprefix("module.")
+
+
+def gathered_grads(pmodel: ParallelizedModel) -> dict[str, torch.Tensor]:
+    """Full (unsharded) gradients of this rank's parameters, by full-model FQN.
+
+    DTensor gradients are gathered with ``full_tensor()``: a collective over their mesh, so every
+    rank of a pipeline stage must call this together. For tests and debugging.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads: dict[str, torch.Tensor] = {}
+    for part in pmodel.model_parts:
+        for fqn, param in part.named_parameters():
+            grad = param.grad
+            if grad is None:
+                continue
+            grads[_plain_fqn(fqn)] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return grads

@@ -1,0 +1,314 @@
+"""``autopar verify``: run a plan for a few steps and compare what ran with what was predicted.
+
+The plan runs through the launcher of ``autopar run`` (torchrun; gloo on CPU, NCCL on GPU) on the
+seeded synthetic data. Measured:
+
+- step time: the median of the slowest rank's step wall time over the steps after the warm-up
+  (the first steps build buffers, warm caches and, on GPU, select kernels);
+- peak memory: the largest rank's peak of live tensor bytes (CPU: every storage the run creates,
+  counted exactly while alive; GPU: ``torch.cuda.max_memory_allocated``).
+
+Predicted: ``autopar.estimate(profile, cluster, plan)`` on the given cluster (``--cluster``), or
+on the cluster the plan carries. Errors are signed and relative to the measurement:
+``(predicted - measured) / measured``. With ``--refit``, the cluster's compute efficiency is
+rescaled so that the prediction meets the measured step time (``autopar.calibration_fit``) and the
+new cluster is written as YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autopar.calibration_fit import median
+from autopar.errors import AutoparError, PlanMismatchError
+
+__all__ = [
+    "Verification",
+    "add_verify_arguments",
+    "format_verification",
+    "measure_plan",
+    "verify_command",
+    "verify_plan",
+]
+
+# Default process-group timeout of a verification run (as ``autopar run``).
+PG_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measurement:
+    """What one short run of a plan measured.
+
+    Attributes:
+        step_times_s: the slowest rank's wall time of every step, in order.
+        warmup_steps: leading steps left out of the median.
+        peak_memory_bytes: the largest rank's peak of live tensor bytes.
+        losses: the loss of every step.
+    """
+
+    step_times_s: tuple[float, ...]
+    warmup_steps: int
+    peak_memory_bytes: int
+    losses: tuple[float, ...]
+
+    @property
+    def step_time_s(self) -> float:
+        """Median step time after the warm-up."""
+        return median(self.step_times_s[self.warmup_steps:])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verification:
+    """A plan's prediction beside its measurement.
+
+    Attributes:
+        config: the plan's ParallelConfig as a dict.
+        predicted_step_time_s: the cost model's step time on the cluster.
+        measured_step_time_s: median measured step time after the warm-up.
+        predicted_memory_bytes: the cost model's largest per-rank memory (headroom excluded).
+        measured_memory_bytes: the largest rank's measured peak of live tensor bytes.
+        measurement: the raw measurement.
+        estimate: the Estimate as a dict (its time and memory breakdowns).
+        cluster_name: the name of the cluster the prediction is for.
+    """
+
+    config: dict[str, Any]
+    predicted_step_time_s: float
+    measured_step_time_s: float
+    predicted_memory_bytes: float
+    measured_memory_bytes: int
+    measurement: Measurement
+    estimate: dict[str, Any]
+    cluster_name: str
+
+    @property
+    def step_time_error(self) -> float:
+        """(predicted - measured) / measured step time."""
+        return (self.predicted_step_time_s - self.measured_step_time_s) / self.measured_step_time_s
+
+    @property
+    def memory_error(self) -> float:
+        """(predicted - measured) / measured peak memory (0 when nothing was measured)."""
+        if self.measured_memory_bytes <= 0:
+            return 0.0
+        return (self.predicted_memory_bytes - self.measured_memory_bytes) / (
+            self.measured_memory_bytes
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (errors included)."""
+        return {
+            "config": self.config,
+            "cluster": self.cluster_name,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "measured_step_time_s": self.measured_step_time_s,
+            "step_time_error": self.step_time_error,
+            "predicted_memory_bytes": self.predicted_memory_bytes,
+            "measured_memory_bytes": self.measured_memory_bytes,
+            "memory_error": self.memory_error,
+            "step_times_s": list(self.measurement.step_times_s),
+            "warmup_steps": self.measurement.warmup_steps,
+            "losses": list(self.measurement.losses),
+            "estimate": self.estimate,
+        }
+
+
+def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
+                 seed: int = 0) -> Measurement:
+    """Run ``plan`` for ``steps`` steps with the launcher of ``autopar run`` and measure it.
+
+    Args:
+        plan: the Plan.
+        model_text: how to rebuild the model (as ``autopar run`` takes it).
+        steps: steps to run (> warmup_steps).
+        warmup_steps: leading steps left out of the step-time median.
+        seed: seed of the weights and data.
+
+    Returns:
+        The measurement.
+
+    Raises:
+        AutoparError: too few steps, or the workers failed.
+    """
+    import torch
+
+    from autopar.runtime.launch import launch, launch_spec_for
+    from autopar.runtime.run import model_profile
+    from autopar.runtime.worker import WorkerArgs
+
+    if warmup_steps < 0 or steps <= warmup_steps:
+        raise AutoparError(
+            f"--steps ({steps}) must exceed --warmup ({warmup_steps}) so some steps are timed"
+        )
+    profile = model_profile(model_text)
+    spec = launch_spec_for(world_size=plan.config.world_size, nnodes=1, node_rank=0,
+                           rdzv_endpoint="", nproc_per_node=None, max_restarts=0)
+    args = WorkerArgs(
+        plan=plan.to_dict(), model=model_text, steps=steps, seed=seed, checkpoint_dir="",
+        checkpoint_every=0, seq_len=profile.seq_len, vocab=profile.vocab, result_path="",
+        device_type="cuda" if torch.cuda.is_available() else "cpu", pg_timeout_s=PG_TIMEOUT_S,
+    )
+    result = launch(args, spec)
+    if result.returncode != 0 or not result.finished or len(result.step_times_s) != steps:
+        raise AutoparError(
+            f"the plan's workers failed (torchrun exit code {result.returncode}); see the log "
+            "above, or run it with `autopar run` to reproduce"
+        )
+    return Measurement(step_times_s=tuple(result.step_times_s), warmup_steps=warmup_steps,
+                       peak_memory_bytes=int(result.peak_memory_bytes),
+                       losses=tuple(result.losses))
+
+
+def predict(plan: Any, model_text: str, cluster: Any) -> Any:
+    """``autopar.estimate`` of the plan on ``cluster`` (the model re-profiled from its text)."""
+    import autopar
+    from autopar.runtime.run import model_profile
+
+    profile = model_profile(model_text)
+    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for another model than {model_text} (profile fingerprints "
+            f"differ); re-plan with `autopar plan` for this model"
+        )
+    return autopar.estimate(profile, cluster, plan)
+
+
+def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6,
+                warmup_steps: int = 2, seed: int = 0) -> Verification:
+    """Predict and measure one plan.
+
+    Args:
+        plan: the Plan.
+        cluster: the Cluster to predict on (e.g. the output of ``autopar calibrate``).
+        model_text: the model (default: the plan's own ``model`` field).
+        steps: steps to run, warm-up included.
+        warmup_steps: leading steps not timed.
+        seed: seed of the weights and data.
+
+    Returns:
+        The prediction beside the measurement.
+    """
+    model_text = model_text or plan.model
+    if not model_text:
+        raise AutoparError("the plan does not say its model; pass --model MODEL")
+    estimate = predict(plan, model_text, cluster)
+    measured = measure_plan(plan, model_text, steps=steps, warmup_steps=warmup_steps, seed=seed)
+    return Verification(
+        config=plan.config.to_dict(),
+        predicted_step_time_s=estimate.step_time_s,
+        measured_step_time_s=measured.step_time_s,
+        predicted_memory_bytes=_predicted_memory(estimate),
+        measured_memory_bytes=measured.peak_memory_bytes,
+        measurement=measured,
+        estimate=estimate.to_dict(),
+        cluster_name=cluster.name,
+    )
+
+
+def _predicted_memory(estimate: Any) -> float:
+    """Largest rank's predicted peak (the Estimate's figure, which excludes the headroom)."""
+    return float(estimate.memory_per_gpu_bytes)
+
+
+def _percent(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def format_verification(v: Verification) -> str:
+    """The prediction beside the measurement, as a short table."""
+    mib = 2**20
+    m = v.measurement
+    timed = len(m.step_times_s) - m.warmup_steps
+    tb = v.estimate.get("time_breakdown", {})
+    terms = ", ".join(f"{k.removesuffix('_s')} {t * 1e3:.1f}" for k, t in tb.items() if t > 0)
+    return (
+        f"autopar verify: {v.config.get('dp')}x{v.config.get('tp')}x{v.config.get('pp')} "
+        f"(dp x tp x pp) on cluster {v.cluster_name}\n"
+        f"                   predicted     measured    error\n"
+        f"  step time      {v.predicted_step_time_s * 1e3:9.2f} ms "
+        f"{v.measured_step_time_s * 1e3:9.2f} ms  {_percent(v.step_time_error):>7s}"
+        f"   (median of {timed} steps after {m.warmup_steps} warm-up)\n"
+        f"  peak memory    {v.predicted_memory_bytes / mib:9.2f} MiB"
+        f"{v.measured_memory_bytes / mib:9.2f} MiB {_percent(v.memory_error):>7s}"
+        f"   (largest rank, live tensor bytes)\n"
+        f"  predicted time by term (ms): {terms}\n"
+    )
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the arguments of ``autopar verify`` on ``parser``."""
+    parser.add_argument("plan", metavar="PLAN", help="a plan JSON file (autopar plan --out)")
+    parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="leading steps not timed (default 2)")
+    parser.add_argument("--cluster", default=None, metavar="YAML",
+                        help="predict on this cluster (default: the cluster the plan carries)")
+    parser.add_argument("--model", default=None, help="the model (default: the plan's own)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    parser.add_argument("--refit", action="store_true",
+                        help="rescale the cluster's compute efficiency to the measurement")
+    parser.add_argument("--out", default=None, metavar="YAML",
+                        help="with --refit: where to write the refitted cluster")
+    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    from autopar.cost_model.hardware import Cluster
+    from autopar.plan import Plan
+
+    path = Path(args.plan)
+    try:
+        plan = Plan.from_json(path.read_text())
+    except OSError as err:
+        raise AutoparError(f"cannot read plan {path}: {err.strerror}") from None
+    if args.cluster:
+        cluster = Cluster.from_yaml(args.cluster)
+    elif plan.cluster:
+        cluster = Cluster.from_dict(plan.cluster)
+    else:
+        raise AutoparError(f"plan {path} carries no cluster; pass --cluster cluster.yaml")
+    return plan, cluster
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """Run ``autopar verify``; returns the exit code.
+
+    Raises:
+        AutoparError: unreadable inputs, --refit without --out, an existing --out without
+            --force, or failed workers.
+    """
+    from autopar.calibration_fit import refit_cluster
+
+    if args.refit:
+        if not args.out:
+            raise AutoparError("--refit needs --out new_cluster.yaml (where to write the cluster)")
+        if Path(args.out).exists() and not args.force:
+            raise AutoparError(f"{args.out} exists; pass --force to overwrite it")
+    elif args.out:
+        raise AutoparError("--out goes with --refit")
+    plan, cluster = _load_inputs(args)
+    result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
+                         warmup_steps=args.warmup, seed=args.seed)
+    record = result.to_dict()
+    text = format_verification(result)
+    if args.refit:
+        new = refit_cluster(cluster, result.estimate["time_breakdown"],
+                            result.measured_step_time_s)
+        new.to_yaml(args.out)
+        record["refit_cluster"] = new.to_dict()
+        text += (
+            f"  refit: matmul_efficiency_max {cluster.device.matmul_efficiency_max:.4g} -> "
+            f"{new.device.matmul_efficiency_max:.4g}; wrote {args.out}\n"
+        )
+    if args.json:
+        print(text, end="", file=sys.stderr)
+        print(json.dumps(record, sort_keys=True))
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,368 @@
+"""The stage-split and recompute ILP of one outer configuration (pulp; HiGHS by default).
+
+It minimises exactly the step time ``autopar.cost_model.assemble`` computes (or, for the
+infeasibility report, the largest rank's memory) over every contiguous split of the profile's
+layers into S = pp * v stages and every per-layer recompute choice.
+
+Formulation. Consecutive layers with identical cost terms form runs g = 0..G-1 (length L_g;
+in a transformer: the embedding, the L identical blocks, the head). Layers of one run are
+interchangeable inside a stage (assemble only sums them and takes a max), so the ILP counts them:
+
+    Q[g][j]    integer in [0, L_g]: run-g layers in stages 0..j  (Q[g][S-1] = L_g, Q[g][-1] = 0)
+    n[g][j][r] integer >= 0: run-g layers of stage j with recompute r
+    f[g][j]    binary: run g is complete by the end of stage j (run g+1 may start)
+    u[g][k][r] binary: rank k runs some run-g layer with recompute r (for the transient max)
+
+    (count)     sum_r n[g][j][r] = Q[g][j] - Q[g][j-1]            (Q non-decreasing in j)
+    (order)     Q[g][j] >= L_g f[g][j];  Q[g+1][j] <= L_{g+1} f[g][j]   (stages are contiguous)
+    (nonempty)  sum_g (Q[g][j] - Q[g][j-1]) >= 1
+    (transient) sum_{j on k} n[g][j][r] <= L_g u[g][k][r];  Mt_k >= transient_g(r) u[g][k][r]
+    (mem)       static_k + inflight_k act_k + Mt_k + buffers <= capacity       (GiB inside the ILP)
+    (bottleneck) Rmax >= R_k = sum_{j on k} (sum_{g,r} t_g(r) n[g][j][r] + p2p)
+    (tail)      D_k >= dp_tail; D_k >= sum (dp_step - eta backward);  E >= D_k + optimizer_k
+    objective   m Rmax + c sum_j T_j + E          (assemble.py's step time, term by term)
+
+With every run of length 1 this is the per-layer binary assignment z[i][j][r]. A layer i can only
+sit in stages max(0, i - (n - S)) .. min(i, S - 1), which fixes most Q outside that window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pulp
+
+from autopar.config import RECOMPUTE
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.search.options import SearchOptions
+
+__all__ = [
+    "IlpModel",
+    "IlpSolution",
+    "build_ilp",
+    "cost_signature",
+    "decode",
+    "layer_runs",
+    "solve_ilp",
+]
+
+GIB = float(2**30)  # memory is expressed in GiB inside the ILP (solver-friendly scale)
+MEM_SAFETY_GIB = 1e-6  # keeps solver feasibility tolerance (1e-7) from overfilling a rank
+R = range(len(RECOMPUTE))
+
+
+def cost_signature(layer: LayerCost) -> tuple:
+    """Every term assemble's step time and memory read; equal signatures are interchangeable."""
+    return (
+        layer.compute_s,
+        layer.backward_s,
+        layer.recompute_s,
+        layer.tp_comm_s,
+        layer.dp_microbatch_s,
+        layer.act_bytes,
+        layer.transient_bytes,
+        layer.param_bytes,
+        layer.grad_bytes,
+        layer.optimizer_bytes,
+        layer.dp_step_s,
+        layer.optimizer_s,
+    )
+
+
+def layer_runs(table: CostTable) -> tuple[tuple[int, int], ...]:
+    """(first, last) layer index of each maximal run of layers with identical cost terms."""
+    runs: list[tuple[int, int]] = []
+    for i, layer in enumerate(table.layers):
+        if runs and cost_signature(table.layers[runs[-1][0]]) == cost_signature(layer):
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return tuple(runs)
+
+
+@dataclass(frozen=True, slots=True)
+class IlpModel:
+    """A built ILP: the pulp problem plus what decode needs."""
+
+    problem: pulp.LpProblem
+    table: CostTable
+    runs: tuple[tuple[int, int], ...]
+    count: dict[tuple[int, int, int], pulp.LpVariable]  # (run g, stage j, recompute r) -> n
+    objective: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IlpSolution:
+    """Outcome of one solve.
+
+    Attributes:
+        status: "optimal" (proven within the gap), "feasible" (a limit stopped the solver with a
+            solution), "infeasible" or "not-solved".
+        objective: objective value (seconds, or GiB for the memory objective); inf if none.
+        gap: relative MIP gap reported by the solver (0 when proven; 1 when unknown).
+        time_limit_hit: the time limit stopped the solver.
+        counts: (run, stage, recompute) -> number of layers.
+    """
+
+    status: str
+    objective: float
+    gap: float
+    time_limit_hit: bool
+    counts: dict[tuple[int, int, int], int]
+
+    @property
+    def has_solution(self) -> bool:
+        """A split can be decoded."""
+        return self.status in ("optimal", "feasible")
+
+
+def _window(first: int, last: int, n: int, s: int) -> tuple[int, int]:
+    """Stages a run spanning layers first..last can touch (each stage holds >= 1 layer)."""
+    return max(0, first - (n - s)), min(s - 1, last)
+
+
+def _var(prob: pulp.LpProblem, name: str, lo=None, hi=None, cat: str = "Continuous"):
+    """A variable attached to ``prob`` (pulp >= 3.3 API; plain LpVariable before)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lo, hi, cat=cat)
+    return pulp.LpVariable(name, lo, hi, cat)
+
+
+def _const(x: object, value: int) -> bool:
+    """Whether a Q entry is the fixed integer ``value`` (not a variable)."""
+    return isinstance(x, int) and x == value
+
+
+def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int):
+    """Variables Q, n, f and the count/order/nonempty constraints; returns (n, cnt)."""
+    n_layers = len(table.layers)
+    n: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    q: dict[tuple[int, int], object] = {}
+    for g, (a, b) in enumerate(runs):
+        size, (lo, hi) = b - a + 1, _window(a, b, n_layers, s)
+        for j in range(-1, s):
+            if j < lo:
+                q[g, j] = 0
+            elif j >= hi:
+                q[g, j] = size
+            else:
+                q[g, j] = _var(prob, f"Q[{table.layers[a].name}][{j}]", 0, size, "Integer")
+        for j in range(lo, hi + 1):
+            for r in R:
+                n[g, j, r] = _var(
+                    prob, f"n[{table.layers[a].name}][{j}][{RECOMPUTE[r]}]", 0, size, "Integer"
+                )
+    cnt = {(g, j): q[g, j] - q[g, j - 1] for g in range(len(runs)) for j in range(s)}
+    # [Constraint] count: a run's layers in stage j, split by recompute mode (Q non-decreasing)
+    for g, j, r0 in sorted(n):
+        if r0 == 0:
+            name = table.layers[runs[g][0]].name
+            prob += pulp.lpSum(n[g, j, r] for r in R) == cnt[g, j], f"one_stage[{name}][{j}]"
+    # [Constraint] order: run g+1 starts in a stage only once run g is complete (contiguity)
+    for g in range(len(runs) - 1):
+        size, size_next = runs[g][1] - runs[g][0] + 1, runs[g + 1][1] - runs[g + 1][0] + 1
+        name = table.layers[runs[g][0]].name
+        for j in range(s - 1):
+            if _const(q[g + 1, j], 0) or _const(q[g, j], size):
+                continue
+            f = _var(prob, f"f[{name}][{j}]", 0, 1, "Binary")
+            prob += q[g, j] >= size * f, f"done[{name}][{j}]"
+            prob += q[g + 1, j] <= size_next * f, f"after[{name}][{j}]"
+    # [Constraint] nonempty: every stage holds at least one layer
+    for j in range(s):
+        prob += pulp.lpSum(cnt[g, j] for g in range(len(runs))) >= 1, f"nonempty[stage{j}]"
+    return n, cnt
+
+
+def _memory_exprs(prob, table: CostTable, runs, s: int, n, cnt) -> list:
+    """Per-rank memory in GiB (static + in-flight activations + transient max + buffers)."""
+    cfg = table.config
+    exprs = []
+    for k in range(cfg.pp):
+        stages = [j for j in range(s) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        inflight = in_flight_microbatches(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
+        )
+        mt = _var(prob, f"transient[rank{k}]", 0)
+        # [Constraint] transient: the rank's largest working set over the modes it uses
+        for g, (a, b) in enumerate(runs):
+            lay = table.layers[a]
+            for r in R:
+                terms = [n[g, j, r] for j in stages if (g, j, r) in n]
+                if not terms or lay.transient_bytes[r] <= 0:
+                    continue
+                u = _var(prob, f"u[{lay.name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
+                prob += pulp.lpSum(terms) <= (b - a + 1) * u, f"uses[{lay.name}][rank{k}][{r}]"
+                prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{lay.name}][rank{k}][{r}]"
+        static = pulp.lpSum(
+            table.layers[a].static_bytes / GIB * cnt[g, j]
+            for g, (a, _b) in enumerate(runs)
+            for j in stages
+        )
+        act = pulp.lpSum(
+            inflight * table.layers[runs[g][0]].act_bytes[r] / GIB * var
+            for (g, j, r), var in sorted(n.items())
+            if j in stages
+        )
+        exprs.append(static + act + mt + table.buffers_bytes / GIB)
+    return exprs
+
+
+def _time_objective(prob, table: CostTable, runs, s: int, n, cnt):
+    """assemble's step time: m Rmax + c sum_j T_j + max_k E_k (E: exposed DP + optimizer)."""
+    cfg = table.config
+    p2p = table.p2p_s if cfg.pp > 1 else 0.0
+    stage_t = [
+        pulp.lpSum(
+            table.layers[runs[g][0]].time_per_microbatch_s(RECOMPUTE[r]) * var
+            for (g, jj, r), var in sorted(n.items())
+            if jj == j
+        )
+        + p2p
+        for j in range(s)
+    ]
+    rmax, tail = _var(prob, "bottleneck_s", 0), _var(prob, "tail_s", 0)
+    for k in range(cfg.pp):
+        stages = [j for j in range(s) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        # [Constraint] bottleneck: Rmax bounds every rank's time per micro-batch
+        prob += rmax >= pulp.lpSum(stage_t[j] for j in stages), f"bottleneck[rank{k}]"
+
+        def on_k(attr, stages=stages):
+            return pulp.lpSum(
+                attr(table.layers[a]) * cnt[g, j] for g, (a, _b) in enumerate(runs) for j in stages
+            )
+
+        opt = on_k(lambda lay: lay.optimizer_s)
+        if cfg.dp > 1:
+            d = _var(prob, f"dp_exposed[rank{k}]", 0)
+            # [Constraint] tail: exposed DP reduction is at least the last bucket
+            prob += d >= table.dp_tail_s, f"dp_tail[rank{k}]"
+            exposed = on_k(lambda lay: lay.dp_step_s - table.overlap_efficiency * lay.backward_s)
+            prob += d >= exposed, f"dp[rank{k}]"
+            prob += tail >= d + opt, f"tail[rank{k}]"
+        else:
+            prob += tail >= opt, f"tail[rank{k}]"
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    return table.num_microbatches * rmax + c * pulp.lpSum(stage_t) + tail
+
+
+def build_ilp(
+    table: CostTable, *, capacity_bytes: float | None = None, objective: str = "time"
+) -> IlpModel:
+    """Build the ILP of one outer configuration.
+
+    Args:
+        table: the configuration's cost terms.
+        capacity_bytes: usable memory per GPU (default ``table.capacity_bytes``); ignored by the
+            memory objective.
+        objective: "time" (step time under the memory cap) or "memory" (largest rank's memory).
+
+    Returns:
+        The IlpModel (see the module docstring for the formulation).
+    """
+    if objective not in ("time", "memory"):
+        raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
+    s = table.config.num_stages
+    runs = layer_runs(table)
+    prob = pulp.LpProblem(f"split_{objective}", pulp.LpMinimize)
+    n, cnt = _add_split(prob, table, runs, s)
+    mems = _memory_exprs(prob, table, runs, s, n, cnt)
+    if objective == "memory":
+        peak = _var(prob, "peak_gib", 0)
+        for k, mem in enumerate(mems):
+            # [Constraint] peak: the objective bounds every rank's memory
+            prob += peak >= mem, f"mem[rank{k}]"
+        prob += peak
+    else:
+        cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
+        for k, mem in enumerate(mems):
+            # [Constraint] mem: each pipeline rank's peak fits the usable device memory
+            prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
+        prob += _time_objective(prob, table, runs, s, n, cnt)
+    return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null (HiGHS prints a banner even with output off)."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _solver(options: SearchOptions):
+    common = {"msg": False, "timeLimit": options.time_limit_s, "gapRel": options.mip_gap}
+    if options.solver == "highs":
+        highs = pulp.HiGHS(threads=1, random_seed=0, **common)
+        if highs.available():
+            return highs
+    return pulp.PULP_CBC_CMD(threads=1, **common)
+
+
+def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
+    """Solve with HiGHS (CBC when HiGHS is unavailable or asked for); stdout stays clean.
+
+    The proven/feasible distinction comes from ``sol_status`` (pulp's LpStatus says "Optimal"
+    even when the time limit stopped the solver with a merely feasible answer).
+    """
+    prob = model.problem
+    with _quiet_stdout():
+        prob.solve(_solver(options))
+    sol = prob.sol_status
+    status = {
+        pulp.LpSolutionOptimal: "optimal",
+        pulp.LpSolutionIntegerFeasible: "feasible",
+        pulp.LpSolutionInfeasible: "infeasible",
+    }.get(sol, "not-solved")
+    highs = getattr(prob, "solverModel", None)
+    limit_hit = False
+    gap = 0.0 if status == "optimal" else 1.0
+    if highs is not None and status in ("optimal", "feasible"):
+        gap = max(0.0, float(highs.getInfo().mip_gap))
+        limit_hit = str(highs.getModelStatus()).endswith("kTimeLimit")
+    if status == "feasible" and highs is None:
+        limit_hit = True
+    if status == "not-solved" and highs is not None:
+        limit_hit = str(highs.getModelStatus()).endswith("kTimeLimit")
+    counts = {}
+    if status in ("optimal", "feasible"):
+        counts = {key: round(var.varValue or 0.0) for key, var in sorted(model.count.items())}
+    objective = pulp.value(prob.objective) if counts else float("inf")
+    return IlpSolution(
+        status=status, objective=float(objective), gap=gap, time_limit_hit=limit_hit, counts=counts
+    )
+
+
+def decode(
+    model: IlpModel, solution: IlpSolution
+) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """(stage layer ranges, per-layer recompute) of a solution.
+
+    Inside a stage, a run's layers take their recompute modes in the order none, selective,
+    full (any order gives the same estimate: layers of a run are interchangeable).
+    """
+    if not solution.has_solution:
+        raise ValueError(f"no split to decode: the solve ended {solution.status}")
+    s = model.table.config.num_stages
+    stages, recompute, start = [], [], 0
+    for j in range(s):
+        size = 0
+        for g in range(len(model.runs)):
+            for r in R:
+                k = solution.counts.get((g, j, r), 0)
+                recompute.extend([RECOMPUTE[r]] * k)
+                size += k
+        stages.append((start, start + size - 1))
+        start += size
+    return tuple(stages), tuple(recompute)

@@ -1,0 +1,79 @@
+"""SearchOptions: every knob of the planner in one frozen record.
+
+The defaults search the whole space the runtime can execute; narrow it (schedules, tp limits,
+micro-batch sizes) to plan faster or to match what a cluster allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.config import SCHEDULES
+
+__all__ = ["SOLVERS", "SearchOptions"]
+
+SOLVERS: tuple[str, ...] = ("highs", "cbc")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """How the planner searches.
+
+    Attributes:
+        time_limit_s: wall-clock limit of one ILP solve (the solver returns its best so far).
+        mip_gap: relative MIP gap at which a solve stops (1e-6: the oracle test holds to 0.1%).
+        memory_headroom_bytes: if set, usable memory = device memory minus this, overriding the
+            cluster's own headroom.
+        schedules: pipeline schedules to consider (names from ``autopar.config.SCHEDULES``).
+        allow_zero_bubble: consider the zero-bubble schedules (interleaved-zero-bubble,
+            zbv-zero-bubble, dualpipe-v) when they are in ``schedules``.
+        max_virtual_stages: largest number of model chunks per rank for interleaved schedules.
+        max_tp: largest tensor-parallel degree (None: the node size, or the world size when
+            ``allow_tp_across_nodes``).
+        allow_tp_across_nodes: let tensor parallelism span nodes (slow links; off by default).
+        zero_stages: ZeRO stages to consider.
+        sequence_parallel: sequence-parallel settings to consider when tp > 1.
+        micro_batch_sizes: micro-batch sizes to consider (None: every divisor of the
+            per-replica batch).
+        solver: "highs" (HiGHS through highspy, default) or "cbc" (pulp's bundled CBC).
+        dtype: training precision of every candidate.
+    """
+
+    time_limit_s: float = 10.0
+    mip_gap: float = 1e-6
+    memory_headroom_bytes: float | None = None
+    schedules: tuple[str, ...] = SCHEDULES
+    allow_zero_bubble: bool = True
+    max_virtual_stages: int = 4
+    max_tp: int | None = None
+    allow_tp_across_nodes: bool = False
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    solver: str = "highs"
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0:
+            raise ValueError(f"SearchOptions.time_limit_s must be > 0, got {self.time_limit_s}")
+        if not 0 <= self.mip_gap < 1:
+            raise ValueError(f"SearchOptions.mip_gap must be in [0, 1), got {self.mip_gap}")
+        unknown = [s for s in self.schedules if s not in SCHEDULES]
+        if unknown or not self.schedules:
+            raise ValueError(
+                f"SearchOptions.schedules {self.schedules!r}: use names in {SCHEDULES}"
+            )
+        if self.solver not in SOLVERS:
+            raise ValueError(
+                f"SearchOptions.solver {self.solver!r} is unknown; use one of {SOLVERS}"
+            )
+        if self.max_virtual_stages < 2:
+            raise ValueError("SearchOptions.max_virtual_stages must be >= 2")
+        if self.max_tp is not None and self.max_tp < 1:
+            raise ValueError(f"SearchOptions.max_tp must be >= 1, got {self.max_tp}")
+        if not self.zero_stages or any(z not in (0, 1, 2, 3) for z in self.zero_stages):
+            raise ValueError(f"SearchOptions.zero_stages {self.zero_stages!r}: use 0, 1, 2, 3")
+        if not self.sequence_parallel:
+            raise ValueError("SearchOptions.sequence_parallel must list at least one setting")
+        if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
+            raise ValueError("SearchOptions.micro_batch_sizes must be positive")

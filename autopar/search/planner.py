@@ -1,0 +1,378 @@
+"""The planner: enumerate outer candidates, bound them, solve the survivors' ILPs, keep the k best.
+
+Per candidate (a ParallelConfig from ``space.py``) the cost model builds one CostTable. Two cheap
+bounds come from it (``bounds.py``): a lower bound on the step time over every split and
+recompute choice, and a lower bound on the largest rank's memory. Candidates are visited in
+increasing time bound (ties by enumeration order, so the search is deterministic): a candidate
+whose bound cannot beat the k-th best plan so far ends the search (every later one is pruned too),
+one whose memory bound exceeds the capacity is pruned as infeasible. Survivors first try the most
+balanced split with uniform recompute; when that meets the time bound within the MIP gap it is
+optimal and no ILP is needed, otherwise the ILP (``ilp.py``) decides the split and per-layer
+recompute exactly. Candidates whose ILP inputs are equal share one solution.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.cost_model.assemble import assemble
+from autopar.cost_model.estimate import Estimate
+from autopar.cost_model.tables import CostTable
+from autopar.errors import InfeasiblePlanError
+from autopar.plan import Plan, SearchInfo, StagePlan
+from autopar.search.bounds import balanced_split, ilp_key, memory_lower_bound, time_lower_bound
+from autopar.search.ilp import build_ilp, decode, solve_ilp
+from autopar.search.layout import tp_layout
+from autopar.search.options import SearchOptions
+from autopar.search.space import enumerate_candidates
+
+__all__ = ["ProgressFn", "plan", "plan_from_config"]
+
+ProgressFn = Callable[[int, int, str], None]
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Candidate:
+    index: int
+    table: CostTable
+    time_lb_s: float
+    memory_lb_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Outcome:
+    """A candidate's best split (or none), and how it was found."""
+
+    split: tuple[tuple[int, int], ...] = ()
+    recompute: tuple[str, ...] = ()
+    step_s: float = float("inf")
+    optimal: bool = True
+    gap: float = 0.0
+    time_limit_hit: bool = False
+    used_ilp: bool = False
+
+
+@dataclass(slots=True)
+class _State:
+    """Mutable bookkeeping of one search (local to one ``plan`` call)."""
+
+    best: list[tuple[float, int, _Outcome, _Candidate]] = dataclasses.field(default_factory=list)
+    considered: int = 0
+    pruned: int = 0
+    ilps: int = 0
+    time_limit_hit: bool = False
+    remaining_lb_s: float = float("inf")
+
+
+def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions) -> CostTable:
+    from autopar.cost_model import build_cost_table
+
+    table = build_cost_table(profile, cluster, config)
+    if options.memory_headroom_bytes is not None:
+        capacity = cluster.device.memory_bytes - options.memory_headroom_bytes
+        table = dataclasses.replace(table, capacity_bytes=capacity)
+    return table
+
+
+def _solve(table: CostTable, options: SearchOptions, time_limit_s: float) -> _Outcome:
+    """Best split of one candidate: balanced uniform recompute if provably optimal, else the ILP."""
+    lb = time_lower_bound(table)
+    best_uniform = None
+    for mode in RECOMPUTE:
+        split = balanced_split(table, mode)
+        est = assemble(table, split, (mode,) * len(table.layers))
+        if est.fits and (best_uniform is None or est.step_time_s < best_uniform.step_s):
+            best_uniform = _Outcome(
+                split=split, recompute=(mode,) * len(table.layers), step_s=est.step_time_s
+            )
+    if best_uniform is not None and best_uniform.step_s <= lb * (1 + options.mip_gap):
+        return best_uniform
+    model = build_ilp(table)
+    sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
+    if not sol.has_solution:
+        # A heuristic split that fits is still a plan (not proven) when the solver gave up.
+        if best_uniform is not None and sol.status != "infeasible":
+            return dataclasses.replace(
+                best_uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True
+            )
+        return _Outcome(used_ilp=True, time_limit_hit=sol.time_limit_hit)
+    split, rec = decode(model, sol)
+    step = assemble(table, split, rec).step_time_s
+    out = _Outcome(
+        split=split,
+        recompute=rec,
+        step_s=step,
+        optimal=sol.status == "optimal",
+        gap=sol.gap,
+        time_limit_hit=sol.time_limit_hit,
+        used_ilp=True,
+    )
+    if best_uniform is not None and best_uniform.step_s < step:  # a limit stopped the solver
+        out = dataclasses.replace(
+            out,
+            split=best_uniform.split,
+            recompute=best_uniform.recompute,
+            step_s=best_uniform.step_s,
+        )
+    return out
+
+
+def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]:
+    head_counts = {profile.heads, profile.kv_heads}
+    for layer in profile.layers:
+        head_counts |= {layer.tp.heads, layer.tp.kv_heads}
+    return list(
+        enumerate_candidates(
+            world_size=cluster.num_gpus,
+            gpus_per_node=cluster.gpus_per_node,
+            head_counts=tuple(sorted(h for h in head_counts if h)),
+            num_layers=profile.num_layers,
+            global_batch=global_batch,
+            options=options,
+        )
+    )
+
+
+def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Candidate]:
+    out = []
+    for i, cfg in enumerate(configs):
+        table = _cost_table(profile, cluster, cfg, options)
+        out.append(
+            _Candidate(
+                index=i,
+                table=table,
+                time_lb_s=time_lower_bound(table),
+                memory_lb_bytes=memory_lower_bound(table),
+            )
+        )
+        if progress is not None and i % 256 == 255:
+            progress(0, len(configs), f"costing candidates ({i + 1}/{len(configs)})")
+        if deadline is not None and time.monotonic() > deadline:
+            break
+    return out
+
+
+def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _State:
+    state = _State()
+    cache: dict[tuple, _Outcome] = {}
+    order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
+    total = len(order)
+    for pos, cand in enumerate(order):
+        kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
+        if cand.time_lb_s >= kth:  # sorted by bound: no later candidate can enter the top k
+            state.considered += total - pos
+            state.pruned += total - pos
+            break
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            state.time_limit_hit = True
+            state.remaining_lb_s = cand.time_lb_s
+            break
+        state.considered += 1
+        if cand.memory_lb_bytes > cand.table.capacity_bytes:
+            state.pruned += 1
+            continue
+        key = ilp_key(cand.table)
+        outcome = cache.get(key)
+        if outcome is None:
+            limit = (
+                options.time_limit_s
+                if remaining is None
+                else min(options.time_limit_s, max(remaining, 0.1))
+            )
+            outcome = _solve(cand.table, options, limit)
+            cache[key] = outcome
+            state.ilps += outcome.used_ilp
+            state.time_limit_hit |= outcome.time_limit_hit
+        if outcome.split:
+            step = assemble(cand.table, outcome.split, outcome.recompute).step_time_s
+            state.best.append((step, cand.index, outcome, cand))
+            state.best.sort(key=lambda b: (b[0], b[1]))
+            del state.best[top_k:]
+        if progress is not None:
+            progress(pos + 1, total, cand.table.config.describe())
+    if progress is not None:
+        progress(total, total, "done")
+    return state
+
+
+def _stage_plans(profile, split, recompute) -> tuple[StagePlan, ...]:
+    names = [layer.name for layer in profile.layers]
+    return tuple(
+        StagePlan(
+            index=j,
+            layers=(a, b),
+            layer_names=tuple(names[a : b + 1]),
+            recompute=tuple(recompute[a : b + 1]),
+        )
+        for j, (a, b) in enumerate(split)
+    )
+
+
+def _make_plan(profile, cluster, config, split, recompute, info, model, options) -> Plan:
+    """The Plan record; its estimate is assemble() of the split under the plan's own config."""
+    counts = collections.Counter(recompute)
+    common = max(RECOMPUTE, key=lambda r: (counts[r], -RECOMPUTE.index(r)))
+    config = dataclasses.replace(config, recompute=common)
+    table = _cost_table(profile, cluster, config, options)
+    estimate: Estimate = assemble(table, split, recompute)
+    return Plan(
+        config=config,
+        stages=_stage_plans(profile, split, recompute),
+        tp_layout=tp_layout(profile, tp=config.tp, sequence_parallel=config.sequence_parallel),
+        estimate=estimate,
+        profile_fingerprint=profile.fingerprint(),
+        cluster_fingerprint=cluster.fingerprint(),
+        model=model,
+        cluster=cluster.to_dict(),
+        search=info,
+    )
+
+
+def _closest(cands: list[_Candidate], options: SearchOptions, deadline) -> tuple[float, str]:
+    """Smallest largest-rank memory any candidate reaches (memory ILPs, best bound first)."""
+    best_mem, best_desc = float("inf"), ""
+    for cand in sorted(cands, key=lambda c: (c.memory_lb_bytes, c.index)):
+        if cand.memory_lb_bytes >= best_mem:
+            break
+        if deadline is not None and time.monotonic() > deadline and best_desc:
+            break
+        model = build_ilp(cand.table, objective="memory")
+        sol = solve_ilp(model, options)
+        if not sol.has_solution:
+            continue
+        split, rec = decode(model, sol)
+        mem = assemble(cand.table, split, rec).memory_per_gpu_bytes
+        if mem < best_mem:
+            sizes = "/".join(str(b - a + 1) for a, b in split)
+            modes = sorted(set(rec), key=RECOMPUTE.index)
+            best_mem = mem
+            best_desc = (
+                f"{cand.table.config.describe()} with stages of {sizes} layers and "
+                f"recompute {'+'.join(modes)}"
+            )
+    return best_mem, best_desc
+
+
+def _infeasible(profile, cluster, cands, options, deadline, global_batch) -> InfeasiblePlanError:
+    cap = min((c.table.capacity_bytes for c in cands), default=cluster.usable_memory_bytes)
+    mem, desc = _closest(cands, options, deadline)
+    return InfeasiblePlanError(
+        f"no split of {profile.name or 'the model'} ({profile.num_params / 1e9:.2f}B params) "
+        f"fits {cap / GIB:.1f} GiB usable per GPU on {cluster.num_gpus} GPUs at global batch "
+        f"{global_batch}; the closest, {desc}, needs {mem / GIB:.1f} GiB per GPU: use more GPUs, "
+        "GPUs with more memory, or a smaller micro-batch",
+        min_memory_bytes=mem,
+        closest=desc,
+    )
+
+
+def plan(
+    profile,
+    cluster,
+    global_batch: int,
+    *,
+    top_k: int = 1,
+    options: SearchOptions | None = None,
+    progress: ProgressFn | None = None,
+    time_budget_s: float | None = None,
+    seq_len: int | None = None,
+    model: str = "",
+) -> Plan | list[Plan]:
+    """Search every split of ``profile`` over ``cluster`` and return the best Plan (or top k).
+
+    Args:
+        profile: the model's ModelProfile.
+        cluster: the Cluster.
+        global_batch: sequences per optimizer step.
+        top_k: 1 returns one Plan; k > 1 a list of the k best distinct plans, best first.
+        options: search options (SearchOptions()).
+        progress: called as ``progress(done, total, message)`` while the search runs.
+        time_budget_s: overall wall-clock budget; when it runs out the best plan so far is
+            returned with ``search.time_limit_hit`` set and ``search.mip_gap`` bounding how far
+            from the optimum it may be.
+        seq_len: must equal the profile's sequence length if given (profiles are per length).
+        model: how to rebuild the model, recorded in the plan (zoo name, spec, path).
+
+    Raises:
+        ValueError: bad arguments, or no (dp, tp, pp) split satisfies the model's constraints.
+        InfeasiblePlanError: no candidate fits the device memory.
+    """
+    options = options or SearchOptions()
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if seq_len is not None and seq_len != profile.seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} differs from the profile's {profile.seq_len}; profile the model "
+            f"with seq_len={seq_len}"
+        )
+    deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+    configs = _candidates(profile, cluster, global_batch, options)
+    if not configs:
+        raise ValueError(
+            f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
+            f"and the model's heads ({profile.heads}/{profile.kv_heads} kv): pick a global batch "
+            f"divisible by a factor of {cluster.num_gpus}"
+        )
+    cands = _bounded(profile, cluster, configs, options, progress, deadline)
+    state = _search(cands, top_k, options, progress, deadline)
+    if len(cands) < len(configs):
+        state.time_limit_hit = True
+        state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
+    if not state.best:
+        raise _infeasible(profile, cluster, cands, options, deadline, global_batch)
+    plans = []
+    for step, _, outcome, cand in state.best:
+        gap = outcome.gap
+        if state.time_limit_hit and state.remaining_lb_s < step:
+            gap = max(gap, (step - max(state.remaining_lb_s, 0.0)) / step)
+        info = SearchInfo(
+            candidates_considered=state.considered,
+            candidates_pruned=state.pruned,
+            ilps_solved=state.ilps,
+            optimal=outcome.optimal,
+            mip_gap=gap,
+            time_limit_hit=state.time_limit_hit,
+        )
+        plans.append(
+            _make_plan(
+                profile,
+                cluster,
+                cand.table.config,
+                outcome.split,
+                outcome.recompute,
+                info,
+                model,
+                options,
+            )
+        )
+    return plans[0] if top_k == 1 else plans
+
+
+def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "") -> Plan:
+    """A Plan for a given split: the most balanced stages and ``config.recompute`` everywhere.
+
+    Its estimate equals ``autopar.estimate(profile, cluster, config)``.
+    """
+    from autopar.cost_model.estimator import default_split
+    from autopar.cost_model.validate import check_config
+
+    check_config(profile, cluster, config)
+    table = _cost_table(profile, cluster, config, SearchOptions())
+    split, recompute = default_split(table)
+    return Plan(
+        config=config,
+        stages=_stage_plans(profile, split, recompute),
+        tp_layout=tp_layout(profile, tp=config.tp, sequence_parallel=config.sequence_parallel),
+        estimate=assemble(table, split, recompute),
+        profile_fingerprint=profile.fingerprint(),
+        cluster_fingerprint=cluster.fingerprint(),
+        model=model,
+        cluster=cluster.to_dict(),
+    )

@@ -1,0 +1,160 @@
+"""The outer search space: every ParallelConfig the planner considers, in a fixed order.
+
+A candidate fixes (dp, tp, pp), the micro-batch size, the pipeline schedule and its virtual
+stages, the ZeRO stage and sequence parallelism; the ILP (``ilp.py``) then decides the layer
+split and per-layer recomputation for it.
+
+Rules (each one a constraint the runtime or torch imposes):
+- dp * tp * pp = number of GPUs; tp divides heads and kv_heads (sharded attention views heads
+  as -1); tp stays within a node (and divides its size) unless allowed across nodes;
+- pp * v <= number of profile layers (every stage holds at least one layer);
+- global_batch divisible by dp; micro-batch sizes divide the per-replica batch;
+- micro-batch counts per schedule follow torch 2.13's ``torch.distributed.pipelining``:
+  Schedule1F1B needs m >= stages; ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble need
+  m to be a multiple of max(1, m // pp) ("rounds"); ScheduleZBVZeroBubble and ScheduleDualPipeV
+  run exactly 2 chunks per rank, and DualPipeV needs m >= 2 pp; GPipe takes any m;
+- sequence parallelism only when tp > 1; ZeRO stages > 0 only when dp > 1 (nothing to shard:
+  they are the same plan as stage 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.validate import check_schedule
+from autopar.search.options import SearchOptions
+
+__all__ = [
+    "ZERO_BUBBLE",
+    "divisors",
+    "enumerate_candidates",
+    "mesh_shapes",
+    "schedule_accepts",
+    "schedule_variants",
+]
+
+ZERO_BUBBLE = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
+_TWO_CHUNK_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(
+    world_size: int,
+    *,
+    head_counts: tuple[int, ...],
+    gpus_per_node: int,
+    num_layers: int,
+    max_tp: int | None = None,
+    allow_tp_across_nodes: bool = False,
+) -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) with dp * tp * pp = world_size, ordered by pp, then tp.
+
+    Args:
+        world_size: GPUs in the job.
+        head_counts: attention and key/value head counts of the model and its layers; tp
+            divides each.
+        gpus_per_node: GPUs per node; tp stays within (and divides) it unless allowed across.
+        num_layers: profile layers (pp <= num_layers).
+        max_tp: optional upper bound on tp.
+        allow_tp_across_nodes: let tp exceed the node size.
+    """
+    shapes = []
+    for pp in divisors(world_size):
+        if pp > num_layers:
+            continue
+        for tp in divisors(world_size // pp):
+            if any(h % tp for h in head_counts):
+                continue
+            if max_tp is not None and tp > max_tp:
+                continue
+            if not allow_tp_across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
+                continue
+            shapes.append((world_size // (pp * tp), tp, pp))
+    return shapes
+
+
+def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> bool:
+    """Whether torch 2.13's schedule class accepts m micro-batches on pp ranks x v chunks.
+
+    The rules live once, in ``autopar.cost_model.validate.check_schedule``.
+    """
+    try:
+        check_schedule(schedule, pp, virtual_stages, num_microbatches)
+    except ValueError:
+        return False
+    return True
+
+
+def schedule_variants(pp: int, num_layers: int, options: SearchOptions) -> list[tuple[str, int]]:
+    """(schedule, virtual_stages) pairs for pp ranks, in ``options.schedules`` order.
+
+    pp == 1 has one variant, ("1f1b", 1): no pipeline, the schedule is ignored.
+    """
+    if pp == 1:
+        return [("1f1b", 1)]
+    out: list[tuple[str, int]] = []
+    for schedule in options.schedules:
+        if schedule in ZERO_BUBBLE and not options.allow_zero_bubble:
+            continue
+        if schedule in ("gpipe", "1f1b"):
+            vs = [1]
+        elif schedule in _TWO_CHUNK_SCHEDULES:
+            vs = [2]
+        else:
+            vs = list(range(2, options.max_virtual_stages + 1))
+        out.extend((schedule, v) for v in vs if pp * v <= num_layers)
+    return out
+
+
+def enumerate_candidates(
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    head_counts: tuple[int, ...],
+    num_layers: int,
+    global_batch: int,
+    options: SearchOptions,
+) -> Iterator[ParallelConfig]:
+    """Every outer candidate, in a deterministic order (pp, tp, micro-batch, schedule, ZeRO, SP)."""
+    shapes = mesh_shapes(
+        world_size,
+        head_counts=head_counts,
+        gpus_per_node=gpus_per_node,
+        num_layers=num_layers,
+        max_tp=options.max_tp,
+        allow_tp_across_nodes=options.allow_tp_across_nodes,
+    )
+    for dp, tp, pp in shapes:
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        sizes = divisors(per_replica)
+        if options.micro_batch_sizes is not None:
+            sizes = [b for b in sizes if b in options.micro_batch_sizes]
+        sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
+        # ZeRO shards over dp: with dp == 1 every stage is the same plan as stage 0.
+        zeros = sorted(set(options.zero_stages)) if dp > 1 else [0]
+        for mb in sizes:
+            m = per_replica // mb
+            for schedule, v in schedule_variants(pp, num_layers, options):
+                if pp > 1 and not schedule_accepts(schedule, pp, v, m):
+                    continue
+                for zero in zeros:
+                    for sp in sps:
+                        yield ParallelConfig(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            micro_batch=mb,
+                            global_batch=global_batch,
+                            schedule=schedule,
+                            virtual_stages=v,
+                            sequence_parallel=sp,
+                            zero=zero,
+                            dtype=options.dtype,
+                        )

@@ -1,0 +1,196 @@
+"""Every split equals the one-process step: first-step gradients and three AdamW losses.
+
+Each launch runs many cases (import torch costs seconds per process). A case builds the zoo model
+twice from one seed, runs the one-process reference on the global batch and the split under
+``apply_plan`` on this rank's share, and compares gradients (rtol 1e-5, atol 1e-7, DTensors
+gathered) and the losses of three AdamW steps (1e-3 relative).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+
+SHAPES: dict[str, dict[str, int]] = {
+    "gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8},
+    "llama": {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "seq_len": 8},
+}
+GLOBAL_BATCH = 8
+STEPS = 3
+LR = 1e-2
+
+
+def make_plan(cfg: Any, num_blocks: int, recompute: dict[int, str] | None = None) -> Any:
+    """A Plan with the most balanced contiguous stages; ``recompute``: profile layer -> mode."""
+    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
+    from autopar.plan import Plan, StagePlan
+
+    names = ["embedding"] + [f"layers.{i}" for i in range(num_blocks)] + ["head"]
+    modes = [(recompute or {}).get(i, cfg.recompute) for i in range(len(names))]
+    base, extra = divmod(len(names), cfg.num_stages)
+    stages, first = [], 0
+    for index in range(cfg.num_stages):
+        size = base + (1 if index < extra else 0)
+        last = first + size
+        stages.append(
+            StagePlan(
+                index=index,
+                layers=(first, last - 1),
+                layer_names=tuple(names[first:last]),
+                recompute=tuple(modes[first:last]),
+            )
+        )
+        first = last
+    estimate = Estimate(
+        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
+        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
+        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
+    )
+    return Plan(config=cfg, stages=tuple(stages), estimate=estimate)
+
+
+def batches(kind: str, steps: int = STEPS) -> list[tuple[Any, Any]]:
+    """Seeded global batches (tokens, labels) for ``steps`` steps."""
+    import torch
+
+    shape = SHAPES[kind]
+    gen = torch.Generator().manual_seed(1234)
+    size = (GLOBAL_BATCH, shape["seq_len"])
+    return [
+        (
+            torch.randint(0, shape["vocab"], size, generator=gen),
+            torch.randint(0, shape["vocab"], size, generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def run_case(kind: str, cfg_kwargs: dict[str, Any], recompute: dict[int, str] | None) -> dict:
+    """One split against the reference on this rank; returns fqns checked and losses."""
+    import torch
+    from torch.testing import assert_close
+
+    from autopar.config import ParallelConfig
+    from autopar.models import build
+    from autopar.runtime import apply_plan, build_mesh
+    from autopar.runtime.step import gathered_grads, local_batch, one_process_reference, train_step
+
+    shape = SHAPES[kind]
+    cfg = ParallelConfig(global_batch=GLOBAL_BATCH, dtype="fp32", **cfg_kwargs)
+    plan = make_plan(cfg, shape["layers"], recompute)
+    reference = build(kind, device="cpu", seed=0, **shape)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    pm = apply_plan(build(kind, device="cpu", seed=0, **shape), plan, build_mesh(plan, "cpu"))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    ref_losses, losses = [], []
+    for step, (tokens, labels) in enumerate(batches(kind)):
+        ref_losses.append(one_process_reference(reference, tokens, labels))
+        x, y = local_batch(pm, tokens), local_batch(pm, labels)
+        if step == 0:
+            losses.append(train_step(pm, x, y, None))
+            grads = gathered_grads(pm)
+            for fqn, grad in grads.items():
+                expected = reference.get_parameter(fqn).grad
+                assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=lambda m, f=fqn: f"{f}: {m}")
+            opt.step()
+        else:
+            losses.append(train_step(pm, x, y, opt))
+        ref_opt.step()
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 1e-3 * abs(want), f"losses {losses} != reference {ref_losses}"
+    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
+    return {"fqns": sorted(grads), "losses": losses}
+
+
+def run_cases(rank: int, world_size: int, cases: list[tuple[str, str, dict, Any]]) -> dict:
+    """Run every case; a failing case is reported, the others still run."""
+    results: dict[str, Any] = {}
+    for name, kind, cfg_kwargs, recompute in cases:
+        try:
+            results[name] = run_case(kind, cfg_kwargs, recompute)
+        except Exception:
+            results[name] = {"error": traceback.format_exc(limit=6)}
+    return results
+
+
+def check_results(results: list[dict], cases: list[tuple[str, str, dict, Any]]) -> None:
+    """Fail with every failing case; check the ranks together covered every parameter."""
+    from autopar.models import build
+
+    errors = []
+    for name, kind, _cfg, _rc in cases:
+        per_rank = [r[name] for r in results]
+        errors += [
+            f"[{name}] rank {i}: {r['error']}" for i, r in enumerate(per_rank) if "error" in r
+        ]
+        if any("error" in r for r in per_rank):
+            continue
+        all_fqns = {n for n, _ in build(kind, **SHAPES[kind]).named_parameters()}
+        covered = set().union(*(r["fqns"] for r in per_rank))
+        if covered != all_fqns:
+            errors.append(f"[{name}] gradients not checked for {sorted(all_fqns - covered)}")
+        if len({tuple(r["losses"]) for r in per_rank}) != 1:
+            errors.append(f"[{name}] ranks report different losses")
+    assert not errors, "\n".join(errors)
+
+
+def _cases(configs: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict, Any]]:
+    cases = []
+    for kind in SHAPES:
+        for name, cfg in configs.items():
+            cfg = dict(cfg)
+            recompute = cfg.pop("recompute_layers", None)
+            cases.append((f"{kind}-{name}", kind, cfg, recompute))
+    return cases
+
+
+# Per-layer recomputation: profile layer 1 (block 0) selective, layer 3 (block 2) full.
+MIXED_RECOMPUTE = {1: "selective", 3: "full"}
+
+
+CONFIGS_2: dict[str, dict[str, Any]] = {
+    "ddp2": {"dp": 2, "micro_batch": 2},
+    "fsdp2-zero3": {"dp": 2, "zero": 3, "micro_batch": 2},
+    "fsdp2-zero1": {"dp": 2, "zero": 1, "micro_batch": 2},
+    "fsdp2-zero2": {"dp": 2, "zero": 2, "micro_batch": 2},
+    "tp2": {"tp": 2, "micro_batch": 4},
+    "tp2-sp": {"tp": 2, "sequence_parallel": True},
+    "pp2-gpipe": {"pp": 2, "schedule": "gpipe", "micro_batch": 2},
+    "pp2-1f1b": {"pp": 2, "schedule": "1f1b", "micro_batch": 2},
+    "pp2-interleaved": {
+        "pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "micro_batch": 2,
+    },
+    "pp2-zbv": {"pp": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2, "micro_batch": 2},
+    "tp2-sp-recompute": {"tp": 2, "sequence_parallel": True, "recompute_layers": MIXED_RECOMPUTE},
+    "fsdp2-zero3-recompute": {
+        "dp": 2, "zero": 3, "micro_batch": 2, "recompute_layers": MIXED_RECOMPUTE,
+    },
+    "pp2-1f1b-recompute": {
+        "pp": 2, "schedule": "1f1b", "micro_batch": 2, "recompute_layers": MIXED_RECOMPUTE,
+    },
+}
+CONFIGS_4: dict[str, dict[str, Any]] = {
+    "dp2xtp2-ddp": {"dp": 2, "tp": 2, "micro_batch": 2},
+    "dp2xtp2-fsdp": {"dp": 2, "tp": 2, "zero": 3},
+    "pp2xdp2-fsdp": {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"},
+    "pp2xdp2-replicate": {"pp": 2, "dp": 2, "zero": 0, "schedule": "gpipe", "micro_batch": 2},
+    "pp2xtp2": {"pp": 2, "tp": 2, "schedule": "1f1b", "micro_batch": 2, "sequence_parallel": True},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_process_splits_equal_one_process(run_distributed: Any) -> None:
+    cases = _cases(CONFIGS_2)
+    results = run_distributed(run_cases, 2, cases, timeout_s=280)
+    check_results(results, cases)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_four_process_splits_equal_one_process(run_distributed: Any) -> None:
+    cases = _cases(CONFIGS_4)
+    results = run_distributed(run_cases, 4, cases, timeout_s=280)
+    check_results(results, cases)

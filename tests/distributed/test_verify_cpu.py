@@ -1,0 +1,72 @@
+"""``autopar verify`` on a tiny 2-process plan: predicted and measured figures, and the refit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.hardware import Cluster
+from autopar.errors import AutoparError
+from autopar.runtime.verify import add_verify_arguments, verify_command
+
+MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq_len=16"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_verify_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _plan_file(tmp_path) -> str:
+    from autopar.runtime.run import model_profile
+    from autopar.search.planner import plan_from_config
+
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    config = ParallelConfig(dp=2, micro_batch=2, global_batch=4, dtype="fp32")
+    plan = plan_from_config(model_profile(MODEL), cluster, config, model=MODEL)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_verify_reports_prediction_and_measurement_and_refits(tmp_path, capfd):
+    plan_path = _plan_file(tmp_path)
+    out = tmp_path / "refit.yaml"
+    code = verify_command(_args(plan_path, "--steps", "3", "--warmup", "1", "--refit",
+                                "--out", str(out), "--json"))
+    assert code == 0
+    record = json.loads(capfd.readouterr().out)
+    assert record["predicted_step_time_s"] > 0 and record["measured_step_time_s"] > 0
+    assert len(record["step_times_s"]) == 3
+    # Live tensor bytes at least hold the fp32 parameters, gradients and Adam state (16 B/param).
+    num_params = 2 * (12 * 32 * 32 + 13 * 32) + 64 * 32 + 16 * 32 + 2 * 32
+    assert record["measured_memory_bytes"] >= 16 * num_params * 0.9
+    error = record["step_time_error"]
+    assert error == pytest.approx(
+        (record["predicted_step_time_s"] - record["measured_step_time_s"])
+        / record["measured_step_time_s"])
+    # The refit moves the compute throughput toward the measurement.
+    base = Cluster.preset("cpu", gpus_per_node=2)
+    new = Cluster.from_yaml(out)
+    old_rate = base.device.peak_fp32_flops * base.device.matmul_efficiency_max
+    new_rate = new.device.peak_fp32_flops * new.device.matmul_efficiency_max
+    assert (new_rate < old_rate) == (error < 0)
+    assert record["refit_cluster"] == new.to_dict()
+
+
+def test_verify_refit_needs_out_and_never_overwrites(tmp_path):
+    with pytest.raises(AutoparError, match="--out"):
+        verify_command(_args("plan.json", "--refit"))
+    existing = tmp_path / "c.yaml"
+    existing.write_text("keep")
+    with pytest.raises(AutoparError, match="--force"):
+        verify_command(_args("plan.json", "--refit", "--out", str(existing)))
+    assert existing.read_text() == "keep"
+    with pytest.raises(AutoparError, match="cannot read plan"):
+        verify_command(_args(str(tmp_path / "missing.json")))

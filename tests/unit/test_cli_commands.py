@@ -1,0 +1,240 @@
+"""The autopar command line, run as a user runs it (subprocess), plus in-process error cases.
+
+Subprocesses cost ~2-3 s of imports each, so only the flows whose streams matter (the document
+alone on stdout, one-line errors, --debug tracebacks) run as subprocesses; the other error cases
+call ``autopar.cli.main`` in the test process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tomllib
+from report_fixtures import make_plan
+
+from autopar.cli import main
+
+TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _has(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+needs_planner = pytest.mark.skipif(
+    not (_has("autopar.search", "plan") and _has("autopar.graph", "profile")
+         and _has("autopar.cost_model", "estimate")),
+    reason="autopar.plan / profile / estimate are not built yet",
+)
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan().to_json())
+    return path
+
+
+# ------------------------------------------------------------------ saved plans (no planner)
+def test_show_prints_the_report_on_stdout(plan_file):
+    proc = cli("show", str(plan_file))
+    assert proc.returncode == 0, proc.stderr
+    assert "Split  dp=2 tp=2 pp=2" in proc.stdout and "pipeline bubble" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_export_prints_only_the_document(plan_file):
+    proc = cli("export", str(plan_file), "--to", "torchtitan")
+    assert proc.returncode == 0, proc.stderr
+    assert tomllib.loads(proc.stdout)["parallelism"]["pipeline_parallel_degree"] == 2
+
+
+def test_missing_plan_file_is_one_line(tmp_path):
+    assert_one_line_error(cli("show", str(tmp_path / "nope.json")), "does not exist")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = cli("show", str(bad), "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "PlanFormatError" in proc.stderr
+
+
+def test_plan_file_errors_in_process(tmp_path, plan_file, capfd):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**make_plan().to_dict(), "schema_version": 99}))
+    assert main(["show", str(old)]) == 2
+    assert "schema_version 99 is not supported" in capfd.readouterr().err
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps({"schema_version": 1, "config": {}}))
+    assert main(["export", str(half), "--to", "megatron"]) == 2
+    assert "malformed" in capfd.readouterr().err
+
+
+def test_export_never_overwrites_without_force(tmp_path, plan_file, capfd):
+    out = tmp_path / "ds.json"
+    assert main(["export", str(plan_file), "--to", "deepspeed", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["train_batch_size"] == 16
+    out.write_text("mine")
+    assert main(["export", str(plan_file), "--to", "deepspeed", "--out", str(out)]) == 2
+    assert "already exists; pass --force" in capfd.readouterr().err
+    assert out.read_text() == "mine"
+    assert main(["export", str(plan_file), "--to", "slurm", "--out", str(out), "--force"]) == 0
+    assert out.read_text().startswith("#!/bin/bash")
+
+
+def test_unwritable_output_is_an_error(plan_file, capfd):
+    assert main(["export", str(plan_file), "--to", "megatron", "--out", "/nonexistent/x.sh"]) == 2
+    assert "cannot write /nonexistent/x.sh" in capfd.readouterr().err
+
+
+def test_show_plot_writes_a_png(tmp_path, plan_file, capfd):
+    png = tmp_path / "p.png"
+    assert main(["show", str(plan_file), "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+# ------------------------------------------------------------------ cluster arguments
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpus", "12"], "--gpus 12 does not fill nodes of 8 GPUs; use 8 or 16"),
+    (["--gpus", "0"], "--gpus must be at least 1"),
+    (["--gpus", "8", "--gpu", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
+    ([], "say how many GPUs"),
+])
+def test_bad_gpu_counts(argv, needle, capfd):
+    assert main(["plan", TINY, "--global-batch", "8", *argv]) == 2
+    assert needle in capfd.readouterr().err
+
+
+def test_bad_cluster_yaml_names_the_field(tmp_path, capfd):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nnodes: 0\n")
+    assert main(["plan", TINY, "--global-batch", "8", "--cluster", str(path)]) == 2
+    assert capfd.readouterr().err == "autopar: error: cluster field nodes must be > 0, got 0\n"
+
+
+def test_gpus_alone_means_nodes_of_eight():
+    from autopar.cli.common import split_gpu_count
+
+    assert split_gpu_count(1) == (1, 1) and split_gpu_count(8) == (1, 8)
+    assert split_gpu_count(64) == (8, 8) and split_gpu_count(1024) == (128, 8)
+
+
+# ------------------------------------------------------------------ with the planner
+PLAN_ARGS = ("plan", TINY, "--gpus", "4", "--global-batch", "8", "--top-k", "2")
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One real `autopar plan` run with --out and --plot, shared by the tests below."""
+    folder = tmp_path_factory.mktemp("planned")
+    out, png = folder / "p.json", folder / "p.png"
+    proc = cli(*PLAN_ARGS, "--out", str(out), "--plot", str(png))
+    return proc, out, png
+
+
+@needs_planner
+def test_plan_report_out_and_plot(planned):
+    proc, out, png = planned
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("Split", "Where the step time goes", "Binding", "Per pipeline rank",
+                   "Alternatives", "pure DP", "MFU"):
+        assert needle in proc.stdout, needle
+    assert json.loads(out.read_text())["model"] == TINY
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+@needs_planner
+def test_plan_json_is_the_library_plan(planned):
+    from autopar.cli.common import load_profile
+    from autopar.cost_model.hardware import Cluster
+    from autopar.search import plan  # autopar.plan's function (see the note in cmd_plan.py)
+
+    proc = cli(*PLAN_ARGS, "--json")
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # the document alone: anything else breaks json.loads
+    assert proc.stdout == planned[1].read_text()  # --json prints what --out writes
+    profile = load_profile(TINY, None)
+    cluster = Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
+    best = plan(profile, cluster, global_batch=8, top_k=2, model=TINY)[0]
+    assert proc.stdout == best.to_json()
+
+
+@needs_planner
+def test_plan_never_overwrites_out_without_force(planned):
+    before = planned[1].read_text()
+    assert_one_line_error(cli(*PLAN_ARGS, "--out", str(planned[1])),
+                          "already exists; pass --force")
+    assert planned[1].read_text() == before
+
+
+@needs_planner
+def test_explain_checks_the_model_fingerprint(planned):
+    other = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq_len=32"
+    proc = cli("explain", str(planned[1]), "--model", other)
+    assert_one_line_error(proc, "made for another model")
+
+
+@needs_planner
+def test_unknown_model_suggests_close_names():
+    assert_one_line_error(cli("plan", "gpt3-175", "--gpus", "8", "--global-batch", "8"),
+                          "Did you mean")
+
+
+@needs_planner
+def test_infeasible_model_says_what_it_needs():
+    big = "gpt:layers=2,hidden=4096,heads=32,vocab=50304,seq_len=2048"
+    proc = cli("plan", big, "--gpus", "1", "--gpu-memory", "1", "--global-batch", "8")
+    assert_one_line_error(proc, "")
+    assert "GiB" in proc.stderr
+
+
+@needs_planner
+def test_estimate_json_and_bad_batch(capfd):
+    proc = cli("estimate", TINY, "--dp", "2", "--tp", "2", "--global-batch", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["config"]["dp"], doc["config"]["tp"]) == (2, 2)
+    assert doc["estimate"]["step_time_s"] > 0 and doc["model"] == TINY
+    assert main(["estimate", TINY, "--dp", "3", "--global-batch", "8"]) == 2
+    assert "not divisible" in capfd.readouterr().err
+
+
+@needs_planner
+def test_sweep_json_marks_a_pareto_front():
+    proc = cli("sweep", TINY, "--gpus", "2,4", "--gpu", "a100-80g,h100", "--tokens", "1e9",
+               "--global-batch", "8", "--price-per-gpu-hour", "a100-80g=2,h100=4",
+               "--time-budget", "20", "--json")
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads(proc.stdout)
+    assert len(points) == 4 and any(p["pareto"] for p in points)
+    assert all(p["cost"] > 0 and p["days"] > 0 for p in points if not p["error"])
+
+
+def test_presets_json():
+    proc = cli("presets", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert "gpt3-175b" in doc["models"] and "h100" in doc["clusters"]

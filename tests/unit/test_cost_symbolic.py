@@ -1,0 +1,82 @@
+"""The sympy formulas evaluate to what the numeric cost model computes; explain_plan prints them."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.config import ParallelConfig
+from autopar.cost_model import comm
+from autopar.cost_model.estimator import default_split, estimate
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.memory import dp_mechanism, layer_state
+from autopar.cost_model.symbolic import (
+    ALL_REDUCE,
+    STEP_TIME,
+    B,
+    E_max,
+    Psi,
+    R_max,
+    S,
+    T_sum,
+    alpha,
+    d,
+    explain_plan,
+    m,
+    model_state_expr,
+    n,
+    p,
+    v,
+    w,
+)
+from autopar.plan import Plan, StagePlan
+from tests.fixtures.profiles import analytic_transformer_profile
+
+PROFILE = analytic_transformer_profile(6, 128, 4, 512, 64)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("dp", "pp", "zero"), [(1, 1, 0), (4, 1, 0), (4, 2, 0), (4, 1, 1),
+                                                (4, 1, 2), (4, 1, 3)])
+def test_model_state_expressions_match_memory(dtype, dp, pp, zero):
+    cfg = ParallelConfig(dp=dp, pp=pp, zero=zero, dtype=dtype, global_batch=dp * 4)
+    state = layer_state(1000.0, cfg)
+    exprs = model_state_expr(dp_mechanism(cfg), zero, dtype)
+    values = {Psi: 1000.0, d: dp, w: 2 if dtype == "bf16" else 4}
+    got = [float(e.subs(values)) for e in exprs]
+    assert got == pytest.approx([state.param_bytes, state.grad_bytes, state.optimizer_bytes])
+
+
+def test_all_reduce_expression_matches_comm():
+    link = comm.GroupLink(size=8, bandwidth_bytes_per_s=2e11, latency_s=5e-6, spans_nodes=False)
+    value = float(ALL_REDUCE.subs({n: 8, S: 1e9, B: 2e11, alpha: 5e-6}))
+    assert value == pytest.approx(comm.all_reduce_s(link, 1e9))
+
+
+def test_step_time_expression_matches_assemble():
+    cfg = ParallelConfig(dp=2, pp=2, global_batch=8, schedule="1f1b")
+    cluster = Cluster.preset("a100-80g", gpus_per_node=4)
+    est = estimate(PROFILE, cluster, cfg)
+    r = max(s.time_per_microbatch_s for s in est.stages)
+    t_sum = sum(s.time_per_microbatch_s for s in est.stages)
+    e = est.step_time_s - 4 * r - est.time_breakdown.bubble_s
+    value = float(STEP_TIME.subs({m: 4, R_max: r, T_sum: t_sum, E_max: e, p: 2, v: 1}))
+    assert value == pytest.approx(est.step_time_s)
+
+
+def test_explain_plan_prints_formulas_and_numbers():
+    cfg = ParallelConfig(dp=2, tp=2, pp=2, zero=3, global_batch=8, schedule="1f1b")
+    cluster = Cluster.preset("a100-80g", gpus_per_node=8)
+    table = build_cost_table(PROFILE, cluster, cfg)
+    split, recompute = default_split(table)
+    est = estimate(PROFILE, cluster, cfg)
+    stages = tuple(
+        StagePlan(index=j, layers=(a, b),
+                  layer_names=tuple(x.name for x in PROFILE.layers[a:b + 1]),
+                  recompute=recompute[a:b + 1])
+        for j, (a, b) in enumerate(split)
+    )
+    plan = Plan(config=cfg, stages=stages, estimate=est)
+    text = explain_plan(PROFILE, cluster, plan)
+    assert "4*Psi/d" in text and "R_max*m" in text and "fits" in text
+    assert f"{est.tokens_per_s:,.0f} tokens/s" in text

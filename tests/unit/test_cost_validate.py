@@ -1,0 +1,88 @@
+"""Impossible configs raise ValueError naming the constraint; the stage partition's oracle."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.estimator import estimate
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.partition import balanced_partition
+from autopar.cost_model.validate import check_schedule
+from tests.fixtures.profiles import analytic_transformer_profile
+
+PROFILE = analytic_transformer_profile(6, 128, 4, 512, 64, kv_heads=2)
+
+
+def _check(world: int, **kw):
+    cfg = ParallelConfig(**{"global_batch": 16, **kw})
+    return estimate(PROFILE, Cluster.preset("a100-80g", gpus_per_node=world), cfg)
+
+
+@pytest.mark.parametrize(
+    ("world", "kw", "match"),
+    [
+        (8, dict(dp=2, tp=2), "world size"),
+        (8, dict(tp=8), "heads"),
+        (4, dict(tp=4), "kv_heads"),
+        (1, dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+        (16, dict(pp=16, schedule="gpipe"), "stages exceed"),
+        (4, dict(pp=4, dp=1, global_batch=2, schedule="1f1b"), "1f1b needs"),
+        (2, dict(pp=2, global_batch=5, schedule="interleaved-1f1b", virtual_stages=2),
+         "multiple of the number of rounds"),
+        (2, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=3, global_batch=7),
+         "rounds"),
+        (2, dict(pp=2, schedule="zbv-zero-bubble", virtual_stages=3), "exactly 2 stages"),
+        (4, dict(pp=4, schedule="dualpipe-v", virtual_stages=2, global_batch=4), "dualpipe-v"),
+    ],
+)
+def test_impossible_configs_name_the_constraint(world, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _check(world, **kw)
+
+
+def test_config_own_checks():
+    with pytest.raises(ValueError, match="divisible"):
+        ParallelConfig(dp=3, global_batch=16)
+
+
+def test_schedule_rules_accept_torch_valid_shapes():
+    check_schedule("1f1b", 4, 1, 4)
+    check_schedule("gpipe", 4, 1, 1)
+    check_schedule("interleaved-1f1b", 4, 2, 8)
+    check_schedule("interleaved-1f1b", 4, 2, 3)  # one round of 3
+    check_schedule("zbv-zero-bubble", 4, 2, 1)
+    check_schedule("dualpipe-v", 2, 2, 4)
+
+
+def _brute(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        worst = max(sum(costs[edges[i]:edges[i + 1]]) for i in range(k))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 7.0]), min_size=1, max_size=8),
+       data=st.data())
+def test_balanced_partition_matches_brute_force(costs, data):
+    k = data.draw(st.integers(1, len(costs)))
+    split = balanced_partition(costs, k)
+    assert len(split) == k and split[0][0] == 0 and split[-1][1] == len(costs) - 1
+    assert all(a <= b for a, b in split)
+    assert all(split[i][1] + 1 == split[i + 1][0] for i in range(k - 1))
+    worst = max(sum(costs[a:b + 1]) for a, b in split)
+    assert worst == pytest.approx(_brute(costs, k), rel=1e-6, abs=1e-12)
+    assert balanced_partition(costs, k) == split  # deterministic
+
+
+def test_balanced_partition_rejects_bad_counts():
+    with pytest.raises(ValueError):
+        balanced_partition([1.0, 2.0], 3)

@@ -1,0 +1,62 @@
+"""The text report and the alternatives' deltas in words."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from report_fixtures import GIB, make_estimate, make_plan
+from rich.console import Console
+
+from autopar.report import (
+    Alternative,
+    describe_alternative,
+    format_bytes,
+    format_count,
+    format_time,
+    render_report,
+)
+
+
+def test_formatters():
+    assert format_bytes(1.9 * 1024 * GIB) == "1.9 TiB"
+    assert format_bytes(80 * GIB) == "80.0 GiB"
+    assert format_bytes(512) == "512 B"
+    assert format_time(12.345) == "12.35 s" and format_time(0.0456) == "45.6 ms"
+    assert format_time(0) == "0"
+    assert format_count(175e9) == "175.0B" and format_count(6.7e6) == "6.7M"
+
+
+def test_alternative_that_does_not_fit_says_how_much_it_needs():
+    best = make_estimate(make_plan().config)
+    alt = Alternative(label="pure DP", estimate=make_estimate(make_plan().config, mem_gib=1945.6))
+    text = describe_alternative(alt, best)
+    assert text == "pure DP: needs 1.9 TiB per GPU (capacity 76.0 GiB)"
+
+
+def test_alternative_names_the_term_that_grew_and_node_crossing():
+    plan = make_plan()
+    cfg = dataclasses.replace(plan.config, tp=16, dp=1)
+    alt = Alternative(label="tp=16", config=cfg, estimate=make_estimate(cfg, step_s=2.6,
+                                                                         tp_comm_s=0.6))
+    text = describe_alternative(alt, plan.estimate, gpus_per_node=8)
+    assert text == "tp=16: crosses nodes; step +30%: TP communication 100.0 ms -> 600.0 ms"
+    assert "crosses" not in describe_alternative(alt, plan.estimate, gpus_per_node=16)
+
+
+def test_alternative_without_estimate_gives_the_reason():
+    alt = Alternative(label="tp=32", reason="heads 4 not divisible by tp 32")
+    text = describe_alternative(alt, make_plan().estimate)
+    assert text == "tp=32: heads 4 not divisible by tp 32"
+
+
+def test_report_shows_split_breakdown_stages_binding_and_alternatives():
+    plan = make_plan()
+    console = Console(record=True, width=140)
+    alts = [Alternative(label="pure DP", estimate=make_estimate(plan.config, mem_gib=2000))]
+    render_report(console, plan.config, plan.estimate, title="T", plan=plan, alternatives=alts)
+    text = console.export_text()
+    for needle in ("Split  dp=2 tp=2 pp=2", "MFU 48.0%", "Binding memory of pipeline rank 0",
+                   "pipeline bubble", "7.5%", "TP communication (exposed)", "optimizer step",
+                   "0-1,3-4 (4)", "2,5 (2)", "40.0 GiB (53%)", "pure DP: needs", "tokens/s 256"):
+        assert needle in text, needle
+    assert text.isascii()

@@ -1,0 +1,192 @@
+"""The split/recompute ILP against exhaustive enumeration of its own formulation (assemble)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.cost_model.assemble import assemble
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
+from autopar.search.options import SearchOptions
+
+OPTIONS = SearchOptions(time_limit_s=30.0)
+
+
+def random_layer(draw, name: str) -> LayerCost:
+    """A layer with arbitrary non-negative terms (the ILP must be exact for any of them)."""
+    f = lambda lo, hi: draw(st.integers(lo, hi)) / 10.0  # noqa: E731
+    t = f(1, 40)
+    return LayerCost(
+        name=name,
+        num_params=draw(st.integers(1, 100)),
+        model_flops_per_sample=6.0,
+        recompute_flops_per_sample=(0.0, 1.0, 2.0),
+        compute_s=t,
+        backward_s=2 * t / 3,
+        recompute_s=(0.0, f(0, 10), f(5, 20)),
+        tp_comm_s=(f(0, 3), f(0, 3), f(0, 6)),
+        dp_microbatch_s=f(0, 2),
+        act_bytes=(f(20, 80) * 1e8, f(10, 40) * 1e8, f(1, 10) * 1e8),
+        transient_bytes=(f(0, 10) * 1e8, f(0, 20) * 1e8, f(0, 40) * 1e8),
+        param_bytes=f(1, 50) * 1e8,
+        grad_bytes=f(1, 50) * 1e8,
+        optimizer_bytes=f(1, 100) * 1e8,
+        dp_step_s=f(0, 30),
+        optimizer_s=f(0, 5),
+    )
+
+
+@st.composite
+def small_tables(draw, max_layers: int = 6, max_stages: int = 3) -> CostTable:
+    """A random CostTable of <= max_layers layers and <= max_stages stages."""
+    n = draw(st.integers(2, max_layers))
+    pp = draw(st.integers(1, min(3, n)))
+    schedule, v = "1f1b", 1
+    if pp > 1:
+        options = [("gpipe", 1), ("1f1b", 1), ("interleaved-zero-bubble", 1)]
+        if pp == 2 and n >= 4 and max_stages >= 4:
+            options += [("interleaved-1f1b", 2), ("zbv-zero-bubble", 2)]
+        schedule, v = draw(st.sampled_from(options))
+        if v == 1 and schedule == "interleaved-zero-bubble":
+            schedule = "gpipe"
+    dp = draw(st.sampled_from([1, 2]))
+    m = draw(st.integers(1, 6))
+    cfg = ParallelConfig(dp=dp, pp=pp, global_batch=dp * m, schedule=schedule, virtual_stages=v)
+    layers, distinct = [], draw(st.integers(1, n))
+    for i in range(n):
+        if i >= distinct and draw(st.booleans()):
+            layers.append(dataclasses.replace(layers[-1], name=f"l{i}"))
+        else:
+            layers.append(random_layer(draw, f"l{i}"))
+    return CostTable(
+        config=cfg,
+        layers=tuple(layers),
+        num_microbatches=m,
+        p2p_s=draw(st.integers(0, 10)) / 10,
+        dp_tail_s=draw(st.integers(0, 30)) / 10,
+        overlap_efficiency=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        buffers_bytes=1e8,
+        capacity_bytes=1e13,
+        peak_flops=1e12,
+        tokens_per_step=cfg.global_batch * 16,
+        world_size=cfg.world_size,
+    )
+
+
+def all_splits(n: int, s: int):
+    """Every contiguous split of n layers into s non-empty stages."""
+    for cuts in itertools.combinations(range(1, n), s - 1):
+        bounds = (0, *cuts, n)
+        yield tuple((bounds[j], bounds[j + 1] - 1) for j in range(s))
+
+
+def objective(table: CostTable, split, rec) -> tuple[float, float]:
+    """(step time, largest rank memory): assemble.py's formula, evaluated directly."""
+    cfg, lay = table.config, table.layers
+    idx = [RECOMPUTE.index(r) for r in rec]
+    p2p = table.p2p_s if cfg.pp > 1 else 0.0
+    stage_t = [
+        sum(lay[i].time_per_microbatch_s(rec[i]) for i in range(a, b + 1)) + p2p for a, b in split
+    ]
+    rank_t, tails, mems = [0.0] * cfg.pp, [], []
+    for k in range(cfg.pp):
+        js = [j for j in range(len(split)) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        on_k = [i for j in js for i in range(split[j][0], split[j][1] + 1)]
+        rank_t[k] = sum(stage_t[j] for j in js)
+        dp_k = 0.0
+        if cfg.dp > 1:
+            dp_k = max(
+                table.dp_tail_s,
+                sum(lay[i].dp_step_s for i in on_k)
+                - table.overlap_efficiency * sum(lay[i].backward_s for i in on_k),
+            )
+        tails.append(dp_k + sum(lay[i].optimizer_s for i in on_k))
+        fly = in_flight_microbatches(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
+        )
+        mems.append(
+            sum(lay[i].static_bytes + fly * lay[i].act_bytes[idx[i]] for i in on_k)
+            + max(lay[i].transient_bytes[idx[i]] for i in on_k)
+            + table.buffers_bytes
+        )
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    step = table.num_microbatches * max(rank_t) + c * sum(stage_t) + max(tails)
+    return step, max(mems)
+
+
+def exhaustive(table: CostTable):
+    """(split, recompute, step time, memory) of every contiguous split and recompute choice."""
+    n, s = len(table.layers), table.config.num_stages
+    for split in all_splits(n, s):
+        for rec in itertools.product(RECOMPUTE, repeat=n):
+            yield split, rec, *objective(table, split, rec)
+
+
+@settings(max_examples=20, deadline=None)
+@given(table=small_tables(), frac=st.floats(0.0, 1.0))
+def test_ilp_equals_exhaustive_optimum(table: CostTable, frac: float) -> None:
+    results = list(exhaustive(table))
+    for split, rec, step, mem in results[:: max(1, len(results) // 5)]:
+        est = assemble(table, split, rec)  # the direct evaluation is assemble's formula
+        assert (step, mem) == pytest.approx((est.step_time_s, est.memory_per_gpu_bytes))
+    mems = sorted(mem for *_, mem in results)
+    # 1e5 bytes above the edge: the ILP keeps 1e-6 GiB of margin for solver tolerances.
+    cap = mems[0] + frac * (mems[-1] - mems[0]) + 1e5
+    table = dataclasses.replace(table, capacity_bytes=cap)
+    feasible = [step for *_, step, mem in results if mem <= cap]
+    model = build_ilp(table)
+    sol = solve_ilp(model, OPTIONS)
+    assert sol.status == "optimal"
+    split, rec = decode(model, sol)
+    est = assemble(table, split, rec)
+    assert est.fits
+    # The ILP objective is assemble's step time of the decoded split, and it is the optimum.
+    assert sol.objective == pytest.approx(est.step_time_s, rel=1e-6)
+    assert est.step_time_s <= min(feasible) * (1 + 1e-3)
+    # Memory objective: the smallest peak any split reaches.
+    mem_model = build_ilp(table, objective="memory")
+    mem_sol = solve_ilp(mem_model, OPTIONS)
+    mem_est = assemble(table, *decode(mem_model, mem_sol))
+    assert mem_est.memory_per_gpu_bytes == pytest.approx(mems[0], rel=1e-5)
+
+
+@settings(max_examples=6, deadline=None)
+@given(table=small_tables(max_layers=6, max_stages=4))
+def test_ilp_optimum_with_two_chunks_per_rank(table: CostTable) -> None:
+    best = min(step for *_, step, _mem in exhaustive(table))
+    model = build_ilp(table)
+    sol = solve_ilp(model, OPTIONS)
+    assert assemble(table, *decode(model, sol)).step_time_s == pytest.approx(best, rel=1e-3)
+
+
+def test_infeasible_capacity_reports_infeasible() -> None:
+    table = small_tables().example()
+    table = dataclasses.replace(table, capacity_bytes=1.0)
+    sol = solve_ilp(build_ilp(table), OPTIONS)
+    assert sol.status == "infeasible" and not sol.has_solution
+    with pytest.raises(ValueError, match="no split"):
+        decode(build_ilp(table), sol)
+
+
+def test_runs_group_identical_layers() -> None:
+    table = small_tables().example()
+    base = table.layers[0]
+    layers = (base, *(dataclasses.replace(table.layers[-1], name=f"b{i}") for i in range(4)))
+    table = dataclasses.replace(table, layers=layers)
+    runs = layer_runs(table)
+    assert runs[-1] == (len(layers) - 4, len(layers) - 1) or runs == ((0, 4),)
+
+
+def test_solve_keeps_stdout_clean(capfd) -> None:
+    table = small_tables().example()
+    solve_ilp(build_ilp(table), OPTIONS)
+    solve_ilp(build_ilp(table), dataclasses.replace(OPTIONS, solver="cbc"))
+    out, _ = capfd.readouterr()
+    assert out == ""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import autopar.plan as _plan_module  # noqa: F401  (bound before ``plan`` below shadows it)
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.plan import Plan
 
 __all__ = [
     "AutoparError",
@@ -37,8 +39,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "estimate": ("autopar.cost_model", "estimate"),
     "ModelProfile": ("autopar.graph.types", "ModelProfile"),
     "profile": ("autopar.graph", "profile"),
-    "Plan": ("autopar.plan", "Plan"),
-    "plan": ("autopar.search", "plan"),
     "load_model_file": ("autopar.models.model_file", "load_model_file"),
     "models": ("autopar.models", None),
 }
@@ -52,3 +52,11 @@ def __getattr__(name: str) -> Any:
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
+
+
+def plan(*args: Any, **kwargs: Any) -> Any:
+    """Search for the best split; see ``autopar.search.plan`` (the package's ``plan`` name is
+    this function, not the ``autopar.plan`` module, which holds the Plan record)."""
+    from autopar.search import plan as _search_plan
+
+    return _search_plan(*args, **kwargs)

@@ -28,6 +28,7 @@ __all__ = [
     "Calibration",
     "CollectiveFit",
     "LinearFit",
+    "base_preset",
     "bus_factor",
     "calibration_to_cluster",
     "compute_part_s",
@@ -235,6 +236,7 @@ class Calibration:
         fsdp_layer_overhead_s: extra seconds per block under FSDP2 ``fully_shard``.
         memory_bytes_per_s: bytes read + written per second by a large tensor copy (per process).
         wall_s: wall time of the measurement, process start included.
+        device_name: the device's name ("cpu", or what CUDA reports, e.g. "NVIDIA H200").
     """
 
     device_type: str
@@ -251,6 +253,7 @@ class Calibration:
     fsdp_layer_overhead_s: float
     memory_bytes_per_s: float
     wall_s: float
+    device_name: str = "cpu"
 
     def collective(self, op: str) -> CollectiveFit:
         """The fit of collective ``op``; KeyError when it was not measured."""
@@ -288,6 +291,20 @@ def ring_steps(op: str, group_size: int) -> int:
     return group_size - 1
 
 
+def base_preset(calibration: Calibration) -> str:
+    """The preset whose datasheet figures a calibration starts from, by device name."""
+    if calibration.device_type == "cpu":
+        return "cpu"
+    name = calibration.device_name.upper()
+    for key, preset in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"),
+                        ("V100", "v100-32g")):
+        if key in name:
+            if preset == "a100-80g" and "40GB" in name:
+                return "a100-40g"
+            return preset
+    return "h100"
+
+
 def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
     """A Cluster of one node of ``calibration.nproc`` devices with the measured figures.
 
@@ -309,7 +326,7 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
     Args:
         calibration: what ``calibrate`` measured.
         base: the cluster to start from (default: ``Cluster.preset("cpu", gpus_per_node=nproc)``
-            on CPU, ``Cluster.preset("h100", gpus_per_node=nproc)`` on GPU).
+            on CPU, the preset of the GPU's name on GPU, ``base_preset``).
 
     Returns:
         The new Cluster, named ``calibrated-<device_type>``.
@@ -318,8 +335,7 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
 
     cal = calibration
     if base is None:
-        base = Cluster.preset("cpu" if cal.device_type == "cpu" else "h100",
-                              gpus_per_node=cal.nproc)
+        base = Cluster.preset(base_preset(cal), gpus_per_node=cal.nproc)
     data = base.to_dict()
     data.update(name=f"calibrated-{cal.device_type}", nodes=1, gpus_per_node=cal.nproc)
     device = data["device"]

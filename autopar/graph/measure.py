@@ -123,13 +123,13 @@ class _Relay(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _instruments(
-    recorder: SavedRecorder, fake_mode: FakeTensorMode
+    recorder: SavedRecorder, fake_mode: FakeTensorMode | None
 ) -> Iterator[tuple[FlopCounterMode, list]]:
     # The fake mode is the innermost dispatch mode (it computes shapes); the counters sit above.
     calls: list[AttentionCall] = []
     flops = FlopCounterMode(display=False)
     with (
-        fake_mode,
+        fake_mode if fake_mode is not None else contextlib.nullcontext(),
         GpuKernelMode(calls.append, recorder.attention_core),
         flops,
         recorder,
@@ -154,7 +154,7 @@ def measure_block(
     call: BlockCall,
     recorder: SavedRecorder,
     reduce_modules: Sequence[nn.Module],
-    fake_mode: FakeTensorMode,
+    fake_mode: FakeTensorMode | None,
 ) -> Measured:
     """Run ``block`` forward and backward on its recorded inputs under the instruments.
 
@@ -166,7 +166,7 @@ def measure_block(
         call: its recorded call (inputs at one batch size).
         recorder: a fresh SavedRecorder (knows the parameters and the sharded ones).
         reduce_modules: row-parallel linears of the block.
-        fake_mode: the profile's FakeTensorMode (the recorded inputs belong to it).
+        fake_mode: the FakeTensorMode the inputs were recorded in, or None (plain meta).
 
     Returns:
         The block's Measured.
@@ -313,7 +313,7 @@ def run_model(
     recorder: SavedRecorder,
     reduce_modules: Sequence[nn.Module],
     input_bytes: int,
-    fake_mode: FakeTensorMode,
+    fake_mode: FakeTensorMode | None,
 ) -> ModelRun:
     """Run the model (blocks relayed) forward and backward; measure embedding and head.
 
@@ -325,7 +325,8 @@ def run_model(
         recorder: a fresh SavedRecorder.
         reduce_modules: the vocab-parallel embeddings (their output is all-reduced).
         input_bytes: bytes of the model's main input (token ids).
-        fake_mode: the profile's FakeTensorMode (block inputs recorded here are its tensors).
+        fake_mode: a FakeTensorMode to run in, or None for plain meta tensors (faster). Fake
+            tensors let models that test values skip those tests (HF: packed sequences).
 
     Returns:
         The ModelRun.

@@ -106,11 +106,13 @@ def _vocab_modules(model: nn.Module, blocks: Sequence[str], vocab: int) -> tuple
 
 
 def _recorder(
-    model: nn.Module, sharded: Sequence[torch.Tensor], fake_mode: FakeTensorMode
+    model: nn.Module, sharded: Sequence[torch.Tensor], fake_mode: FakeTensorMode | None
 ) -> SavedRecorder:
-    # Parameters and buffers are meta tensors; inside the fake mode ops see their fake versions
-    # (memoized by the mode, so converting them here gives the very tensors the ops will use).
+    # Parameters and buffers are meta tensors; inside a fake mode ops see their fake versions
+    # (memoized by the mode while alive, so converting them here gives the tensors ops use).
     def both(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if fake_mode is None:
+            return list(tensors)
         return [*tensors, *(fake_mode.from_tensor(t) for t in tensors)]
 
     return SavedRecorder(both([*model.parameters(), *model.buffers()]), both(sharded))
@@ -122,7 +124,7 @@ def _run_all(
     blocks: Sequence[str],
     vocab: int,
     loss_fn: Callable[..., Any] | None,
-    fake_mode: FakeTensorMode,
+    fake_mode: FakeTensorMode | None,
 ) -> dict[int, ModelRun]:
     signatures = {b: module_signature(work.get_submodule(b)) for b in blocks}
     embeddings, heads = _vocab_modules(work, blocks, vocab)
@@ -153,7 +155,7 @@ def _measure_blocks(
     blocks: Sequence[str],
     runs: dict[int, ModelRun],
     sharding: dict[str, dict],
-    fake_mode: FakeTensorMode,
+    fake_mode: FakeTensorMode | None,
 ) -> tuple[dict[str, str], dict[str, Measured]]:
     """Measure each distinct block once per batch size; return (block -> representative, counts)."""
     representative: dict[str, str] = {}
@@ -246,12 +248,17 @@ def profile(
     batches = {b: make_batch(work, b, seq_len, example_inputs) for b in _BATCH_SIZES}
     trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
     name = prelim.name
-    # HF models skip value checks (packed sequences, all-ones masks) on fake tensors.
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode: FakeTensorMode | None = None
     try:
         runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode)
-    except RunFailure as failure:
-        raise _trace_error(work, failure, trace, name) from failure.error
+    except RunFailure:
+        # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
+        # make such models skip them. Slower, so only when needed.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        try:
+            runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode)
+        except RunFailure as failure:
+            raise _trace_error(work, failure, trace, name) from failure.error
     order = trace.order if trace.method else runs[1].call_order
     structure = group_outside(container, blocks, order)
     sharding = _block_sharding(work, blocks)

@@ -89,11 +89,13 @@ class SavedRecorder(TorchDispatchMode):
         self, excluded: Iterable[torch.Tensor], sharded_params: Iterable[torch.Tensor]
     ) -> None:
         super().__init__()
+        # Every tensor whose storage key is remembered is kept alive here, so no other storage
+        # can be allocated at its address and inherit its key.
+        self._alive: list[torch.Tensor] = [*excluded, *sharded_params]
         self._excluded = {storage_key(t) for t in excluded}
         self._sharded = {storage_key(t) for t in sharded_params}
         self._core: set[int] = set()
         self._core_inputs: set[int] | None = None
-        self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
         self._saved: dict[int, _Saved] = {}
         self.tag = ""
         self.forward_active = True
@@ -101,6 +103,8 @@ class SavedRecorder(TorchDispatchMode):
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
+        tensors = list(tensors)
+        self._alive.extend(tensors)
         self._excluded.update(storage_key(t) for t in tensors)
 
     # -- saved tensors -------------------------------------------------------------------------
@@ -130,7 +134,9 @@ class SavedRecorder(TorchDispatchMode):
     def attention_core(self, inputs: tuple) -> Iterator[None]:
         """While active, tensors saved (other than ``inputs``) belong to the attention core."""
         previous = self._core_inputs
-        self._core_inputs = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        self._alive.extend(tensors)
+        self._core_inputs = {storage_key(t) for t in tensors}
         try:
             yield
         finally:
@@ -140,6 +146,7 @@ class SavedRecorder(TorchDispatchMode):
         """Mark ``tensors`` (a pytree) as reduced over tp: replicated from here on."""
         for leaf in tree_flatten(tensors)[0]:
             if isinstance(leaf, torch.Tensor):
+                self._alive.append(leaf)
                 self._sharded.discard(storage_key(leaf))
 
     def totals(self, tag: str) -> SavedTotals:

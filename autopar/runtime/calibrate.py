@@ -385,6 +385,7 @@ def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = Non
         dtensor_layer_overhead_s=raw["dtensor_layer_overhead_s"],
         fsdp_layer_overhead_s=raw["fsdp_layer_overhead_s"],
         memory_bytes_per_s=raw["memory_bytes_per_s"],
+        device_name=torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
         wall_s=time.perf_counter() - start,
     )
 

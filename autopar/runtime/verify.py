@@ -226,6 +226,10 @@ def format_verification(v: Verification) -> str:
     timed = len(m.step_times_s) - m.warmup_steps
     tb = v.estimate.get("time_breakdown", {})
     terms = ", ".join(f"{k.removesuffix('_s')} {t * 1e3:.1f}" for k, t in tb.items() if t > 0)
+    per_rank = ", ".join(
+        f"pp rank {st['rank']} {sum(st['memory'].values()) / mib:.2f}"
+        for st in v.estimate.get("stages", ())
+    )
     return (
         f"autopar verify: {v.config.get('dp')}x{v.config.get('tp')}x{v.config.get('pp')} "
         f"(dp x tp x pp) on cluster {v.cluster_name}\n"
@@ -237,6 +241,7 @@ def format_verification(v: Verification) -> str:
         f"{v.measured_memory_bytes / mib:9.2f} MiB {_percent(v.memory_error):>7s}"
         f"   (largest rank, live tensor bytes)\n"
         f"  predicted time by term (ms): {terms}\n"
+        f"  predicted memory by pipeline rank (MiB): {per_rank}\n"
     )
 
 

@@ -3,7 +3,10 @@
 Notation as in ``autopar/cost_model/assemble.py``: S stages on p ranks, m micro-batches,
 t_i(r) a layer's time per micro-batch, c the bubble coefficient.
 
-Time. sum_j T_j = sum_i t_i(r_i) + S p2p >= sum_i min_r t_i(r) + S p2p =: A, so the pipeline term
+Time. sum_j T_j = sum_i t_i(r_i) + S p2p >= A, with A - S p2p a lower bound on sum_i t_i(r_i)
+over recompute choices whose activations fit the memory of all ranks together (a Lagrangian
+bound of that multiple-choice knapsack; without memory pressure it is sum_i min_r t_i(r)); so the
+pipeline term
 m max_k R_k + c sum_j T_j >= m max(A / p, max_i min_r t_i + p2p) + c A. The tail
 max_k E_k >= max(dp_tail + sum_i opt_i / p, sum_i (dp_step_i - eta bwd_i + opt_i) / p) (a max is at
 least the mean), or sum_i opt_i / p without data parallelism.
@@ -15,38 +18,85 @@ and the rank holding layer i needs at least static_i + min_r (f_min act_i(r) + t
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
+from autopar.config import RECOMPUTE
 from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable
 from autopar.search.ilp import cost_signature, layer_runs
 
-__all__ = ["balanced_split", "ilp_key", "memory_lower_bound", "time_lower_bound"]
+__all__ = [
+    "TableSummary",
+    "balanced_split",
+    "ilp_key",
+    "memory_lower_bound",
+    "summarize",
+    "time_lower_bound",
+]
 
-_R = range(3)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableSummary:
+    """Per-table aggregates the bounds need (one pass over the layers; schedule-independent).
+
+    Attributes:
+        runs: per run of identical layers: (count, time by mode, activations by mode).
+        t_min_max_s: largest single-layer time per micro-batch at its fastest mode.
+        opt_sum_s: sum of optimizer times.
+        exposed_sum_s: sum of (dp_step - eta backward + optimizer) times.
+        static_sum_bytes: sum of parameter + gradient + optimizer bytes.
+        transient_min_bytes: smallest transient of any layer and mode.
+        single_bytes: per layer (static, activations by mode, transient by mode) maxima inputs.
+    """
+
+    runs: tuple[tuple[int, tuple[float, ...], tuple[float, ...]], ...]
+    t_min_max_s: float
+    opt_sum_s: float
+    exposed_sum_s: float
+    static_sum_bytes: float
+    transient_min_bytes: float
+    single_bytes: tuple[tuple[float, tuple[float, ...], tuple[float, ...]], ...]
 
 
-def time_lower_bound(table: CostTable) -> float:
-    """A step time no split or recompute choice of this candidate can beat (seconds)."""
-    cfg, layers = table.config, table.layers
-    p, s = cfg.pp, cfg.num_stages
-    p2p = table.p2p_s if p > 1 else 0.0
-    t_min = [
-        min(layer.time_per_microbatch_s(r) for r in ("none", "selective", "full"))
-        for layer in layers
-    ]
-    total = sum(t_min) + s * p2p
-    pipeline = table.num_microbatches * max(total / p, max(t_min) + p2p)
-    pipeline += bubble_coefficient(cfg.schedule, p, cfg.virtual_stages) * total
-    opt = sum(layer.optimizer_s for layer in layers)
-    if cfg.dp > 1:
-        exposed = sum(
-            layer.dp_step_s - table.overlap_efficiency * layer.backward_s + layer.optimizer_s
-            for layer in layers
-        )
-        tail = max(table.dp_tail_s + opt / p, exposed / p)
-    else:
-        tail = opt / p
-    return pipeline + tail
+def summarize(table: CostTable) -> TableSummary:
+    """Aggregate a table's layers once; the bounds of every schedule variant reuse it."""
+    layers, eta = table.layers, table.overlap_efficiency
+    runs, singles = [], set()
+    for a, b in layer_runs(table):
+        lay = layers[a]
+        t = tuple(lay.time_per_microbatch_s(r) for r in RECOMPUTE)
+        runs.append((b - a + 1, t, tuple(lay.act_bytes)))
+        singles.add((lay.static_bytes, tuple(lay.act_bytes), tuple(lay.transient_bytes)))
+    return TableSummary(
+        runs=tuple(runs),
+        t_min_max_s=max(min(t) for _, t, _ in runs),
+        opt_sum_s=sum(lay.optimizer_s for lay in layers),
+        exposed_sum_s=sum(lay.dp_step_s - eta * lay.backward_s + lay.optimizer_s for lay in layers),
+        static_sum_bytes=sum(lay.static_bytes for lay in layers),
+        transient_min_bytes=min(min(lay.transient_bytes) for lay in layers),
+        single_bytes=tuple(sorted(singles)),
+    )
+
+
+def _min_time_under_memory(runs, in_flight: float, budget_bytes: float) -> float:
+    """Lagrangian lower bound of min sum_i t_i(r_i) s.t. in_flight sum_i act_i(r_i) <= budget.
+
+    For any lam >= 0: sum_g L_g min_r (t_g(r) + lam f a_g(r)) - lam budget is a lower bound (weak
+    duality); the dual is concave piecewise linear, so its maximum is at a breakpoint.
+    """
+    lams = {0.0}
+    for _, t, a in runs:
+        for r, s in itertools.combinations(range(len(t)), 2):
+            da = in_flight * (a[r] - a[s])
+            if da != 0 and (t[s] - t[r]) / da > 0:
+                lams.add((t[s] - t[r]) / da)
+    return max(
+        sum(n * min(t[r] + lam * in_flight * a[r] for r in range(len(t))) for n, t, a in runs)
+        - lam * budget_bytes
+        for lam in sorted(lams)
+    )
 
 
 def _min_in_flight(table: CostTable) -> float:
@@ -57,16 +107,37 @@ def _min_in_flight(table: CostTable) -> float:
     )
 
 
-def memory_lower_bound(table: CostTable) -> float:
-    """A largest-rank memory (bytes) no split or recompute choice of this candidate can beat."""
-    p, layers = table.config.pp, table.layers
-    f = _min_in_flight(table)
-    mean = sum(layer.static_bytes + f * min(layer.act_bytes) for layer in layers) / p + min(
-        min(layer.transient_bytes) for layer in layers
+def time_lower_bound(table: CostTable, summary: TableSummary | None = None) -> float:
+    """A step time no split or recompute choice of this candidate can beat (seconds)."""
+    summary = summary or summarize(table)
+    cfg = table.config
+    p, s = cfg.pp, cfg.num_stages
+    p2p = table.p2p_s if p > 1 else 0.0
+    # Memory summed over ranks: sum_k mem_k <= p capacity (each rank's transient >= the least).
+    budget = (
+        p * (table.capacity_bytes - table.buffers_bytes - summary.transient_min_bytes)
+        - summary.static_sum_bytes
     )
+    total = _min_time_under_memory(summary.runs, _min_in_flight(table), budget) + s * p2p
+    pipeline = table.num_microbatches * max(total / p, summary.t_min_max_s + p2p)
+    pipeline += bubble_coefficient(cfg.schedule, p, cfg.virtual_stages) * total
+    if cfg.dp > 1:
+        tail = max(table.dp_tail_s + summary.opt_sum_s / p, summary.exposed_sum_s / p)
+    else:
+        tail = summary.opt_sum_s / p
+    return pipeline + tail
+
+
+def memory_lower_bound(table: CostTable, summary: TableSummary | None = None) -> float:
+    """A largest-rank memory (bytes) no split or recompute choice of this candidate can beat."""
+    summary = summary or summarize(table)
+    p = table.config.pp
+    f = _min_in_flight(table)
+    act_min = sum(n * min(a) for n, _, a in summary.runs)
+    mean = (summary.static_sum_bytes + f * act_min) / p + summary.transient_min_bytes
     single = max(
-        layer.static_bytes + min(f * layer.act_bytes[r] + layer.transient_bytes[r] for r in _R)
-        for layer in layers
+        static + min(f * act[r] + trans[r] for r in range(len(act)))
+        for static, act, trans in summary.single_bytes
     )
     return table.buffers_bytes + max(mean, single)
 

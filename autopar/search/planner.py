@@ -25,7 +25,14 @@ from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.tables import CostTable
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import Plan, SearchInfo, StagePlan
-from autopar.search.bounds import balanced_split, ilp_key, memory_lower_bound, time_lower_bound
+from autopar.search.bounds import (
+    TableSummary,
+    balanced_split,
+    ilp_key,
+    memory_lower_bound,
+    summarize,
+    time_lower_bound,
+)
 from autopar.search.ilp import build_ilp, decode, solve_ilp
 from autopar.search.layout import tp_layout
 from autopar.search.options import SearchOptions
@@ -140,21 +147,33 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
 
 
 def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Candidate]:
-    out = []
+    """Cost every candidate and bound it.
+
+    The cost terms do not depend on the schedule or the virtual stages (only the assembly does),
+    so one table is built per (dp, tp, pp, micro-batch, ZeRO, SP) and shared by its schedule
+    variants; the final plans' estimates are rebuilt from their own config (``_make_plan``).
+    """
+    out: list[_Candidate] = []
+    shared: dict[ParallelConfig, tuple[CostTable, TableSummary]] = {}
     for i, cfg in enumerate(configs):
-        table = _cost_table(profile, cluster, cfg, options)
+        base = dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1)
+        if base not in shared:
+            table = _cost_table(profile, cluster, base, options)
+            shared[base] = (table, summarize(table))
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        table, summary = shared[base]
+        table = dataclasses.replace(table, config=cfg)
         out.append(
             _Candidate(
                 index=i,
                 table=table,
-                time_lb_s=time_lower_bound(table),
-                memory_lb_bytes=memory_lower_bound(table),
+                time_lb_s=time_lower_bound(table, summary),
+                memory_lb_bytes=memory_lower_bound(table, summary),
             )
         )
-        if progress is not None and i % 256 == 255:
+        if progress is not None and i % 1024 == 1023:
             progress(0, len(configs), f"costing candidates ({i + 1}/{len(configs)})")
-        if deadline is not None and time.monotonic() > deadline:
-            break
     return out
 
 
@@ -325,6 +344,11 @@ def plan(
     if len(cands) < len(configs):
         state.time_limit_hit = True
         state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
+    if not state.best and state.time_limit_hit:
+        raise InfeasiblePlanError(
+            f"the time budget ({time_budget_s:g} s) ran out before any split was found; "
+            "allow more time (time_budget_s / --time-budget) or narrow the search options"
+        )
     if not state.best:
         raise _infeasible(profile, cluster, cands, options, deadline, global_batch)
     plans = []

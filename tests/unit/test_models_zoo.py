@@ -18,38 +18,38 @@ def count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
 
 
-def megatron_eq2(l: int, h: int, V: int, s: int) -> Fraction:
+def megatron_eq2(L: int, h: int, V: int, s: int) -> Fraction:
     # Megatron-LM SC'21 eq. 2 (formulas.md 1.1), evaluated literally in exact arithmetic.
-    return 12 * l * h**2 * (1 + Fraction(13, 12 * h) + Fraction(V + s, 12 * l * h))
+    return 12 * L * h**2 * (1 + Fraction(13, 12 * h) + Fraction(V + s, 12 * L * h))
 
 
-def llama_closed_form(l: int, h: int, a: int, kv: int, f: int, V: int, tied: bool) -> int:
+def llama_closed_form(L: int, h: int, a: int, kv: int, f: int, V: int, tied: bool) -> int:
     # per block: wq, wo (h^2 each); wk, wv (h * kv * h/a each); w1, w2, w3 (h f each); 2 RMSNorm (h)
     # outside: embedding V h, final RMSNorm h, untied head V h.
     d = h // a
-    return l * (2 * h * h + 2 * h * kv * d + 3 * h * f + 2 * h) + V * h + h + (0 if tied else V * h)
+    return L * (2 * h * h + 2 * h * kv * d + 3 * h * f + 2 * h) + V * h + h + (0 if tied else V * h)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    l=st.integers(1, 4),
+    L=st.integers(1, 4),
     a=st.integers(1, 6),
     d=st.integers(1, 12),
     V=st.integers(1, 300),
     s=st.integers(1, 64),
     tied=st.booleans(),
 )
-def test_gpt_params_equal_megatron_eq2(l, a, d, V, s, tied):
+def test_gpt_params_equal_megatron_eq2(L, a, d, V, s, tied):
     h = a * d
-    model = build("gpt", layers=l, hidden=h, heads=a, vocab=V, seq_len=s, tie_embeddings=tied)
-    expected = megatron_eq2(l, h, V, s) + 2 * h + (0 if tied else V * h)
+    model = build("gpt", layers=L, hidden=h, heads=a, vocab=V, seq_len=s, tie_embeddings=tied)
+    expected = megatron_eq2(L, h, V, s) + 2 * h + (0 if tied else V * h)
     assert expected.denominator == 1
     assert count(model) == expected == num_params(model.autopar_spec)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    l=st.integers(1, 4),
+    L=st.integers(1, 4),
     kv=st.integers(1, 4),
     group=st.integers(1, 4),
     half_d=st.integers(1, 6),
@@ -57,22 +57,22 @@ def test_gpt_params_equal_megatron_eq2(l, a, d, V, s, tied):
     V=st.integers(1, 300),
     tied=st.booleans(),
 )
-def test_llama_params_equal_closed_form(l, kv, group, half_d, f, V, tied):
+def test_llama_params_equal_closed_form(L, kv, group, half_d, f, V, tied):
     a = kv * group
     h = a * 2 * half_d
     model = build(
-        "llama", layers=l, hidden=h, heads=a, kv_heads=kv, ffn_hidden=f, vocab=V, seq_len=8,
+        "llama", layers=L, hidden=h, heads=a, kv_heads=kv, ffn_hidden=f, vocab=V, seq_len=8,
         tie_embeddings=tied,
     )  # fmt: skip
-    assert count(model) == llama_closed_form(l, h, a, kv, f, V, tied)
+    assert count(model) == llama_closed_form(L, h, a, kv, f, V, tied)
     assert count(model) == num_params(model.autopar_spec)
 
 
 @settings(max_examples=10, deadline=None)
-@given(l=st.integers(1, 4), h=st.integers(1, 40), f=st.integers(1, 90), V=st.integers(1, 200))
-def test_mlp_params(l, h, f, V):
-    model = build("mlp", layers=l, hidden=h, ffn_hidden=f, vocab=V, seq_len=4)
-    assert count(model) == l * (2 * h * f + f + h) + V * h + 2 * h + V * h
+@given(L=st.integers(1, 4), h=st.integers(1, 40), f=st.integers(1, 90), V=st.integers(1, 200))
+def test_mlp_params(L, h, f, V):
+    model = build("mlp", layers=L, hidden=h, ffn_hidden=f, vocab=V, seq_len=4)
+    assert count(model) == L * (2 * h * f + f + h) + V * h + 2 * h + V * h
 
 
 @pytest.mark.parametrize(
@@ -111,8 +111,9 @@ def test_gpt3_175b_shape_and_seq_override():
 
 
 def test_llama_default_ffn_rule():
-    assert make_spec("llama", layers=1, hidden=4096, heads=32, vocab=8, seq_len=8).ffn_hidden == 11008
-    assert make_spec("llama", layers=1, hidden=5120, heads=40, vocab=8, seq_len=8).ffn_hidden == 13824
+    shape = dict(layers=1, vocab=8, seq_len=8)
+    assert make_spec("llama", hidden=4096, heads=32, **shape).ffn_hidden == 11008
+    assert make_spec("llama", hidden=5120, heads=40, **shape).ffn_hidden == 13824
     assert make_spec("gpt", layers=1, hidden=64, heads=4, vocab=8, seq_len=8).ffn_hidden == 256
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from autopar.config import ParallelConfig
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy.py"
 _spec = importlib.util.spec_from_file_location("autopar_accuracy_benchmark", _PATH)
 accuracy = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = accuracy  # dataclasses look their module up
 _spec.loader.exec_module(accuracy)
 
 

@@ -137,3 +137,19 @@ def test_calibration_to_cluster_maps_the_fits(tmp_path):
     cluster.to_yaml(path)
     assert Cluster.from_yaml(path) == cluster
     assert Calibration.from_dict(cal.to_dict()) == cal
+
+
+def test_base_preset_follows_the_device_name():
+    from dataclasses import replace
+
+    from autopar.calibration_fit import base_preset
+
+    cal = _calibration()
+    assert base_preset(cal) == "cpu"
+    gpu = replace(cal, device_type="cuda", dtype="bf16", device_name="NVIDIA H200")
+    assert base_preset(gpu) == "h200"
+    assert base_preset(replace(gpu, device_name="NVIDIA A100-SXM4-40GB")) == "a100-40g"
+    cluster = calibration_to_cluster(replace(gpu, matmul_peak_flops=600e12))
+    assert cluster.device.peak_bf16_flops * cluster.device.matmul_efficiency_max == pytest.approx(
+        600e12)
+    assert cluster.device.memory_bytes == Cluster.preset("h200").device.memory_bytes

@@ -1,0 +1,114 @@
+"""Runtime checks and splitting that need no process group: errors before launch, stage FQNs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.models import build, make_spec
+from autopar.plan import Plan, StagePlan
+from autopar.runtime.apply import check_plan_runnable
+from autopar.runtime.pipeline_parallel import find_structure, split_stage
+from autopar.runtime.tensor_parallel import default_tp_layout, resolve_layout
+
+GPT = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8}
+LLAMA = {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "seq_len": 8}
+
+
+def _plan(num_blocks: int = 4, layout: dict[str, str] | None = None, **cfg: Any) -> Plan:
+    config = ParallelConfig(global_batch=cfg.pop("global_batch", 8), dtype="fp32", **cfg)
+    names = ["embedding"] + [f"layers.{i}" for i in range(num_blocks)] + ["head"]
+    base, extra = divmod(len(names), config.num_stages)
+    stages, first = [], 0
+    for index in range(config.num_stages):
+        size = base + (1 if index < extra else 0)
+        stages.append(StagePlan(index=index, layers=(first, first + size - 1),
+                                layer_names=tuple(names[first:first + size]),
+                                recompute=(config.recompute,) * size))
+        first += size
+    estimate = Estimate(
+        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
+        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
+        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
+    )
+    return Plan(config=config, stages=tuple(stages), estimate=estimate, tp_layout=layout or {})
+
+
+@pytest.mark.parametrize(
+    ("shape", "cfg", "match"),
+    [
+        (dict(LLAMA, heads=4, kv_heads=1), {"tp": 2}, "kv_heads=1"),
+        (dict(GPT, heads=2, hidden=32), {"tp": 4}, "heads=2"),
+        (dict(GPT, seq_len=6), {"tp": 4, "sequence_parallel": True}, "seq_len"),
+        (dict(GPT, tie_embeddings=True), {"pp": 2}, "ties"),
+        (dict(GPT, tie_embeddings=True), {"tp": 2}, "ties"),
+        (GPT, {"pp": 4, "global_batch": 2}, "1f1b needs at least"),
+    ],
+)
+def test_unrunnable_plans_fail_before_launch(shape: dict, cfg: dict, match: str) -> None:
+    plan = _plan(**cfg)
+    kind = "llama" if "kv_heads" in shape else "gpt"
+    with pytest.raises(AutoparError, match=match):
+        check_plan_runnable(make_spec(kind, **shape), plan)
+    with pytest.raises(AutoparError, match=match):
+        check_plan_runnable(build(kind, **shape), plan)  # meta device
+
+
+def test_plan_for_another_model_is_a_mismatch() -> None:
+    with pytest.raises(PlanMismatchError, match="blocks"):
+        check_plan_runnable(build("gpt", **GPT), _plan(num_blocks=6))
+
+
+def test_model_without_block_container_is_rejected() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
+    with pytest.raises(AutoparError, match="block container"):
+        check_plan_runnable(model, _plan(num_blocks=0, pp=1))
+
+
+def test_bad_layout_style_is_rejected() -> None:
+    layout = dict(default_tp_layout(build("gpt", **GPT)), **{"layers.*.ffn_norm": "rowwise"})
+    with pytest.raises(AutoparError, match="ffn_norm"):
+        check_plan_runnable(build("gpt", **GPT), _plan(tp=2, layout=layout))
+
+
+def test_sequence_parallel_needs_every_norm_sequence() -> None:
+    layout = {k: v for k, v in default_tp_layout(build("gpt", **GPT)).items() if k != "norm"}
+    with pytest.raises(AutoparError, match="norm"):
+        check_plan_runnable(build("gpt", **GPT), _plan(tp=2, sequence_parallel=True, layout=layout))
+    check_plan_runnable(build("gpt", **GPT), _plan(tp=2, layout=layout))  # fine without SP
+
+
+def test_default_layout_is_megatron() -> None:
+    model = build("llama", **LLAMA)
+    resolved = resolve_layout(model, default_tp_layout(model))
+    assert resolved["layers.3.attention.wk"] == "colwise"
+    assert resolved["layers.0.feed_forward.w2"] == "rowwise"
+    assert resolved["layers.1.attention_norm"] == "sequence"
+    assert resolved["tok_embeddings"] == "rowwise" and resolved["output"] == "colwise"
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("gpt", GPT), ("llama", LLAMA)])
+@pytest.mark.parametrize("num_stages", [2, 3, 6])
+def test_stages_keep_fqns_and_chain_to_the_full_forward(kind: str, shape: dict,
+                                                         num_stages: int) -> None:
+    model = build(kind, device="cpu", seed=0, **shape)
+    plan = _plan(pp=num_stages, schedule="gpipe", global_batch=num_stages)
+    structure = find_structure(model)
+    parts = [split_stage(model, stage, structure) for stage in plan.stages]
+    full = dict(model.named_parameters())
+    owned = [dict(part.named_parameters()) for part in parts]
+    assert sum(len(o) for o in owned) == len(full)
+    for o in owned:
+        for fqn, param in o.items():
+            assert full[fqn] is param  # same object, original FQN
+    tokens = torch.randint(0, shape["vocab"], (2, shape["seq_len"]))
+    h = tokens
+    for part in parts:
+        h = part(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)

@@ -100,3 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"autopar: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as error:  # a bug in autopar, not in the input: say so, briefly
+        if getattr(args, "debug", False):
+            raise
+        print(
+            f"autopar: internal error: {type(error).__name__}: {_one_line(error)} "
+            "(please report it; rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1

@@ -8,6 +8,7 @@ line naming the file, the line where it applies, and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -47,7 +48,7 @@ class ModelFile:
 
     def instantiate(
         self,
-        device: str | torch.device = "meta",
+        device: str | torch.device | None = "meta",
         *,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -55,7 +56,8 @@ class ModelFile:
         """Call ``build_model()`` with ``device`` as the default device.
 
         Args:
-            device: default device while building ("meta": no memory).
+            device: default device while building ("meta": no memory); None keeps the
+                caller's default device (e.g. inside the caller's own ``with torch.device(...)``).
             dtype: convert the parameters to this dtype afterwards (None keeps the file's).
             seed: seed torch's generator for the call (restored afterwards), so a real-device
                 build is the same on every process.
@@ -63,7 +65,8 @@ class ModelFile:
         Returns:
             The model.
         """
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+        place = contextlib.nullcontext() if device is None else torch.device(device)
+        with torch.random.fork_rng(devices=[]), place:
             if seed is not None:
                 torch.manual_seed(seed)
             model = self.build_model()

@@ -120,8 +120,9 @@ def _json_builder(path: Path) -> tuple[ModelBuilder, str]:
 def resolve_model(text: str) -> tuple[ModelBuilder, str]:
     """Recognise a MODEL argument and return ``(build_model, description)``.
 
-    ``build_model(device="meta", *, dtype=..., seed=None)`` builds the model (for a model file,
-    ``ModelFile.instantiate``: the file's ``build_model()`` under that default device).
+    ``build_model(device="meta", *, dtype=..., seed=None)`` builds the model. For a model file
+    it is ``ModelFile.instantiate`` (the file's ``build_model()`` under that default device),
+    except that calling it without ``device`` keeps the caller's default device.
 
     Args:
         text: a ``.py`` model file, an HF config ``.json``, a preset name, or ``kind:k=v,...``.
@@ -138,7 +139,13 @@ def resolve_model(text: str) -> tuple[ModelBuilder, str]:
     if text.endswith(".py"):
         from autopar.models.model_file import load_model_file
 
-        return load_model_file(path).instantiate, f"model file {path.name}"
+        model_file = load_model_file(path)
+
+        def build_from_file(device: Any = None, **kwargs: Any) -> nn.Module:
+            # device None: the caller's default device (its own ``with torch.device(...)``).
+            return model_file.instantiate(device, **kwargs)
+
+        return build_from_file, f"model file {path.name}"
     if text.endswith(".json"):
         if not path.is_file():
             raise UnknownModelError(f"config file {text} does not exist")

@@ -159,7 +159,7 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         model_text = args.model or plan.model
         if not model_text:
             raise AutoparError(f"plan {args.source} does not say its model; pass --model MODEL")
-        profile = model_profile(model_text)
+        model, profile = _build_and_profile(model_text)
         if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
             raise PlanMismatchError(
                 f"plan {args.source} was made for another model (profile fingerprint "
@@ -170,61 +170,44 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         if args.model:
             raise AutoparError("--model goes with a plan file; give the model as PLAN_OR_MODEL")
         model_text = args.source
-        profile = model_profile(model_text)
-        plan = _plan_for_split(profile, _config_from_args(args), model_text)
+        from autopar.search.planner import plan_from_config
+
+        model, profile = _build_and_profile(model_text)
+        config = _config_from_args(args)
+        cluster = _local_cluster(config.world_size, args.nnodes)
+        plan = plan_from_config(profile, cluster, config, model=model_text)
+    from autopar.runtime.apply import check_plan_runnable
+
+    # Everything the runtime would reject, before any process starts.
+    check_plan_runnable(model, plan)
     return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab)
 
 
-def model_profile(model_text: str) -> Any:
-    """Build ``model_text`` on the meta device and profile it at its own sequence length."""
+def _build_and_profile(model_text: str) -> tuple[Any, Any]:
+    """Build ``model_text`` on the meta device and profile it as ``autopar plan`` does."""
     import autopar
     from autopar.runtime.worker import build_model
 
     model = build_model(model_text, device="meta")
-    spec = getattr(model, "autopar_spec", None)
-    seq_len = getattr(spec, "seq_len", None) or getattr(
-        getattr(model, "config", None), "max_position_embeddings", None
-    )
-    if seq_len is None:
-        raise AutoparError(f"cannot tell the sequence length of {model_text}")
-    return autopar.profile(model, seq_len=seq_len)
+    return model, autopar.profile(model)
 
 
-def _plan_for_split(profile: Any, config: Any, model_text: str) -> Any:
-    """A Plan for a bare split: the most balanced contiguous stages, the default TP layout.
+def _local_cluster(world_size: int, nnodes: int) -> Any:
+    """The Cluster a bare split is estimated on: this machine's kind, ``nnodes`` nodes."""
+    import torch
 
-    NOTE: stands in for ``autopar.search.plan_from_config`` until it lands; its Estimate is
-    empty (binding "not estimated"), so no prediction is printed.
-    """
-    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
-    from autopar.plan import Plan, StagePlan
+    from autopar.cost_model.hardware import Cluster
 
-    names = [layer.name for layer in profile.layers]
-    num_stages = config.num_stages
-    if num_stages > len(names):
-        raise AutoparError(
-            f"{num_stages} pipeline stages need at least {num_stages} layers; the model has "
-            f"{len(names)} (embedding, blocks, head): lower --pp or --virtual-stages"
-        )
-    # Most balanced by layer count: the first (n mod k) stages get one extra layer.
-    base, extra = divmod(len(names), num_stages)
-    stages, first = [], 0
-    for index in range(num_stages):
-        size = base + (1 if index < extra else 0)
-        stages.append(StagePlan(
-            index=index, layers=(first, first + size - 1),
-            layer_names=tuple(names[first:first + size]),
-            recompute=(config.recompute,) * size,
-        ))
-        first += size
-    empty = Estimate(
-        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
-        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
-        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
-        binding="not estimated",
-    )
-    return Plan(config=config, stages=tuple(stages), estimate=empty,
-                profile_fingerprint=profile.fingerprint(), model=model_text)
+    per_node = max(world_size // max(nnodes, 1), 1)
+    if not torch.cuda.is_available():
+        return Cluster.preset("cpu", nodes=nnodes, gpus_per_node=per_node)
+    name = torch.cuda.get_device_name().lower()
+    preset = next((p for p in _GPU_PRESETS if p.split("-")[0] in name), "h100")
+    return Cluster.preset(preset, nodes=nnodes, gpus_per_node=per_node)
+
+
+# Cluster presets recognised from CUDA device names (the first matching prefix wins).
+_GPU_PRESETS = ("h200", "h100", "a100-80g", "v100-32g")
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:

@@ -39,6 +39,7 @@ import pulp
 from autopar.config import RECOMPUTE
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.search.ilp_ranks import add_rank_counts, rank_aggregable, stage_counts
 from autopar.search.options import SearchOptions
 
 __all__ = [
@@ -92,8 +93,9 @@ class IlpModel:
     problem: pulp.LpProblem
     table: CostTable
     runs: tuple[tuple[int, int], ...]
-    count: dict[tuple[int, int, int], pulp.LpVariable]  # (run g, stage j, recompute r) -> n
+    count: dict[tuple[int, int, int], pulp.LpVariable]  # (run g, slot j, recompute r) -> n
     objective: str
+    per_rank: bool = False  # slots are pipeline ranks (ilp_ranks.py), else stages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,12 +181,12 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int):
     return n, cnt
 
 
-def _memory_exprs(prob, table: CostTable, runs, s: int, n, cnt) -> list:
+def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt) -> list:
     """Per-rank memory in GiB (static + in-flight activations + transient max + buffers)."""
     cfg = table.config
     exprs = []
     for k in range(cfg.pp):
-        stages = [j for j in range(s) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        stages = [j for j, rank in enumerate(slot_rank) if rank == k]
         inflight = in_flight_microbatches(
             cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
         )
@@ -213,7 +215,7 @@ def _memory_exprs(prob, table: CostTable, runs, s: int, n, cnt) -> list:
     return exprs
 
 
-def _time_objective(prob, table: CostTable, runs, s: int, n, cnt):
+def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt):
     """assemble's step time: m Rmax + c sum_j T_j + max_k E_k (E: exposed DP + optimizer)."""
     cfg = table.config
     p2p = table.p2p_s if cfg.pp > 1 else 0.0
@@ -223,12 +225,12 @@ def _time_objective(prob, table: CostTable, runs, s: int, n, cnt):
             for (g, jj, r), var in sorted(n.items())
             if jj == j
         )
-        + p2p
-        for j in range(s)
+        + p2p * slot_p2p[j]
+        for j in range(len(slot_rank))
     ]
     rmax, tail = _var(prob, "bottleneck_s", 0), _var(prob, "tail_s", 0)
     for k in range(cfg.pp):
-        stages = [j for j in range(s) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        stages = [j for j, rank in enumerate(slot_rank) if rank == k]
         # [Constraint] bottleneck: Rmax bounds every rank's time per micro-batch
         prob += rmax >= pulp.lpSum(stage_t[j] for j in stages), f"bottleneck[rank{k}]"
 
@@ -252,7 +254,11 @@ def _time_objective(prob, table: CostTable, runs, s: int, n, cnt):
 
 
 def build_ilp(
-    table: CostTable, *, capacity_bytes: float | None = None, objective: str = "time"
+    table: CostTable,
+    *,
+    capacity_bytes: float | None = None,
+    objective: str = "time",
+    aggregate: bool | None = None,
 ) -> IlpModel:
     """Build the ILP of one outer configuration.
 
@@ -261,6 +267,8 @@ def build_ilp(
         capacity_bytes: usable memory per GPU (default ``table.capacity_bytes``); ignored by the
             memory objective.
         objective: "time" (step time under the memory cap) or "memory" (largest rank's memory).
+        aggregate: count layers per pipeline rank instead of per stage (``ilp_ranks.py``;
+            exact when ``rank_aggregable``); None: whenever it is exact.
 
     Returns:
         The IlpModel (see the module docstring for the formulation).
@@ -270,8 +278,15 @@ def build_ilp(
     s = table.config.num_stages
     runs = layer_runs(table)
     prob = pulp.LpProblem(f"split_{objective}", pulp.LpMinimize)
-    n, cnt = _add_split(prob, table, runs, s)
-    mems = _memory_exprs(prob, table, runs, s, n, cnt)
+    if aggregate is None:
+        aggregate = rank_aggregable(table, runs)
+    if aggregate:
+        n, cnt, slot_rank, slot_p2p = add_rank_counts(prob, table, runs, _var)
+    else:
+        n, cnt = _add_split(prob, table, runs, s)
+        slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
+        slot_p2p = [1] * s
+    mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt)
     if objective == "memory":
         peak = _var(prob, "peak_gib", 0)
         for k, mem in enumerate(mems):
@@ -283,8 +298,10 @@ def build_ilp(
         for k, mem in enumerate(mems):
             # [Constraint] mem: each pipeline rank's peak fits the usable device memory
             prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
-        prob += _time_objective(prob, table, runs, s, n, cnt)
-    return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective)
+        prob += _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt)
+    return IlpModel(
+        problem=prob, table=table, runs=runs, count=n, objective=objective, per_rank=aggregate
+    )
 
 
 @contextlib.contextmanager
@@ -355,12 +372,15 @@ def decode(
     if not solution.has_solution:
         raise ValueError(f"no split to decode: the solve ended {solution.status}")
     s = model.table.config.num_stages
+    counts = solution.counts
+    if model.per_rank:
+        counts = stage_counts(model.table, model.runs, counts)
     stages, recompute, start = [], [], 0
     for j in range(s):
         size = 0
         for g in range(len(model.runs)):
             for r in R:
-                k = solution.counts.get((g, j, r), 0)
+                k = counts.get((g, j, r), 0)
                 recompute.extend([RECOMPUTE[r]] * k)
                 size += k
         stages.append((start, start + size - 1))

@@ -78,7 +78,9 @@ def run_case(kind: str, cfg_kwargs: dict[str, Any], recompute: dict[int, str] | 
     from autopar.runtime.step import gathered_grads, local_batch, one_process_reference, train_step
 
     shape = SHAPES[kind]
-    cfg = ParallelConfig(global_batch=GLOBAL_BATCH, dtype="fp32", **cfg_kwargs)
+    cfg = ParallelConfig(global_batch=GLOBAL_BATCH, **{"dtype": "fp32", **cfg_kwargs})
+    # bf16 (FSDP2 MixedPrecisionPolicy / autocast) rounds to ~3 significant digits: loss only.
+    exact = cfg.dtype == "fp32"
     plan = make_plan(cfg, shape["layers"], recompute)
     reference = build(kind, device="cpu", seed=0, **shape)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
@@ -91,16 +93,17 @@ def run_case(kind: str, cfg_kwargs: dict[str, Any], recompute: dict[int, str] | 
         if step == 0:
             losses.append(train_step(pm, x, y, None))
             grads = gathered_grads(pm)
-            for fqn, grad in grads.items():
+            for fqn, grad in grads.items() if exact else ():
                 expected = reference.get_parameter(fqn).grad
                 assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=lambda m, f=fqn: f"{f}: {m}")
             opt.step()
         else:
             losses.append(train_step(pm, x, y, opt))
         ref_opt.step()
+    rtol = 1e-3 if exact else 2e-2
     for got, want in zip(losses, ref_losses):
-        assert abs(got - want) <= 1e-3 * abs(want), f"losses {losses} != reference {ref_losses}"
-    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
+        assert abs(got - want) <= rtol * abs(want), f"losses {losses} != reference {ref_losses}"
+    assert abs(losses[0] - ref_losses[0]) <= (1e-5 if exact else 1e-2) * abs(ref_losses[0])
     return {"fqns": sorted(grads), "losses": losses}
 
 
@@ -167,14 +170,19 @@ CONFIGS_2: dict[str, dict[str, Any]] = {
     "fsdp2-zero3-recompute": {
         "dp": 2, "zero": 3, "micro_batch": 2, "recompute_layers": MIXED_RECOMPUTE,
     },
+    "fsdp2-zero3-bf16": {"dp": 2, "zero": 3, "micro_batch": 2, "dtype": "bf16"},
+    "tp2-bf16-autocast": {"tp": 2, "micro_batch": 4, "dtype": "bf16"},
     "pp2-1f1b-recompute": {
         "pp": 2, "schedule": "1f1b", "micro_batch": 2, "recompute_layers": MIXED_RECOMPUTE,
     },
 }
 CONFIGS_4: dict[str, dict[str, Any]] = {
-    "dp2xtp2-ddp": {"dp": 2, "tp": 2, "micro_batch": 2},
+    "dp2xtp2-replicate": {"dp": 2, "tp": 2, "micro_batch": 2},
     "dp2xtp2-fsdp": {"dp": 2, "tp": 2, "zero": 3},
     "pp2xdp2-fsdp": {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"},
+    "pp2xdp2-zero1-interleaved": {
+        "pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+    },
     "pp2xdp2-replicate": {"pp": 2, "dp": 2, "zero": 0, "schedule": "gpipe", "micro_batch": 2},
     "pp2xtp2": {"pp": 2, "tp": 2, "schedule": "1f1b", "micro_batch": 2, "sequence_parallel": True},
 }

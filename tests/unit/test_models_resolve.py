@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopar.errors import ModelFileError, UnknownModelError
 from autopar.models import parse_model_spec, resolve_model
@@ -61,7 +62,7 @@ def test_resolve_unknown_name():
 def test_resolve_model_file():
     builder, description = resolve_model(str(FIXTURES / "tiny_mlp.py"))
     assert "tiny_mlp.py" in description
-    assert next(builder().parameters()).device.type == "meta"
+    assert next(builder("meta").parameters()).device.type == "meta"
     with pytest.raises(ModelFileError, match="does not exist"):
         resolve_model("no/such/model.py")
 
@@ -86,3 +87,11 @@ def test_resolve_json(tmp_path):
     builder, description = resolve_model(str(config))
     assert "llama" in description
     assert builder().num_parameters() > 0
+
+
+def test_model_file_builder_respects_callers_device():
+    builder, _ = resolve_model(str(FIXTURES / "tiny_mlp.py"))
+    with torch.device("meta"):
+        assert next(builder().parameters()).device.type == "meta"
+    assert next(builder().parameters()).device.type == "cpu"
+    assert next(builder(device="meta").parameters()).device.type == "meta"

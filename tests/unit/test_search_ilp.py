@@ -190,3 +190,31 @@ def test_solve_keeps_stdout_clean(capfd) -> None:
     solve_ilp(build_ilp(table), dataclasses.replace(OPTIONS, solver="cbc"))
     out, _ = capfd.readouterr()
     assert out == ""
+
+
+@st.composite
+def block_tables(draw) -> CostTable:
+    """Embedding + identical blocks + head: the shape per-rank counting handles."""
+    table = draw(small_tables(max_layers=6, max_stages=4))
+    n = len(table.layers)
+    if n < 3:
+        return table
+    block = table.layers[1]
+    middle = tuple(dataclasses.replace(block, name=f"b{i}") for i in range(n - 2))
+    return dataclasses.replace(table, layers=(table.layers[0], *middle, table.layers[-1]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(table=block_tables(), frac=st.floats(0.0, 1.0))
+def test_per_rank_counting_equals_exhaustive(table: CostTable, frac: float) -> None:
+    results = list(exhaustive(table))
+    mems = sorted(mem for *_, mem in results)
+    cap = mems[0] + frac * (mems[-1] - mems[0]) + 1e5
+    table = dataclasses.replace(table, capacity_bytes=cap)
+    best = min(step for *_, step, mem in results if mem <= cap)
+    for aggregate in (True, False):
+        model = build_ilp(table, aggregate=aggregate)
+        sol = solve_ilp(model, OPTIONS)
+        est = assemble(table, *decode(model, sol))
+        assert est.fits and sol.objective == pytest.approx(est.step_time_s, rel=1e-6)
+        assert est.step_time_s == pytest.approx(best, rel=1e-3)

@@ -50,7 +50,7 @@ def _resize(value: Any, batch_size: int) -> Any:
 
     def one(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-            return t[:1].expand(batch_size, *t.shape[1:]).contiguous()
+            return t[:1].expand(batch_size, *t.shape[1:]).clone()
         return t
 
     return tree_map(one, value)
@@ -84,7 +84,8 @@ def make_batch(
     hf_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     if example_inputs is None:
         tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
-        return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=tokens)
+        labels = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
+        return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=labels)
     if callable(example_inputs):
         raw = _to_meta(example_inputs(batch_size))
     else:
@@ -93,7 +94,7 @@ def make_batch(
     first = next((t for t in tree_flatten(raw)[0] if isinstance(t, torch.Tensor)), None)
     labels = None
     if first is not None and first.dim() == 2 and not first.is_floating_point():
-        labels = first
+        labels = torch.zeros_like(first)  # the targets: a tensor of their own, like the tokens
     return Batch(args=args, kwargs={**hf_kwargs, **kwargs}, raw=raw, labels=labels)
 
 

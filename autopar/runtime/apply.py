@@ -23,7 +23,7 @@ from autopar.runtime.pipeline_parallel import (
     find_structure,
     split_stage,
 )
-from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.recompute import ATTENTION_NAMES, apply_recompute, find_attention
 from autopar.runtime.tensor_parallel import (
     NORM_TYPES,
     apply_tensor_parallel,
@@ -51,7 +51,7 @@ class ParallelizedModel:
         model_parts: the modules this rank owns (one per pipeline stage it runs, model order; one
             when pp == 1). Give ``[p for m in model_parts for p in m.parameters()]`` to the
             optimizer and ``model_parts`` to ``torch.distributed.checkpoint``. A part may be a
-            ``DistributedDataParallel`` wrapper (zero 0, pp == 1): its FQNs carry ``module.``.
+            ``DistributedDataParallel`` wrapper (zero 0, tp == pp == 1): FQNs carry ``module.``.
         schedule: the torch pipelining schedule (pp > 1), else None.
         stages: the ``PipelineStage`` objects (pp > 1), else empty.
         has_first_stage: this rank runs the model's first stage (it takes the tokens).
@@ -172,13 +172,11 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
                 block = model.get_submodule(
                     structure.block_fqn(structure.block_keys[layer - 1])
                 )
-                apply_recompute_check(block, layer)
+                _check_selective(block, layer)
 
 
-def apply_recompute_check(block: nn.Module, layer: int) -> None:
-    """Raise if selective recomputation cannot find the attention of profile layer ``layer``."""
-    from autopar.runtime.recompute import ATTENTION_NAMES, find_attention
-
+def _check_selective(block: nn.Module, layer: int) -> None:
+    # Selective recomputation checkpoints the block's attention child: it must exist.
     if find_attention(block) is None:
         raise AutoparError(
             f"selective recomputation of layer {layer} needs an attention child named one of "

@@ -181,7 +181,21 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int):
     return n, cnt
 
 
-def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt) -> list:
+def _tighten(table: CostTable, runs, slots, inflight: float, n, cap_gib: float) -> None:
+    """Upper bounds on counts from memory: count (static + inflight act) + buffers <= capacity.
+
+    Valid because every other memory term is >= 0; a tight bound is what keeps the transient
+    big-M constraints (and so the LP relaxation) strong.
+    """
+    room = cap_gib - table.buffers_bytes / GIB
+    for (g, j, r), var in n.items():
+        lay = table.layers[runs[g][0]]
+        per_layer = (lay.static_bytes + inflight * lay.act_bytes[r]) / GIB
+        if j in slots and per_layer > 0:
+            var.upBound = max(0, min(var.upBound, int(max(room, 0.0) / per_layer)))
+
+
+def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None) -> list:
     """Per-rank memory in GiB (static + in-flight activations + transient max + buffers)."""
     cfg = table.config
     exprs = []
@@ -190,6 +204,8 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt) -> list:
         inflight = in_flight_microbatches(
             cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
         )
+        if cap_gib is not None:
+            _tighten(table, runs, stages, inflight, n, cap_gib)
         mt = _var(prob, f"transient[rank{k}]", 0)
         # [Constraint] transient: the rank's largest working set over the modes it uses
         for g, (a, b) in enumerate(runs):
@@ -199,7 +215,8 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt) -> list:
                 if not terms or lay.transient_bytes[r] <= 0:
                     continue
                 u = _var(prob, f"u[{lay.name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
-                prob += pulp.lpSum(terms) <= (b - a + 1) * u, f"uses[{lay.name}][rank{k}][{r}]"
+                big_m = sum(var.upBound for var in terms)
+                prob += pulp.lpSum(terms) <= big_m * u, f"uses[{lay.name}][rank{k}][{r}]"
                 prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{lay.name}][rank{k}][{r}]"
         static = pulp.lpSum(
             table.layers[a].static_bytes / GIB * cnt[g, j]
@@ -286,7 +303,10 @@ def build_ilp(
         n, cnt = _add_split(prob, table, runs, s)
         slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
         slot_p2p = [1] * s
-    mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt)
+    cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
+    mems = _memory_exprs(
+        prob, table, runs, slot_rank, n, cnt, None if objective == "memory" else cap
+    )
     if objective == "memory":
         peak = _var(prob, "peak_gib", 0)
         for k, mem in enumerate(mems):
@@ -294,7 +314,6 @@ def build_ilp(
             prob += peak >= mem, f"mem[rank{k}]"
         prob += peak
     else:
-        cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
         for k, mem in enumerate(mems):
             # [Constraint] mem: each pipeline rank's peak fits the usable device memory
             prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"

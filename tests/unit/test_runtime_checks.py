@@ -112,3 +112,35 @@ def test_stages_keep_fqns_and_chain_to_the_full_forward(kind: str, shape: dict,
     for part in parts:
         h = part(h)
     torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+
+
+class _ListModel(nn.Module):
+    """A user model with its blocks in a ModuleList that runs whatever parts are present."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.head: nn.Module | None = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def test_module_list_blocks_split_with_original_fqns() -> None:
+    torch.manual_seed(0)
+    model = _ListModel()
+    plan = _plan(num_blocks=3, pp=2, schedule="gpipe", global_batch=2)
+    check_plan_runnable(model, plan)
+    structure = find_structure(model)
+    assert (structure.container, structure.before, structure.after) == ("blocks", ("embed",),
+                                                                       ("head",))
+    parts = [split_stage(model, stage, structure) for stage in plan.stages]
+    assert {n for n, _ in parts[1].named_parameters()} == {
+        "blocks.2.0.weight", "blocks.2.0.bias", "head.weight", "head.bias"}
+    tokens = torch.randint(0, 16, (2, 5))
+    torch.testing.assert_close(parts[1](parts[0](tokens)), model(tokens), rtol=0, atol=0)

@@ -1,0 +1,137 @@
+"""``autopar run``: bad inputs end with one line and exit code 2 before any worker starts;
+``--dry-run`` applies a plan at world size 8 on a fake process group.
+
+Most cases call ``autopar.runtime.run.main`` in this process (no launch happens for bad input);
+one case and the dry run go through the CLI in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.runtime.run import main
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq_len=16"
+OTHER_MODEL = "gpt:layers=3,hidden=32,heads=4,vocab=64,seq_len=16"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "autopar.cli", "run", *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+                          check=False)
+
+
+@pytest.fixture(scope="module")
+def dp2_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan file for MODEL at dp=2 on a 2-process CPU cluster."""
+    import autopar
+    from autopar.cost_model.hardware import Cluster
+    from autopar.runtime.worker import build_model
+    from autopar.search.planner import plan_from_config
+
+    profile = autopar.profile(build_model(MODEL, device="meta"))
+    config = autopar.ParallelConfig(dp=2, global_batch=4, dtype="fp32")
+    plan = plan_from_config(profile, Cluster.preset("cpu", gpus_per_node=2), config, model=MODEL)
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+def _expect_error(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_world_size_mismatch(capsys: pytest.CaptureFixture[str], dp2_plan: Path) -> None:
+    _expect_error(capsys, [str(dp2_plan), "--steps", "1", "--nproc-per-node", "1"],
+                  "the plan needs 2 processes but the launch has 1 node(s) x 1")
+    _expect_error(capsys, [str(dp2_plan), "--steps", "1", "--nnodes", "4", "--node-rank", "1",
+                           "--rdzv-endpoint", "127.0.0.1:29999"],
+                  "the plan needs 2 processes")
+
+
+@pytest.mark.timeout(120)
+def test_plan_for_another_model(capsys: pytest.CaptureFixture[str], dp2_plan: Path) -> None:
+    _expect_error(capsys, [str(dp2_plan), "--model", OTHER_MODEL, "--steps", "1"],
+                  "was made for another model")
+
+
+@pytest.mark.timeout(120)
+def test_plan_with_split_flags(capsys: pytest.CaptureFixture[str], dp2_plan: Path) -> None:
+    _expect_error(capsys, [str(dp2_plan), "--tp", "2", "--steps", "1"],
+                  "brings its own split")
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_dirs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    base = [MODEL, "--global-batch", "4", "--steps", "2"]
+    _expect_error(capsys, [*base, "--checkpoint-dir", str(tmp_path / "missing"), "--resume"],
+                  "does not exist; nothing to resume")
+    used = tmp_path / "used"
+    (used / "step_1").mkdir(parents=True)
+    _expect_error(capsys, [*base, "--checkpoint-dir", str(used)], "pass --resume")
+    _expect_error(capsys, [*base, "--checkpoint-dir", str(used), "--resume"],
+                  "holds no complete checkpoint")
+    (used / "step_1" / "COMPLETE").write_text("{}")
+    (used / "step_5").mkdir()
+    (used / "step_5" / "COMPLETE").write_text("{}")
+    _expect_error(capsys, [*base, "--checkpoint-dir", str(used), "--resume"],
+                  "at step 5, past --steps 2")
+    _expect_error(capsys, [*base, "--resume"], "--resume needs --checkpoint-dir")
+
+
+@pytest.mark.timeout(120)
+def test_impossible_split(capsys: pytest.CaptureFixture[str]) -> None:
+    _expect_error(capsys, [MODEL, "--global-batch", "4", "--steps", "1", "--tp", "3"],
+                  "must divide")
+    _expect_error(capsys, [MODEL, "--global-batch", "3", "--steps", "1", "--dp", "2"],
+                  "not divisible")
+    _expect_error(capsys, [MODEL, "--steps", "1"], "--global-batch")
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_input_has_no_traceback(tmp_path: Path) -> None:
+    proc = _cli(MODEL, "--global-batch", "4", "--steps", "1", "--checkpoint-dir",
+                str(tmp_path / "nope"), "--resume", "--json")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "nothing to resume" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_dry_run_at_world_size_8() -> None:
+    from autopar.models import build, num_params
+
+    proc = _cli("gpt:layers=4,hidden=32,heads=4,vocab=64,seq_len=16", "--global-batch", "8",
+                "--steps", "1", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3",
+                "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["world_size"] == 8
+    sizes = report["per_rank_parameter_bytes"]
+    assert len(sizes) == 8 and all(s > 0 for s in sizes)
+    # pp splits the layers, tp and FSDP (zero 3) shard every parameter exactly once: the ranks
+    # together hold each fp32 parameter once.
+    model = build("gpt", layers=4, hidden=32, heads=4, vocab=64, seq_len=16)
+    assert sum(sizes) == 4 * num_params(model.autopar_spec)
+    # Ranks 0-3 run stage 0, ranks 4-7 stage 1 (pp is the outermost mesh axis).
+    assert report["per_rank_stages"] == [[0]] * 4 + [[1]] * 4

@@ -1,0 +1,161 @@
+"""``autopar run`` end to end, as a user runs it: one process, dp, resume, faults, multi-node.
+
+Each test starts ``autopar run`` in a subprocess (torchrun and its workers below it). Launches
+are grouped: the one-process and dp=2 4-step runs are module fixtures that several tests compare
+against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+# A tiny GPT: 2 blocks, width 32, 4 heads (tp 2 divides heads and seq_len), 64 tokens, 16 positions.
+MODEL = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq_len=16"
+# Every launch of these tests trains on this global batch.
+BATCH = ["--global-batch", "4"]
+
+
+def autopar_run(*args: str, env: dict[str, str] | None = None, timeout_s: float = 150.0,
+                ) -> subprocess.CompletedProcess:
+    """``autopar run ARGS`` in a subprocess (stdout and stderr captured as text)."""
+    full_env = dict(os.environ)
+    full_env["OMP_NUM_THREADS"] = "1"
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p
+    )
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "autopar.cli", "run", *args],
+        capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=ROOT, check=False,
+    )
+
+
+def run_json(*args: str, env: dict[str, str] | None = None, timeout_s: float = 150.0) -> dict:
+    """``autopar run ARGS --json``: asserts success and that stdout is exactly one JSON object."""
+    proc = autopar_run(*args, "--json", env=env, timeout_s=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON line, got: {proc.stdout[:2000]!r}"
+    return json.loads(lines[0])
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rel_diff(a: list[float], b: list[float]) -> float:
+    """Largest relative difference of two loss lists of equal length."""
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The one-process reference: every degree 1, 4 steps."""
+    return run_json(MODEL, *BATCH, "--steps", "4")
+
+
+@pytest.fixture(scope="module")
+def dp2_run() -> dict:
+    """The same 4 steps under dp=2 (DDP)."""
+    return run_json(MODEL, *BATCH, "--steps", "4", "--dp", "2")
+
+
+@pytest.mark.timeout(180)
+def test_one_process_reports_losses(reference: dict) -> None:
+    assert set(reference) >= {"losses", "step_times_s", "peak_memory_bytes", "world_size",
+                              "config"}
+    assert reference["world_size"] == 1
+    assert reference["config"]["dp"] == 1 and reference["config"]["dtype"] == "fp32"
+    losses = reference["losses"]
+    assert len(losses) == 4 and len(reference["step_times_s"]) == 4
+    assert all(math.isfinite(x) for x in losses)
+    # Next-token loss of a fresh model starts near ln(vocab) and training lowers it.
+    assert abs(losses[0] - math.log(64)) < 0.2
+    assert reference["peak_memory_bytes"] > 0
+    assert all(t > 0 for t in reference["step_times_s"])
+
+
+@pytest.mark.timeout(240)
+def test_dp2_equals_one_process(reference: dict, dp2_run: dict) -> None:
+    assert dp2_run["world_size"] == 2
+    assert rel_diff(dp2_run["losses"][:3], reference["losses"][:3]) < 1e-3
+
+
+@pytest.mark.timeout(400)
+def test_resume_same_and_different_split(tmp_path: Path, reference: dict) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = run_json(MODEL, *BATCH, "--steps", "2", "--checkpoint-dir", str(ckpt),
+                     "--checkpoint-every", "1")
+    assert first["losses"] == reference["losses"][:2]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
+    other = tmp_path / "ckpt_copy"
+    shutil.copytree(ckpt, other)
+    # Same split: continue up to step 4 (--steps is the total): exactly the uninterrupted losses.
+    resumed = run_json(MODEL, *BATCH, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume")
+    assert resumed["steps"] == [3, 4]
+    assert resumed["losses"] == reference["losses"][2:]
+    # Different split (one process -> tp=2): DCP reshards; equal up to fp32 rounding.
+    resharded = run_json(MODEL, *BATCH, "--steps", "4", "--tp", "2", "--checkpoint-dir",
+                         str(other), "--resume")
+    assert resharded["steps"] == [3, 4] and resharded["world_size"] == 2
+    assert rel_diff(resharded["losses"], reference["losses"][2:]) < 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_killed_worker_restarts_from_checkpoint(tmp_path: Path, dp2_run: dict) -> None:
+    marker = tmp_path / "fault_marker"
+    env = {"AUTOPAR_TEST_FAIL_AT": f"1:3:{marker}"}
+    proc = autopar_run(MODEL, *BATCH, "--steps", "4", "--dp", "2", "--checkpoint-dir",
+                       str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--max-restarts", "1",
+                       "--json", env=env, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists(), "the fault hook did not fire"
+    assert "fault injected: rank 1 exits at step 3" in proc.stderr
+    assert "training steps 3..4" in proc.stderr  # the restarted group resumed from step_2
+    result = json.loads(proc.stdout)
+    assert result["steps"] == [1, 2, 3, 4]
+    assert result["losses"] == dp2_run["losses"]
+
+
+@pytest.mark.timeout(400)
+def test_two_launches_join_one_rendezvous(reference: dict) -> None:
+    port = free_port()
+    common = [MODEL, *BATCH, "--steps", "3", "--dp", "2", "--tp", "2", "--nnodes", "2",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", *common, "--node-rank",
+                          str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=360)
+            assert proc.returncode == 0, err[-3000:]
+            outputs.append(json.loads(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for result in outputs:
+        assert result["world_size"] == 4
+        assert rel_diff(result["losses"], reference["losses"][:3]) < 1e-3
+    assert outputs[0]["losses"] == outputs[1]["losses"]

@@ -229,7 +229,8 @@ class Calibration:
         matmul_fixed_s: t0, the fixed cost of one matmul call.
         matmul_peak_flops: R, the achieved FLOP/s of large matmuls (per process).
         matmul_median_rel_error: median relative error of the matmul fit.
-        collectives: one fit per collective (empty when nproc == 1).
+        collectives: one fit per collective and group size (empty when nproc == 1); with 4 or
+            more processes also all_reduce in concurrent pairs (group size 2).
         op_overhead_s: framework seconds per dispatched aten op (eager, forward + backward).
         layer_overhead_s: seconds of one transformer block's forward + backward at a tiny width.
         dtensor_layer_overhead_s: extra seconds per block when its linears are DTensors (TP).
@@ -255,12 +256,17 @@ class Calibration:
     wall_s: float
     device_name: str = "cpu"
 
-    def collective(self, op: str) -> CollectiveFit:
-        """The fit of collective ``op``; KeyError when it was not measured."""
-        for fit in self.collectives:
-            if fit.op == op:
-                return fit
-        raise KeyError(op)
+    def collective(self, op: str, group_size: int | None = None) -> CollectiveFit:
+        """The fit of collective ``op`` (over ``group_size`` ranks, default the largest group).
+
+        Raises:
+            KeyError: the collective was not measured (at that group size).
+        """
+        fits = [f for f in self.collectives
+                if f.op == op and (group_size is None or f.group_size == group_size)]
+        if not fits:
+            raise KeyError(op)
+        return max(fits, key=lambda f: f.group_size)
 
     def achieved_flops(self, flops: float) -> float:
         """Fitted achieved FLOP/s of one matmul of ``flops`` FLOPs: F / (t0 + F / R)."""
@@ -319,9 +325,10 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
       layer's forward + backward equals the measured framework cost of one block's forward +
       backward at a tiny width (Python, dispatch, autograd, kernel launches);
     - ``device.hbm_bytes_per_s``: the measured copy bandwidth;
-    - both link tiers: bandwidth = median of the fitted bus bandwidths of all_reduce,
-      all_gather_into_tensor and reduce_scatter_tensor; latency per ring step = median over
-      those of alpha / ring_steps (hardware.py: link latency is per ring step).
+    - both link tiers: bandwidth = median of the fitted bus bandwidths of all_reduce (every
+      group size measured), all_gather_into_tensor and reduce_scatter_tensor; latency per ring
+      step = median over those of alpha / ring_steps (hardware.py: link latency is per ring
+      step).
 
     Args:
         calibration: what ``calibrate`` measured.

@@ -17,9 +17,12 @@ import autopar.models
 def main() -> None:
     """Profile each preset once after a small warm-up and print the times."""
     # Warm-up: first use imports torch's flop counter and tracer machinery (a one-time cost).
-    autopar.profile(autopar.models.build("gpt", layers=1, hidden=64, heads=4, vocab=256, seq_len=32))
+    autopar.profile(
+        autopar.models.build("gpt", layers=1, hidden=64, heads=4, vocab=256, seq_len=32)
+    )
     print(f"torch {torch.__version__}")
-    print(f"{'preset':<14} {'build_s':>8} {'profile_s':>10} {'params':>10} {'measured':>9} {'layers':>7}")
+    header = ("preset", "build_s", "profile_s", "params", "measured", "layers")
+    print(f"{header[0]:<14} " + " ".join(f"{h:>9}" for h in header[1:]))
     for name in ("gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b"):
         start = time.perf_counter()
         model = autopar.models.build(name)
@@ -28,8 +31,8 @@ def main() -> None:
         done = time.perf_counter()
         measured = sum(1 for layer in prof.layers if layer.kind == "block" and not layer.repeat_of)
         print(
-            f"{name:<14} {built - start:>8.2f} {done - built:>10.2f} "
-            f"{prof.num_params / 1e9:>9.1f}B {measured:>9} {prof.num_layers:>7}"
+            f"{name:<14} {built - start:>9.2f} {done - built:>9.2f} "
+            f"{prof.num_params / 1e9:>8.1f}B {measured:>9} {prof.num_layers:>9}"
         )
 
 

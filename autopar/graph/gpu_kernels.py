@@ -1,12 +1,15 @@
-"""SDPA and dropout as the GPU kernels run them, while profiling on the meta device.
+"""SDPA, dropout and RMSNorm as the GPU kernels run them, while profiling on the meta device.
 
 Dropout: on CPU and meta, ``F.dropout`` multiplies by a noise tensor of the input's dtype and
 saves it; the GPU kernel (``native_dropout``) saves a bool mask, 1 byte per element (Korthikanti's
 count). While profiling, ``F.dropout`` in training runs as ``torch.native_dropout``.
 
-SDPA, costed as the fused GPU kernel (flash / memory-efficient attention).
+RMSNorm: on CPU and meta, ``F.rms_norm`` decomposes into fp32 elementwise ops and keeps fp32
+copies of its input; the fused GPU kernel keeps the input and the fp32 reciprocal RMS (one per
+token). While profiling, ``F.rms_norm`` runs as a stand-in that saves exactly that.
 
-On the meta device torch runs ``scaled_dot_product_attention`` through its math path (which keeps
+SDPA, costed as the fused GPU kernel (flash / memory-efficient attention): on the meta device
+torch runs ``scaled_dot_product_attention`` through its math path (which keeps
 the s x s scores), and on CPU fake tensors ``FlopCounterMode`` counts nothing for the fused CPU
 kernel, so neither trace describes what a GPU runs. While profiling, every call of
 ``F.scaled_dot_product_attention`` is replaced by ``_FusedSDPA``, an autograd function that
@@ -92,8 +95,26 @@ class _FusedSDPA(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, num_dims: int
+    ) -> torch.Tensor:
+        rstd = x.new_empty((*x.shape[: x.dim() - num_dims], *([1] * num_dims)), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, _ = ctx.saved_tensors
+        grad_w = None if weight is None else torch.empty_like(weight)
+        return torch.empty_like(x), grad_w, None
+
+
 class GpuKernelMode(TorchFunctionMode):
-    """Run SDPA as the fused-kernel stand-in and dropout as ``native_dropout``; log SDPA calls.
+    """Run SDPA and RMSNorm as fused-kernel stand-ins, dropout as ``native_dropout``; log SDPA.
 
     Args:
         on_call: called with each ``AttentionCall``, and entered as a context manager factory via
@@ -115,6 +136,8 @@ class GpuKernelMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
+        if func is F.rms_norm:
+            return self._rms_norm(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask")
@@ -140,3 +163,13 @@ class GpuKernelMode(TorchFunctionMode):
         if not training or p <= 0.0 or p >= 1.0:
             return F.dropout(input, p, training, inplace)
         return torch.native_dropout(input, p, True)[0]
+
+    @staticmethod
+    def _rms_norm(
+        input: torch.Tensor,
+        normalized_shape: Any,
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        num_dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        return _FusedRMSNorm.apply(input, weight, num_dims)

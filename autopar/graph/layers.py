@@ -108,6 +108,41 @@ def _record(
     )
 
 
+def _blocks(
+    model: nn.Module,
+    structure: Structure,
+    facts: ModelFacts,
+    params: list[tuple[int, int]],
+    representative: dict[str, str],
+    measured: dict[str, Measured],
+    seq_len: int,
+    dtype_bytes: int,
+) -> list[LayerProfile]:
+    layers = []
+    for index, fqn in enumerate(structure.blocks, start=1):
+        rep = representative[fqn]
+        tp = block_tp(
+            model,
+            fqn,
+            heads=facts.heads,
+            kv_heads=facts.kv_heads,
+            seq_len=seq_len,
+            dtype_bytes=dtype_bytes,
+        )
+        layers.append(
+            _record(
+                name=fqn,
+                kind="block",
+                fqns=(fqn,),
+                params=params[index],
+                m=measured[rep],
+                tp=tp,
+                repeat_of="" if rep == fqn else rep,
+            )
+        )
+    return layers
+
+
 def build_layers(
     model: nn.Module,
     *,
@@ -138,28 +173,46 @@ def build_layers(
     embedding = per_sample(runs[1].embedding, runs[2].embedding)
     if not structure.blocks:
         params = _params(model, [structure.embedding])
-        return (_record(name="model", kind="other", fqns=structure.embedding, params=params[0],
-                        m=embedding, tp=TPStructure()),)  # fmt: skip
+        return (
+            _record(
+                name="model",
+                kind="other",
+                fqns=structure.embedding,
+                params=params[0],
+                m=embedding,
+                tp=TPStructure(),
+            ),
+        )
     groups = [structure.embedding, *[(b,) for b in structure.blocks], structure.head]
     params = _params(model, groups)
     layers = [
         _record(
-            name="embedding", kind="embedding", fqns=structure.embedding, params=params[0],
-            m=embedding, tp=embedding_tp(model, structure.embedding, vocab=facts.vocab,
-                                         seq_len=seq_len, dtype_bytes=dtype_bytes),
+            name="embedding",
+            kind="embedding",
+            fqns=structure.embedding,
+            params=params[0],
+            m=embedding,
+            tp=embedding_tp(
+                model,
+                structure.embedding,
+                vocab=facts.vocab,
+                seq_len=seq_len,
+                dtype_bytes=dtype_bytes,
+            ),
         )
-    ]  # fmt: skip
-    for index, fqn in enumerate(structure.blocks, start=1):
-        rep = representative[fqn]
-        tp = block_tp(model, fqn, heads=facts.heads, kv_heads=facts.kv_heads, seq_len=seq_len,
-                      dtype_bytes=dtype_bytes)  # fmt: skip
-        layers.append(
-            _record(name=fqn, kind="block", fqns=(fqn,), params=params[index], m=measured[rep],
-                    tp=tp, repeat_of="" if rep == fqn else rep)  # fmt: skip
-        )
+    ]
+    layers.extend(
+        _blocks(model, structure, facts, params, representative, measured, seq_len, dtype_bytes)
+    )
     head = per_sample(runs[1].head, runs[2].head)
     layers.append(
-        _record(name="head", kind="head", fqns=structure.head, params=params[-1], m=head,
-                tp=head_tp(model, structure.head, vocab=facts.vocab))  # fmt: skip
+        _record(
+            name="head",
+            kind="head",
+            fqns=structure.head,
+            params=params[-1],
+            m=head,
+            tp=head_tp(model, structure.head, vocab=facts.vocab),
+        )
     )
     return tuple(layers)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.graph.gpu_kernels import AttentionCall, GpuKernelMode
@@ -141,7 +141,9 @@ def _instruments(
 @contextlib.contextmanager
 def _reduce_hooks(modules: Sequence[nn.Module], recorder: SavedRecorder) -> Iterator[None]:
     # A row-parallel linear / vocab-parallel embedding all-reduces its output: replicated after.
-    handles = [m.register_forward_hook(lambda _m, _i, out: recorder.clear_sharded(out)) for m in modules]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: recorder.clear_sharded(out)) for m in modules
+    ]
     try:
         yield
     finally:
@@ -183,7 +185,10 @@ def measure_block(
     shared = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     recorder.exclude([t for t in shared if t is not main_in])
     recorder.tag = "block"
-    with _instruments(recorder, fake_mode) as (flops, attention), _reduce_hooks(reduce_modules, recorder):
+    with (
+        _instruments(recorder, fake_mode) as (flops, attention),
+        _reduce_hooks(reduce_modules, recorder),
+    ):
         out = block(*args, **kwargs)
         fwd = flops.get_total_flops()
         recorder.forward_active = False
@@ -231,8 +236,11 @@ class _BlockRelays:
             if key not in self.calls:
                 with torch.no_grad():
                     output = forward(*args, **kwargs)
-                flags = [t.requires_grad for t in tree_flatten((args, kwargs))[0]
-                         if isinstance(t, torch.Tensor)]  # fmt: skip
+                flags = [
+                    t.requires_grad
+                    for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)
+                ]
                 detached = tree_map(
                     lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs)
                 )
@@ -245,10 +253,13 @@ class _BlockRelays:
             template = main_tensor(self.calls[key].output)
             relayed = _Relay.apply(main_in, template, self._on_bwd)
             out = tree_map(
-                lambda t: relayed if t is template else (
-                    t.new_empty(t.shape) if isinstance(t, torch.Tensor) else t),
+                lambda t: (
+                    relayed
+                    if t is template
+                    else (t.new_empty(t.shape) if isinstance(t, torch.Tensor) else t)
+                ),
                 self.calls[key].output,
-            )  # fmt: skip
+            )
             self.last_out = relayed
             self._mark("last_block")
             self.recorder.tag = "head"
@@ -304,6 +315,7 @@ def _call_tracking(model: nn.Module) -> Iterator[tuple[list[str], list[str]]]:
         for handle in handles:
             handle.remove()
 
+
 def run_model(
     model: nn.Module,
     forward_and_loss: Callable[[], torch.Tensor],
@@ -352,13 +364,31 @@ def run_model(
         except Exception as err:  # any failure on meta tensors: report where it happened
             raise RunFailure(stack[-1] if stack else "", err) from err
         total = flops.get_total_flops()
-    marks = relays.marks
     if not blocks:
         whole = Measured(
-            fwd_flops=fwd_total, bwd_flops=total - fwd_total, core_fwd_flops=0,
-            saved=recorder.totals("embedding"), input_bytes=input_bytes, output_bytes=0,
-        )  # fmt: skip
+            fwd_flops=fwd_total,
+            bwd_flops=total - fwd_total,
+            core_fwd_flops=0,
+            saved=recorder.totals("embedding"),
+            input_bytes=input_bytes,
+            output_bytes=0,
+        )
         return ModelRun(embedding=whole, head=None, call_order=tuple(order))
+    embedding, head = _split(relays, recorder, fwd_total, total, input_bytes)
+    return ModelRun(
+        embedding=embedding,
+        head=head,
+        call_order=tuple(order),
+        block_keys=relays.keys,
+        calls=relays.calls,
+    )
+
+
+def _split(
+    relays: _BlockRelays, recorder: SavedRecorder, fwd_total: int, total: int, input_bytes: int
+) -> tuple[Measured, Measured]:
+    """Embedding and head counts from the FLOP totals marked at the first and last relay."""
+    marks = relays.marks
     embedding = Measured(
         fwd_flops=marks["first_block"],
         bwd_flops=total - marks.get("emb_bwd_start", total),
@@ -375,7 +405,4 @@ def run_model(
         input_bytes=_nbytes(relays.last_out),
         output_bytes=0,
     )
-    return ModelRun(
-        embedding=embedding, head=head, call_order=tuple(order),
-        block_keys=relays.keys, calls=relays.calls,
-    )  # fmt: skip
+    return embedding, head

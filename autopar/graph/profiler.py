@@ -79,12 +79,15 @@ def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         for key, value in vars(module).items():
             if isinstance(value, dict) and key.startswith("_"):
                 state[key] = type(value)(value)  # own hook / registry dicts
-        state["_parameters"] = {k: tensors[id(v)] if v is not None else None
-                                for k, v in module._parameters.items()}  # fmt: skip
-        state["_buffers"] = {k: tensors[id(v)] if v is not None else None
-                             for k, v in module._buffers.items()}  # fmt: skip
-        state["_modules"] = {k: clone(v) if v is not None else None
-                             for k, v in module._modules.items()}  # fmt: skip
+        state["_parameters"] = {
+            k: tensors[id(v)] if v is not None else None for k, v in module._parameters.items()
+        }
+        state["_buffers"] = {
+            k: tensors[id(v)] if v is not None else None for k, v in module._buffers.items()
+        }
+        state["_modules"] = {
+            k: clone(v) if v is not None else None for k, v in module._modules.items()
+        }
         state["training"] = True
         return new
 
@@ -145,8 +148,9 @@ def _run_all(
             fake_mode=fake_mode,
             reduce_modules=embeddings,
             input_bytes=tokens.numel() * tokens.element_size()
-            if isinstance(tokens, torch.Tensor) else 0,
-        )  # fmt: skip
+            if isinstance(tokens, torch.Tensor)
+            else 0,
+        )
     return runs
 
 
@@ -154,7 +158,6 @@ def _measure_blocks(
     work: nn.Module,
     blocks: Sequence[str],
     runs: dict[int, ModelRun],
-    sharding: dict[str, dict],
     fake_mode: FakeTensorMode | None,
 ) -> tuple[dict[str, str], dict[str, Measured]]:
     """Measure each distinct block once per batch size; return (block -> representative, counts)."""
@@ -168,7 +171,7 @@ def _measure_blocks(
         if rep != fqn:
             continue
         block = work.get_submodule(fqn)
-        params, reduce = sharding[fqn]["params"], sharding[fqn]["reduce"]
+        params, reduce = _block_sharding(work, fqn)
         counts = {}
         for size, run in runs.items():
             call = run.calls[run.block_keys[fqn]]
@@ -178,15 +181,14 @@ def _measure_blocks(
     return representative, measured
 
 
-def _block_sharding(work: nn.Module, blocks: Sequence[str]) -> dict[str, dict]:
-    sharding = {}
-    for fqn in blocks:
-        tp = block_tp(work, fqn, heads=0, kv_heads=0, seq_len=1, dtype_bytes=1)
-        modules = [work.get_submodule(n) for n in (*tp.colwise, *tp.rowwise)]
-        params = [p for m in modules[: len(tp.colwise)] for p in m.parameters()]
-        params += [m.weight for m in modules[len(tp.colwise) :]]
-        sharding[fqn] = {"params": params, "reduce": modules[len(tp.colwise) :]}
-    return sharding
+def _block_sharding(work: nn.Module, fqn: str) -> tuple[list[torch.Tensor], list[nn.Module]]:
+    """Parameters tp shards in block ``fqn`` (colwise weights and biases, rowwise weights), and
+    the row-parallel linears (where the all-reduce makes activations replicated again)."""
+    tp = block_tp(work, fqn, heads=0, kv_heads=0, seq_len=1, dtype_bytes=1)
+    colwise = [work.get_submodule(n) for n in tp.colwise]
+    rowwise = [work.get_submodule(n) for n in tp.rowwise]
+    params = [p for m in colwise for p in m.parameters()] + [m.weight for m in rowwise]
+    return params, rowwise
 
 
 def _trace_error(work: nn.Module, failure: RunFailure, trace: CallOrder, name: str) -> TraceError:
@@ -201,6 +203,28 @@ def _trace_error(work: nn.Module, failure: RunFailure, trace: CallOrder, name: s
         "shapes, not values (no .item(), .tolist() or Python `if` on a tensor), or move that "
         "computation out of forward"
     )
+
+
+def _run_with_fallback(
+    work: nn.Module,
+    batches: dict[int, Batch],
+    blocks: Sequence[str],
+    loss_fn: Callable[..., Any] | None,
+    trace: CallOrder,
+) -> tuple[dict[int, ModelRun], FakeTensorMode | None]:
+    """Run on plain meta tensors; if the model fails there, on fake tensors; else TraceError."""
+    prelim = model_facts(work, hidden_seen=0, heads_seen=0, kv_heads_seen=0, block=None)
+    try:
+        return _run_all(work, batches, blocks, prelim.vocab, loss_fn, None), None
+    except RunFailure as on_meta:
+        # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
+        # make such models skip them. Slower, so only when needed. The meta failure is the
+        # clearer message when both fail.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        try:
+            return _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode), fake_mode
+        except RunFailure:
+            raise _trace_error(work, on_meta, trace, prelim.name) from on_meta.error
 
 
 def profile(
@@ -244,25 +268,12 @@ def profile(
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
     work = _meta_copy(model, torch_dtype)
     container, blocks = find_blocks(work)
-    prelim = model_facts(work, hidden_seen=0, heads_seen=0, kv_heads_seen=0, block=None)
     batches = {b: make_batch(work, b, seq_len, example_inputs) for b in _BATCH_SIZES}
     trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
-    name = prelim.name
-    fake_mode: FakeTensorMode | None = None
-    try:
-        runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode)
-    except RunFailure:
-        # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
-        # make such models skip them. Slower, so only when needed.
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        try:
-            runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode)
-        except RunFailure as failure:
-            raise _trace_error(work, failure, trace, name) from failure.error
+    runs, fake_mode = _run_with_fallback(work, batches, blocks, loss_fn, trace)
     order = trace.order if trace.method else runs[1].call_order
     structure = group_outside(container, blocks, order)
-    sharding = _block_sharding(work, blocks)
-    representative, measured = _measure_blocks(work, blocks, runs, sharding, fake_mode)
+    representative, measured = _measure_blocks(work, blocks, runs, fake_mode)
     facts = _facts(work, blocks, measured, runs[1])
     layers = build_layers(
         work,

@@ -192,8 +192,6 @@ class SavedRecorder(TorchDispatchMode):
             return False
         pair = [args[i] for i in operands]
         return all(
-            isinstance(t, torch.Tensor)
-            and t.requires_grad
-            and storage_key(t) not in self._excluded
+            isinstance(t, torch.Tensor) and t.requires_grad and storage_key(t) not in self._excluded
             for t in pair
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Structure", "find_blocks", "group_outside", "module_signature"]
+__all__ = ["Structure", "find_blocks", "group_outside", "module_signature", "outside_unit"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,18 +25,31 @@ __all__ = [
     "embedding_tp",
     "head_tp",
     "is_norm",
-    "sharded_modules",
 ]
 
 COLWISE_NAMES = frozenset(
     {
-        "wq", "wk", "wv", "w1", "w3",
-        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-        "query", "key", "value", "fc1", "fc_in", "dense_h_to_4h",
+        "wq",
+        "wk",
+        "wv",
+        "w1",
+        "w3",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "query",
+        "key",
+        "value",
+        "fc1",
+        "fc_in",
+        "dense_h_to_4h",
     }
-)  # fmt: skip
-ROWWISE_NAMES = frozenset({"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out",
-                           "dense_4h_to_h"})  # fmt: skip
+)
+ROWWISE_NAMES = frozenset(
+    {"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out", "dense_4h_to_h"}
+)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -122,13 +135,3 @@ def head_tp(model: nn.Module, fqns: Sequence[str], *, vocab: int) -> TPStructure
         elif is_norm(module):
             sequence.append(name)
     return TPStructure(vocab_parallel=tuple(vocab_parallel), sequence=tuple(sequence))
-
-
-def sharded_modules(model: nn.Module, tps: Sequence[TPStructure]) -> dict[str, str]:
-    """FQN -> "colwise" | "rowwise" | "vocab" for every sharded module in ``tps``."""
-    result: dict[str, str] = {}
-    for tp in tps:
-        result.update(dict.fromkeys(tp.colwise, "colwise"))
-        result.update(dict.fromkeys(tp.rowwise, "rowwise"))
-        result.update(dict.fromkeys(tp.vocab_parallel, "vocab"))
-    return result

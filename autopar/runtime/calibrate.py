@@ -7,9 +7,10 @@ of the figures:
 - matmul: seconds per call of (m x k)(k x n) products over sizes, fp32 on CPU and bf16 on GPU,
   fitted to ``t = t0 + F / R`` (``autopar.calibration_fit``): R is the achieved peak and t0 the
   fixed cost of a call, so the efficiency ``F / (t R)`` rises with size;
-- collectives: all_reduce, all_gather_into_tensor, reduce_scatter_tensor over the whole group and
-  send/recv between rank pairs, median seconds per call over sizes (the first call at each size is
-  discarded), fitted to ``t = alpha + factor S / B`` per collective;
+- collectives: all_reduce, all_gather_into_tensor, reduce_scatter_tensor over the whole group,
+  send/recv between rank pairs and (4 or more processes) all_reduce in concurrent pairs: median
+  seconds per call over sizes (the first call at each size is discarded), fitted to
+  ``t = alpha + factor S / B`` per collective;
 - framework overhead: one transformer block of the zoo (gpt and llama) at a tiny width, where the
   arithmetic is negligible, run forward + backward eagerly, with its linears as DTensors
   (``parallelize_module`` on a one-rank mesh) and under FSDP2 (``fully_shard`` on a one-rank
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send_recv")
+# All-reduce in concurrent groups of 2 (measured when nproc >= 4 is even): the latency of the
+# small groups that tp=2 or dp=2 splits create, under the contention of the whole machine.
+PAIRS_ALL_REDUCE = "all_reduce_pairs"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +77,18 @@ class Sweep:
     min_time_s: float
     repeats: int
     overhead_iters: int
+
+    def to_json(self) -> str:
+        """The sweep as JSON (what the measuring processes receive)."""
+        return json.dumps({name: getattr(self, name) for name in Sweep.__slots__})
+
+    @classmethod
+    def from_json(cls, text: str) -> Sweep:
+        """Inverse of ``to_json``."""
+        data = json.loads(text)
+        data["matmul_shapes"] = tuple(tuple(shape) for shape in data["matmul_shapes"])
+        data["collective_sizes_bytes"] = tuple(data["collective_sizes_bytes"])
+        return cls(**data)
 
     @classmethod
     def default(cls, device_type: str, *, quick: bool = False) -> Sweep:
@@ -116,16 +132,21 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 
 def _time_call(fn, device: torch.device, min_time_s: float) -> float:
-    """Median over 3 repetitions of seconds per call, each repetition >= min_time_s."""
+    """Median over 3 repetitions of seconds per call, each repetition >= min_time_s.
+
+    On GPU every call is synchronised before the clock is read, so the host cannot queue more
+    work than the time budget (the sync latency becomes part of the fixed cost of a call).
+    """
     fn()  # first call: allocation, kernel selection
+    _sync(device)
     per_call = []
     for _ in range(3):
         calls, start = 0, time.perf_counter()
         while True:
             fn()
+            _sync(device)
             calls += 1
             if calls >= 3 and time.perf_counter() - start >= min_time_s:
-                _sync(device)
                 break
         per_call.append((time.perf_counter() - start) / calls)
     return median(per_call)
@@ -151,13 +172,15 @@ def _measure_matmuls(sweep: Sweep, dtype: torch.dtype, device: torch.device) -> 
     return out
 
 
-def _collective_call(op: str, size_bytes: int, device: torch.device):
+def _collective_call(op: str, size_bytes: int, device: torch.device, pair_group: Any = None):
     """A zero-argument function running one call of ``op`` on a buffer of ``size_bytes``."""
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = max(size_bytes // 4 // world * world, world)
     buf = torch.ones(numel, dtype=torch.float32, device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(buf)
+    if op == PAIRS_ALL_REDUCE:  # every pair (0, 1), (2, 3), ... at once, as tp=2 groups run
+        return lambda: dist.all_reduce(buf, group=pair_group)
     if op == "all_gather_into_tensor":  # S = the gathered output
         shard = torch.ones(numel // world, dtype=torch.float32, device=device)
         return lambda: dist.all_gather_into_tensor(buf, shard)
@@ -174,11 +197,18 @@ def _collective_call(op: str, size_bytes: int, device: torch.device):
 
 
 def _measure_collectives(sweep: Sweep, device: torch.device) -> dict[str, list[list]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ops, pair_group = list(COLLECTIVES), None
+    if world >= 4 and world % 2 == 0:
+        # Every rank takes part in creating every group (torch's rule for new_group).
+        groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        pair_group = groups[rank // 2]
+        ops.append(PAIRS_ALL_REDUCE)
     out: dict[str, list[list]] = {}
-    for op in COLLECTIVES:
+    for op in ops:
         rows = []
         for size in sweep.collective_sizes_bytes:
-            call = _collective_call(op, size, device)
+            call = _collective_call(op, size, device, pair_group)
             dist.barrier()
             call()  # discarded: connection set-up and buffer allocation
             _sync(device)
@@ -288,9 +318,7 @@ def _worker(rank: int, nproc: int, store_path: str, device_type: str, sweep_json
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=nproc, timeout=timedelta(seconds=120))
     try:
-        sweep = Sweep(**{k: tuple(tuple(v) if isinstance(v, list) else v for v in val)
-                         if isinstance(val, list) else val
-                         for k, val in json.loads(sweep_json).items()})
+        sweep = Sweep.from_json(sweep_json)
         result: dict[str, Any] = {"matmul": _measure_matmuls(sweep, dtype, device)}
         result["memory_bytes_per_s"] = _mean_over_ranks(
             _measure_copy_bytes_per_s(device, sweep.min_time_s), device)
@@ -313,11 +341,12 @@ def _worker(rank: int, nproc: int, store_path: str, device_type: str, sweep_json
 
 def _fit_collectives(raw: dict[str, list[list]], nproc: int) -> tuple[CollectiveFit, ...]:
     fits = []
-    for op in COLLECTIVES:
-        rows = raw.get(op)
+    for key in (*COLLECTIVES, PAIRS_ALL_REDUCE):
+        rows = raw.get(key)
         if not rows:
             continue
-        group = 2 if op == "send_recv" else nproc
+        op = "all_reduce" if key == PAIRS_ALL_REDUCE else key
+        group = 2 if key in ("send_recv", PAIRS_ALL_REDUCE) else nproc
         factor = bus_factor(op, group)
         fit = fit_linear_relative([factor * s for s, _ in rows], [t for _, t in rows])
         fits.append(CollectiveFit(
@@ -326,10 +355,6 @@ def _fit_collectives(raw: dict[str, list[list]], nproc: int) -> tuple[Collective
             samples=tuple((int(s), float(t)) for s, t in rows),
         ))
     return tuple(fits)
-
-
-def _sweep_json(sweep: Sweep) -> str:
-    return json.dumps({name: getattr(sweep, name) for name in Sweep.__slots__})
 
 
 def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = None,
@@ -363,7 +388,7 @@ def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = Non
         out_path = Path(tmp) / "result.json"
         mp.start_processes(
             _worker,
-            args=(nproc, str(Path(tmp) / "store"), device_type, _sweep_json(sweep), str(out_path)),
+            args=(nproc, str(Path(tmp) / "store"), device_type, sweep.to_json(), str(out_path)),
             nprocs=nproc, join=True, start_method="spawn",
         )
         if not out_path.exists():

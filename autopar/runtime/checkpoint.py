@@ -2,8 +2,8 @@
 
 Layout of a checkpoint directory::
 
-    DIR/step_4/            one complete checkpoint: DCP shards + .metadata, then COMPLETE (written last)
-    DIR/step_6.tmp/        a checkpoint being written (or left by a crash: ignored and replaced)
+    DIR/step_4/       a complete checkpoint: DCP shards + .metadata, then COMPLETE (written last)
+    DIR/step_6.tmp/   a checkpoint being written (or left by a crash: ignored and replaced)
 
 What is saved: the model and AdamW state of every model part this rank holds, through
 ``get_state_dict`` / ``set_state_dict`` with flattened optimizer keys (``state.<fqn>.exp_avg``,
@@ -110,7 +110,9 @@ def check_checkpoint_dir(
         )
     latest = latest_complete_step(root)
     if latest is None:
-        raise AutoparError(f"checkpoint dir {checkpoint_dir} holds no complete checkpoint to resume")
+        raise AutoparError(
+            f"checkpoint dir {checkpoint_dir} holds no complete checkpoint to resume"
+        )
     if latest > steps:
         raise AutoparError(
             f"the last checkpoint in {checkpoint_dir} is at step {latest}, past --steps {steps}; "
@@ -173,9 +175,10 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
-        # A crash may have left a partial write of this step (tmp, or a renamed dir without its
-        # marker): neither is a usable checkpoint, so start clean.
-        shutil.rmtree(tmp, ignore_errors=True)
+        # A crash may have left partial writes (tmp dirs, or this step renamed without its
+        # marker): none is a usable checkpoint, so start clean.
+        for stale in Path(checkpoint_dir).glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
     state, _ = _merged_state(model_parts, optimizers)

@@ -2,7 +2,8 @@
 
 The batch of step ``k`` depends only on ``(seed, k)`` and the batch shape, never on the split or on
 how many steps ran before, so a run resumed from a checkpoint sees exactly the data an
-uninterrupted run would have seen, and every split sees the same global batch.
+uninterrupted run would have seen, and every split sees the same global batch
+(``autopar.runtime.step.local_batch`` gives each data-parallel rank its rows).
 
 Each sequence is an arithmetic progression modulo the vocabulary, ``x[t] = (start + stride * t)
 mod V`` with a random start and a random stride in ``[1, MAX_STRIDE]``: a model can learn it from
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_STRIDE", "TokenBatch", "dp_shard", "synthetic_batch"]
+__all__ = ["MAX_STRIDE", "TokenBatch", "synthetic_batch"]
 
 # Largest stride of the synthetic progressions; small, so the task is learnable by a tiny model.
 MAX_STRIDE = 8
@@ -58,22 +59,3 @@ def synthetic_batch(*, seed: int, step: int, batch: int, seq_len: int, vocab: in
     positions = torch.arange(seq_len + 1).unsqueeze(0)
     seq = (start + stride * positions) % vocab
     return TokenBatch(tokens=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous())
-
-
-def dp_shard(batch: TokenBatch, dp_rank: int, dp: int) -> TokenBatch:
-    """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` trains on.
-
-    Args:
-        batch: the global batch; its size must be divisible by ``dp``.
-        dp_rank: this replica's index on the dp mesh axis.
-        dp: the data-parallel degree.
-
-    Returns:
-        Rows ``[dp_rank * b, (dp_rank + 1) * b)`` with ``b = batch / dp``.
-    """
-    rows = batch.tokens.shape[0]
-    if rows % dp:
-        raise ValueError(f"global batch {rows} is not divisible by dp={dp}")
-    per_rank = rows // dp
-    lo, hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
-    return TokenBatch(tokens=batch.tokens[lo:hi], labels=batch.labels[lo:hi])

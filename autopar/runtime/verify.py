@@ -32,6 +32,8 @@ __all__ = [
     "add_verify_arguments",
     "format_verification",
     "measure_plan",
+    "model_profile",
+    "predict",
     "verify_command",
     "verify_plan",
 ]
@@ -138,7 +140,6 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
     import torch
 
     from autopar.runtime.launch import launch, launch_spec_for
-    from autopar.runtime.run import model_profile
     from autopar.runtime.worker import WorkerArgs
 
     if warmup_steps < 0 or steps <= warmup_steps:
@@ -164,12 +165,35 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
                        losses=tuple(result.losses))
 
 
-def predict(plan: Any, model_text: str, cluster: Any) -> Any:
-    """``autopar.estimate`` of the plan on ``cluster`` (the model re-profiled from its text)."""
+def model_profile(model_text: str, dtype: str | None = None) -> Any:
+    """Build ``model_text`` on the meta device (as ``autopar run`` builds it) and profile it.
+
+    Args:
+        model_text: ``gpt:layers=...``, a zoo preset, a ``.py`` model file, an HF config JSON.
+        dtype: the dtype the profile counts bytes at (default: ``autopar.profile``'s, as
+            ``autopar plan`` uses).
+    """
     import autopar
-    from autopar.runtime.run import model_profile
+    from autopar.runtime.worker import build_model
+
+    model = build_model(model_text, device="meta")
+    return autopar.profile(model) if dtype is None else autopar.profile(model, dtype=dtype)
+
+
+def predict(plan: Any, model_text: str, cluster: Any) -> Any:
+    """``autopar.estimate`` of the plan on ``cluster`` (the model re-profiled from its text).
+
+    The model is profiled as ``autopar plan`` does, or else at the plan's training dtype, whichever
+    matches the plan's profile fingerprint.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model.
+    """
+    import autopar
 
     profile = model_profile(model_text)
+    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
+        profile = model_profile(model_text, plan.config.dtype)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model than {model_text} (profile fingerprints "

@@ -1,4 +1,4 @@
-"""The training process torchrun starts for ``autopar run``: ``python -m autopar.runtime.worker ARGS``.
+"""The training process of ``autopar run`` (``python -m autopar.runtime.worker ARGS``).
 
 ``ARGS`` is a JSON file the launcher wrote (``WorkerArgs``). Every rank builds the model from the
 run's seed on its real device, applies the plan, trains with AdamW at a constant learning rate on
@@ -119,7 +119,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(storage, self._release, key, nbytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             self._track(leaf)

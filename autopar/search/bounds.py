@@ -18,6 +18,7 @@ and the rank holding layer i needs at least static_i + min_r (f_min act_i(r) + t
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -26,11 +27,13 @@ from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable
 from autopar.search.ilp import cost_signature, layer_runs
+from autopar.search.ilp_ranks import big_run, edge_stages
 
 __all__ = [
     "TableSummary",
     "balanced_split",
     "ilp_key",
+    "integer_bottleneck_s",
     "memory_lower_bound",
     "summarize",
     "time_lower_bound",
@@ -107,8 +110,51 @@ def _min_in_flight(table: CostTable) -> float:
     )
 
 
-def time_lower_bound(table: CostTable, summary: TableSummary | None = None) -> float:
-    """A step time no split or recompute choice of this candidate can beat (seconds)."""
+def integer_bottleneck_s(table: CostTable) -> float:
+    """Least possible max_k R_k with whole blocks, for embedding + blocks + head profiles.
+
+    Rank k can take x blocks only if base_k + x t_b <= R, where base_k counts its edge layers
+    (at their fastest mode) and S / p point-to-point sends, t_b the block's fastest time; the
+    least R with sum_k x_k >= L (and every block-only stage non-empty) is found by raising R
+    through the ranks' next thresholds in order. 0 when the profile has another shape.
+    """
+    cfg = table.config
+    runs = layer_runs(table)
+    big = big_run(runs, len(table.layers))
+    if cfg.num_stages == 1 or big is None:
+        return 0.0
+    p, s = cfg.pp, cfg.num_stages
+    stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
+    edges = edge_stages(table, runs)
+    base = [(s // p) * (table.p2p_s if p > 1 else 0.0)] * p
+    for g, j in edges.items():
+        lay = table.layers[runs[g][0]]
+        base[stage_rank[j]] += min(lay.time_per_microbatch_s(r) for r in RECOMPUTE)
+    t_b = min(table.layers[runs[big][0]].time_per_microbatch_s(r) for r in RECOMPUTE)
+    need = [sum(1 for j in range(s) if stage_rank[j] == k and j not in edges.values())
+            for k in range(p)]  # fmt: skip
+    count = runs[big][1] - runs[big][0] + 1
+    level = max(base[k] + need[k] * t_b for k in range(p))
+    if t_b <= 0:
+        return level
+    held = [need[k] + int((level - base[k] - need[k] * t_b) / t_b + 1e-9) for k in range(p)]
+    heap = [(base[k] + (held[k] + 1) * t_b, k) for k in range(p)]
+    heapq.heapify(heap)
+    while sum(held) < count:
+        level, k = heapq.heappop(heap)
+        held[k] += 1
+        heapq.heappush(heap, (base[k] + (held[k] + 1) * t_b, k))
+    return level
+
+
+def time_lower_bound(
+    table: CostTable, summary: TableSummary | None = None, *, refined: bool = False
+) -> float:
+    """A step time no split or recompute choice of this candidate can beat (seconds).
+
+    ``refined`` adds the whole-block bottleneck (``integer_bottleneck_s``; slower, used on the
+    candidates that survive the cheap bound).
+    """
     summary = summary or summarize(table)
     cfg = table.config
     p, s = cfg.pp, cfg.num_stages
@@ -119,7 +165,12 @@ def time_lower_bound(table: CostTable, summary: TableSummary | None = None) -> f
         - summary.static_sum_bytes
     )
     total = _min_time_under_memory(summary.runs, _min_in_flight(table), budget) + s * p2p
-    pipeline = table.num_microbatches * max(total / p, summary.t_min_max_s + p2p)
+    # Pigeonhole: some rank holds ceil(L_g / p) layers of run g (and every rank S / p stages).
+    busiest = max(-(-count // p) * min(t) for count, t, _ in summary.runs)
+    bottleneck = max(total / p, busiest + (s // p) * p2p)
+    if refined:
+        bottleneck = max(bottleneck, integer_bottleneck_s(table))
+    pipeline = table.num_microbatches * bottleneck
     pipeline += bubble_coefficient(cfg.schedule, p, cfg.virtual_stages) * total
     if cfg.dp > 1:
         tail = max(table.dp_tail_s + summary.opt_sum_s / p, summary.exposed_sum_s / p)

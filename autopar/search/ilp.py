@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -208,7 +209,7 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
             _tighten(table, runs, stages, inflight, n, cap_gib)
         mt = _var(prob, f"transient[rank{k}]", 0)
         # [Constraint] transient: the rank's largest working set over the modes it uses
-        for g, (a, b) in enumerate(runs):
+        for g, (a, _b) in enumerate(runs):
             lay = table.layers[a]
             for r in R:
                 terms = [n[g, j, r] for j in stages if (g, j, r) in n]
@@ -232,7 +233,24 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
     return exprs
 
 
-def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt):
+def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
+    """Consecutive pairs of interchangeable ranks (same in-flight count, chunks and layer kinds).
+
+    Per-rank counting makes such ranks exact twins: permuting their assignments changes nothing,
+    so ordering their times removes the symmetry without losing any optimum.
+    """
+    cfg = table.config
+    classes: dict[tuple, list[int]] = {}
+    for k in range(cfg.pp):
+        flight = in_flight_microbatches(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
+        )
+        kinds = tuple(sorted({g for (g, j, _r) in n if slot_rank[j] == k}))
+        classes.setdefault((flight, slot_p2p[k], kinds), []).append(k)
+    return [(ks[i], ks[i + 1]) for ks in classes.values() for i in range(len(ks) - 1)]
+
+
+def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, twins=()):
     """assemble's step time: m Rmax + c sum_j T_j + max_k E_k (E: exposed DP + optimizer)."""
     cfg = table.config
     p2p = table.p2p_s if cfg.pp > 1 else 0.0
@@ -266,6 +284,12 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt):
             prob += tail >= d + opt, f"tail[rank{k}]"
         else:
             prob += tail >= opt, f"tail[rank{k}]"
+    # [Constraint] order: interchangeable ranks in non-increasing time (symmetry breaking)
+    for k, k2 in twins:
+        rank_t = [
+            pulp.lpSum(t for j, t in enumerate(stage_t) if slot_rank[j] == x) for x in (k, k2)
+        ]
+        prob += rank_t[0] >= rank_t[1], f"order[rank{k}][rank{k2}]"
     c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
     return table.num_microbatches * rmax + c * pulp.lpSum(stage_t) + tail
 
@@ -276,6 +300,7 @@ def build_ilp(
     capacity_bytes: float | None = None,
     objective: str = "time",
     aggregate: bool | None = None,
+    cutoff_s: float | None = None,
 ) -> IlpModel:
     """Build the ILP of one outer configuration.
 
@@ -286,6 +311,8 @@ def build_ilp(
         objective: "time" (step time under the memory cap) or "memory" (largest rank's memory).
         aggregate: count layers per pipeline rank instead of per stage (``ilp_ranks.py``;
             exact when ``rank_aggregable``); None: whenever it is exact.
+        cutoff_s: only splits faster than this are wanted (the planner's k-th best so far); the
+            solve then ends "infeasible" when the candidate cannot beat it.
 
     Returns:
         The IlpModel (see the module docstring for the formulation).
@@ -317,7 +344,12 @@ def build_ilp(
         for k, mem in enumerate(mems):
             # [Constraint] mem: each pipeline rank's peak fits the usable device memory
             prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
-        prob += _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt)
+        twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
+        step = _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt, twins)
+        if cutoff_s is not None:
+            # [Constraint] cutoff: beat the k-th best plan found so far
+            prob += step <= cutoff_s, "cutoff"
+        prob += step
     return IlpModel(
         problem=prob, table=table, runs=runs, count=n, objective=objective, per_rank=aggregate
     )
@@ -343,7 +375,9 @@ def _solver(options: SearchOptions):
         highs = pulp.HiGHS(threads=1, random_seed=0, **common)
         if highs.available():
             return highs
-    return pulp.PULP_CBC_CMD(threads=1, **common)
+    with warnings.catch_warnings():  # pulp 3.3 flags its bundled CBC as deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(threads=1, **common)
 
 
 def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
@@ -380,6 +414,20 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
     )
 
 
+def _plainest(layer: LayerCost, r: int) -> int:
+    """The first mode (none, selective, full) whose time and memory terms equal mode r's.
+
+    A layer without activations to drop (the embedding) costs the same under every mode; the
+    plan then says "none" rather than whichever mode the solver happened to pick.
+    """
+
+    def terms(x: int) -> tuple:
+        return (layer.time_per_microbatch_s(RECOMPUTE[x]), layer.act_bytes[x],
+                layer.transient_bytes[x])  # fmt: skip
+
+    return next(x for x in R if terms(x) == terms(r))
+
+
 def decode(
     model: IlpModel, solution: IlpSolution
 ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
@@ -400,7 +448,9 @@ def decode(
         for g in range(len(model.runs)):
             for r in R:
                 k = counts.get((g, j, r), 0)
-                recompute.extend([RECOMPUTE[r]] * k)
+                recompute.extend(
+                    [RECOMPUTE[_plainest(model.table.layers[model.runs[g][0]], r)]] * k
+                )
                 size += k
         stages.append((start, start + size - 1))
         start += size

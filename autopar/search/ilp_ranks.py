@@ -27,12 +27,18 @@ from autopar.config import RECOMPUTE
 from autopar.cost_model.pipeline import rank_of_stage
 from autopar.cost_model.tables import CostTable
 
-__all__ = ["add_rank_counts", "rank_aggregable", "stage_counts"]
+__all__ = [
+    "add_rank_counts",
+    "big_run",
+    "edge_stages",
+    "rank_aggregable",
+    "stage_counts",
+]
 
 R = range(len(RECOMPUTE))
 
 
-def _big_run(runs, n_layers: int) -> int | None:
+def big_run(runs, n_layers: int) -> int | None:
     """Index of the one run longer than a layer, when every other run is layer 0 or n-1."""
     big = [g for g, (a, b) in enumerate(runs) if b > a]
     others = [run for g, run in enumerate(runs) if g not in big]
@@ -43,13 +49,13 @@ def _big_run(runs, n_layers: int) -> int | None:
 
 def rank_aggregable(table: CostTable, runs) -> bool:
     """Whether per-rank counting is exact for this table (see the module docstring)."""
-    return table.config.num_stages == 1 or _big_run(runs, len(table.layers)) is not None
+    return table.config.num_stages == 1 or big_run(runs, len(table.layers)) is not None
 
 
-def _edges(table: CostTable, runs) -> dict[int, int]:
+def edge_stages(table: CostTable, runs) -> dict[int, int]:
     """Run index -> the one stage it must sit in (the first and last layers)."""
     s, n_layers = table.config.num_stages, len(table.layers)
-    big = _big_run(runs, n_layers)
+    big = big_run(runs, n_layers)
     return {g: (0 if a == 0 else s - 1) for g, (a, _b) in enumerate(runs) if g != big}
 
 
@@ -58,7 +64,7 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
     cfg = table.config
     s, p = cfg.num_stages, cfg.pp
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    edges = _edges(table, runs) if s > 1 else {}
+    edges = edge_stages(table, runs) if s > 1 else {}
     n: dict[tuple[int, int, int], pulp.LpVariable] = {}
     for g, (a, b) in enumerate(runs):
         ranks = [stage_rank[edges[g]]] if g in edges else range(p)
@@ -79,7 +85,7 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
         prob += total == b - a + 1, f"one_stage[{table.layers[a].name}]"
     # [Constraint] nonempty: a rank's stages without an edge layer hold at least one block each
     if s > 1:
-        big = _big_run(runs, len(table.layers))
+        big = big_run(runs, len(table.layers))
         covered = set(edges.values())
         for k in range(p):
             need = sum(1 for j in range(s) if stage_rank[j] == k and j not in covered)
@@ -96,8 +102,8 @@ def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, i
     if s == 1:
         return dict(counts)
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    edges = _edges(table, runs)
-    big = _big_run(runs, len(table.layers))
+    edges = edge_stages(table, runs)
+    big = big_run(runs, len(table.layers))
     out: dict[tuple[int, int, int], int] = {}
     for g, j in edges.items():
         for r in R:

@@ -87,28 +87,61 @@ def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions
     return table
 
 
-def _solve(table: CostTable, options: SearchOptions, time_limit_s: float) -> _Outcome:
-    """Best split of one candidate: balanced uniform recompute if provably optimal, else the ILP."""
-    lb = time_lower_bound(table)
-    best_uniform = None
+def _best_uniform(table: CostTable) -> _Outcome | None:
+    """The fastest fitting split among the most balanced ones with uniform recompute."""
+    best = None
     for mode in RECOMPUTE:
         split = balanced_split(table, mode)
         est = assemble(table, split, (mode,) * len(table.layers))
-        if est.fits and (best_uniform is None or est.step_time_s < best_uniform.step_s):
-            best_uniform = _Outcome(
-                split=split, recompute=(mode,) * len(table.layers), step_s=est.step_time_s
-            )
+        if est.fits and (best is None or est.step_time_s < best.step_s):
+            best = _Outcome(split=split, recompute=(mode,) * len(table.layers),
+                            step_s=est.step_time_s, optimal=False)  # fmt: skip
+    return best
+
+
+def _warm_bound(order: list[_Candidate], top_k: int, count: int = 32) -> float:
+    """The k-th best balanced-uniform step time among the first candidates (an upper bound on
+    the k-th best plan, so ILPs can be cut off before the search has its own incumbents)."""
+    steps = []
+    for cand in order:
+        if len(steps) >= count:
+            break
+        if cand.memory_lb_bytes <= cand.table.capacity_bytes:
+            outcome = _best_uniform(cand.table)
+            steps.append(outcome.step_s if outcome else float("inf"))
+    steps.sort()
+    return steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
+
+
+def _solve(
+    table: CostTable, options: SearchOptions, time_limit_s: float, cutoff_s: float | None = None
+) -> _Outcome:
+    """Best split of one candidate: balanced uniform recompute if provably optimal, else the ILP."""
+    lb = time_lower_bound(table, refined=True)
+    if cutoff_s is not None and lb >= cutoff_s:
+        return _Outcome()  # cannot enter the top k
+    best_uniform = _best_uniform(table)
     if best_uniform is not None and best_uniform.step_s <= lb * (1 + options.mip_gap):
-        return best_uniform
-    model = build_ilp(table)
+        return dataclasses.replace(best_uniform, optimal=True)  # meets the lower bound
+    from_uniform = best_uniform is not None and (cutoff_s is None or best_uniform.step_s < cutoff_s)
+    if from_uniform:
+        cutoff_s = best_uniform.step_s * (1 + 1e-9)
+    model = build_ilp(table, cutoff_s=cutoff_s)
     sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
-    if not sol.has_solution:
-        # A heuristic split that fits is still a plan (not proven) when the solver gave up.
-        if best_uniform is not None and sol.status != "infeasible":
+    if sol.status == "infeasible":
+        # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
+        # enter the top k (or fits nowhere).
+        return (
+            dataclasses.replace(best_uniform, used_ilp=True)
+            if from_uniform
+            else _Outcome(used_ilp=True)
+        )
+    if not sol.has_solution:  # the time limit stopped the solver before any solution
+        if best_uniform is not None:
             return dataclasses.replace(
                 best_uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True
             )
-        return _Outcome(used_ilp=True, time_limit_hit=sol.time_limit_hit)
+        return _Outcome(used_ilp=True, time_limit_hit=True)
     split, rec = decode(model, sol)
     step = assemble(table, split, rec).step_time_s
     out = _Outcome(
@@ -182,9 +215,12 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
     cache: dict[tuple, _Outcome] = {}
     order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
     total = len(order)
+    warm = _warm_bound(order, top_k)
     for pos, cand in enumerate(order):
         kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
-        if cand.time_lb_s >= kth:  # sorted by bound: no later candidate can enter the top k
+        if cand.time_lb_s >= min(
+            kth, warm
+        ):  # sorted by bound: no later candidate can enter the top k
             state.considered += total - pos
             state.pruned += total - pos
             break
@@ -205,8 +241,12 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
                 if remaining is None
                 else min(options.time_limit_s, max(remaining, 0.1))
             )
-            outcome = _solve(cand.table, options, limit)
-            cache[key] = outcome
+            cutoff = min(kth, warm)
+            outcome = _solve(cand.table, options, limit, cutoff if cutoff < float("inf") else None)
+            if not outcome.split:  # a cutoff or infeasibility: the candidate cannot enter
+                state.pruned += 1
+            else:
+                cache[key] = outcome
             state.ilps += outcome.used_ilp
             state.time_limit_hit |= outcome.time_limit_hit
         if outcome.split:

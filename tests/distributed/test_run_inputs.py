@@ -122,16 +122,43 @@ def test_dry_run_at_world_size_8() -> None:
     from autopar.models import build, num_params
 
     proc = _cli("gpt:layers=4,hidden=32,heads=4,vocab=64,seq_len=16", "--global-batch", "8",
-                "--steps", "1", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3",
+                "--steps", "1", "--dp", "4", "--pp", "2", "--zero", "3",
                 "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["world_size"] == 8
     sizes = report["per_rank_parameter_bytes"]
     assert len(sizes) == 8 and all(s > 0 for s in sizes)
-    # pp splits the layers, tp and FSDP (zero 3) shard every parameter exactly once: the ranks
-    # together hold each fp32 parameter once.
+    # pp splits the layers and FSDP (zero 3) shards every parameter over dp=4 (all dims here
+    # divide by 4): the ranks together hold each fp32 parameter exactly once.
     model = build("gpt", layers=4, hidden=32, heads=4, vocab=64, seq_len=16)
     assert sum(sizes) == 4 * num_params(model.autopar_spec)
     # Ranks 0-3 run stage 0, ranks 4-7 stage 1 (pp is the outermost mesh axis).
     assert report["per_rank_stages"] == [[0]] * 4 + [[1]] * 4
+
+
+@pytest.mark.timeout(60)
+def test_live_tensor_bytes_counts_storages_once() -> None:
+    import gc
+
+    import torch
+
+    from autopar.runtime.worker import LiveTensorBytes
+
+    mib = 1 << 20
+    tracker = LiveTensorBytes()
+    with tracker:
+        x = torch.zeros(mib, dtype=torch.uint8)
+        view = x.view(1024, 1024)  # a view shares the storage: not counted again
+        x.untyped_storage()  # a new Python handle of the same storage: not counted again
+        gc.collect()
+        assert tracker.current_bytes == mib
+        y = view * 2  # a new storage
+        assert tracker.current_bytes == 2 * mib
+        del x, view
+        gc.collect()
+        assert tracker.current_bytes == mib
+        del y
+        gc.collect()
+    assert tracker.current_bytes == 0
+    assert tracker.peak_bytes == 2 * mib

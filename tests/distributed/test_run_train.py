@@ -71,9 +71,19 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def dp2_run() -> dict:
-    """The same 4 steps under dp=2 (DDP)."""
-    return run_json(MODEL, *BATCH, "--steps", "4", "--dp", "2")
+def dp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same 4 steps under dp=2 (DDP), run from a plan file (it brings split and batch)."""
+    import autopar
+    from autopar.cost_model.hardware import Cluster
+    from autopar.runtime.worker import build_model
+    from autopar.search.planner import plan_from_config
+
+    profile = autopar.profile(build_model(MODEL, device="meta"))
+    config = autopar.ParallelConfig(dp=2, global_batch=4, dtype="fp32")
+    plan = plan_from_config(profile, Cluster.preset("cpu", gpus_per_node=2), config, model=MODEL)
+    path = tmp_path_factory.mktemp("plans") / "dp2.json"
+    path.write_text(plan.to_json())
+    return run_json(str(path), "--steps", "4")
 
 
 @pytest.mark.timeout(180)
@@ -106,10 +116,15 @@ def test_resume_same_and_different_split(tmp_path: Path, reference: dict) -> Non
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
     other = tmp_path / "ckpt_copy"
     shutil.copytree(ckpt, other)
+    # What a crash mid-write leaves (a tmp dir; a renamed dir without its marker) is skipped.
+    (ckpt / "step_3.tmp").mkdir()
+    (ckpt / "step_4").mkdir()
     # Same split: continue up to step 4 (--steps is the total): exactly the uninterrupted losses.
     resumed = run_json(MODEL, *BATCH, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume")
     assert resumed["steps"] == [3, 4]
     assert resumed["losses"] == reference["losses"][2:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2", "step_4"]
+    assert (ckpt / "step_4" / "COMPLETE").is_file()
     # Different split (one process -> tp=2): DCP reshards; equal up to fp32 rounding.
     resharded = run_json(MODEL, *BATCH, "--steps", "4", "--tp", "2", "--checkpoint-dir",
                          str(other), "--resume")

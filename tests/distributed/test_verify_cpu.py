@@ -22,7 +22,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _plan_file(tmp_path) -> str:
-    from autopar.runtime.run import model_profile
+    from autopar.runtime.verify import model_profile
     from autopar.search.planner import plan_from_config
 
     cluster = Cluster.preset("cpu", gpus_per_node=2)

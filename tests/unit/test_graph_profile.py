@@ -49,12 +49,20 @@ def test_num_params_and_layers(kind: str, layers: int, heads: int, tie: bool) ->
 
 def test_zoo_tp_structure() -> None:
     s, h = 16, 64
-    prof = autopar.profile(build("llama", layers=2, hidden=h, heads=4, kv_heads=2, vocab=80,
-                                 seq_len=s))
+    prof = autopar.profile(
+        build("llama", layers=2, hidden=h, heads=4, kv_heads=2, vocab=80, seq_len=s)
+    )
     tp = prof.layers[2].tp
-    assert tp.colwise == tuple(f"layers.1.{n}" for n in ("attention.wq", "attention.wk",
-                                                         "attention.wv", "feed_forward.w1",
-                                                         "feed_forward.w3"))
+    assert tp.colwise == tuple(
+        f"layers.1.{n}"
+        for n in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "feed_forward.w1",
+            "feed_forward.w3",
+        )
+    )
     assert tp.rowwise == ("layers.1.attention.wo", "layers.1.feed_forward.w2")
     assert tp.sequence == ("layers.1.attention_norm", "layers.1.ffn_norm")
     assert (tp.heads, tp.kv_heads) == (4, 2)
@@ -119,8 +127,13 @@ def test_user_model_with_example_inputs() -> None:
 
     prof = autopar.profile(model, example_inputs=example_inputs)
     assert prof.seq_len == 12 and prof.num_blocks == 3
-    assert [layer.name for layer in prof.layers] == ["embedding", "blocks.0", "blocks.1",
-                                                     "blocks.2", "head"]
+    assert [layer.name for layer in prof.layers] == [
+        "embedding",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "head",
+    ]
     assert prof.layers[-1].module_fqns == ("ln", "proj")
     assert prof.num_params == _count(model)
     assert (prof.hidden, prof.vocab, prof.heads, prof.ffn_hidden) == (32, 50, 0, 128)
@@ -147,8 +160,7 @@ class _BoxedOutput(_UserModel):
 def test_untraceable_graph_falls_back_to_modules() -> None:
     prof = autopar.profile(_BoxedOutput(), seq_len=8)
     assert prof.trace_method == "modules"
-    assert [layer.kind for layer in prof.layers] == ["embedding", "block", "block", "block",
-                                                     "head"]
+    assert [layer.kind for layer in prof.layers] == ["embedding", "block", "block", "block", "head"]
     assert prof.layers[1].fwd_flops == 2 * 2 * 8 * 32 * 128
 
 
@@ -166,8 +178,8 @@ def test_value_dependent_model_raises_trace_error() -> None:
         autopar.profile(model, seq_len=8)
     message = str(info.value)
     assert "\n" not in message
-    assert "'blocks.0'" in message and "_ValueDependent" in message  # the module and its class
-    assert "item()" in message  # the construct that failed
+    assert "'blocks.1'" in message and "_ValueDependent" in message  # the module and its class
+    assert "Tensor.item() cannot be called on meta tensors" in message  # the construct
     assert "shapes, not values" in message  # what to do
 
 
@@ -181,3 +193,73 @@ def test_bad_arguments() -> None:
 def test_layer_record_round_trip() -> None:
     layer = autopar.profile(_UserModel(), seq_len=8).layers[1]
     assert LayerProfile.from_dict(layer.to_dict()) == layer
+
+
+def test_model_without_blocks_is_one_layer() -> None:
+    model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 40))
+    prof = autopar.profile(model, seq_len=8)
+    assert [(layer.name, layer.kind) for layer in prof.layers] == [("model", "other")]
+    assert prof.num_params == _count(model) and prof.num_blocks == 0
+    assert prof.layers[0].fwd_flops == 2 * 8 * 16 * 40
+
+
+def test_real_weights_profile_like_meta() -> None:
+    shape = {"layers": 1, "hidden": 32, "heads": 2, "vocab": 40, "seq_len": 8}
+    real = build("gpt", device="cpu", seed=0, **shape)
+    assert (
+        autopar.profile(real).fingerprint() == autopar.profile(build("gpt", **shape)).fingerprint()
+    )
+    assert all(p.device.type == "cpu" for p in real.parameters())
+
+
+MODEL_FILE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size):
+    return torch.randn(batch_size, 10, 4)
+
+
+def loss_fn(output, batch):
+    return ((output - batch.sum(-1, keepdim=True)) ** 2).mean()
+"""
+
+
+def test_model_file_with_loss_fn(tmp_path) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(MODEL_FILE)
+    loaded = autopar.load_model_file(path)
+    model = loaded.instantiate()
+    prof = autopar.profile(model, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn)
+    assert prof.seq_len == 10 and prof.num_blocks == 2
+    assert prof.num_params == _count(model)
+    assert prof.layers[1].fwd_flops == 2 * 2 * 10 * 16 * 64

@@ -153,3 +153,24 @@ def test_base_preset_follows_the_device_name():
     assert cluster.device.peak_bf16_flops * cluster.device.matmul_efficiency_max == pytest.approx(
         600e12)
     assert cluster.device.memory_bytes == Cluster.preset("h200").device.memory_bytes
+
+
+def test_collective_lookup_by_group_size():
+    from dataclasses import replace
+
+    cal = _calibration(4)
+    pair = replace(cal.collectives[0], group_size=2, latency_s=1e-4)
+    cal = replace(cal, collectives=(*cal.collectives, pair))
+    assert cal.collective("all_reduce").group_size == 4
+    assert cal.collective("all_reduce", 2).latency_s == 1e-4
+    with pytest.raises(KeyError):
+        cal.collective("all_to_all")
+
+
+def test_sweep_json_round_trip():
+    from autopar.runtime.calibrate import Sweep
+
+    for device_type in ("cpu", "cuda"):
+        for quick in (False, True):
+            sweep = Sweep.default(device_type, quick=quick)
+            assert Sweep.from_json(sweep.to_json()) == sweep

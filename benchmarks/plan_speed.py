@@ -1,0 +1,57 @@
+"""Planning time of ``autopar.plan`` on large models and clusters (figures in docs/search.md).
+
+Run: ``python benchmarks/plan_speed.py`` (add ``--quick`` for the first case only). Profiling
+the model (tracing on the meta device) is timed separately from the search itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import autopar
+
+# (zoo preset, GPU preset, GPUs, global batch, goal seconds)
+CASES = [
+    ("gpt3-175b", "a100-80g", 1024, 1536, 5.0),
+    ("llama3-70b", "h100", 512, 1024, None),
+    ("llama3-405b", "h100", 16384, 2048, 30.0),
+]
+
+
+def run_case(preset: str, gpu: str, gpus: int, global_batch: int) -> dict:
+    """Profile the model, then plan it; timings and the search counters."""
+    t0 = time.perf_counter()
+    profile = autopar.profile(autopar.models.build(preset))
+    profile_s = time.perf_counter() - t0
+    cluster = autopar.Cluster.preset(gpu, nodes=gpus // 8)
+    t0 = time.perf_counter()
+    plan = autopar.plan(profile, cluster, global_batch=global_batch, model=preset)
+    plan_s = time.perf_counter() - t0
+    return {"profile_s": profile_s, "plan_s": plan_s, "plan": plan}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="only the first case")
+    args = parser.parse_args()
+    header = (
+        f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'goal':>5s} "
+        f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s}  best split (MFU)"
+    )
+    print(header)
+    print("-" * len(header))
+    for preset, gpu, gpus, batch, goal in CASES[:1] if args.quick else CASES:
+        r = run_case(preset, gpu, gpus, batch)
+        info, est = r["plan"].search, r["plan"].estimate
+        print(
+            f"{preset:12s} {f'{gpus} x {gpu}':16s} {batch:5d} {r['plan_s']:7.2f} "
+            f"{goal or '-':>5} {info.candidates_considered:6d} {info.candidates_pruned:6d} "
+            f"{info.ilps_solved:4d} {info.optimal and not info.time_limit_hit!s:>6s}  "
+            f"{r['plan'].config.describe()} ({100 * est.mfu:.1f}%)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

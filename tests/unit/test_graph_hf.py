@@ -1,0 +1,86 @@
+"""HF configs profile on the meta device without download (torch.export path)."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+
+pytest.importorskip("transformers")
+from autopar.models import from_hf_config
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 96,
+    "max_position_embeddings": 32,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "vocab_size": 96,
+    "n_positions": 32,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def test_hf_llama() -> None:
+    model = from_hf_config(LLAMA)
+    prof = autopar.profile(model)
+    assert prof.num_params == model.num_parameters()
+    assert prof.trace_method == "export" and prof.name == "llama"
+    assert (prof.hidden, prof.heads, prof.kv_heads, prof.ffn_hidden, prof.vocab) == (
+        64,
+        4,
+        2,
+        128,
+        96,
+    )
+    assert [layer.name for layer in prof.layers] == [
+        "embedding",
+        "model.layers.0",
+        "model.layers.1",
+        "head",
+    ]
+    assert prof.layers[-1].module_fqns == ("model.norm", "lm_head")
+    block = prof.layers[1]
+    s, h = 32, 64
+    # q, o: 2 s h^2; k, v: 2 s h (h/2) (2 of 4 heads); SwiGLU 3 x 2 s h f; attention 4 s^2 h.
+    assert block.fwd_flops == pytest.approx(
+        4 * s * h * h + 2 * s * h * h + 6 * s * h * 128 + 4 * s * s * h, rel=0.01
+    )
+    assert block.tp.colwise == tuple(
+        f"model.layers.0.{n}"
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    )
+    assert block.tp.rowwise == ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")
+    assert prof.layers[2].repeat_of == "model.layers.0"
+    assert prof.layers[0].tp.vocab_parallel == ("model.embed_tokens",)
+
+
+def test_hf_gpt2() -> None:
+    model = from_hf_config(GPT2)
+    prof = autopar.profile(model)
+    assert prof.num_params == model.num_parameters()
+    assert prof.trace_method == "export" and prof.tied_embeddings
+    assert prof.num_blocks == 2 and prof.ffn_hidden == 4 * 64
+    block = prof.layers[1]
+    s, h = 32, 64
+    assert block.fwd_flops == pytest.approx(24 * s * h * h + 4 * s * s * h, rel=0.01)
+    # Conv1D and the fused c_attn are not torch ParallelStyle targets: no TP split, replicated.
+    assert block.tp.colwise == () and block.tp.rowwise == () and block.tp.heads == 4
+    assert block.saved_bytes_replicated == block.saved_bytes
+    assert prof.layers[-1].fwd_flops == pytest.approx(2 * s * h * 96, rel=0.01)

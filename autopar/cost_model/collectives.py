@@ -2,29 +2,39 @@
 
 Keys are ``"kind@axis"`` with the functional-collective kinds that
 ``autopar.runtime.count_collectives(fn, mesh)`` reports (``all_reduce``,
-``all_gather_into_tensor``, ``reduce_scatter_tensor``). Counts follow the runtime's torch calls
-(autopar/runtime/tensor_parallel.py and data_parallel.py), per micro-batch unless stated:
+``all_gather_into_tensor``, ``reduce_scatter_tensor``). These counts were measured on the runtime
+(tests/distributed/test_runtime_collectives.py compares them call for call, GPT and Llama,
+pp = 1 and pp = 2). Per micro-batch unless stated; R = row-parallel linears of a block (wo, w2),
+P = parents of its column-parallel linears (attention, feed_forward):
 
 tp, without sequence parallelism:
-- block: forward one all-reduce per row-parallel linear (wo, w2); backward one all-reduce per
-  parent of column-parallel linears (attention, feed_forward: their replicated input's gradient);
-  full recompute repeats the forward ones.
+- block: forward one all-reduce per row-parallel output (R); backward one all-reduce per parent
+  (P: the gradient of its replicated input). Full recompute re-runs the forward except the last
+  row-parallel linear (R - 1): the non-reentrant checkpoint stops after the last activation
+  backward needs, and nothing saves the block's last projection.
 - embedding (vocab-parallel): one all-reduce forward.
-- head (column-parallel, replicated output): one logits all-gather forward, one input-gradient
+- head (column-parallel, replicated output): the logits all-gather forward, the input-gradient
   all-reduce backward.
 tp, with sequence parallelism:
-- block: forward one all-gather per colwise parent and one reduce-scatter per row-parallel
-  linear; backward the mirror image (reduce-scatter per parent, all-gather per row-parallel);
-  full recompute repeats the forward ones. The first block's input cut adds one backward
-  all-gather; the head all-gathers the sequence and the logits forward and reduce-scatters the
-  input gradient backward.
-dp (FSDP2, zero >= 1; one unit per block plus the stage root if it owns parameters):
-- zero 3: per micro-batch an all-gather in forward for every unit and again in backward for the
-  blocks (the root stays unsharded after forward), one reduce-scatter per unit.
-- zero 1: one all-gather per unit per step, one reduce-scatter per unit per step.
-- zero 2: one all-gather per unit per step, one reduce-scatter per unit per micro-batch.
-Not listed: DDP's and replicate()'s gradient reduction (the C++ reducer is not visible to the
-counter), pipeline send/recv, and the small all-reduces of a parameter-norm or loss report.
+- block: forward one all-gather per parent and one reduce-scatter per row-parallel linear;
+  backward the mirror image. Full recompute re-runs the P all-gathers and R - 1 reduce-scatters.
+  The model's first block cuts its input to the sequence shard: one all-gather in backward.
+- embedding: one all-reduce forward. Head: all-gathers the sequence and the logits forward,
+  reduce-scatters the input gradient backward.
+dp, per step, U = FSDP2 / replicate() units of the rank: one per block plus each stage module's
+root if it holds parameters (pp == 1: one root holding the embedding and the head):
+- zero 0 with replicate() (tp > 1 or pp > 1): U all-reduces. DDP (tp == pp == 1) reduces in its
+  C++ reducer, which the counter does not see: nothing listed.
+- zero 1: U all-gathers, U reduce-scatters.
+- zero 2: U all-gathers, U * m reduce-scatters (pp == 1); U with pp > 1 (the schedule syncs
+  gradients only in the last micro-batch).
+- zero 3: pp == 1: 2 U m all-gathers (forward and backward, the root too), U m reduce-scatters;
+  pp > 1: U (m + 1) all-gathers (every forward, and the first backward: the schedule keeps
+  parameters unsharded after a backward until the last one), U reduce-scatters.
+Schedules with several stages per rank (interleaved, V-shaped) with zero >= 1 are not listed:
+torch's schedule runtime inserts its own unshard/reshard actions there (measured 1.75-2x the
+single-stage all-gathers), so ``expected_collectives`` raises ValueError for them.
+Not listed either: pipeline send/recv and the loss report's all-reduce of one float.
 """
 
 from __future__ import annotations
@@ -39,31 +49,27 @@ from autopar.graph.types import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["expected_collectives"]
+__all__ = ["expected_collectives", "fsdp_units", "multi_stage_fsdp", "stage_split"]
 
 AR, AG, RS = "all_reduce@tp", "all_gather_into_tensor@tp", "reduce_scatter_tensor@tp"
-DP_AG, DP_RS = "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
+DP_AR, DP_AG, DP_RS = "all_reduce@dp", "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
 
 
-def _block_tp(layer: LayerProfile, sp: bool, full: bool) -> Counter[str]:
+def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> Counter[str]:
     rowwise = len(layer.tp.rowwise)
     parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
     if not (rowwise and parents):
         return Counter()
+    rerun = rowwise - 1 if full else 0  # the last row-parallel output is not recomputed
     if not sp:
-        fwd = Counter({AR: rowwise})
-        return fwd + Counter({AR: parents}) + (fwd if full else Counter())
-    fwd = Counter({AG: parents, RS: rowwise})
-    bwd = Counter({RS: parents, AG: rowwise})
-    return fwd + bwd + (fwd if full else Counter())
+        return Counter({AR: rowwise + parents + rerun})
+    ag = parents + rowwise + (parents if full else 0) + (1 if first_block else 0)
+    return Counter({AG: ag, RS: rowwise + parents + rerun})
 
 
 def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool) -> Counter[str]:
     if layer.kind == "block":
-        counts = _block_tp(layer, sp, recompute == "full")
-        if sp and first_block and counts:
-            counts[AG] += 1
-        return counts
+        return _block_tp(layer, sp, recompute == "full", first_block)
     if not layer.tp.vocab_parallel:
         return Counter()
     if layer.kind == "embedding":
@@ -73,7 +79,14 @@ def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool) 
     return Counter()
 
 
-def _split(profile: ModelProfile, plan_or_config):
+def stage_split(
+    profile: ModelProfile, plan_or_config: ParallelConfig | Plan
+) -> tuple[ParallelConfig, tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """(config, stage layer ranges, per-layer recompute) of a Plan, or of a bare config.
+
+    A bare config gets stages balanced by FLOPs (``partition.balanced_partition``) and its
+    ``recompute`` on every layer.
+    """
     if isinstance(plan_or_config, ParallelConfig):
         from autopar.cost_model.partition import balanced_partition
 
@@ -81,9 +94,37 @@ def _split(profile: ModelProfile, plan_or_config):
         n = profile.num_layers
         costs = [layer.fwd_flops + layer.bwd_flops for layer in profile.layers]
         split = ((0, n - 1),) if cfg.num_stages == 1 else balanced_partition(costs, cfg.num_stages)
-        return cfg, split, (cfg.recompute,) * n
+        return cfg, tuple(split), (cfg.recompute,) * n
     plan = plan_or_config
     return plan.config, tuple(s.layers for s in plan.stages), plan.recompute_per_layer
+
+
+def fsdp_units(profile: ModelProfile, first: int, last: int) -> int:
+    """FSDP2 / replicate() units of one stage module: its blocks plus a root with parameters."""
+    layers = profile.layers[first : last + 1]
+    blocks = sum(1 for layer in layers if layer.kind == "block")
+    root = any(layer.kind != "block" and layer.num_params for layer in layers)
+    return blocks + int(root)
+
+
+def multi_stage_fsdp(cfg: ParallelConfig) -> bool:
+    """Whether torch's multi-stage schedule runtime decides the FSDP2 gathers (see above)."""
+    return cfg.num_stages > cfg.pp and cfg.dp > 1 and cfg.zero >= 1
+
+
+def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
+    m, u = cfg.num_microbatches, units
+    if cfg.dp == 1 or u == 0:
+        return Counter()
+    if cfg.zero == 0:
+        replicate = cfg.tp > 1 or cfg.pp > 1
+        return Counter({DP_AR: u}) if replicate else Counter()
+    if cfg.zero == 3:
+        if cfg.pp == 1:
+            return Counter({DP_AG: 2 * u * m, DP_RS: u * m})
+        return Counter({DP_AG: u * (m + 1), DP_RS: u})
+    scatters = u * m if (cfg.zero == 2 and cfg.pp == 1) else u
+    return Counter({DP_AG: u, DP_RS: scatters})
 
 
 def expected_collectives(
@@ -99,29 +140,27 @@ def expected_collectives(
 
     Returns:
         ``"kind@axis"`` -> count, sorted; kinds with no call omitted.
+
+    Raises:
+        ValueError: several stages per rank with zero >= 1 and dp > 1 (counts set by torch's
+            schedule runtime, see the module docstring).
     """
-    cfg, split, recompute = _split(profile, plan_or_config)
+    cfg, split, recompute = stage_split(profile, plan_or_config)
+    if multi_stage_fsdp(cfg):
+        raise ValueError(
+            f"FSDP collective counts of schedule {cfg.schedule} with {cfg.virtual_stages} stages "
+            "per rank are decided by torch's schedule runtime; use one stage per rank to count them"
+        )
     m = cfg.num_microbatches
     first_block = next((i for i, x in enumerate(profile.layers) if x.kind == "block"), -1)
     counts: Counter[str] = Counter()
     for j, (a, b) in enumerate(split):
         if rank_of_stage(cfg.schedule, cfg.pp, j) != pp_rank:
             continue
-        layers = range(a, b + 1)
         if cfg.tp > 1:
-            for i in layers:
+            for i in range(a, b + 1):
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,
                                             recompute[i], i == first_block).items():
                     counts[key] += value * m
-        if cfg.dp > 1 and cfg.zero >= 1:
-            blocks = sum(1 for i in layers if profile.layers[i].kind == "block")
-            root = int(any(profile.layers[i].kind != "block" and profile.layers[i].num_params
-                           for i in layers))
-            units = blocks + root
-            if cfg.zero == 3:
-                counts[DP_AG] += m * (units + blocks)
-                counts[DP_RS] += m * units
-            else:
-                counts[DP_AG] += units
-                counts[DP_RS] += units * (m if cfg.zero == 2 else 1)
+        counts.update(_dp_counts(cfg, fsdp_units(profile, a, b)))
     return dict(sorted((k, v) for k, v in counts.items() if v))

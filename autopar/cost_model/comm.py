@@ -28,9 +28,12 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 
 __all__ = [
+    "COLLECTIVE_KINDS",
+    "Collective",
     "GroupLink",
     "all_gather_s",
     "all_reduce_s",
+    "collective_s",
     "group_link",
     "p2p_s",
     "parallel_groups",
@@ -112,8 +115,54 @@ def all_reduce_s(link: GroupLink, size_bytes: float) -> float:
     return reduce_scatter_s(link, size_bytes) + all_gather_s(link, size_bytes)
 
 
+def collective_s(link: GroupLink, kind: str, size_bytes: float) -> float:
+    """Time of one collective by its functional-collective kind (see ``COLLECTIVE_KINDS``)."""
+    try:
+        fn = COLLECTIVE_KINDS[kind]
+    except KeyError:
+        known = sorted(COLLECTIVE_KINDS)
+        raise ValueError(f"unknown collective kind {kind!r}; known: {known}") from None
+    return fn(link, size_bytes)
+
+
 def p2p_s(link: GroupLink, size_bytes: float) -> float:
     """One point-to-point send between neighbouring ranks of the group: S/B + alpha."""
     if link.size <= 1 or size_bytes <= 0:
         return 0.0
     return size_bytes / link.bandwidth_bytes_per_s + link.latency_s
+
+
+# Functional-collective kind (what autopar.runtime.count_collectives reports) -> time function.
+COLLECTIVE_KINDS = {
+    "all_reduce": all_reduce_s,
+    "all_gather_into_tensor": all_gather_s,
+    "reduce_scatter_tensor": reduce_scatter_s,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """Calls of one collective kind on one mesh axis, all of one size: what a cost term charges.
+
+    Attributes:
+        kind: the functional-collective kind (``all_reduce``, ``all_gather_into_tensor``,
+            ``reduce_scatter_tensor``), as ``autopar.runtime.count_collectives`` names it.
+        axis: the mesh axis: "tp" or "dp".
+        size_bytes: bytes of one call (NCCL convention: the whole buffer).
+        calls: number of calls (fractional for DDP's buckets, see layer_costs).
+        per: "microbatch" (repeated every micro-batch) or "step" (once per optimizer step).
+        phase: "forward" or "backward": the compute it can overlap.
+        counted: whether ``count_collectives`` sees it (DDP's C++ reducer: not).
+    """
+
+    kind: str
+    axis: str
+    size_bytes: float
+    calls: float
+    per: str
+    phase: str
+    counted: bool = True
+
+    def time_s(self, link: GroupLink) -> float:
+        """All the calls on ``link``: calls * collective_s(kind, size)."""
+        return self.calls * collective_s(link, self.kind, self.size_bytes)

@@ -5,43 +5,70 @@ Units: seconds and bytes, per micro-batch and per rank unless named per step. Th
 activations), ``comm`` (alpha-beta ring collectives on the tp, dp and pp groups); ``assemble``
 turns the table into an Estimate with the formula the search's ILP shares.
 
-Communication charged (the runtime's collectives, autopar/runtime/data_parallel.py):
-- tp: per block, one all-reduce (or reduce-scatter + all-gather with sequence parallelism, equal
-  in the ring model) per row-parallel output in forward and as many in backward
-  (``allreduce_fwd_bytes`` of the profile); full recompute repeats the forward ones. The
-  vocab-parallel embedding all-reduces its output; the head all-gathers the logits forward and
-  all-reduces its input gradient backward (the counts are in collectives.py).
-- dp, zero 0 (DDP / replicate()): one all-reduce of the fp32 gradients per step, overlapped with
-  the last micro-batch's backward except the last bucket.
-- dp, zero 1: parameter all-gather once per step (prefetched under the first micro-batch's
-  forward: only the excess is charged), gradient reduce-scatter once per step.
-- dp, zero 2: the same all-gather, gradient reduce-scatter every micro-batch.
-- dp, zero 3: per micro-batch, parameter all-gather in forward and in backward plus the gradient
-  reduce-scatter; each overlaps its layer's compute (prefetch), only the excess is exposed.
+Communication charged: exactly the collectives the runtime issues (collectives.py lists their
+counts; ``charged_collectives`` returns the counts these terms charge, tested equal), each timed
+by ``comm.collective_s`` at the size of its call:
+- tp, per micro-batch (``tp_collectives``): per block, the row-parallel outputs forward and the
+  column-parallel parents' input gradients backward, each one all-reduce of a [b, s, h]
+  activation (with sequence parallelism an all-gather and a reduce-scatter of the same size in
+  their place, plus one all-gather in the first block's backward); full recompute re-runs the
+  forward ones but the block's last. The vocab-parallel embedding all-reduces its output; the
+  head all-gathers the logits ([b, s, V]) forward and all-reduces its input gradient backward
+  (with SP: all-gathers the sequence forward, reduce-scatters the input gradient backward).
+- dp (``dp_collectives``), per FSDP2 / replicate() unit: a block, or a stage root holding the
+  non-block layers (at pp == 1 one root holds the embedding and the head: it is charged on the
+  first of them). All-gathers move the unit's parameters at the training dtype, reduce-scatters
+  and all-reduces its gradients in fp32 (the reduce dtype).
+  zero 0, DDP: bucketed all-reduce (25 MiB buckets) in the last micro-batch's backward;
+  replicate(): one all-reduce per unit per step.
+  zero 1: one all-gather per step (prefetched under the first micro-batch's forward: only the
+  excess is charged), one reduce-scatter per step.
+  zero 2: the same all-gather, one reduce-scatter per micro-batch (pp == 1) or per step (pp > 1).
+  zero 3, pp == 1: per micro-batch an all-gather in forward and in backward and a reduce-scatter;
+  pp > 1: an all-gather per micro-batch forward, one in the first backward, one reduce-scatter
+  per step. Collectives in a micro-batch overlap that micro-batch's compute of the layer
+  (prefetch): only the excess is exposed. Per-step backward reductions overlap the last
+  micro-batch's backward (assemble.py), except the last one (``dp_tail_s``).
 - pp: per micro-batch and stage, the activation send forward and the gradient send backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.cost_model import comm, memory
+from autopar.cost_model.collectives import stage_split
 from autopar.cost_model.compute import layer_compute
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.cost_model.pipeline import rank_of_stage
+from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "tp_sharded"]
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+__all__ = [
+    "OPTIMIZER_TRAFFIC_BYTES_PER_PARAM",
+    "build_cost_table",
+    "charged_collectives",
+    "dp_collectives",
+    "fsdp_unit_params",
+    "tp_collectives",
+    "tp_sharded",
+]
 
 MIB = 2**20
 # torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
 DDP_BUCKET_BYTES = 25 * MIB  # DistributedDataParallel's default bucket_cap_mb
-
+AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost))
+_NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
 
 
 def tp_sharded(layer: LayerProfile) -> bool:
@@ -49,58 +76,150 @@ def tp_sharded(layer: LayerProfile) -> bool:
     return bool(layer.tp.colwise or layer.tp.rowwise or layer.tp.vocab_parallel)
 
 
-def _tp_comm(profile, layer: LayerProfile, link: comm.GroupLink, cfg, ratio: float) -> tuple:
-    """Exposed tp collective time per micro-batch by recompute mode (collectives.py's list)."""
-    if link.size <= 1:
-        return (0.0, 0.0, 0.0)
+def _tp(kind: str, size: float, calls: int, phase: str) -> tuple[comm.Collective, ...]:
+    if calls <= 0:
+        return ()
+    return (comm.Collective(kind=kind, axis="tp", size_bytes=size, calls=calls,
+                            per="microbatch", phase=phase),)
+
+
+def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
+    rowwise = len(layer.tp.rowwise)
+    parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
+    if not (rowwise and parents):
+        return _NO_TP
+    if cfg.sequence_parallel:
+        base = (_tp(AG, act_bytes, parents, "forward") + _tp(RS, act_bytes, rowwise, "forward")
+                + _tp(RS, act_bytes, parents, "backward")
+                + _tp(AG, act_bytes, rowwise + int(first_block), "backward"))
+        rerun = _tp(AG, act_bytes, parents, "backward") + _tp(RS, act_bytes, rowwise - 1,
+                                                              "backward")
+    else:
+        base = _tp(AR, act_bytes, rowwise, "forward") + _tp(AR, act_bytes, parents, "backward")
+        rerun = _tp(AR, act_bytes, rowwise - 1, "backward")
+    # Full recompute re-runs the forward's collectives except the block's last row-parallel one.
+    return base, base, base + rerun
+
+
+def tp_collectives(
+    profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
+    *, first_block: bool,
+) -> tuple[tuple[comm.Collective, ...], ...]:
+    """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
+
+    Args:
+        profile: the model profile (seq_len, hidden, vocab).
+        layer: the layer.
+        cfg: the config (tp, micro_batch, dtype, sequence_parallel).
+        dtype_ratio: training-dtype bytes over profile-dtype bytes.
+        first_block: whether this is the model's first block (its SP input cut).
+
+    Returns:
+        One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
+    """
+    if cfg.tp <= 1:
+        return _NO_TP
     b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
     hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
     if layer.kind == "block":
-        count = len(layer.tp.rowwise)
-        total = layer.tp.allreduce_fwd_bytes * b * ratio
-        if count == 0 or total <= 0:
-            return (0.0, 0.0, 0.0)
-        # forward: one all-reduce (SP: all-gather + reduce-scatter) per row-parallel output;
-        # backward as many for the column-parallel inputs; full recompute repeats the forward.
-        fwd = count * comm.all_reduce_s(link, total / count)
-        return (2 * fwd, 2 * fwd, 3 * fwd)
+        rowwise = max(1, len(layer.tp.rowwise))
+        act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
+        return _block_tp(layer, cfg, act, first_block)
     if not layer.tp.vocab_parallel:
-        return (0.0, 0.0, 0.0)
-    if layer.kind == "embedding":  # vocab-parallel lookup: one all-reduce forward
-        fwd = comm.all_reduce_s(link, layer.tp.allreduce_fwd_bytes * b * ratio or hidden_bytes)
-        return (fwd, fwd, 2 * fwd)
-    if layer.kind == "head":  # logits all-gather forward, input-gradient all-reduce backward
-        fwd = comm.all_gather_s(link, profile.seq_len * profile.vocab * b * w)
+        return _NO_TP
+    if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
+        calls = _tp(AR, layer.tp.allreduce_fwd_bytes * b * dtype_ratio or hidden_bytes, 1,
+                    "forward")
+    elif layer.kind == "head":  # logits all-gathered over the vocabulary
+        logits = _tp(AG, profile.seq_len * profile.vocab * b * w, 1, "forward")
         if cfg.sequence_parallel:
-            fwd += comm.all_gather_s(link, hidden_bytes)
-        bwd = comm.all_reduce_s(link, hidden_bytes) / (2 if cfg.sequence_parallel else 1)
-        return (fwd + bwd, fwd + bwd, 2 * fwd + bwd)
-    return (0.0, 0.0, 0.0)
+            calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
+                     + _tp(RS, hidden_bytes, 1, "backward"))
+        else:
+            calls = logits + _tp(AR, hidden_bytes, 1, "backward")
+    else:
+        return _NO_TP
+    return calls, calls, calls  # the runtime recomputes blocks only
 
 
-def _dp_terms(cfg, link, params_tp: float, fwd_s: float, bwd_s: float, eta: float):
-    """(dp_step_s, dp_microbatch_s, tail_s) of one layer (see the module docstring)."""
+def _params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
+    return layer.num_params / (cfg.tp if tp_sharded(layer) else 1)
+
+
+def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:
+    """Parameters (per rank, after tp) of the FSDP2 / replicate() unit charged on layer ``index``.
+
+    A block is its own unit. With one stage the root module holds every non-block layer: one
+    unit, charged on the first non-block layer with parameters (0 on the others). With several
+    stages each stage module's root holds its non-block layer (embedding or head).
+    """
+    layer = profile.layers[index]
+    if layer.kind == "block" or cfg.num_stages > 1:
+        return _params_tp(layer, cfg)
+    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+    if not roots or index != roots[0]:
+        return 0.0
+    return sum(_params_tp(profile.layers[k], cfg) for k in roots)
+
+
+def _dp(kind: str, size: float, per: str, phase: str, calls: float = 1) -> comm.Collective:
+    return comm.Collective(kind=kind, axis="dp", size_bytes=size, calls=calls, per=per,
+                           phase=phase, counted=True)
+
+
+def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collective, ...]:
+    """The dp collectives of one FSDP2 / replicate() / DDP unit (module docstring).
+
+    Args:
+        cfg: the config (dp, zero, pp, dtype, micro-batches).
+        unit_params: the unit's parameters on this rank (``fsdp_unit_params``).
+    """
     kind = memory.dp_mechanism(cfg)
-    if kind == "none":
-        return 0.0, 0.0, 0.0
-    w = DTYPE_BYTES[cfg.dtype]
-    grads = memory.GRAD_BYTES * params_tp
-    if kind in ("ddp", "replicate"):
-        tail = comm.all_reduce_s(link, min(grads, DDP_BUCKET_BYTES))
-        return comm.all_reduce_s(link, grads), 0.0, tail
-    gather = comm.all_gather_s(link, w * params_tp)
-    scatter = comm.reduce_scatter_s(link, grads)
-    # Zero 1/2 gather once per step, prefetched under the first micro-batch's forward.
-    step_gather = max(0.0, gather - eta * fwd_s)
-    if cfg.zero == 1:
-        return step_gather + scatter, 0.0, scatter
-    if cfg.zero == 2:
-        return step_gather, max(0.0, scatter - eta * bwd_s), scatter
-    per_mb = max(0.0, gather - eta * fwd_s) + max(0.0, gather + scatter - eta * bwd_s)
-    return 0.0, per_mb, scatter
+    if kind == "none" or unit_params <= 0:
+        return ()
+    grads = memory.GRAD_BYTES * unit_params  # reduced in fp32
+    if kind == "ddp":  # 25 MiB buckets; DDP's C++ reducer is invisible to count_collectives
+        return (dataclasses.replace(_dp(AR, DDP_BUCKET_BYTES, "step", "backward",
+                                        grads / DDP_BUCKET_BYTES), counted=False),)
+    if kind == "replicate":
+        return (_dp(AR, grads, "step", "backward"),)
+    gather_bytes = DTYPE_BYTES[cfg.dtype] * unit_params
+    if cfg.zero in (1, 2):
+        per_mb = cfg.zero == 2 and cfg.pp == 1
+        return (_dp(AG, gather_bytes, "step", "forward"),
+                _dp(RS, grads, "microbatch" if per_mb else "step", "backward"))
+    if cfg.pp == 1:
+        return (_dp(AG, gather_bytes, "microbatch", "forward"),
+                _dp(AG, gather_bytes, "microbatch", "backward"),
+                _dp(RS, grads, "microbatch", "backward"))
+    return (_dp(AG, gather_bytes, "microbatch", "forward"),
+            _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
 
 
-def _layer_cost(profile, cluster, cfg, layer, groups, ratio) -> tuple[LayerCost, float]:
+def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float):
+    """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
+
+    Collectives within a micro-batch overlap that micro-batch's forward or backward of the layer
+    (prefetch, eta of it usable): only the excess is exposed. A per-step forward all-gather
+    (zero 1/2) is prefetched under the first micro-batch's forward; per-step backward
+    reductions are left to assemble (overlap with the last backward); the tail is the layer's
+    last reduction, which nothing hides.
+    """
+    total = Counter()
+    tail = 0.0
+    for c in colls:
+        total[(c.per, c.phase)] += c.time_s(link)
+        if c.phase == "backward" and c.kind != AG:
+            size = min(c.size_bytes, c.calls * c.size_bytes)
+            tail = max(tail, comm.collective_s(link, c.kind, size))
+    window = {"forward": eta * fwd_s, "backward": eta * bwd_s}
+    mb = sum(max(0.0, total[("microbatch", ph)] - window[ph]) for ph in window)
+    step = max(0.0, total[("step", "forward")] - window["forward"]) + total[("step", "backward")]
+    return step, mb, tail
+
+
+def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tuple:
+    layer = profile.layers[index]
     b, tp = cfg.micro_batch, cfg.tp
     w = DTYPE_BYTES[cfg.dtype]
     shard = tp if tp_sharded(layer) else 1
@@ -121,15 +240,21 @@ def _layer_cost(profile, cluster, cfg, layer, groups, ratio) -> tuple[LayerCost,
     params_tp = layer.num_params / shard
     state = memory.layer_state(params_tp, cfg)
     eta = cluster.dp_overlap_efficiency
-    step_s, mb_s, tail_s = _dp_terms(cfg, groups["dp"], params_tp, times.forward_s,
-                                     times.backward_s, eta)
+    dp_calls = dp_collectives(cfg, fsdp_unit_params(profile, cfg, index))
+    step_s, mb_s, tail_s = _dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
+                                     eta)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
+    gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
+    # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
+    # into the (static) fp32 accumulator.
+    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) else w + memory.GRAD_BYTES
+    tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block)
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
     transient = memory.transient_bytes(
         act,
         output_bytes=layer.output_bytes * b * ratio / sp_div,
-        gathered_param_bytes=2 * w * params_tp if fsdp and cfg.zero == 3 else 0.0,
-        unsharded_grad_bytes=(w + memory.GRAD_BYTES) * params_tp if fsdp else 0.0,
+        gathered_param_bytes=2 * w * params_tp if gathered else 0.0,
+        unsharded_grad_bytes=fresh_grad * params_tp if fsdp else 0.0,
         logits_bytes=(w + memory.FP32_LOGPROB_BYTES) * head_elems * b,
     )
     cost = LayerCost(
@@ -140,7 +265,7 @@ def _layer_cost(profile, cluster, cfg, layer, groups, ratio) -> tuple[LayerCost,
         compute_s=times.forward_s + times.backward_s,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
-        tp_comm_s=_tp_comm(profile, layer, groups["tp"], cfg, ratio),
+        tp_comm_s=tuple(sum(c.time_s(groups["tp"]) for c in calls) for calls in tp_calls),
         dp_microbatch_s=mb_s,
         act_bytes=act,
         transient_bytes=transient,
@@ -170,16 +295,19 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     groups = comm.parallel_groups(cluster, cfg)
     layers: list[LayerCost] = []
     tails: list[float] = []
-    done: dict[str, tuple[dict, float]] = {}
-    for layer in profile.layers:
-        # A repeated block shares its first occurrence's measurements, hence its costs.
-        if layer.repeat_of in done and layer.kind == "block":
-            fields, tail = done[layer.repeat_of]
+    done: dict[tuple[str, bool], tuple[dict, float]] = {}
+    first = _first_block(profile)
+    for index, layer in enumerate(profile.layers):
+        # A repeated block shares its first occurrence's measurements, hence its costs (the
+        # model's first block apart: with SP it cuts its input, one more collective).
+        key = (layer.repeat_of or layer.name, index == first)
+        if key in done and layer.kind == "block":
+            fields, tail = done[key]
             fields["name"] = layer.name
             cost = LayerCost(**fields)
         else:
-            cost, tail = _layer_cost(profile, cluster, cfg, layer, groups, ratio)
-            done[layer.name] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
+            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first)
+            done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
         layers.append(cost)
         tails.append(tail)
     p2p = 0.0
@@ -201,3 +329,40 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         tokens_per_step=cfg.global_batch * profile.seq_len,
         world_size=cfg.world_size,
     )
+
+
+def _first_block(profile: ModelProfile) -> int:
+    return next((i for i, x in enumerate(profile.layers) if x.kind == "block"), -1)
+
+
+def charged_collectives(
+    profile: ModelProfile, plan_or_config: ParallelConfig | Plan, pp_rank: int = 0
+) -> dict[str, int]:
+    """The collectives per step that this module's time terms charge one rank of ``pp_rank``.
+
+    The same records (``tp_collectives``, ``dp_collectives``) that ``build_cost_table`` times,
+    counted like ``collectives.expected_collectives`` (``"kind@axis"`` -> calls per step; DDP's
+    buckets, which the runtime's counter cannot see, left out), so tests can hold the two equal.
+
+    Args:
+        profile: the model profile.
+        plan_or_config: a Plan (its split and recompute) or a ParallelConfig (split as in
+            ``collectives.stage_split``).
+        pp_rank: the pipeline rank whose stages to count.
+    """
+    cfg, split, recompute = stage_split(profile, plan_or_config)
+    ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
+    m, first = cfg.num_microbatches, _first_block(profile)
+    counts: Counter[str] = Counter()
+    for j, (a, b) in enumerate(split):
+        if rank_of_stage(cfg.schedule, cfg.pp, j) != pp_rank:
+            continue
+        for i in range(a, b + 1):
+            tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first)
+            calls = tp[RECOMPUTE_INDEX[recompute[i]]] + dp_collectives(
+                cfg, fsdp_unit_params(profile, cfg, i))
+            for c in calls:
+                if c.counted:
+                    counts[f"{c.kind}@{c.axis}"] += round(c.calls) * (
+                        m if c.per == "microbatch" else 1)
+    return dict(sorted((k, v) for k, v in counts.items() if v))

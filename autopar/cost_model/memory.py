@@ -1,26 +1,33 @@
 """Memory terms: model state (parameters, gradients, optimizer) and activations, per rank.
 
 Units: bytes. Model state follows what the runtime does for each ``zero`` stage
-(autopar/runtime/data_parallel.py), per parameter held by the rank after tensor-parallel and
-pipeline sharding (w = bytes of the training dtype, 2 for bf16/fp16, 4 for fp32; n = dp):
+(autopar/runtime/data_parallel.py, docs/runtime.md), per parameter held by the rank after
+tensor-parallel and pipeline sharding (w = bytes of the training dtype, 2 for bf16/fp16, 4 for
+fp32; n = dp; m = micro-batches per step):
 
-| mechanism (dp > 1 unless noted)           | parameters        | gradients         | optimizer |
-|-------------------------------------------|-------------------|-------------------|-----------|
-| none (dp == 1): autocast, fp32 params     | 4 + w'            | 4                 | 8         |
-| zero 0, pp == 1: DDP                      | 4 + w'            | 4 + 4 (buckets)   | 8         |
-| zero 0, pp > 1: replicate()               | 4 + w'            | 4                 | 8         |
-| zero 1: fully_shard(reshard=False)        | 4/n + w           | w + 4/n           | 8/n       |
-| zero 2: fully_shard(reshard=False)        | 4/n + w           | 4/n               | 8/n       |
-| zero 3: fully_shard                       | 4/n               | 4/n               | 8/n       |
+| mechanism (dp > 1 unless noted)             | parameters  | gradients          | optimizer |
+|---------------------------------------------|-------------|--------------------|-----------|
+| none (dp == 1): autocast, fp32 params       | 4 + w'      | 4                  | 8         |
+| zero 0, tp == pp == 1: DDP                  | 4 + w'      | 4 + 4 (buckets)    | 8         |
+| zero 0, tp > 1 or pp > 1: replicate()       | 4 + w'      | 4                  | 8         |
+| zero 1: fully_shard(reshard=False)          | 4/n + w     | 4/n + 4 a          | 8/n       |
+| zero 2: same, pp == 1                       | 4/n + w     | 4/n                | 8/n       |
+| zero 2: pp > 1                              | 4/n + w     | 4/n + 4 a          | 8/n       |
+| zero 3: fully_shard, pp == 1                | 4/n         | 4/n                | 8/n       |
+| zero 3: pp > 1                              | 4/n + w u   | 4/n + 4 a          | 8/n       |
 
-w' = w when the training dtype is 16-bit (the bf16 copies autocast makes and the backward keeps;
+w' = w when the training dtype is 16-bit (the 16-bit copies autocast makes and the backward keeps;
 FSDP2's unsharded compute copy for replicate()) and 0 for fp32. Optimizer = fp32 Adam moments
-(8 bytes); the fp32 master weights are the 4-byte stored parameters. Zero 1 keeps unsharded
-gradients across micro-batches (``set_requires_gradient_sync(False)``), zero 2 reduce-scatters
-every micro-batch; both keep parameters unsharded from the first forward to the last backward.
-Zero 3 gathers one layer at a time: its unsharded parameters (current + prefetched layer) and
-unsharded gradients are transient. The ZeRO paper's accounting (16 bytes per parameter, sharded
-by stage, reference/formulas.md section 3) is ``zero_paper_model_state_bytes``.
+(8 bytes); the fp32 master weights are the 4-byte stored parameters. a = 1 when unsharded
+gradients accumulate across micro-batches (m > 1 and zero 1, or m > 1 and pp > 1: the pipeline
+schedule syncs gradients only in its last micro-batch), else 0; FSDP2 accumulates them in its
+reduce dtype, fp32 (``FSDPParam.to_accumulated_grad_if_needed``), hence 4 bytes whatever w.
+u = 1 when zero 3 runs under a pipeline schedule with m > 1 (parameters stay unsharded from the
+first backward to the last), else 0. Zero 1 and 2 keep parameters unsharded from the first
+forward to the last backward. Zero 3 at pp == 1 gathers one unit at a time: its unsharded
+parameters (current + prefetched) and unsharded gradients are transient. The ZeRO paper's
+accounting (16 bytes per parameter, sharded by stage, reference/formulas.md section 3) is
+``zero_paper_model_state_bytes``; stage 3 at pp == 1 equals it.
 
 Activations per micro-batch come from the profile's ``saved_bytes`` (bytes per sample at the
 profile dtype), rescaled to the training dtype, sharded by tp except ``saved_bytes_replicated``
@@ -42,6 +49,8 @@ __all__ = [
     "activation_bytes",
     "buffers_bytes",
     "dp_mechanism",
+    "fsdp_accumulates_grads",
+    "fsdp_keeps_params_unsharded",
     "layer_state",
     "transient_bytes",
     "zero_paper_model_state_bytes",
@@ -97,12 +106,26 @@ class LayerState:
 
 
 def dp_mechanism(config: ParallelConfig) -> str:
-    """none | ddp | replicate | fsdp, as the runtime picks it (a no-op when dp == 1)."""
+    """none | ddp | replicate | fsdp, as the runtime picks it (``data_parallel.dp_kind``)."""
     if config.dp == 1:
         return "none"
     if config.zero == 0:
-        return "ddp" if config.pp == 1 else "replicate"
+        return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"
     return "fsdp"
+
+
+def fsdp_accumulates_grads(config: ParallelConfig) -> bool:
+    """Whether FSDP2 keeps unsharded fp32 gradients across micro-batches (see the table)."""
+    if dp_mechanism(config) != "fsdp" or config.num_microbatches == 1:
+        return False
+    return config.zero == 1 or config.pp > 1
+
+
+def fsdp_keeps_params_unsharded(config: ParallelConfig) -> bool:
+    """Whether FSDP2 holds unsharded parameters through the step (zero 1/2; zero 3 under pp)."""
+    if dp_mechanism(config) != "fsdp":
+        return False
+    return config.zero in (1, 2) or (config.pp > 1 and config.num_microbatches > 1)
 
 
 def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
@@ -120,11 +143,11 @@ def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
             local_params=p,
         )
     sharded = p / n
-    unsharded_params = w * p if config.zero in (1, 2) else 0.0
-    unsharded_grads = w * p if config.zero == 1 else 0.0
+    unsharded_params = w * p if fsdp_keeps_params_unsharded(config) else 0.0
+    accumulated_grads = GRAD_BYTES * p if fsdp_accumulates_grads(config) else 0.0
     return LayerState(
         param_bytes=MASTER_BYTES * sharded + unsharded_params,
-        grad_bytes=GRAD_BYTES * sharded + unsharded_grads,
+        grad_bytes=GRAD_BYTES * sharded + accumulated_grads,
         optimizer_bytes=ADAM_BYTES * sharded,
         local_params=sharded,
     )

@@ -144,11 +144,13 @@ class GpuKernelMode(TorchFunctionMode):
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in names})
         q, k, v = bound["query"], bound["key"], bound["value"]
+        if q.dim() < 3:  # no heads dimension: not the transformer case, run as traced
+            return func(*args, **kwargs)
         mask = bound.get("attn_mask")
         self._on_call(
             AttentionCall(
                 fwd_flops=sdpa_fwd_flops(q.shape, k.shape, v.shape),
-                heads=int(q.shape[-3]) if q.dim() >= 3 else 1,
+                heads=int(q.shape[-3]),
                 kv_heads=int(k.shape[-3]) if k.dim() >= 3 else 1,
             )
         )

@@ -208,7 +208,24 @@ def _init_process_group(args: WorkerArgs) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout_s))
+    timeout = timedelta(seconds=args.pg_timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return device
+    # NOTE: torchrun's agent keeps one TCPStore for all restarts of the group, and the workers'
+    # keys carry no attempt prefix: after a restart a rank can read a dead peer's gloo address
+    # from the previous attempt ("Connection refused"). Prefix the store with the restart count.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world_size = int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout,
+    )
+    store = dist.PrefixStore(f"autopar/attempt_{attempt}", client)
+    dist.init_process_group(
+        backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+        timeout=timeout,
+    )
     return device
 
 

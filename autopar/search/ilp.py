@@ -16,7 +16,7 @@ interchangeable inside a stage (assemble only sums them and takes a max), so the
     (count)     sum_r n[g][j][r] = Q[g][j] - Q[g][j-1]            (Q non-decreasing in j)
     (order)     Q[g][j] >= L_g f[g][j];  Q[g+1][j] <= L_{g+1} f[g][j]   (stages are contiguous)
     (nonempty)  sum_g (Q[g][j] - Q[g][j-1]) >= 1
-    (transient) sum_{j on k} n[g][j][r] <= L_g u[g][k][r];  Mt_k >= transient_g(r) u[g][k][r]
+    (transient) sum_{j on k} n[g][j][r] <= M u[g][k][r];  Mt_k >= transient_g(r) u[g][k][r]
     (mem)       static_k + inflight_k act_k + Mt_k + buffers <= capacity       (GiB inside the ILP)
     (bottleneck) Rmax >= R_k = sum_{j on k} (sum_{g,r} t_g(r) n[g][j][r] + p2p)
     (tail)      D_k >= dp_tail; D_k >= sum (dp_step - eta backward);  E >= D_k + optimizer_k
@@ -24,6 +24,13 @@ interchangeable inside a stage (assemble only sums them and takes a max), so the
 
 With every run of length 1 this is the per-layer binary assignment z[i][j][r]. A layer i can only
 sit in stages max(0, i - (n - S)) .. min(i, S - 1), which fixes most Q outside that window.
+
+Strength. Counts are bounded by what fits a rank's memory (count (static + inflight act) <=
+capacity - buffers), which also gives the transient constraints a small M. For embedding +
+blocks + head profiles, ``ilp_ranks.py`` counts the blocks per pipeline rank instead of per stage
+(exact, and free of the symmetry between a rank's chunks); interchangeable ranks (same in-flight
+count, chunks and layer kinds) are ordered by time, (order) R_k >= R_k'. An optional cutoff
+(step <= the planner's k-th best) lets a candidate that cannot compete end as infeasible fast.
 """
 
 from __future__ import annotations
@@ -395,6 +402,8 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
         pulp.LpSolutionIntegerFeasible: "feasible",
         pulp.LpSolutionInfeasible: "infeasible",
     }.get(sol, "not-solved")
+    if status == "not-solved" and prob.status == pulp.LpStatusInfeasible:
+        status = "infeasible"  # CBC reports a proven infeasibility with no sol_status
     highs = getattr(prob, "solverModel", None)
     limit_hit = False
     gap = 0.0 if status == "optimal" else 1.0

@@ -33,7 +33,8 @@ from autopar.search.bounds import (
     summarize,
     time_lower_bound,
 )
-from autopar.search.ilp import build_ilp, decode, solve_ilp
+from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
+from autopar.search.infeasible import infeasible_error
 from autopar.search.layout import tp_layout
 from autopar.search.options import SearchOptions
 from autopar.search.space import enumerate_candidates
@@ -93,7 +94,8 @@ def _best_uniform(table: CostTable) -> _Outcome | None:
     for mode in RECOMPUTE:
         split = balanced_split(table, mode)
         est = assemble(table, split, (mode,) * len(table.layers))
-        if est.fits and (best is None or est.step_time_s < best.step_s):
+        room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
+        if est.memory_per_gpu_bytes <= room and (best is None or est.step_time_s < best.step_s):
             best = _Outcome(split=split, recompute=(mode,) * len(table.layers),
                             step_s=est.step_time_s, optimal=False)  # fmt: skip
     return best
@@ -218,9 +220,8 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
     warm = _warm_bound(order, top_k)
     for pos, cand in enumerate(order):
         kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
-        if cand.time_lb_s >= min(
-            kth, warm
-        ):  # sorted by bound: no later candidate can enter the top k
+        # Sorted by bound: once it cannot beat the k-th best, no later candidate can either.
+        if cand.time_lb_s >= min(kth, warm):
             state.considered += total - pos
             state.pruned += total - pos
             break
@@ -294,41 +295,18 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
     )
 
 
-def _closest(cands: list[_Candidate], options: SearchOptions, deadline) -> tuple[float, str]:
-    """Smallest largest-rank memory any candidate reaches (memory ILPs, best bound first)."""
-    best_mem, best_desc = float("inf"), ""
-    for cand in sorted(cands, key=lambda c: (c.memory_lb_bytes, c.index)):
-        if cand.memory_lb_bytes >= best_mem:
-            break
-        if deadline is not None and time.monotonic() > deadline and best_desc:
-            break
-        model = build_ilp(cand.table, objective="memory")
-        sol = solve_ilp(model, options)
-        if not sol.has_solution:
-            continue
-        split, rec = decode(model, sol)
-        mem = assemble(cand.table, split, rec).memory_per_gpu_bytes
-        if mem < best_mem:
-            sizes = "/".join(str(b - a + 1) for a, b in split)
-            modes = sorted(set(rec), key=RECOMPUTE.index)
-            best_mem = mem
-            best_desc = (
-                f"{cand.table.config.describe()} with stages of {sizes} layers and "
-                f"recompute {'+'.join(modes)}"
-            )
-    return best_mem, best_desc
-
-
-def _infeasible(profile, cluster, cands, options, deadline, global_batch) -> InfeasiblePlanError:
-    cap = min((c.table.capacity_bytes for c in cands), default=cluster.usable_memory_bytes)
-    mem, desc = _closest(cands, options, deadline)
-    return InfeasiblePlanError(
-        f"no split of {profile.name or 'the model'} ({profile.num_params / 1e9:.2f}B params) "
-        f"fits {cap / GIB:.1f} GiB usable per GPU on {cluster.num_gpus} GPUs at global batch "
-        f"{global_batch}; the closest, {desc}, needs {mem / GIB:.1f} GiB per GPU: use more GPUs, "
-        "GPUs with more memory, or a smaller micro-batch",
-        min_memory_bytes=mem,
-        closest=desc,
+def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
+    """The plan's search record; with a time limit hit, the gap bounds the whole search."""
+    gap = outcome.gap
+    if state.time_limit_hit and state.remaining_lb_s < step_s:
+        gap = max(gap, (step_s - max(state.remaining_lb_s, 0.0)) / step_s)
+    return SearchInfo(
+        candidates_considered=state.considered,
+        candidates_pruned=state.pruned,
+        ilps_solved=state.ilps,
+        optimal=outcome.optimal,
+        mip_gap=gap,
+        time_limit_hit=state.time_limit_hit,
     )
 
 
@@ -390,32 +368,10 @@ def plan(
             "allow more time (time_budget_s / --time-budget) or narrow the search options"
         )
     if not state.best:
-        raise _infeasible(profile, cluster, cands, options, deadline, global_batch)
-    plans = []
-    for step, _, outcome, cand in state.best:
-        gap = outcome.gap
-        if state.time_limit_hit and state.remaining_lb_s < step:
-            gap = max(gap, (step - max(state.remaining_lb_s, 0.0)) / step)
-        info = SearchInfo(
-            candidates_considered=state.considered,
-            candidates_pruned=state.pruned,
-            ilps_solved=state.ilps,
-            optimal=outcome.optimal,
-            mip_gap=gap,
-            time_limit_hit=state.time_limit_hit,
-        )
-        plans.append(
-            _make_plan(
-                profile,
-                cluster,
-                cand.table.config,
-                outcome.split,
-                outcome.recompute,
-                info,
-                model,
-                options,
-            )
-        )
+        raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
+    plans = [_make_plan(profile, cluster, cand.table.config, outcome.split, outcome.recompute,
+                        _info(state, outcome, step), model, options)
+             for step, _, outcome, cand in state.best]  # fmt: skip
     return plans[0] if top_k == 1 else plans
 
 

@@ -1,32 +1,150 @@
-"""expected_collectives counts, per the runtime's torch calls (see collectives.py)."""
+"""The collectives the cost model's time terms charge equal expected_collectives, call for call.
+
+``expected_collectives`` is checked against the running runtime in
+tests/distributed/test_runtime_collectives.py; here ``layer_costs.charged_collectives`` (the
+records ``build_cost_table`` times) must give the same counts over a grid of configurations, and
+the table's time terms must be exactly those records timed, so time and count cannot drift.
+"""
 
 from __future__ import annotations
 
-from autopar.config import ParallelConfig
-from autopar.cost_model.collectives import expected_collectives
+import dataclasses
+import itertools
+
+import pytest
+
+from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
+from autopar.cost_model import comm
+from autopar.cost_model.collectives import expected_collectives, multi_stage_fsdp
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import (
+    build_cost_table,
+    charged_collectives,
+    dp_collectives,
+    fsdp_unit_params,
+    tp_collectives,
+)
 from tests.fixtures.profiles import analytic_transformer_profile
 
-PROFILE = analytic_transformer_profile(4, 64, 4, 256, 32)
+PROFILE = analytic_transformer_profile(4, 64, 4, 256, 32)  # layers: embedding, 4 blocks, head
 
 
-def test_tp_counts_without_and_with_sp():
-    plain = expected_collectives(PROFILE, ParallelConfig(tp=2, global_batch=2))
-    # per micro-batch: 4 blocks x (2 fwd + 2 bwd) + embedding 1 + head 1 all-reduces
-    assert plain == {"all_gather_into_tensor@tp": 2, "all_reduce@tp": 36}
-    sp = expected_collectives(PROFILE, ParallelConfig(tp=2, global_batch=2,
-                                                      sequence_parallel=True))
-    assert sp["reduce_scatter_tensor@tp"] == 2 * (4 * 4 + 1)
-    assert sp["all_gather_into_tensor@tp"] == 2 * (4 * 4 + 1 + 2)
-    full = expected_collectives(PROFILE, ParallelConfig(tp=2, global_batch=2, recompute="full"))
-    assert full["all_reduce@tp"] == 36 + 2 * 4 * 2
+def _cfg(**kw) -> ParallelConfig:
+    return ParallelConfig(**{"global_batch": 2 * kw.get("dp", 1), **kw})
 
 
-def test_fsdp_counts_by_zero_stage():
-    cfg = dict(dp=2, global_batch=4)  # m = 2 micro-batches, 4 block units + root
-    assert expected_collectives(PROFILE, ParallelConfig(zero=3, **cfg)) == {
-        "all_gather_into_tensor@dp": 2 * (5 + 4), "reduce_scatter_tensor@dp": 2 * 5}
-    assert expected_collectives(PROFILE, ParallelConfig(zero=2, **cfg)) == {
-        "all_gather_into_tensor@dp": 5, "reduce_scatter_tensor@dp": 10}
-    assert expected_collectives(PROFILE, ParallelConfig(zero=1, **cfg)) == {
-        "all_gather_into_tensor@dp": 5, "reduce_scatter_tensor@dp": 5}
-    assert expected_collectives(PROFILE, ParallelConfig(zero=0, **cfg)) == {}
+def test_tp_counts_match_the_measured_runtime():
+    # docs/runtime.md, measured: no SP n_mb (4L + 2 + F) all-reduces and n_mb logits gathers.
+    plain = expected_collectives(PROFILE, _cfg(tp=2))
+    assert plain == {"all_gather_into_tensor@tp": 2, "all_reduce@tp": 2 * (4 * 4 + 2)}
+    full = expected_collectives(PROFILE, _cfg(tp=2, recompute="full"))
+    assert full["all_reduce@tp"] == 2 * (4 * 4 + 2 + 4)  # w2's all-reduce is not re-run
+    assert expected_collectives(PROFILE, _cfg(tp=2, recompute="selective")) == plain
+    # SP: n_mb (4L + 3 + 2F) all-gathers, n_mb (4L + 1 + F) reduce-scatters, n_mb all-reduces.
+    sp = expected_collectives(PROFILE, _cfg(tp=2, sequence_parallel=True, recompute="full"))
+    assert sp == {"all_gather_into_tensor@tp": 2 * (16 + 3 + 8), "all_reduce@tp": 2,
+                  "reduce_scatter_tensor@tp": 2 * (16 + 1 + 4)}
+
+
+def test_fsdp_counts_by_zero_stage_and_pipeline():
+    u, m = 5, 2  # 4 block units + the root (embedding and head)
+    got = {z: expected_collectives(PROFILE, _cfg(dp=2, zero=z)) for z in (0, 1, 2, 3)}
+    assert got[0] == {}  # DDP: its C++ reducer is not a counted collective
+    assert got[1] == {"all_gather_into_tensor@dp": u, "reduce_scatter_tensor@dp": u}
+    assert got[2] == {"all_gather_into_tensor@dp": u, "reduce_scatter_tensor@dp": u * m}
+    assert got[3] == {"all_gather_into_tensor@dp": 2 * u * m, "reduce_scatter_tensor@dp": u * m}
+    assert expected_collectives(PROFILE, _cfg(dp=2, tp=2, zero=0))["all_reduce@dp"] == u
+    # pp = 2, m = 4 (measured on 4 processes): stage roots are separate units.
+    pp = dict(dp=2, pp=2, global_batch=8, schedule="1f1b")
+    stage0 = expected_collectives(PROFILE, ParallelConfig(zero=3, **pp), pp_rank=0)
+    assert stage0 == {"all_gather_into_tensor@dp": 3 * 5, "reduce_scatter_tensor@dp": 3}
+    z2 = expected_collectives(PROFILE, ParallelConfig(zero=2, **pp), pp_rank=1)
+    assert z2 == {"all_gather_into_tensor@dp": 3, "reduce_scatter_tensor@dp": 3}
+    with pytest.raises(ValueError, match="torch's schedule runtime"):
+        expected_collectives(PROFILE, ParallelConfig(
+            zero=1, dp=2, pp=2, global_batch=8, schedule="interleaved-1f1b", virtual_stages=2))
+
+
+GRID = [
+    dict(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=rec,
+         global_batch=dp * m, schedule=sched, dtype=dtype)
+    for dp, tp, pp, zero, sp, rec, m, sched, dtype in itertools.product(
+        (1, 2), (1, 2), (1, 2), (0, 1, 2, 3), (False, True), RECOMPUTE, (1, 2, 4),
+        ("gpipe", "1f1b", "interleaved-1f1b"), ("bf16", "fp32"))
+    if not (sp and tp == 1) and (pp > 1 or sched == "gpipe") and not (sched == "1f1b" and m < pp)
+    and (sched != "interleaved-1f1b" or m % pp == 0)
+]
+
+
+@pytest.mark.parametrize("kw", GRID[::7], ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_charged_collectives_equal_expected(kw):
+    virtual = 2 if kw["schedule"] == "interleaved-1f1b" else 1
+    cfg = ParallelConfig(virtual_stages=virtual, **kw)
+    for rank in range(cfg.pp):
+        charged = charged_collectives(PROFILE, cfg, pp_rank=rank)
+        if multi_stage_fsdp(cfg):
+            with pytest.raises(ValueError):
+                expected_collectives(PROFILE, cfg, pp_rank=rank)
+            # The tp part is still exact: equal to the same split without data parallelism.
+            alone = dataclasses.replace(cfg, dp=1, global_batch=cfg.global_batch // cfg.dp)
+            tp_part = {k: v for k, v in charged.items() if k.endswith("@tp")}
+            assert tp_part == expected_collectives(PROFILE, alone, pp_rank=rank)
+            continue
+        assert charged == expected_collectives(PROFILE, cfg, pp_rank=rank)
+
+
+def _no_overlap_cluster(world: int) -> Cluster:
+    data = Cluster.preset("a100-80g", nodes=1, gpus_per_node=world).to_dict()
+    data["dp_overlap_efficiency"] = 0.0
+    return Cluster.from_dict(data)
+
+
+@pytest.mark.parametrize(("tp", "dp", "pp", "zero", "sp"), [
+    (2, 1, 1, 0, False), (2, 1, 1, 0, True), (2, 2, 1, 3, True), (1, 2, 1, 1, False),
+    (1, 2, 1, 2, False), (1, 2, 2, 3, False), (2, 2, 2, 0, False), (1, 2, 1, 0, False)])
+def test_time_terms_are_the_charged_records(tp, dp, pp, zero, sp):
+    cfg = ParallelConfig(tp=tp, dp=dp, pp=pp, zero=zero, sequence_parallel=sp, global_batch=4 * dp,
+                         schedule="1f1b" if pp > 1 else "gpipe")
+    cluster = _no_overlap_cluster(cfg.world_size)
+    table = build_cost_table(PROFILE, cluster, cfg)
+    groups = comm.parallel_groups(cluster, cfg)
+    ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[PROFILE.dtype]
+    for i, (layer, cost) in enumerate(zip(PROFILE.layers, table.layers)):
+        tp_calls = tp_collectives(PROFILE, layer, cfg, ratio, first_block=i == 1)
+        for k in range(3):
+            assert cost.tp_comm_s[k] == pytest.approx(
+                sum(c.time_s(groups["tp"]) for c in tp_calls[k]), rel=1e-12, abs=0.0)
+        dp_calls = dp_collectives(cfg, fsdp_unit_params(PROFILE, cfg, i))
+        step = sum(c.time_s(groups["dp"]) for c in dp_calls if c.per == "step")
+        per_mb = sum(c.time_s(groups["dp"]) for c in dp_calls if c.per == "microbatch")
+        assert cost.dp_step_s == pytest.approx(step, rel=1e-12, abs=0.0)
+        assert cost.dp_microbatch_s == pytest.approx(per_mb, rel=1e-12, abs=0.0)
+
+
+def test_message_sizes_are_the_runtime_tensors():
+    cfg = ParallelConfig(tp=2, dp=2, zero=3, micro_batch=2, global_batch=8, dtype="bf16")
+    b, s, h, v, w = 2, PROFILE.seq_len, PROFILE.hidden, PROFILE.vocab, 2
+    ratio = DTYPE_BYTES["bf16"] / DTYPE_BYTES[PROFILE.dtype]
+    block = tp_collectives(PROFILE, PROFILE.layers[2], cfg, ratio, first_block=False)[0]
+    assert {c.size_bytes for c in block} == {b * s * h * w}  # [b, s, h] activations
+    head = tp_collectives(PROFILE, PROFILE.layers[-1], cfg, ratio, first_block=False)[0]
+    assert {(c.kind, c.size_bytes) for c in head} == {
+        ("all_gather_into_tensor", b * s * v * w), ("all_reduce", b * s * h * w)}
+    # FSDP: parameters gathered at the training dtype, gradients reduced in fp32; the root
+    # (embedding + head) is one unit charged on the embedding.
+    root = PROFILE.layers[0].num_params / 2 + PROFILE.layers[-1].num_params / 2
+    assert fsdp_unit_params(PROFILE, cfg, 0) == pytest.approx(root)
+    assert fsdp_unit_params(PROFILE, cfg, len(PROFILE.layers) - 1) == 0.0
+    calls = dp_collectives(cfg, 1000.0)
+    assert sorted((c.kind, c.size_bytes) for c in calls) == [
+        ("all_gather_into_tensor", 2000.0), ("all_gather_into_tensor", 2000.0),
+        ("reduce_scatter_tensor", 4000.0)]
+
+
+def test_first_block_sp_cut_is_charged_once():
+    cfg = ParallelConfig(tp=2, sequence_parallel=True, global_batch=1)
+    table = build_cost_table(PROFILE, Cluster.preset("a100-80g", nodes=1), cfg)
+    first, second = table.layers[1].tp_comm_s[0], table.layers[2].tp_comm_s[0]
+    assert first > second  # one more all-gather in the first block's backward
+    assert dataclasses.replace(table.layers[3], name="x") == dataclasses.replace(
+        table.layers[2], name="x")

@@ -244,3 +244,17 @@ def test_per_rank_counting_equals_exhaustive(table: CostTable, frac: float) -> N
         est = assemble(table, *decode(model, sol))
         assert est.fits and sol.objective == pytest.approx(est.step_time_s, rel=1e-6)
         assert est.step_time_s == pytest.approx(best, rel=1e-3)
+
+
+def test_cbc_fallback_finds_the_same_optimum() -> None:
+    table = dataclasses.replace(fixed_table(n=6, pp=3), capacity_bytes=5e9)
+    highs = solve_ilp(build_ilp(table), OPTIONS)
+    cbc_model = build_ilp(table)
+    cbc = solve_ilp(cbc_model, dataclasses.replace(OPTIONS, solver="cbc"))
+    assert highs.status == cbc.status == "optimal"
+    assert cbc.objective == pytest.approx(highs.objective, rel=1e-6)
+    assert assemble(table, *decode(cbc_model, cbc)).step_time_s == pytest.approx(cbc.objective)
+    tiny = dataclasses.replace(table, capacity_bytes=1.0)
+    assert solve_ilp(build_ilp(tiny), dataclasses.replace(OPTIONS, solver="cbc")).status == (
+        "infeasible"
+    )

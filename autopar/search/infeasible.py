@@ -1,0 +1,62 @@
+"""What to tell a user whose model fits no split: the least memory any split needs, and where.
+
+For every candidate (best memory bound first) the ILP is solved with the largest rank's memory
+as its objective; the search stops once the next candidate's memory bound cannot beat the best
+found, so ``min_memory_bytes`` is the smallest per-GPU peak over the whole space (unless a time
+budget ended the search first).
+"""
+
+from __future__ import annotations
+
+import time
+
+from autopar.config import RECOMPUTE
+from autopar.cost_model.assemble import assemble
+from autopar.errors import InfeasiblePlanError
+from autopar.search.ilp import build_ilp, decode, solve_ilp
+from autopar.search.options import SearchOptions
+
+__all__ = ["closest_split", "infeasible_error"]
+
+GIB = 2**30
+
+
+def closest_split(cands, options: SearchOptions, deadline) -> tuple[float, str]:
+    """Smallest largest-rank memory any candidate reaches (memory ILPs, best bound first)."""
+    best_mem, best_desc = float("inf"), ""
+    for cand in sorted(cands, key=lambda c: (c.memory_lb_bytes, c.index)):
+        if cand.memory_lb_bytes >= best_mem:
+            break
+        if deadline is not None and time.monotonic() > deadline and best_desc:
+            break
+        model = build_ilp(cand.table, objective="memory")
+        sol = solve_ilp(model, options)
+        if not sol.has_solution:
+            continue
+        split, rec = decode(model, sol)
+        mem = assemble(cand.table, split, rec).memory_per_gpu_bytes
+        if mem < best_mem:
+            sizes = "/".join(str(b - a + 1) for a, b in split)
+            modes = sorted(set(rec), key=RECOMPUTE.index)
+            best_mem = mem
+            best_desc = (
+                f"{cand.table.config.describe()} with stages of {sizes} layers and "
+                f"recompute {'+'.join(modes)}"
+            )
+    return best_mem, best_desc
+
+
+def infeasible_error(
+    profile, cluster, cands, options, deadline, global_batch
+) -> InfeasiblePlanError:
+    """The error for a model no candidate fits: the least memory any split needs, and where."""
+    cap = min((c.table.capacity_bytes for c in cands), default=cluster.usable_memory_bytes)
+    mem, desc = closest_split(cands, options, deadline)
+    return InfeasiblePlanError(
+        f"no split of {profile.name or 'the model'} ({profile.num_params / 1e9:.2f}B params) "
+        f"fits {cap / GIB:.1f} GiB usable per GPU on {cluster.num_gpus} GPUs at global batch "
+        f"{global_batch}; the closest, {desc}, needs {mem / GIB:.1f} GiB per GPU: use more GPUs, "
+        "GPUs with more memory, or a smaller micro-batch",
+        min_memory_bytes=mem,
+        closest=desc,
+    )

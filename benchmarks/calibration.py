@@ -3,12 +3,14 @@
 Usage:
     python benchmarks/calibration.py            # table of measured vs predicted tokens/s per GPU
     python benchmarks/calibration.py --fit      # fit the efficiency parameters once, jointly
-    python benchmarks/calibration.py --traced   # profiles from autopar.profile (else closed forms)
+    python benchmarks/calibration.py --analytic # closed-form profiles instead of traced ones
 
 Each record becomes a ParallelConfig on a cluster preset by the rules in ``record_config``
 (documented in docs/cost_model.md: fields a record leaves out get one fixed default, never a
-per-record choice). The profile of each run's shape is the analytic closed-form profile
-(tests/fixtures/profiles.py) unless ``--traced`` asks for autopar's traced profile.
+per-record choice). The profile of each run's shape is autopar's traced profile of the zoo
+model of that shape on the meta device (default, ``--traced``), or the closed-form profile
+(tests/fixtures/profiles.py) with ``--analytic``; both follow the same record rules (eager
+attention, dropout, tied embeddings).
 The ``--fit`` mode minimises the squared log error over all records at once for three
 parameters (A100 and H100 matmul efficiency maxima and the elementwise traffic factor; the
 matmul half-work time is set from GEMM physics, the records cannot separate it) and prints
@@ -51,19 +53,22 @@ def record_profile(rec: dict, traced: bool = False):
     """The ModelProfile of a record's model at its sequence length."""
     m = rec["model"]
     llama = _is_llama(rec)
-    if traced:
-        import autopar
-
-        kind = "llama" if llama else "gpt"
-        kw = dict(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], vocab=m["vocab"],
-                  seq_len=m["seq_len"])
-        if llama:
-            kw.update(kv_heads=m["kv_heads"] or m["heads"], ffn_hidden=m["ffn_hidden"])
-        return autopar.profile(autopar.models.build(kind, **kw), seq_len=m["seq_len"])
     mpt = "mpt" in m["name"].lower()
     # Megatron-LM 2021 and Korthikanti 2022 predate fused (flash) attention: their attention
     # materialises the s x s scores (Korthikanti's 5as/h term), which costs memory traffic.
     eager = rec["id"].startswith(("megatron2021", "korthikanti2022"))
+    if traced:  # the zoo model of the same shape, with the same rules, traced on meta
+        import autopar
+
+        kind = "llama" if llama else "gpt"
+        kw = dict(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], vocab=m["vocab"],
+                  seq_len=m["seq_len"], attention="eager" if eager else "sdpa")
+        if llama:
+            kw.update(kv_heads=m["kv_heads"] or m["heads"], ffn_hidden=m["ffn_hidden"])
+        else:
+            kw.update(dropout=0.0 if mpt else 0.1,
+                      tie_embeddings="131" not in str(m["vocab"]))
+        return autopar.profile(autopar.models.build(kind, **kw), seq_len=m["seq_len"])
     return analytic_transformer_profile(
         m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"],
         kv_heads=m["kv_heads"], ffn_hidden=m["ffn_hidden"], gated_mlp=llama,
@@ -212,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table (or the fitted parameters with --fit)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="fit the efficiency parameters")
-    ap.add_argument("--traced", action="store_true", help="use autopar.profile, not closed forms")
+    ap.add_argument("--traced", action="store_true", help="traced zoo profiles (the default)")
+    ap.add_argument("--analytic", action="store_true", help="closed-form profiles instead")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
     records = [r for r in json.loads(RUNS.read_text()) if r["record_type"] == "training_throughput"]
-    profiles = [record_profile(r, args.traced) for r in records]
+    profiles = [record_profile(r, traced=not args.analytic) for r in records]
     if args.fit:
         print(json.dumps(fit(records, profiles), indent=2))
         return 0

@@ -15,8 +15,13 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
+from autopar.config import ParallelConfig
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.memory import dp_mechanism
+from autopar.cost_model.memory import (
+    dp_mechanism,
+    fsdp_accumulates_grads,
+    fsdp_keeps_params_unsharded,
+)
 from autopar.cost_model.pipeline import bubble_coefficient
 
 if TYPE_CHECKING:
@@ -32,6 +37,7 @@ __all__ = [
     "STEP_TIME",
     "explain_plan",
     "model_state_expr",
+    "model_state_expr_for",
 ]
 
 Psi, d, w, m, p, v, n, S, B, alpha = sp.symbols("Psi d w m p v n S B alpha", positive=True)
@@ -39,13 +45,17 @@ F, P, eff_max, W, W_half = sp.symbols("F P eff_max W W_half", positive=True)
 R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
 
 # Model state per mechanism (memory.py's table): (parameters, gradients, optimizer) bytes.
+# a = 1 when FSDP2 accumulates unsharded fp32 gradients across micro-batches, u = 1 when zero 3
+# keeps unsharded parameters through a pipeline step (memory.fsdp_accumulates_grads and
+# memory.fsdp_keeps_params_unsharded say when).
+a, u = sp.symbols("a u", nonnegative=True)
 MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
     "none": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
     "ddp": ((4 + w) * Psi, 8 * Psi, 8 * Psi),
     "replicate": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
-    "zero1": ((4 / d + w) * Psi, (w + 4 / d) * Psi, 8 * Psi / d),
-    "zero2": ((4 / d + w) * Psi, 4 * Psi / d, 8 * Psi / d),
-    "zero3": (4 * Psi / d, 4 * Psi / d, 8 * Psi / d),
+    "zero1": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
+    "zero2": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
+    "zero3": ((4 / d + w * u) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
 }
 # Ring all-reduce = reduce-scatter + all-gather (formulas.md section 6).
 REDUCE_SCATTER = (n - 1) / n * S / B + (n - 1) * alpha
@@ -57,13 +67,29 @@ BUBBLE_COEFFICIENT = (p - 1) / (v * p)
 STEP_TIME = m * R_max + BUBBLE_COEFFICIENT * T_sum + E_max
 
 
-def model_state_expr(kind: str, zero: int, dtype: str) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
-    """(parameters, gradients, optimizer) expressions of a mechanism, w' = 0 for fp32 copies."""
+def model_state_expr(
+    kind: str, zero: int, dtype: str, *, accumulates: bool = False, keeps_params: bool = False
+) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """(parameters, gradients, optimizer) expressions of a mechanism, w' = 0 for fp32 copies.
+
+    ``accumulates`` and ``keeps_params`` set the symbols a and u (see ``MODEL_STATE``).
+    """
     key = f"zero{zero}" if kind == "fsdp" else kind
-    exprs = MODEL_STATE[key]
+    exprs = tuple(e.subs({a: int(accumulates), u: int(keeps_params)}) for e in MODEL_STATE[key])
     if dtype == "fp32" and kind in ("none", "ddp", "replicate"):
         exprs = tuple(e.subs(w, 0) for e in exprs)
     return exprs  # type: ignore[return-value]
+
+
+def model_state_expr_for(config: ParallelConfig) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """``model_state_expr`` with a and u read off the config as memory.py decides them."""
+    return model_state_expr(
+        dp_mechanism(config),
+        config.zero,
+        config.dtype,
+        accumulates=fsdp_accumulates_grads(config),
+        keeps_params=fsdp_keeps_params_unsharded(config) and config.zero == 3,
+    )
 
 
 def _gib(x: float) -> str:
@@ -96,7 +122,7 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
     psi = largest.num_params / cfg.tp
     values = {Psi: psi, d: cfg.dp, w: DTYPE_BYTES[cfg.dtype]}
-    state = model_state_expr(kind, cfg.zero, cfg.dtype)
+    state = model_state_expr_for(cfg)
     names = ("parameters", "gradients", "optimizer")
     lines = [
         f"plan: {cfg.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)",

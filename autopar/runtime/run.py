@@ -9,8 +9,11 @@ directories) is checked here, before any worker starts, and ends with one line a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,15 +74,36 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``autopar run`` for parsed arguments; returns the exit code (2 for bad input)."""
+    with _stdout_for_document_only() as write:
+        try:
+            return _run(args, write)
+        except (AutoparError, ValueError) as err:
+            # Every user error is one line; ValueError covers ParallelConfig's own checks.
+            print(f"autopar run: error: {err}", file=sys.stderr)
+            return 2
+
+
+@contextlib.contextmanager
+def _stdout_for_document_only() -> Iterator[Callable[[str], None]]:
+    """Point file descriptor 1 at stderr while the command runs; yield a writer to real stdout.
+
+    Whatever a library prints (a solver banner from C, a warning) then lands on stderr, and the
+    JSON document of ``--json`` is the only thing on stdout.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w")
     try:
-        return _run(args)
-    except (AutoparError, ValueError) as err:
-        # Every user error is one line; ValueError covers ParallelConfig's own checks.
-        print(f"autopar run: error: {err}", file=sys.stderr)
-        return 2
+        yield lambda text: (real.write(text), real.flush())
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        real.close()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
     from autopar.runtime.checkpoint import check_checkpoint_dir
     from autopar.runtime.launch import launch, launch_spec_for
 
@@ -90,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         from autopar.runtime.dry_run import dry_run, format_report
 
         report = dry_run(job.plan, job.model_text)
-        _emit(args.json, report.to_dict(), format_report(report))
+        _emit(write, args.json, report.to_dict(), format_report(report))
         return 0
     spec = launch_spec_for(
         world_size=job.plan.config.world_size, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -114,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         "steps": list(result.steps),
         "first_step": start + 1,
     }
-    _emit(args.json, record, _format_result(record, job.plan))
+    _emit(write, args.json, record, _format_result(record, job.plan))
     return 0
 
 
@@ -248,9 +272,9 @@ def _worker_args(args: argparse.Namespace, job: _Job) -> Any:
     )
 
 
-def _emit(as_json: bool, record: dict[str, Any], text: str) -> None:
-    sys.stdout.write(json.dumps(record, sort_keys=True) + "\n" if as_json else text)
-    sys.stdout.flush()
+def _emit(write: Callable[[str], None], as_json: bool, record: dict[str, Any], text: str
+          ) -> None:
+    write(json.dumps(record, sort_keys=True) + "\n" if as_json else text)
 
 
 def _format_result(record: dict[str, Any], plan: Any) -> str:

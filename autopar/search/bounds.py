@@ -27,7 +27,7 @@ from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable
 from autopar.search.ilp import cost_signature, layer_runs
-from autopar.search.ilp_ranks import big_run, edge_stages
+from autopar.search.ilp_ranks import big_run
 
 __all__ = [
     "TableSummary",
@@ -111,28 +111,36 @@ def _min_in_flight(table: CostTable) -> float:
 
 
 def integer_bottleneck_s(table: CostTable) -> float:
-    """Least possible max_k R_k with whole blocks, for embedding + blocks + head profiles.
+    """Least possible max_k R_k with whole blocks, for profiles of one long run of blocks.
 
-    Rank k can take x blocks only if base_k + x t_b <= R, where base_k counts its edge layers
-    (at their fastest mode) and S / p point-to-point sends, t_b the block's fastest time; the
-    least R with sum_k x_k >= L (and every block-only stage non-empty) is found by raising R
-    through the ranks' next thresholds in order. 0 when the profile has another shape.
+    Rank k can take x blocks only if base_k + x t_b <= R: base_k counts its S / p point-to-point
+    sends and the first / last layer when its stages 0 / S-1 are on k (at their fastest mode;
+    other distinct layers are left out, which keeps the bound valid), t_b the block's fastest
+    time; stages no distinct layer can reach need a block each. The least R with
+    sum_k x_k >= L is found by raising R through the ranks' next thresholds in order.
+    0 when the profile has another shape.
     """
     cfg = table.config
     runs = layer_runs(table)
-    big = big_run(runs, len(table.layers))
+    n_layers = len(table.layers)
+    big = big_run(runs, n_layers)
     if cfg.num_stages == 1 or big is None:
         return 0.0
     p, s = cfg.pp, cfg.num_stages
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    edges = edge_stages(table, runs)
     base = [(s // p) * (table.p2p_s if p > 1 else 0.0)] * p
-    for g, j in edges.items():
-        lay = table.layers[runs[g][0]]
-        base[stage_rank[j]] += min(lay.time_per_microbatch_s(r) for r in RECOMPUTE)
+    reach: set[int] = set()
+    for g, (a, _b) in enumerate(runs):
+        if g == big:
+            continue
+        reach |= set(range(max(0, a - (n_layers - s)), min(a, s - 1) + 1))
+        if a in (0, n_layers - 1):
+            lay = table.layers[a]
+            base[stage_rank[0 if a == 0 else s - 1]] += min(
+                lay.time_per_microbatch_s(r) for r in RECOMPUTE
+            )
     t_b = min(table.layers[runs[big][0]].time_per_microbatch_s(r) for r in RECOMPUTE)
-    need = [sum(1 for j in range(s) if stage_rank[j] == k and j not in edges.values())
-            for k in range(p)]  # fmt: skip
+    need = [sum(1 for j in range(s) if stage_rank[j] == k and j not in reach) for k in range(p)]
     count = runs[big][1] - runs[big][0] + 1
     level = max(base[k] + need[k] * t_b for k in range(p))
     if t_b <= 0:

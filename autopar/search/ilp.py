@@ -104,6 +104,7 @@ class IlpModel:
     count: dict[tuple[int, int, int], pulp.LpVariable]  # (run g, slot j, recompute r) -> n
     objective: str
     per_rank: bool = False  # slots are pipeline ranks (ilp_ranks.py), else stages
+    placement: dict | None = None  # per-rank counting: edge layer (run, stage, mode) -> z
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +124,7 @@ class IlpSolution:
     objective: float
     gap: float
     time_limit_hit: bool
-    counts: dict[tuple[int, int, int], int]
+    counts: dict[tuple, int]
 
     @property
     def has_solution(self) -> bool:
@@ -254,7 +255,12 @@ def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
         )
         kinds = tuple(sorted({g for (g, j, _r) in n if slot_rank[j] == k}))
         classes.setdefault((flight, slot_p2p[k], kinds), []).append(k)
-    return [(ks[i], ks[i + 1]) for ks in classes.values() for i in range(len(ks) - 1)]
+    return [
+        (ks[i], ks[i + 1])
+        for (_f, _c, kinds), ks in classes.items()
+        if len(kinds) == 1  # ranks that may hold an edge layer are tied to its stages
+        for i in range(len(ks) - 1)
+    ]
 
 
 def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, twins=()):
@@ -331,8 +337,9 @@ def build_ilp(
     prob = pulp.LpProblem(f"split_{objective}", pulp.LpMinimize)
     if aggregate is None:
         aggregate = rank_aggregable(table, runs)
+    placement = {}
     if aggregate:
-        n, cnt, slot_rank, slot_p2p = add_rank_counts(prob, table, runs, _var)
+        n, cnt, slot_rank, slot_p2p, placement = add_rank_counts(prob, table, runs, _var)
     else:
         n, cnt = _add_split(prob, table, runs, s)
         slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
@@ -358,7 +365,13 @@ def build_ilp(
             prob += step <= cutoff_s, "cutoff"
         prob += step
     return IlpModel(
-        problem=prob, table=table, runs=runs, count=n, objective=objective, per_rank=aggregate
+        problem=prob,
+        table=table,
+        runs=runs,
+        count=n,
+        objective=objective,
+        per_rank=aggregate,
+        placement=placement,
     )
 
 
@@ -417,6 +430,8 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
     counts = {}
     if status in ("optimal", "feasible"):
         counts = {key: round(var.varValue or 0.0) for key, var in sorted(model.count.items())}
+        for (g, j, r), var in sorted((model.placement or {}).items()):
+            counts[g, j, r, "stage"] = round(var.varValue or 0.0)
     objective = pulp.value(prob.objective) if counts else float("inf")
     return IlpSolution(
         status=status, objective=float(objective), gap=gap, time_limit_hit=limit_hit, counts=counts

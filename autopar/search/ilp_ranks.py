@@ -1,24 +1,27 @@
-"""Rank-level counting for the split ILP: exact, symmetry-free, for embedding + blocks + head.
+"""Rank-level counting for the split ILP: exact and symmetry-free for transformer-like profiles.
 
-When the profile is one run of identical layers (the blocks) with at most one distinct layer
-before it (layer 0) and one after it (layer n-1), where a layer sits inside its pipeline rank
-does not matter: assemble only sums per stage, sums stages per rank, and takes maxima per rank.
-Any per-rank count of blocks is realised by a contiguous split as long as every stage that holds
-neither the first nor the last layer gets at least one block. So the ILP counts, per pipeline
-rank k and recompute mode r, the blocks N[k][r] (and places the first and last layers on the
-ranks of stages 0 and S-1), instead of counting per stage: S / p times fewer variables and none
-of the symmetry between a rank's chunks that makes the per-stage model slow at large S.
+Applies when the profile is one long run of identical layers (the blocks) with a few distinct
+layers before it (the embedding, a first block that differs) and after it (the head). Where a
+block sits inside its pipeline rank does not matter: assemble only sums per stage, sums stages per
+rank and takes maxima per rank. So the ILP counts, per pipeline rank k and recompute mode r, the
+blocks N[k][r], and places each edge (non-block) layer i on a stage with binaries z[i][j][r]:
 
-    (one_stage) sum_{k,r} N[g][k][r] = L_g
-    (nonempty)  sum_r N[blocks][k][r] >= stages of rank k holding neither layer 0 nor layer n-1
+    (one_stage)  sum_{j,r} z[i][j][r] = 1 per edge layer;  sum_{k,r} N[k][r] = L
+    (edge_order) consecutive edge layers of one side: stage(i+1) - stage(i) in {0, 1}, and the
+                 last leading edge layer's stage <= the first trailing edge layer's stage
+    (held)       h_j = 1 iff stage j holds an edge layer
+    (nonempty)   sum_r N[k][r] >= sum_{j on k} (1 - h_j)          (block-only stages get one)
+    (room)       sum_r N[k][r] <= L sum_{j on k} (1 - h_j + last_lead_j + first_trail_j)
+    edge layers enter the rank sums as n[i][k][r] = sum_{j on k} z[i][j][r]
 
-``stage_counts`` turns a solution back into per-stage counts: each rank's blocks spread as evenly
-as possible over its stages (stages without an edge layer first), modes in the order none,
-selective, full.
+Any per-rank count satisfying these is realised by a contiguous split: each rank's blocks go to
+its stages that may hold blocks (block-only stages first, one each), the stages in order.
+``stage_counts`` performs exactly that, modes in the order none, selective, full.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pulp
@@ -27,22 +30,16 @@ from autopar.config import RECOMPUTE
 from autopar.cost_model.pipeline import rank_of_stage
 from autopar.cost_model.tables import CostTable
 
-__all__ = [
-    "add_rank_counts",
-    "big_run",
-    "edge_stages",
-    "rank_aggregable",
-    "stage_counts",
-]
+__all__ = ["MAX_EDGE_LAYERS", "add_rank_counts", "big_run", "rank_aggregable", "stage_counts"]
 
 R = range(len(RECOMPUTE))
+MAX_EDGE_LAYERS = 8  # more distinct layers than this around the blocks: use per-stage counting
 
 
 def big_run(runs, n_layers: int) -> int | None:
-    """Index of the one run longer than a layer, when every other run is layer 0 or n-1."""
+    """Index of the one run of >= 2 layers when every other run is a single layer."""
     big = [g for g, (a, b) in enumerate(runs) if b > a]
-    others = [run for g, run in enumerate(runs) if g not in big]
-    if len(big) != 1 or any(run not in ((0, 0), (n_layers - 1, n_layers - 1)) for run in others):
+    if len(big) != 1 or len(runs) - 1 > MAX_EDGE_LAYERS:
         return None
     return big[0]
 
@@ -52,71 +49,156 @@ def rank_aggregable(table: CostTable, runs) -> bool:
     return table.config.num_stages == 1 or big_run(runs, len(table.layers)) is not None
 
 
-def edge_stages(table: CostTable, runs) -> dict[int, int]:
-    """Run index -> the one stage it must sit in (the first and last layers)."""
+def _window(i: int, n: int, s: int) -> range:
+    return range(max(0, i - (n - s)), min(i, s - 1) + 1)
+
+
+def _edge_vars(prob, table: CostTable, runs, big: int, var: Callable):
+    """z[g, j, r] for every edge run g, its stage index expression, and h_j."""
     s, n_layers = table.config.num_stages, len(table.layers)
-    big = big_run(runs, n_layers)
-    return {g: (0 if a == 0 else s - 1) for g, (a, _b) in enumerate(runs) if g != big}
+    z: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    for g, (a, _b) in enumerate(runs):
+        if g != big:
+            for j in _window(a, n_layers, s):
+                for r in R:
+                    z[g, j, r] = var(
+                        prob, f"z[{table.layers[a].name}][{j}][{RECOMPUTE[r]}]", 0, 1, "Binary"
+                    )
+    stage = {
+        g: pulp.lpSum(j * v for (gg, j, _r), v in sorted(z.items()) if gg == g)
+        for g in range(len(runs))
+        if g != big
+    }
+    at = {
+        (g, j): pulp.lpSum(z[g, j, r] for r in R if (g, j, r) in z) for g in stage for j in range(s)
+    }
+    held = {}
+    for j in range(s):
+        here = [at[g, j] for g in stage if any((g, j, r) in z for r in R)]
+        if not here:
+            held[j] = 0
+            continue
+        h = held[j] = var(prob, f"held[stage{j}]", 0, 1, "Binary")
+        # [Constraint] held: h_j is 1 exactly when stage j holds an edge layer
+        prob += h <= pulp.lpSum(here), f"held_some[stage{j}]"
+        for g in stage:
+            if any((g, j, r) in z for r in R):
+                prob += h >= at[g, j], f"held[{table.layers[runs[g][0]].name}][{j}]"
+    return z, stage, at, held
 
 
 def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable):
-    """Per-rank count variables and constraints; returns (n, cnt, slot_rank, slot_p2p)."""
+    """Per-rank counts and edge placements; returns (n, cnt, slot_rank, slot_p2p, z)."""
     cfg = table.config
     s, p = cfg.num_stages, cfg.pp
+    if s == 1:  # one stage: every layer on rank 0, only the recompute modes are free
+        n = {
+            (g, 0, r): var(
+                prob, f"N[{table.layers[a].name}][rank0][{RECOMPUTE[r]}]", 0, b - a + 1, "Integer"
+            )
+            for g, (a, b) in enumerate(runs)
+            for r in R
+        }
+        for g, (a, b) in enumerate(runs):
+            # [Constraint] one_stage: every layer of a run is placed exactly once
+            prob += (
+                pulp.lpSum(n[g, 0, r] for r in R) == b - a + 1,
+                f"one_stage[{table.layers[a].name}]",
+            )
+        cnt = {(g, 0): pulp.lpSum(n[g, 0, r] for r in R) for g in range(len(runs))}
+        return n, cnt, [0], [1], {}
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    edges = edge_stages(table, runs) if s > 1 else {}
-    n: dict[tuple[int, int, int], pulp.LpVariable] = {}
-    for g, (a, b) in enumerate(runs):
-        ranks = [stage_rank[edges[g]]] if g in edges else range(p)
-        for k in ranks:
+    big = big_run(runs, len(table.layers))
+    a_big, b_big = runs[big]
+    z, stage, at, held = _edge_vars(prob, table, runs, big, var)
+    lead, trail = [g for g in stage if g < big], [g for g in stage if g > big]
+    n: dict[tuple[int, int, int], object] = {}
+    for g in stage:
+        name = table.layers[runs[g][0]].name
+        # [Constraint] one_stage: every edge layer sits on exactly one stage
+        prob += (
+            pulp.lpSum(v for (gg, _j, _r), v in sorted(z.items()) if gg == g) == 1,
+            (f"one_stage[{name}]"),
+        )
+        for k in range(p):
             for r in R:
-                n[g, k, r] = var(
-                    prob, f"N[{table.layers[a].name}][rank{k}][{RECOMPUTE[r]}]", 0, b - a + 1,
-                    "Integer",
-                )  # fmt: skip
+                terms = [z[g, j, r] for j in range(s) if stage_rank[j] == k and (g, j, r) in z]
+                if terms:
+                    v = n[g, k, r] = var(
+                        prob, f"n[{name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary"
+                    )
+                    prob += v == pulp.lpSum(terms), f"on_rank[{name}][rank{k}][{r}]"
+    # [Constraint] edge_order: edge layers advance one stage at most, leading before trailing
+    for side in (lead, trail):
+        for g, g2 in itertools.pairwise(side):
+            prob += stage[g2] - stage[g] >= 0, f"edge_order[{table.layers[runs[g2][0]].name}]"
+            prob += stage[g2] - stage[g] <= 1, f"edge_step[{table.layers[runs[g2][0]].name}]"
+    if lead and trail:
+        prob += stage[trail[0]] >= stage[lead[-1]], "edge_order[lead_before_trail]"
+    size = b_big - a_big + 1
+    for k in range(p):
+        for r in R:
+            n[big, k, r] = var(
+                prob, f"N[{table.layers[a_big].name}][rank{k}][{RECOMPUTE[r]}]", 0, size, "Integer"
+            )
+    # [Constraint] one_stage: every block is placed exactly once
+    prob += (
+        pulp.lpSum(n[big, k, r] for k in range(p) for r in R) == size,
+        (f"one_stage[{table.layers[a_big].name}]"),
+    )
     cnt = {
-        (g, k): pulp.lpSum(n[g, k, r] for r in R) if (g, k, 0) in n else 0
+        (g, k): pulp.lpSum(n[g, k, r] for r in R if (g, k, r) in n)
         for g in range(len(runs))
         for k in range(p)
     }
-    # [Constraint] one_stage: every layer of a run is placed exactly once
-    for g, (a, b) in enumerate(runs):
-        total = pulp.lpSum(var_ for (gg, _k, _r), var_ in sorted(n.items()) if gg == g)
-        prob += total == b - a + 1, f"one_stage[{table.layers[a].name}]"
-    # [Constraint] nonempty: a rank's stages without an edge layer hold at least one block each
-    if s > 1:
-        big = big_run(runs, len(table.layers))
-        covered = set(edges.values())
-        for k in range(p):
-            need = sum(1 for j in range(s) if stage_rank[j] == k and j not in covered)
-            if need:
-                prob += cnt[big, k] >= need, f"nonempty[rank{k}]"
-    slot_p2p = [stage_rank.count(k) for k in range(p)]
-    return n, cnt, list(range(p)), slot_p2p
+    for k in range(p):
+        mine = [j for j in range(s) if stage_rank[j] == k]
+        bare = pulp.lpSum(1 - held[j] for j in mine)
+        room = bare + pulp.lpSum(
+            (at[lead[-1], j] if lead else 0) + (at[trail[0], j] if trail else 0) for j in mine
+        )
+        # [Constraint] nonempty / room: block-only stages get a block; blocks only where allowed
+        prob += cnt[big, k] >= bare, f"nonempty[rank{k}]"
+        prob += cnt[big, k] <= size * room, f"room[rank{k}]"
+    return n, cnt, list(range(p)), [stage_rank.count(k) for k in range(p)], z
 
 
 def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, int], int]:
-    """Per-stage counts (run, stage, mode) of a per-rank solution (see the module docstring)."""
+    """Per-stage counts (run, stage, mode) of a per-rank solution (see the module docstring).
+
+    ``counts`` holds the per-rank counts (g, k, r) and the edge placements (g, j, r, "stage").
+    """
     cfg = table.config
     s, p = cfg.num_stages, cfg.pp
     if s == 1:
-        return dict(counts)
+        return {key: v for key, v in counts.items() if len(key) == 3}
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    edges = edge_stages(table, runs)
     big = big_run(runs, len(table.layers))
     out: dict[tuple[int, int, int], int] = {}
-    for g, j in edges.items():
-        for r in R:
-            out[g, j, r] = counts.get((g, stage_rank[j], r), 0)
-    covered = set(edges.values())
+    where: dict[int, int] = {}
+    for key, v in counts.items():
+        if len(key) == 4 and v:
+            g, j, r, _ = key
+            out[g, j, r] = out.get((g, j, r), 0) + v
+            where[g] = j
+    lead = [where[g] for g in where if g < big]
+    trail = [where[g] for g in where if g > big]
+    first, last = (max(lead) if lead else 0), (min(trail) if trail else s - 1)
+    held = set(where.values())
     for k in range(p):
-        mine = [j for j in range(s) if stage_rank[j] == k]
-        order = [j for j in mine if j not in covered] + [j for j in mine if j in covered]
+        allowed = [
+            j
+            for j in range(s)
+            if stage_rank[j] == k and first <= j <= last and (j not in held or j in (first, last))
+        ]
         pool = [r for r in R for _ in range(counts.get((big, k, r), 0))]
-        base, extra = divmod(len(pool), len(mine))
+        if not pool:
+            continue
+        order = [j for j in allowed if j not in held] + [j for j in allowed if j in held]
+        base, extra = divmod(len(pool), len(order))
         size = {j: base + (1 if pos < extra else 0) for pos, j in enumerate(order)}
         start = 0
-        for j in mine:
+        for j in allowed:
             for r in pool[start : start + size[j]]:
                 out[big, j, r] = out.get((big, j, r), 0) + 1
             start += size[j]

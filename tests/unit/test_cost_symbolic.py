@@ -9,7 +9,7 @@ from autopar.cost_model import comm
 from autopar.cost_model.estimator import default_split, estimate
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.memory import dp_mechanism, layer_state
+from autopar.cost_model.memory import layer_state
 from autopar.cost_model.symbolic import (
     ALL_REDUCE,
     STEP_TIME,
@@ -23,7 +23,7 @@ from autopar.cost_model.symbolic import (
     d,
     explain_plan,
     m,
-    model_state_expr,
+    model_state_expr_for,
     n,
     p,
     v,
@@ -37,11 +37,12 @@ PROFILE = analytic_transformer_profile(6, 128, 4, 512, 64)
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(("dp", "pp", "zero"), [(1, 1, 0), (4, 1, 0), (4, 2, 0), (4, 1, 1),
-                                                (4, 1, 2), (4, 1, 3)])
+                                                (4, 1, 2), (4, 1, 3),
+                                                (4, 2, 1), (4, 2, 2), (4, 2, 3)])
 def test_model_state_expressions_match_memory(dtype, dp, pp, zero):
     cfg = ParallelConfig(dp=dp, pp=pp, zero=zero, dtype=dtype, global_batch=dp * 4)
     state = layer_state(1000.0, cfg)
-    exprs = model_state_expr(dp_mechanism(cfg), zero, dtype)
+    exprs = model_state_expr_for(cfg)
     values = {Psi: 1000.0, d: dp, w: 2 if dtype == "bf16" else 4}
     got = [float(e.subs(values)) for e in exprs]
     assert got == pytest.approx([state.param_bytes, state.grad_bytes, state.optimizer_bytes])
@@ -78,5 +79,5 @@ def test_explain_plan_prints_formulas_and_numbers():
     )
     plan = Plan(config=cfg, stages=stages, estimate=est)
     text = explain_plan(PROFILE, cluster, plan)
-    assert "4*Psi/d" in text and "R_max*m" in text and "fits" in text
+    assert "8*Psi/d" in text and "R_max*m" in text and "fits" in text
     assert f"{est.tokens_per_s:,.0f} tokens/s" in text

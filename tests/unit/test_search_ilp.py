@@ -14,6 +14,7 @@ from autopar.cost_model.assemble import assemble
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
+from autopar.search.ilp_ranks import rank_aggregable
 from autopar.search.options import SearchOptions
 
 OPTIONS = SearchOptions(time_limit_s=30.0)
@@ -226,7 +227,9 @@ def block_tables(draw) -> CostTable:
     if n < 3:
         return table
     block = table.layers[1]
-    middle = tuple(dataclasses.replace(block, name=f"b{i}") for i in range(n - 2))
+    middle = [dataclasses.replace(block, name=f"b{i}") for i in range(n - 2)]
+    if n >= 5 and draw(st.booleans()):  # a first block that differs (sequence-parallel input)
+        middle[0] = dataclasses.replace(block, name="b0", tp_comm_s=(0.9, 0.9, 1.2))
     return dataclasses.replace(table, layers=(table.layers[0], *middle, table.layers[-1]))
 
 
@@ -238,7 +241,8 @@ def test_per_rank_counting_equals_exhaustive(table: CostTable, frac: float) -> N
     cap = mems[0] + frac * (mems[-1] - mems[0]) + 1e5
     table = dataclasses.replace(table, capacity_bytes=cap)
     best = min(step for *_, step, mem in results if mem <= cap)
-    for aggregate in (True, False):
+    modes = (True, False) if rank_aggregable(table, layer_runs(table)) else (False,)
+    for aggregate in modes:
         model = build_ilp(table, aggregate=aggregate)
         sol = solve_ilp(model, OPTIONS)
         est = assemble(table, *decode(model, sol))

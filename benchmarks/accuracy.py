@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class Row:
     predicted_bytes: float = 0.0
     predicted_buffers_bytes: float = 0.0
     measured_bytes: int = 0
+    breakdown: dict | None = None
     error: str = ""
 
     @property
@@ -154,21 +156,38 @@ def disagreeing_pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
     return out
 
 
-def run_case(case: Case, cluster: Cluster, steps: int, warmup: int) -> Row:
-    """Predict and measure one configuration."""
-    from autopar.runtime.verify import measure_plan, model_profile
+def predict_case(case: Case, cluster: Cluster):
+    """The plan (split chosen by autopar for the config) and its estimate on ``cluster``."""
+    from autopar.runtime.verify import model_profile
     from autopar.search.planner import plan_from_config
 
+    profile = model_profile(case.model, case.config.dtype)  # fp32 runs profiled at fp32
+    return plan_from_config(profile, cluster, case.config, model=case.model)
+
+
+def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
+             measured: dict[str, dict] | None = None) -> Row:
+    """Predict and measure one configuration (or take the measurement from ``measured``)."""
+    from autopar.runtime.verify import measure_plan
+
     try:
-        profile = model_profile(case.model, case.config.dtype)  # fp32 runs profiled at fp32
-        plan = plan_from_config(profile, cluster, case.config, model=case.model)
-        m = measure_plan(plan, case.model, steps=steps, warmup_steps=warmup)
+        plan = predict_case(case, cluster)
+        if measured is not None and case.label in measured:
+            m = measured[case.label]
+            times = m["step_times_s"][m["warmup_steps"]:]
+            measured_s, peak = median(times), int(m["peak_memory_bytes"])
+        else:
+            run = measure_plan(plan, case.model, steps=steps, warmup_steps=warmup)
+            measured_s, peak = run.step_time_s, run.peak_memory_bytes
+            if measured is not None:
+                measured[case.label] = {"step_times_s": list(run.step_times_s),
+                                        "warmup_steps": warmup, "peak_memory_bytes": peak}
     except (AutoparError, ValueError, RuntimeError) as err:
         return Row(case=case, error=" ".join(str(err).split())[:120])
-    return Row(case=case, predicted_s=plan.estimate.step_time_s, measured_s=m.step_time_s,
+    return Row(case=case, predicted_s=plan.estimate.step_time_s, measured_s=measured_s,
                predicted_bytes=plan.estimate.memory_per_gpu_bytes,
                predicted_buffers_bytes=plan.estimate.memory_breakdown.buffers_bytes,
-               measured_bytes=m.peak_memory_bytes)
+               measured_bytes=peak, breakdown=plan.estimate.time_breakdown.to_dict())
 
 
 def summary(rows: list[Row]) -> dict[str, float]:
@@ -246,13 +265,36 @@ def report(rows: list[Row], cluster: Cluster, meta: str) -> str:
 
 
 def _cluster(args: argparse.Namespace, device_type: str) -> Cluster:
-    from autopar.runtime.calibrate import calibrate, calibration_to_cluster, format_calibration
+    """The cluster to predict on: ``--cluster`` YAML, a stored calibration, or a new one."""
+    from autopar.runtime.calibrate import (
+        Calibration,
+        calibrate,
+        calibration_to_cluster,
+        format_calibration,
+    )
 
     if args.cluster:
         return Cluster.from_yaml(args.cluster)
-    cal = calibrate(NPROC, device_type, quick=args.quick)
+    path = Path(args.calibration) if args.calibration else None
+    if path is not None and path.exists():
+        cal = Calibration.from_dict(json.loads(path.read_text()))
+    else:
+        cal = calibrate(NPROC, device_type, quick=args.quick)
+        if path is not None:
+            path.write_text(json.dumps(cal.to_dict(), indent=1))
     print(format_calibration(cal), file=sys.stderr)
     return calibration_to_cluster(cal)
+
+
+def _print_breakdowns(rows: list[Row]) -> None:
+    """Per configuration: predicted terms (ms) beside the measured step (stderr)."""
+    for r in rows:
+        if r.error or not r.breakdown:
+            continue
+        terms = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
+                          for k, v in r.breakdown.items() if v > 0)
+        print(f"[terms] {r.case.label:<30s} measured {r.measured_s * 1e3:7.1f} predicted "
+              f"{r.predicted_s * 1e3:7.1f} ms = {terms}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=None, help="calibrated cluster YAML")
     parser.add_argument("--quick", action="store_true", help="4 configurations, 3 steps")
     parser.add_argument("--only", default="", help="comma-separated labels to run")
+    parser.add_argument("--calibration", default=None,
+                        help="calibration JSON: read it when it exists, else calibrate and "
+                        "write it there")
+    parser.add_argument("--measurements", default=None,
+                        help="measurements JSON: configurations found there are not run again "
+                        "(predictions are recomputed); new measurements are added to it")
     parser.add_argument("--out", default=None, help="report path (default benchmarks/results/...)")
     args = parser.parse_args(argv)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -279,9 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         todo, args.steps, args.warmup = todo[::4], 3, 1
     start = time.perf_counter()
     cluster = _cluster(args, device_type)
+    store = Path(args.measurements) if args.measurements else None
+    measured = json.loads(store.read_text()) if store is not None and store.exists() else {}
     rows = []
     for case in todo:
-        row = run_case(case, cluster, args.steps, args.warmup)
+        row = run_case(case, cluster, args.steps, args.warmup, measured)
+        if store is not None:
+            store.write_text(json.dumps(measured, indent=1))
         rows.append(row)
         status = row.error or (f"predicted {row.predicted_s * 1e3:.1f} ms, measured "
                                f"{row.measured_s * 1e3:.1f} ms")
@@ -291,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(median after {args.warmup} warm-up); torch {torch.__version__}; "
             f"{time.perf_counter() - start:.0f} s in all; reproduce: "
             f"`.venv/bin/python benchmarks/accuracy.py`")
+    _print_breakdowns(rows)
     text = report(rows, cluster, meta)
     print(text)
     out = Path(args.out or Path(__file__).parent / "results" / f"accuracy_{device_type}_{month}.md")

@@ -15,6 +15,14 @@ section 5.5: smaller tensor-parallel matrices run less efficiently) in one satur
 The elementwise traffic (forward 1/3, backward 2/3 of ``traffic * act_bytes``) is the memory-bound
 half of the roofline; matmuls are compute bound at the sizes that matter.
 Recomputation re-runs forward FLOPs: it adds hardware FLOPs and time, never model FLOPs.
+
+    t_fixed  = overhead_s                                  (framework cost per layer, fwd + bwd)
+
+A fixed framework cost per layer and micro-batch (Python, operator dispatch, autograd, kernel
+launches; DTensor dispatch under tensor parallelism, FSDP2 hooks; ``DeviceSpec``'s
+``*_overhead_s``, measured by ``autopar calibrate``) is split like the elementwise traffic,
+1/3 forward and 2/3 backward; a recompute re-runs the forward's share in proportion to the
+forward FLOPs it repeats (all of it for full recompute).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ def layer_compute(
     bwd_flops: float,
     recompute_flops: tuple[float, float, float],
     elementwise_bytes: float,
+    overhead_s: float = 0.0,
 ) -> LayerCompute:
     """Times of one layer, micro-batch and rank (FLOPs and bytes already per rank).
 
@@ -71,12 +80,15 @@ def layer_compute(
         recompute_flops: extra forward FLOPs by recompute mode (none, selective, full).
         elementwise_bytes: bytes the layer saves for backward without recompute (this rank);
             the elementwise traffic is ``elementwise_traffic_factor`` times this.
+        overhead_s: fixed framework seconds of the layer's forward + backward (1/3, 2/3).
 
     Returns:
         forward, backward and per-mode recompute seconds.
     """
     rate = peak_flops * matmul_efficiency(device, fwd_flops)
     traffic_s = device.elementwise_traffic_factor * elementwise_bytes / device.hbm_bytes_per_s
+    # Elementwise traffic and framework overhead split alike between forward and backward.
+    traffic_s += overhead_s
     fwd_traffic_s = FORWARD_TRAFFIC_SHARE * traffic_s
     fwd_mm = fwd_flops / rate if fwd_flops > 0 else 0.0
     recompute = []

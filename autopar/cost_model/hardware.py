@@ -48,6 +48,16 @@ class DeviceSpec:
         elementwise_traffic_factor: memory traffic of the non-matmul ops (norms, activations,
             dropout, residual adds, softmax) as a multiple of the bytes a layer saves for backward
             (fitted; read/written at ``hbm_bytes_per_s``).
+        layer_overhead_s: fixed framework cost of one layer with FLOPs for one micro-batch,
+            forward + backward (Python, dispatch, autograd, kernel launches), 1/3 in the forward
+            and 2/3 in the backward; measured by ``autopar calibrate`` (0 on the GPU presets:
+            there it rides on ``matmul_half_flops``).
+        tp_layer_overhead_s: extra framework cost of one tensor-parallel-sharded layer per
+            micro-batch when tp > 1, forward + backward (DTensor dispatch and redistribution
+            bookkeeping), split 1/3 forward, 2/3 backward; measured by ``autopar calibrate``.
+        fsdp_layer_overhead_s: extra framework cost of one layer per micro-batch when the
+            runtime wraps it with FSDP2 (zero >= 1, dp > 1): pre/post-forward and backward hooks,
+            copy-in/copy-out; forward + backward, split 1/3, 2/3; measured by calibrate.
     """
 
     name: str
@@ -60,6 +70,9 @@ class DeviceSpec:
     matmul_efficiency_max: float
     matmul_half_flops: float
     elementwise_traffic_factor: float
+    layer_overhead_s: float = 0.0
+    tp_layer_overhead_s: float = 0.0
+    fsdp_layer_overhead_s: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of the training dtype ("bf16", "fp16", "fp32" or "tf32")."""
@@ -102,6 +115,10 @@ class Cluster:
             context, allocator fragmentation); usable = memory_bytes * (1 - fraction).
         dp_overlap_efficiency: fraction of the last micro-batch's backward time usable to hide
             the data-parallel gradient reduction (fitted).
+        comm_buffer_bytes_per_group: device memory the communication library allocates per
+            process group in use (NCCL channel buffers: 64 MiB; gloo on CPU: none as tensors).
+        allocator_reserve_bytes: device memory held by the caching allocator beyond live
+            tensors over a step (CUDA: 256 MiB; CPU: 0, the measured peak is live tensor bytes).
     """
 
     name: str
@@ -112,6 +129,8 @@ class Cluster:
     inter_node: LinkSpec
     memory_headroom_fraction: float = 0.05
     dp_overlap_efficiency: float = 0.8
+    comm_buffer_bytes_per_group: float = 64 * MIB
+    allocator_reserve_bytes: float = 256 * MIB
 
     def __post_init__(self) -> None:
         _validate(self.to_dict())
@@ -196,6 +215,8 @@ class Cluster:
             inter_node=LinkSpec(**clean["inter_node"]),
             memory_headroom_fraction=clean["memory_headroom_fraction"],
             dp_overlap_efficiency=clean["dp_overlap_efficiency"],
+            comm_buffer_bytes_per_group=clean["comm_buffer_bytes_per_group"],
+            allocator_reserve_bytes=clean["allocator_reserve_bytes"],
         )
 
     def to_yaml(self, path: str | Path) -> None:
@@ -244,6 +265,13 @@ _DEVICE_FIELDS: dict[str, tuple[str, str]] = {
     "matmul_efficiency_max": ("float", "eff"),
     "matmul_half_flops": ("float", "nonneg"),
     "elementwise_traffic_factor": ("float", "nonneg"),
+    "layer_overhead_s": ("float", "nonneg"),
+    "tp_layer_overhead_s": ("float", "nonneg"),
+    "fsdp_layer_overhead_s": ("float", "nonneg"),
+}
+# Device fields that older cluster files lack: framework overheads default to none.
+_DEVICE_OPTIONAL: dict[str, Any] = {
+    "layer_overhead_s": 0.0, "tp_layer_overhead_s": 0.0, "fsdp_layer_overhead_s": 0.0,
 }
 _LINK_FIELDS: dict[str, tuple[str, str]] = {
     "bandwidth_bytes_per_s": ("float", "pos"),
@@ -255,8 +283,13 @@ _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
     "gpus_per_node": ("int", "pos"),
     "memory_headroom_fraction": ("float", "frac"),
     "dp_overlap_efficiency": ("float", "unit"),
+    "comm_buffer_bytes_per_group": ("float", "nonneg"),
+    "allocator_reserve_bytes": ("float", "nonneg"),
 }
-_OPTIONAL: dict[str, Any] = {"memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8}
+_OPTIONAL: dict[str, Any] = {
+    "memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8,
+    "comm_buffer_bytes_per_group": 64.0 * MIB, "allocator_reserve_bytes": 256.0 * MIB,
+}
 _RULE_TEXT = {
     "pos": "must be > 0",
     "nonneg": "must be >= 0",
@@ -335,5 +368,6 @@ def _validate(data: Any) -> dict[str, Any]:
     for key, fields in nested.items():
         if key not in data:
             raise ClusterConfigError(f"cluster field {key} is missing")
-        out[key] = _check_section(f"{key}.", data[key], fields, {})
+        optional = _DEVICE_OPTIONAL if key == "device" else {}
+        out[key] = _check_section(f"{key}.", data[key], fields, optional)
     return out

@@ -323,7 +323,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         p2p_s=p2p,
         dp_tail_s=max(tails) if cfg.dp > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency,
-        buffers_bytes=memory.buffers_bytes(cfg),
+        buffers_bytes=memory.buffers_bytes(cfg, cluster),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(cfg.dtype),
         tokens_per_step=cfg.global_batch * profile.seq_len,

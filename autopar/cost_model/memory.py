@@ -38,9 +38,13 @@ training dtype (the zoo's ``cross_entropy_loss`` upcasts logits): 4 s V bytes pe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.graph.types import LayerProfile
+
+if TYPE_CHECKING:
+    from autopar.cost_model.hardware import Cluster
 
 __all__ = [
     "ALLOCATOR_RESERVE_BYTES",
@@ -205,7 +209,15 @@ def transient_bytes(
     return base, base + max(0.0, none - sel), base + max(0.0, none - full)
 
 
-def buffers_bytes(config: ParallelConfig) -> float:
-    """Communication buffers (one set per process group in use) plus the allocator reserve."""
+def buffers_bytes(config: ParallelConfig, cluster: Cluster | None = None) -> float:
+    """Communication buffers (one set per process group in use) plus the allocator reserve.
+
+    The sizes are the cluster's ``comm_buffer_bytes_per_group`` and ``allocator_reserve_bytes``
+    (GPU presets: the NCCL and CUDA figures above; the cpu preset: 0); without a cluster, the
+    GPU figures.
+    """
+    per_group = COMM_BUFFER_BYTES_PER_GROUP if cluster is None else (
+        cluster.comm_buffer_bytes_per_group)
+    reserve = ALLOCATOR_RESERVE_BYTES if cluster is None else cluster.allocator_reserve_bytes
     groups = sum(1 for d in (config.tp, config.dp, config.pp) if d > 1)
-    return groups * COMM_BUFFER_BYTES_PER_GROUP + ALLOCATOR_RESERVE_BYTES
+    return groups * per_group + reserve

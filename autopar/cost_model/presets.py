@@ -194,4 +194,8 @@ def cpu_cluster_fields(workers: int) -> dict[str, Any]:
         "inter_node": _link(bw, latency),
         "memory_headroom_fraction": 0.2,  # shared with the OS and other processes
         "dp_overlap_efficiency": 0.0,  # gloo work runs on the same cores: no overlap
+        # gloo allocates no tensors for its channels and CPU tensors are freed to the system
+        # allocator at once: a CPU run's peak is its live tensor bytes (docs/verify.md).
+        "comm_buffer_bytes_per_group": 0.0,
+        "allocator_reserve_bytes": 0.0,
     }

@@ -105,7 +105,7 @@ def _stdout_for_document_only() -> Iterator[Callable[[str], None]]:
 
 def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
     from autopar.runtime.checkpoint import check_checkpoint_dir
-    from autopar.runtime.launch import launch, launch_spec_for
+    from autopar.runtime.launch import launch
 
     if args.steps < 1:
         raise AutoparError(f"--steps must be at least 1, got {args.steps}")
@@ -116,11 +116,7 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         report = dry_run(job.plan, job.model_text)
         _emit(write, args.json, report.to_dict(), format_report(report))
         return 0
-    spec = launch_spec_for(
-        world_size=job.plan.config.world_size, nnodes=args.nnodes, node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint, nproc_per_node=args.nproc_per_node,
-        max_restarts=args.max_restarts,
-    )
+    spec = _launch_spec(args, job.plan.config.world_size)
     start = check_checkpoint_dir(
         args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every
     )
@@ -196,9 +192,11 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         model_text = args.source
         from autopar.search.planner import plan_from_config
 
-        model, profile = _build_and_profile(model_text)
         config = _config_from_args(args)
-        cluster = _local_cluster(config.world_size, args.nnodes)
+        # The launch geometry first: the estimate's cluster is the nodes this run occupies.
+        spec = _launch_spec(args, config.world_size)
+        model, profile = _build_and_profile(model_text)
+        cluster = _local_cluster(spec.nnodes, spec.nproc_per_node)
         plan = plan_from_config(profile, cluster, config, model=model_text)
     from autopar.runtime.apply import check_plan_runnable
 
@@ -213,16 +211,32 @@ def _build_and_profile(model_text: str) -> tuple[Any, Any]:
     from autopar.runtime.worker import build_model
 
     model = build_model(model_text, device="meta")
+    if model_text.endswith(".py"):
+        from autopar.models import load_model_file
+
+        # A model file's example_inputs give the sequence length its profile is made at.
+        return model, autopar.profile(
+            model, example_inputs=load_model_file(model_text).example_inputs
+        )
     return model, autopar.profile(model)
 
 
-def _local_cluster(world_size: int, nnodes: int) -> Any:
-    """The Cluster a bare split is estimated on: this machine's kind, ``nnodes`` nodes."""
+def _launch_spec(args: argparse.Namespace, world_size: int) -> Any:
+    from autopar.runtime.launch import launch_spec_for
+
+    return launch_spec_for(
+        world_size=world_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint, nproc_per_node=args.nproc_per_node,
+        max_restarts=args.max_restarts,
+    )
+
+
+def _local_cluster(nnodes: int, per_node: int) -> Any:
+    """The Cluster a bare split is estimated on: this machine's kind of device, as launched."""
     import torch
 
     from autopar.cost_model.hardware import Cluster
 
-    per_node = max(world_size // max(nnodes, 1), 1)
     if not torch.cuda.is_available():
         return Cluster.preset("cpu", nodes=nnodes, gpus_per_node=per_node)
     name = torch.cuda.get_device_name().lower()

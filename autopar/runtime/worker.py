@@ -191,13 +191,6 @@ def build_model(model_text: str, *, device: str | torch.device, seed: int | None
     from autopar.models import resolve_model
 
     builder, _ = resolve_model(model_text)
-    if model_text.endswith(".py"):
-        # A model file's build_model() takes no arguments: seed torch's generator and build it
-        # under the device.
-        if seed is not None:
-            torch.manual_seed(seed)
-        with torch.device(device):
-            return builder()
     return builder(device=device) if seed is None else builder(device=device, seed=seed)
 
 

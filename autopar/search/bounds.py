@@ -116,7 +116,8 @@ def integer_bottleneck_s(table: CostTable) -> float:
     Rank k can take x blocks only if base_k + x t_b <= R: base_k counts its S / p point-to-point
     sends and the first / last layer when its stages 0 / S-1 are on k (at their fastest mode;
     other distinct layers are left out, which keeps the bound valid), t_b the block's fastest
-    time; stages no distinct layer can reach need a block each. The least R with
+    time; stages no distinct layer can reach need a block each, and another distinct layer at
+    least as slow as a block counts as one more block (it must sit on some rank). The least R with
     sum_k x_k >= L is found by raising R through the ranks' next thresholds in order.
     0 when the profile has another shape.
     """
@@ -129,19 +130,19 @@ def integer_bottleneck_s(table: CostTable) -> float:
     p, s = cfg.pp, cfg.num_stages
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
     base = [(s // p) * (table.p2p_s if p > 1 else 0.0)] * p
+    t_b = min(table.layers[runs[big][0]].time_per_microbatch_s(r) for r in RECOMPUTE)
+    count = runs[big][1] - runs[big][0] + 1
     reach: set[int] = set()
     for g, (a, _b) in enumerate(runs):
         if g == big:
             continue
         reach |= set(range(max(0, a - (n_layers - s)), min(a, s - 1) + 1))
+        t_min = min(table.layers[a].time_per_microbatch_s(r) for r in RECOMPUTE)
         if a in (0, n_layers - 1):
-            lay = table.layers[a]
-            base[stage_rank[0 if a == 0 else s - 1]] += min(
-                lay.time_per_microbatch_s(r) for r in RECOMPUTE
-            )
-    t_b = min(table.layers[runs[big][0]].time_per_microbatch_s(r) for r in RECOMPUTE)
+            base[stage_rank[0 if a == 0 else s - 1]] += t_min
+        elif t_min >= t_b:  # placed somewhere: counts at least as a block
+            count += 1
     need = [sum(1 for j in range(s) if stage_rank[j] == k and j not in reach) for k in range(p)]
-    count = runs[big][1] - runs[big][0] + 1
     level = max(base[k] + need[k] * t_b for k in range(p))
     if t_b <= 0:
         return level

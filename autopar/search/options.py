@@ -21,7 +21,8 @@ class SearchOptions:
 
     Attributes:
         time_limit_s: wall-clock limit of one ILP solve (the solver returns its best so far).
-        mip_gap: relative MIP gap at which a solve stops (1e-6: the oracle test holds to 0.1%).
+        mip_gap: relative MIP gap at which a solve stops (1e-4, HiGHS's own default; the oracle
+            test holds to 0.1%).
         memory_headroom_bytes: if set, usable memory = device memory minus this, overriding the
             cluster's own headroom.
         schedules: pipeline schedules to consider (names from ``autopar.config.SCHEDULES``).
@@ -41,7 +42,7 @@ class SearchOptions:
     """
 
     time_limit_s: float = 10.0
-    mip_gap: float = 1e-6
+    mip_gap: float = 1e-4
     memory_headroom_bytes: float | None = None
     schedules: tuple[str, ...] = SCHEDULES
     allow_zero_bubble: bool = True

@@ -64,6 +64,7 @@ class _Outcome:
     gap: float = 0.0
     time_limit_hit: bool = False
     used_ilp: bool = False
+    bound_s: float = 0.0  # lower bound on the candidate's optimum (matters when not proven)
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ class _State:
     pruned: int = 0
     ilps: int = 0
     time_limit_hit: bool = False
-    remaining_lb_s: float = float("inf")
+    remaining_lb_s: float = float("inf")  # least bound of what the search did not resolve
 
 
 def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions) -> CostTable:
@@ -133,17 +134,16 @@ def _solve(
     if sol.status == "infeasible":
         # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
         # enter the top k (or fits nowhere).
-        return (
-            dataclasses.replace(best_uniform, used_ilp=True)
-            if from_uniform
-            else _Outcome(used_ilp=True)
-        )
+        if from_uniform:
+            return dataclasses.replace(best_uniform, optimal=True, used_ilp=True)
+        return _Outcome(used_ilp=True)
     if not sol.has_solution:  # the time limit stopped the solver before any solution
         if best_uniform is not None:
             return dataclasses.replace(
-                best_uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True
-            )
-        return _Outcome(used_ilp=True, time_limit_hit=True)
+                best_uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True,
+                bound_s=lb,
+            )  # fmt: skip
+        return _Outcome(used_ilp=True, time_limit_hit=True, bound_s=lb)
     split, rec = decode(model, sol)
     step = assemble(table, split, rec).step_time_s
     out = _Outcome(
@@ -154,6 +154,7 @@ def _solve(
         gap=sol.gap,
         time_limit_hit=sol.time_limit_hit,
         used_ilp=True,
+        bound_s=max(lb, sol.objective * (1 - sol.gap)),
     )
     if best_uniform is not None and best_uniform.step_s < step:  # a limit stopped the solver
         out = dataclasses.replace(
@@ -228,7 +229,7 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             state.time_limit_hit = True
-            state.remaining_lb_s = cand.time_lb_s
+            state.remaining_lb_s = min(state.remaining_lb_s, cand.time_lb_s)
             break
         state.considered += 1
         if cand.memory_lb_bytes > cand.table.capacity_bytes:
@@ -250,6 +251,8 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
                 cache[key] = outcome
             state.ilps += outcome.used_ilp
             state.time_limit_hit |= outcome.time_limit_hit
+            if outcome.time_limit_hit:  # not proven: its bound limits the whole search's claim
+                state.remaining_lb_s = min(state.remaining_lb_s, outcome.bound_s)
         if outcome.split:
             step = assemble(cand.table, outcome.split, outcome.recompute).step_time_s
             state.best.append((step, cand.index, outcome, cand))

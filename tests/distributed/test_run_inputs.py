@@ -162,3 +162,27 @@ def test_live_tensor_bytes_counts_storages_once() -> None:
         gc.collect()
     assert tracker.current_bytes == 0
     assert tracker.peak_bytes == 2 * mib
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_of_a_model_file() -> None:
+    model_file = ROOT / "tests" / "fixtures" / "models" / "tiny_mlp.py"
+    proc = _cli(str(model_file), "--global-batch", "4", "--steps", "1", "--dp", "2", "--zero",
+                "3", "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    from autopar.models import load_model_file
+
+    model = load_model_file(model_file).build_model()
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # FSDP (zero 3) over dp=2 holds every parameter exactly once across the two ranks.
+    assert report["world_size"] == 2
+    assert sum(report["per_rank_parameter_bytes"]) == total_bytes
+    assert report["per_rank_parameter_bytes"][0] < total_bytes
+
+
+@pytest.mark.timeout(60)
+def test_model_split_does_not_fill_the_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    _expect_error(capsys, [MODEL, "--global-batch", "4", "--steps", "1", "--dp", "2", "--nnodes",
+                           "3", "--rdzv-endpoint", "127.0.0.1:29999"],
+                  "the plan needs 2 processes but the launch has 3 node(s)")

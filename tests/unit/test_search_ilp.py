@@ -155,7 +155,7 @@ def test_ilp_equals_exhaustive_optimum(table: CostTable, frac: float) -> None:
     mem_model = build_ilp(table, objective="memory")
     mem_sol = solve_ilp(mem_model, OPTIONS)
     mem_est = assemble(table, *decode(mem_model, mem_sol))
-    assert mem_est.memory_per_gpu_bytes == pytest.approx(mems[0], rel=1e-5)
+    assert mem_est.memory_per_gpu_bytes == pytest.approx(mems[0], rel=1e-3)
 
 
 @settings(max_examples=6, deadline=None)

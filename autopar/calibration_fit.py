@@ -235,6 +235,13 @@ class Calibration:
         layer_overhead_s: seconds of one transformer block's forward + backward at a tiny width.
         dtensor_layer_overhead_s: extra seconds per block when its linears are DTensors (TP).
         fsdp_layer_overhead_s: extra seconds per block under FSDP2 ``fully_shard``.
+        nonblock_overhead_s: seconds of the rest of a one-block tiny model's forward + backward
+            (embedding, final norm, head, loss).
+        dtensor_module_overhead_s: ``dtensor_layer_overhead_s`` per tensor-parallel module.
+        optimizer_layer_overhead_s: seconds of one AdamW step over a tiny block's parameters.
+        optimizer_nonblock_overhead_s: the same over the rest of the tiny model.
+        dtensor_optimizer_layer_overhead_s: extra seconds of that step when the block's
+            parameters are DTensors (TP or FSDP2).
         memory_bytes_per_s: bytes read + written per second by a large tensor copy (per process).
         wall_s: wall time of the measurement, process start included.
         device_name: the device's name ("cpu", or what CUDA reports, e.g. "NVIDIA H200").
@@ -255,6 +262,11 @@ class Calibration:
     memory_bytes_per_s: float
     wall_s: float
     device_name: str = "cpu"
+    nonblock_overhead_s: float = 0.0
+    dtensor_module_overhead_s: float = 0.0
+    optimizer_layer_overhead_s: float = 0.0
+    optimizer_nonblock_overhead_s: float = 0.0
+    dtensor_optimizer_layer_overhead_s: float = 0.0
 
     def collective(self, op: str, group_size: int | None = None) -> CollectiveFit:
         """The fit of collective ``op`` (over ``group_size`` ranks, default the largest group).

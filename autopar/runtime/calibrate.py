@@ -22,6 +22,7 @@ Units: seconds, bytes, FLOPs, bytes per second, FLOP/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +59,10 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 # All-reduce in concurrent groups of 2 (measured when nproc >= 4 is even): the latency of the
 # small groups that tp=2 or dp=2 splits create, under the contention of the whole machine.
 PAIRS_ALL_REDUCE = "all_reduce_pairs"
+# The runtime's CPU workers count live tensor bytes under a dispatch mode for the whole run
+# (worker.main), so its per-operator cost is part of every CPU step and calibrate measures the
+# framework overheads under it. Set to False when the worker stops tracking its timed steps.
+CPU_RUNTIME_TRACKS_MEMORY = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,68 +246,140 @@ def _count_ops(fn) -> int:
     return counter.calls
 
 
-def _time_fwd_bwd(block: torch.nn.Module, x: torch.Tensor, iters: int,
-                  device: torch.device) -> float:
-    def run() -> None:
-        block(x).sum().backward()
+def _runtime_mode(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The dispatch mode the runtime's workers run every step under, on this device type.
 
-    for _ in range(3):
-        run()
-    times = []
-    dist.barrier()
-    for _ in range(iters):
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    On CPU every worker counts live tensor bytes with ``worker.LiveTensorBytes`` through the
+    whole run (``worker.main``): its per-operator cost is part of every CPU training step, so
+    the framework overheads are measured under it. On GPU the runtime reads CUDA's allocator
+    statistics instead: no mode.
+    """
+    if device.type == "cpu" and CPU_RUNTIME_TRACKS_MEMORY:
+        from autopar.runtime.worker import LiveTensorBytes
+
+        return LiveTensorBytes()
+    return contextlib.nullcontext()
+
+
+def _time_median(fn, iters: int, device: torch.device) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls after 3 untimed ones, under the runtime's
+    dispatch mode."""
+    with _runtime_mode(device):
+        for _ in range(3):
+            fn()
+        times = []
+        dist.barrier()
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
     return median(times)
 
 
-def _tiny_block(kind: str, device: torch.device) -> torch.nn.Module:
+def _time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, iters: int,
+                  device: torch.device) -> float:
+    """Forward + backward of a block (output summed) or of a model (the runtime's loss)."""
+    from autopar.models import cross_entropy_loss
+
+    def run() -> None:
+        out = module(x)
+        loss = out.sum() if x.is_floating_point() else cross_entropy_loss(out, x)
+        loss.backward()
+
+    return _time_median(run, iters, device)
+
+
+def _time_optimizer(module: torch.nn.Module, iters: int, device: torch.device) -> float:
+    """Seconds of one AdamW step (the runtime's optimizer) over ``module``'s parameters."""
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    return _time_median(opt.step, iters, device)
+
+
+def _tiny_model(kind: str, device: torch.device) -> torch.nn.Module:
     from autopar.models import build
 
     shape = {"layers": 1, "hidden": 16, "heads": 2, "vocab": 32, "seq_len": 8}
     if kind == "llama":
         shape["kv_heads"] = 1
-    return build(kind, device=device, seed=0, **shape).layers["0"]
+    return build(kind, device=device, seed=0, **shape)
+
+
+def _tiny_block(kind: str, device: torch.device) -> torch.nn.Module:
+    return _tiny_model(kind, device).layers["0"]
+
+
+def _tp_styles(block: torch.nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    for fqn, _ in block.named_modules():
+        leaf = fqn.rsplit(".", 1)[-1]
+        if leaf in ("wq", "wk", "wv", "w1", "w3"):
+            styles[fqn] = ColwiseParallel()
+        elif leaf in ("wo", "w2"):
+            styles[fqn] = RowwiseParallel()
+    return styles
+
+
+def _measure_kind(kind: str, mesh: Any, iters: int, device: torch.device) -> dict[str, float]:
+    """The overheads of one zoo kind's tiny block and model (seconds; see _measure_overheads)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    x = torch.randn(1, 8, 16, device=device, requires_grad=True)
+    tokens = torch.randint(0, 32, (1, 8), device=device)
+    block = _tiny_block(kind, device)
+    out = {"ops": float(_count_ops(lambda: block(x).sum().backward()))}
+    out["block"] = _time_fwd_bwd(block, x, iters, device)
+    out["opt_block"] = _time_optimizer(block, iters, device)
+    model = _tiny_model(kind, device)
+    out["nonblock"] = max(_time_fwd_bwd(model, tokens, iters, device) - out["block"], 0.0)
+    out["opt_nonblock"] = max(_time_optimizer(model, iters, device) - out["opt_block"], 0.0)
+    block = _tiny_block(kind, device)
+    styles = _tp_styles(block)
+    parallelize_module(block, mesh["tp"], styles)
+    out["tp_modules"] = float(len(styles))
+    out["dtensor"] = max(_time_fwd_bwd(block, x, iters, device) - out["block"], 0.0)
+    out["opt_dtensor"] = max(_time_optimizer(block, iters, device) - out["opt_block"], 0.0)
+    block = _tiny_block(kind, device)
+    fully_shard(block, mesh=mesh["tp"])
+    out["fsdp"] = max(_time_fwd_bwd(block, x, iters, device) - out["block"], 0.0)
+    out["opt_fsdp"] = max(_time_optimizer(block, iters, device) - out["opt_block"], 0.0)
+    return out
 
 
 def _measure_overheads(sweep: Sweep, device: torch.device) -> dict[str, float]:
-    """Per-block seconds: eager, DTensor (one-rank TP mesh), FSDP2 (one-rank mesh); per op."""
+    """Framework seconds of the zoo's tiny blocks and models (gpt and llama averaged).
+
+    Forward + backward of one block: eager, with DTensor linears (TP on a one-rank mesh, per
+    sharded module) and under FSDP2 (one-rank mesh); of the rest of a one-block model
+    (embedding, head, loss); one AdamW step over a block's parameters as plain tensors and as
+    DTensors (what TP and FSDP2 make them), and over the rest of the model; per aten op.
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("dp", "tp"))
-    eager, dtensor, fsdp, per_op = [], [], [], []
-    for kind in ("gpt", "llama"):
-        x = torch.randn(1, 8, 16, device=device, requires_grad=True)
-        block = _tiny_block(kind, device)
-        ops = _count_ops(lambda b=block, x=x: b(x).sum().backward())
-        eager.append(_time_fwd_bwd(block, x, sweep.overhead_iters, device))
-        per_op.append(eager[-1] / ops)
-        styles = {}
-        for fqn, _ in block.named_modules():
-            leaf = fqn.rsplit(".", 1)[-1]
-            if leaf in ("wq", "wk", "wv", "w1", "w3"):
-                styles[fqn] = ColwiseParallel()
-            elif leaf in ("wo", "w2"):
-                styles[fqn] = RowwiseParallel()
-        parallelize_module(block, mesh["tp"], styles)
-        dtensor.append(_time_fwd_bwd(block, x, sweep.overhead_iters, device) - eager[-1])
-        block = _tiny_block(kind, device)
-        fully_shard(block, mesh=mesh["tp"])
-        fsdp.append(_time_fwd_bwd(block, x, sweep.overhead_iters, device) - eager[-1])
+    runs = [_measure_kind(kind, mesh, sweep.overhead_iters, device) for kind in ("gpt", "llama")]
+
+    def mean(key: str) -> float:
+        return _mean_over_ranks(sum(r[key] for r in runs) / len(runs), device)
+
+    opt_dtensor = 0.5 * (mean("opt_dtensor") + mean("opt_fsdp"))
     return {
-        "op_overhead_s": _mean_over_ranks(sum(per_op) / 2, device),
-        "layer_overhead_s": _mean_over_ranks(sum(eager) / 2, device),
-        "dtensor_layer_overhead_s": _mean_over_ranks(max(sum(dtensor) / 2, 0.0), device),
-        "fsdp_layer_overhead_s": _mean_over_ranks(max(sum(fsdp) / 2, 0.0), device),
+        "op_overhead_s": mean("block") / mean("ops"),
+        "layer_overhead_s": mean("block"),
+        "nonblock_overhead_s": mean("nonblock"),
+        "dtensor_layer_overhead_s": mean("dtensor"),
+        "dtensor_module_overhead_s": _mean_over_ranks(
+            sum(r["dtensor"] / r["tp_modules"] for r in runs) / len(runs), device),
+        "fsdp_layer_overhead_s": mean("fsdp"),
+        "optimizer_layer_overhead_s": mean("opt_block"),
+        "optimizer_nonblock_overhead_s": mean("opt_nonblock"),
+        "dtensor_optimizer_layer_overhead_s": opt_dtensor,
     }
 
 
@@ -409,6 +486,11 @@ def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = Non
         layer_overhead_s=raw["layer_overhead_s"],
         dtensor_layer_overhead_s=raw["dtensor_layer_overhead_s"],
         fsdp_layer_overhead_s=raw["fsdp_layer_overhead_s"],
+        nonblock_overhead_s=raw["nonblock_overhead_s"],
+        dtensor_module_overhead_s=raw["dtensor_module_overhead_s"],
+        optimizer_layer_overhead_s=raw["optimizer_layer_overhead_s"],
+        optimizer_nonblock_overhead_s=raw["optimizer_nonblock_overhead_s"],
+        dtensor_optimizer_layer_overhead_s=raw["dtensor_optimizer_layer_overhead_s"],
         memory_bytes_per_s=raw["memory_bytes_per_s"],
         device_name=torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
         wall_s=time.perf_counter() - start,

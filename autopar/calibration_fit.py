@@ -43,12 +43,6 @@ __all__ = [
 # section 1.2).
 FWD_BWD_WORK_RATIO = 3.0
 
-# DeviceSpec field -> the Calibration attribute that fills it, when the cost model has the field.
-OPTIONAL_DEVICE_OVERHEADS = {
-    "tp_layer_overhead_s": "dtensor_layer_overhead_s",
-    "fsdp_layer_overhead_s": "fsdp_layer_overhead_s",
-}
-
 # Bus factor of each collective as a function of the group size n (nccl-tests PERFORMANCE.md).
 BUS_FACTORS = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -330,12 +324,18 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
 
     - ``device.matmul_efficiency_max = R / peak(dtype)``, with R the fitted large-matmul rate;
       when R exceeds the stated peak the peak is raised to R (efficiency 1);
-    - ``device.matmul_half_flops = R * layer_overhead_s / FWD_BWD_WORK_RATIO``: the compute
-      model (autopar/cost_model/compute.py) charges a pass of F FLOPs of a layer whose forward
-      work is w the time ``F (w + half) / (w R)``, whose fixed part ``(F / w) half / R`` sums to
-      ``3 half / R`` over forward (F = w) and backward (F = 2 w); so the fixed part of one
-      layer's forward + backward equals the measured framework cost of one block's forward +
-      backward at a tiny width (Python, dispatch, autograd, kernel launches);
+    - on CPU (synchronous: host costs add to the arithmetic) the framework overheads go into
+      their own fields, charged per layer by ``compute.framework_overheads_s``:
+      ``layer_overhead_s`` (a tiny block's forward + backward), ``edge_layer_overhead_s``
+      (half the rest of a one-block model), ``tp_module_overhead_s`` (DTensor's extra per
+      tensor-parallel module), ``fsdp_layer_overhead_s``, ``optimizer_layer_overhead_s`` and
+      ``dtensor_optimizer_layer_overhead_s``; ``matmul_half_flops = R * t0`` (one call's own
+      fixed cost);
+    - on GPU (the host runs ahead of the kernels) ``matmul_half_flops = R * layer_overhead_s /
+      FWD_BWD_WORK_RATIO``: the compute model charges a pass of F FLOPs of a layer whose
+      forward work is w the time ``F (w + half) / (w R)``, whose fixed part sums to
+      ``3 half / R`` over forward and backward, so a layer's fixed part equals the measured
+      host cost of a tiny block, which shows only when the kernels are shorter;
     - ``device.hbm_bytes_per_s``: the measured copy bandwidth;
     - both link tiers: bandwidth = median of the fitted bus bandwidths of all_reduce (every
       group size measured), all_gather_into_tensor and reduce_scatter_tensor; latency per ring
@@ -363,13 +363,24 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
     if rate > device[peak_key]:
         device[peak_key] = rate
     device["matmul_efficiency_max"] = rate / device[peak_key]
-    device["matmul_half_flops"] = rate * cal.layer_overhead_s / FWD_BWD_WORK_RATIO
     device["hbm_bytes_per_s"] = cal.memory_bytes_per_s
-    # Framework overheads of tensor parallelism (DTensor) and FSDP2, where the cost model has
-    # fields for them (requested in docs/verify.md; filled as soon as DeviceSpec declares them).
-    for name, value in OPTIONAL_DEVICE_OVERHEADS.items():
-        if name in device:
-            device[name] = getattr(cal, value)
+    if cal.device_type == "cpu":
+        # Synchronous execution: the framework's fixed costs add to the arithmetic, so they are
+        # charged per layer (compute.framework_overheads_s) and the matmul curve keeps only a
+        # call's own fixed cost t0 (half efficiency at F = t0 R).
+        device["matmul_half_flops"] = rate * cal.matmul_fixed_s
+        device.update(
+            layer_overhead_s=cal.layer_overhead_s,
+            edge_layer_overhead_s=0.5 * cal.nonblock_overhead_s,
+            tp_module_overhead_s=cal.dtensor_module_overhead_s,
+            fsdp_layer_overhead_s=cal.fsdp_layer_overhead_s,
+            optimizer_layer_overhead_s=cal.optimizer_layer_overhead_s,
+            dtensor_optimizer_layer_overhead_s=cal.dtensor_optimizer_layer_overhead_s,
+        )
+    else:
+        # The host dispatches ahead of the kernels: its cost shows only when a layer's kernels
+        # are shorter, which the matmul half-work point expresses.
+        device["matmul_half_flops"] = rate * cal.layer_overhead_s / FWD_BWD_WORK_RATIO
     fits = [c for c in cal.collectives if c.op != "send_recv"]
     if fits:
         link = {

@@ -134,6 +134,7 @@ class Plan:
         profile_fingerprint: ModelProfile.fingerprint() of the model it was made for.
         cluster_fingerprint: Cluster.fingerprint() of the cluster it was made for.
         model: how to rebuild the model (zoo name, "gpt:layers=...", path); "" if unknown.
+        seq_len: tokens per sequence the model was profiled at (0 if unknown).
         cluster: the cluster as a dict (Cluster.to_dict()), so a plan is self-contained.
         search: how the search found the plan.
         schema_version: the plan JSON schema version.
@@ -146,6 +147,7 @@ class Plan:
     profile_fingerprint: str = ""
     cluster_fingerprint: str = ""
     model: str = ""
+    seq_len: int = 0
     cluster: dict[str, Any] = field(default_factory=dict)
     search: SearchInfo = field(default_factory=SearchInfo)
     schema_version: int = SCHEMA_VERSION
@@ -203,6 +205,7 @@ class Plan:
         return {
             "schema_version": self.schema_version,
             "model": self.model,
+            "seq_len": self.seq_len,
             "config": self.config.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "tp_layout": dict(sorted(self.tp_layout.items())),
@@ -226,6 +229,7 @@ class Plan:
             return cls(
                 schema_version=int(data["schema_version"]),
                 model=data.get("model", ""),
+                seq_len=int(data.get("seq_len", 0)),
                 config=ParallelConfig.from_dict(data["config"]),
                 stages=tuple(StagePlan.from_dict(s) for s in data["stages"]),
                 tp_layout=dict(data.get("tp_layout", {})),

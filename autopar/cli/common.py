@@ -324,7 +324,7 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tupl
     text = model_text or plan.model
     if not text:
         raise AutoparError("the plan does not record its model; pass --model MODEL")
-    profile = load_profile(text, seq_len)
+    profile = load_profile(text, seq_len or plan.seq_len or None)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model (profile fingerprint "

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 from autopar.cost_model.hardware import DeviceSpec
 
-__all__ = ["LayerCompute", "layer_compute", "matmul_efficiency"]
+__all__ = [
+    "LayerCompute",
+    "busy_speedup",
+    "framework_overheads_s",
+    "layer_compute",
+    "matmul_efficiency",
+]
 
 # Share of a layer's elementwise traffic in the forward pass (backward touches ~2x: gradients of
 # every elementwise op read the saved input and the output gradient and write the input gradient).
@@ -69,6 +75,7 @@ def layer_compute(
     recompute_flops: tuple[float, float, float],
     elementwise_bytes: float,
     overhead_s: float = 0.0,
+    speedup: float = 1.0,
 ) -> LayerCompute:
     """Times of one layer, micro-batch and rank (FLOPs and bytes already per rank).
 
@@ -81,6 +88,7 @@ def layer_compute(
         elementwise_bytes: bytes the layer saves for backward without recompute (this rank);
             the elementwise traffic is ``elementwise_traffic_factor`` times this.
         overhead_s: fixed framework seconds of the layer's forward + backward (1/3, 2/3).
+        speedup: divides every time (``busy_speedup``: ranks sharing cores with idle ones).
 
     Returns:
         forward, backward and per-mode recompute seconds.
@@ -99,8 +107,54 @@ def layer_compute(
         # A full re-run also repeats the elementwise forward traffic in proportion to its FLOPs.
         share = min(1.0, extra / fwd_flops) if fwd_flops > 0 else 1.0
         recompute.append(extra / rate + share * fwd_traffic_s)
+    bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
     return LayerCompute(
-        forward_s=fwd_mm + fwd_traffic_s,
-        backward_s=(bwd_flops / rate if bwd_flops > 0 else 0.0) + traffic_s - fwd_traffic_s,
-        recompute_s=(recompute[0], recompute[1], recompute[2]),
+        forward_s=(fwd_mm + fwd_traffic_s) / speedup,
+        backward_s=(bwd_mm + traffic_s - fwd_traffic_s) / speedup,
+        recompute_s=(recompute[0] / speedup, recompute[1] / speedup, recompute[2] / speedup),
     )
+
+
+def framework_overheads_s(
+    device: DeviceSpec, *, block: bool, tp_modules: int, fsdp_unit: bool, dtensor_params: bool
+) -> tuple[float, float]:
+    """Fixed framework seconds of one layer: (forward + backward per micro-batch, optimizer
+    per step), from the device's measured overheads (``DeviceSpec``'s ``*_overhead_s``).
+
+        pass      = base + tp_modules * tp_module + fsdp_unit * fsdp_layer
+        optimizer = (optimizer_layer + dtensor_params * dtensor_optimizer_layer) * base / layer
+
+    with base = layer_overhead_s for a block, edge_layer_overhead_s for the embedding or head.
+
+    Args:
+        device: the device spec.
+        block: whether the layer is a transformer block.
+        tp_modules: the layer's tensor-parallel modules when tp > 1 (0 otherwise).
+        fsdp_unit: whether the runtime wraps the layer as its own FSDP2 / replicate() unit.
+        dtensor_params: whether the layer's parameters are DTensors (TP-sharded, FSDP2).
+    """
+    layer = device.layer_overhead_s
+    base = layer if block else device.edge_layer_overhead_s
+    passes = base + tp_modules * device.tp_module_overhead_s
+    passes += device.fsdp_layer_overhead_s if fsdp_unit else 0.0
+    opt = device.optimizer_layer_overhead_s
+    opt += device.dtensor_optimizer_layer_overhead_s if dtensor_params else 0.0
+    return passes, (opt * base / layer if layer > 0 else 0.0)
+
+
+def busy_speedup(device: DeviceSpec, busy_fraction: float) -> float:
+    """How much faster a process computes when only ``busy_fraction`` of the processes run.
+
+    The device's throughputs are per process with all N running; with s =
+    ``shared_compute_processes`` (N processes over N / s compute units) a process gets
+    min(1, (N / s) / active) of a unit, so with active = N f the rate rises by
+
+        speedup = min(1, 1 / (s f)) / (1 / s) = min(s, 1 / f)
+
+    (1 on a GPU, where s = 1). Used for pipeline schedules, whose ranks idle in the bubble:
+    f = m v / (m v + c p v) for uniform stages (c the bubble coefficient).
+    """
+    s = max(1.0, device.shared_compute_processes)
+    if busy_fraction <= 0:
+        return s
+    return max(1.0, min(s, 1.0 / busy_fraction))

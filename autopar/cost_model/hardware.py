@@ -48,16 +48,27 @@ class DeviceSpec:
         elementwise_traffic_factor: memory traffic of the non-matmul ops (norms, activations,
             dropout, residual adds, softmax) as a multiple of the bytes a layer saves for backward
             (fitted; read/written at ``hbm_bytes_per_s``).
-        layer_overhead_s: fixed framework cost of one layer with FLOPs for one micro-batch,
-            forward + backward (Python, dispatch, autograd, kernel launches), 1/3 in the forward
-            and 2/3 in the backward; measured by ``autopar calibrate`` (0 on the GPU presets:
-            there it rides on ``matmul_half_flops``).
-        tp_layer_overhead_s: extra framework cost of one tensor-parallel-sharded layer per
-            micro-batch when tp > 1, forward + backward (DTensor dispatch and redistribution
-            bookkeeping), split 1/3 forward, 2/3 backward; measured by ``autopar calibrate``.
-        fsdp_layer_overhead_s: extra framework cost of one layer per micro-batch when the
-            runtime wraps it with FSDP2 (zero >= 1, dp > 1): pre/post-forward and backward hooks,
-            copy-in/copy-out; forward + backward, split 1/3, 2/3; measured by calibrate.
+        layer_overhead_s: fixed framework cost of one transformer block's forward + backward
+            for one micro-batch (Python, operator dispatch, autograd, kernel launches; on CPU
+            also the runtime's live-tensor counter), 1/3 forward, 2/3 backward. Measured by
+            ``autopar calibrate`` on CPU, where it adds to the arithmetic; 0 on the GPU presets
+            (there the host's dispatch runs ahead of the kernels: ``matmul_half_flops``).
+        edge_layer_overhead_s: the same for each non-block layer (embedding; final norm, head
+            and loss): half of the measured rest of a one-block model.
+        tp_module_overhead_s: extra framework cost of one tensor-parallel module (a column- or
+            row-parallel linear, a vocab-parallel embedding or head) per micro-batch when
+            tp > 1, forward + backward (DTensor dispatch), 1/3 forward, 2/3 backward.
+        fsdp_layer_overhead_s: extra framework cost of one FSDP2 unit (``fully_shard``, also
+            under ``replicate()``) per micro-batch: pre/post-forward and backward hooks,
+            copy-in/copy-out; forward + backward, 1/3 forward, 2/3 backward.
+        optimizer_layer_overhead_s: fixed cost of one AdamW step over a block's parameters, per
+            step (non-block layers: scaled by ``edge_layer_overhead_s / layer_overhead_s``).
+        dtensor_optimizer_layer_overhead_s: extra cost of that step when the parameters are
+            DTensors (tensor-parallel layers, FSDP2 / replicate() units), per block per step.
+        shared_compute_processes: device processes that share one compute unit when all of
+            them run (CPU workers over cores: workers / cores; a GPU: 1). The throughputs above
+            are per process with all running; a process whose neighbours idle (a pipeline
+            bubble) runs up to this many times faster.
     """
 
     name: str
@@ -71,8 +82,12 @@ class DeviceSpec:
     matmul_half_flops: float
     elementwise_traffic_factor: float
     layer_overhead_s: float = 0.0
-    tp_layer_overhead_s: float = 0.0
+    edge_layer_overhead_s: float = 0.0
+    tp_module_overhead_s: float = 0.0
     fsdp_layer_overhead_s: float = 0.0
+    optimizer_layer_overhead_s: float = 0.0
+    dtensor_optimizer_layer_overhead_s: float = 0.0
+    shared_compute_processes: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of the training dtype ("bf16", "fp16", "fp32" or "tf32")."""
@@ -265,14 +280,17 @@ _DEVICE_FIELDS: dict[str, tuple[str, str]] = {
     "matmul_efficiency_max": ("float", "eff"),
     "matmul_half_flops": ("float", "nonneg"),
     "elementwise_traffic_factor": ("float", "nonneg"),
-    "layer_overhead_s": ("float", "nonneg"),
-    "tp_layer_overhead_s": ("float", "nonneg"),
-    "fsdp_layer_overhead_s": ("float", "nonneg"),
 }
-# Device fields that older cluster files lack: framework overheads default to none.
+# Device fields that older cluster files may lack: framework overheads, default none.
 _DEVICE_OPTIONAL: dict[str, Any] = {
-    "layer_overhead_s": 0.0, "tp_layer_overhead_s": 0.0, "fsdp_layer_overhead_s": 0.0,
+    name: 0.0
+    for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
+                 "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
+                 "dtensor_optimizer_layer_overhead_s")
 }
+_DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
+_DEVICE_OPTIONAL["shared_compute_processes"] = 1.0
+_DEVICE_FIELDS["shared_compute_processes"] = ("float", "atleast1")
 _LINK_FIELDS: dict[str, tuple[str, str]] = {
     "bandwidth_bytes_per_s": ("float", "pos"),
     "latency_s": ("float", "nonneg"),
@@ -296,6 +314,7 @@ _RULE_TEXT = {
     "frac": "must be in [0, 1)",
     "eff": "must be in (0, 1]",
     "unit": "must be in [0, 1]",
+    "atleast1": "must be >= 1",
 }
 
 
@@ -325,6 +344,7 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
         "frac": 0 <= value < 1,
         "eff": 0 < value <= 1,
         "unit": 0 <= value <= 1,
+        "atleast1": value >= 1,
     }[rule]
     if not ok or value in (float("inf"), float("-inf")):
         raise ClusterConfigError(f"cluster field {path} {_RULE_TEXT[rule]}, got {value!r}")

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import stage_split
-from autopar.cost_model.compute import layer_compute
+from autopar.cost_model.compute import busy_speedup, framework_overheads_s, layer_compute
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.pipeline import rank_of_stage
+from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.graph.types import LayerProfile, ModelProfile
 
@@ -142,6 +142,25 @@ def tp_collectives(
     return calls, calls, calls  # the runtime recomputes blocks only
 
 
+def _tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
+    """Tensor-parallel modules of a layer when tp > 1 (linears, vocab-parallel, SP norms)."""
+    if cfg.tp <= 1 or not tp_sharded(layer):
+        return 0
+    t = layer.tp
+    sp = len(t.sequence) if cfg.sequence_parallel else 0
+    return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
+
+
+def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
+    """Compute speed-up of a pipeline's ranks from sharing compute units with idle neighbours
+    (``compute.busy_speedup``; busy fraction of uniform stages m v / (m v + c p v))."""
+    if cfg.pp <= 1:
+        return 1.0
+    busy = cfg.num_microbatches * cfg.virtual_stages
+    bubble = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages) * cfg.num_stages
+    return busy_speedup(cluster.device, busy / (busy + bubble))
+
+
 def _params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
     return layer.num_params / (cfg.tp if tp_sharded(layer) else 1)
 
@@ -229,6 +248,13 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
+    kind = memory.dp_mechanism(cfg)
+    fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
+    passes_s, opt_fixed_s = framework_overheads_s(
+        cluster.device, block=layer.kind == "block", tp_modules=_tp_modules(layer, cfg),
+        fsdp_unit=fsdp_unit,
+        dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
+    )
     times = layer_compute(
         cluster.device,
         cluster.device.peak_flops(cfg.dtype),
@@ -236,6 +262,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         bwd_flops=layer.bwd_flops * b / shard,
         recompute_flops=tuple(f * b / shard for f in rec_flops),
         elementwise_bytes=act[0],
+        overhead_s=passes_s,
+        speedup=_pipeline_speedup(cluster, cfg),
     )
     params_tp = layer.num_params / shard
     state = memory.layer_state(params_tp, cfg)
@@ -274,7 +302,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
         optimizer_s=OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * state.local_params
-        / cluster.device.hbm_bytes_per_s,
+        / cluster.device.hbm_bytes_per_s + (opt_fixed_s if layer.num_params > 0 else 0.0),
     )
     return cost, tail_s
 

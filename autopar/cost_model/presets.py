@@ -187,6 +187,8 @@ def cpu_cluster_fields(workers: int) -> dict[str, Any]:
         "matmul_efficiency_max": 0.87,
         "matmul_half_flops": 1e-4 * flops,
         "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
+        # Workers beyond the cores take turns on them: alone, a worker runs this much faster.
+        "shared_compute_processes": max(1.0, workers / CPU_CORES),
     }
     return {
         "device": device,

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class LaunchResult:
         steps: the step numbers of ``losses`` (1-based).
         step_times_s: the slowest rank's wall time of each step.
         peak_memory_bytes: the largest per-rank peak of live tensor bytes over the launch.
+        peak_memory_bytes_per_rank: each rank's peak over the launch (global rank order).
         world_size: the number of ranks (0 if no worker reported).
         finished: the workers reached the end of training.
     """
@@ -68,6 +70,7 @@ class LaunchResult:
     peak_memory_bytes: int
     world_size: int
     finished: bool
+    peak_memory_bytes_per_rank: tuple[int, ...] = ()
 
 
 def launch_spec_for(
@@ -163,7 +166,20 @@ def _read_results(path: Path, returncode: int) -> LaunchResult:
         peak_memory_bytes=max((int(r["peak_memory_bytes"]) for r in by_step.values()), default=0),
         world_size=world_size,
         finished=finished,
+        peak_memory_bytes_per_rank=_per_rank_peaks(by_step.values()),
     )
+
+
+def _per_rank_peaks(records: Iterable[dict]) -> tuple[int, ...]:
+    """Element-wise maximum of the per-rank peaks over the steps."""
+    peaks: list[int] = []
+    for record in records:
+        for rank, value in enumerate(record.get("peak_memory_bytes_per_rank", ())):
+            if rank == len(peaks):
+                peaks.append(int(value))
+            else:
+                peaks[rank] = max(peaks[rank], int(value))
+    return tuple(peaks)
 
 
 def launch(worker_args: WorkerArgs, spec: LaunchSpec) -> LaunchResult:

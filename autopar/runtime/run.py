@@ -129,6 +129,7 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         "losses": list(result.losses),
         "step_times_s": list(result.step_times_s),
         "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_memory_bytes_per_rank": list(result.peak_memory_bytes_per_rank),
         "world_size": result.world_size,
         "config": job.plan.config.to_dict(),
         "steps": list(result.steps),
@@ -179,7 +180,7 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         model_text = args.model or plan.model
         if not model_text:
             raise AutoparError(f"plan {args.source} does not say its model; pass --model MODEL")
-        model, profile = _build_and_profile(model_text)
+        model, profile = _build_and_profile(model_text, plan.seq_len or None)
         if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
             raise PlanMismatchError(
                 f"plan {args.source} was made for another model (profile fingerprint "
@@ -205,7 +206,7 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
     return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab)
 
 
-def _build_and_profile(model_text: str) -> tuple[Any, Any]:
+def _build_and_profile(model_text: str, seq_len: int | None = None) -> tuple[Any, Any]:
     """Build ``model_text`` on the meta device and profile it as ``autopar plan`` does."""
     import autopar
     from autopar.runtime.worker import build_model
@@ -218,7 +219,7 @@ def _build_and_profile(model_text: str) -> tuple[Any, Any]:
         return model, autopar.profile(
             model, example_inputs=load_model_file(model_text).example_inputs
         )
-    return model, autopar.profile(model)
+    return model, autopar.profile(model, seq_len=seq_len)
 
 
 def _launch_spec(args: argparse.Namespace, world_size: int) -> Any:

@@ -14,7 +14,6 @@ Peak memory is the peak of live tensor bytes on the rank (``LiveTensorBytes``, a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -243,8 +242,18 @@ def _append_result(args: WorkerArgs, record: dict[str, Any]) -> None:
         f.flush()
 
 
+# Live tensor bytes are counted from the model build through this many training steps of a
+# launch: by then parameters, gradients, optimizer state and a step's activations have all been
+# allocated, so the peak is reached; later steps run without the counting mode's overhead, so
+# their step times are the plain ones.
+TRACKED_STEPS = 2
+
+
 def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | None) -> None:
-    with tracker if tracker is not None else contextlib.nullcontext():
+    tracking = tracker is not None
+    if tracking:
+        tracker.__enter__()
+    try:
         job = _build_job(args, device)
         optimizers = _Optimizers(job.model_parts)
         start = 0
@@ -266,13 +275,11 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
             t0 = time.perf_counter()
             loss = job.step(batch, optimizers)
             step_time_s = time.perf_counter() - t0
-            peak = _peak_bytes(device, tracker)
-            # Largest step time and peak memory over all ranks (one small all-reduce).
-            figures = torch.tensor([step_time_s, float(peak)], dtype=torch.float64, device=device)
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+            if tracking and step >= start + TRACKED_STEPS:
+                tracker.__exit__(None, None, None)
+                tracking = False
             _append_result(args, {
-                "step": step, "loss": float(loss), "step_time_s": float(figures[0]),
-                "peak_memory_bytes": int(figures[1]),
+                "step": step, "loss": float(loss), **_step_figures(device, tracker, step_time_s),
             })
             if args.checkpoint_dir and (
                 step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
@@ -281,7 +288,27 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
                     args.checkpoint_dir, step, job.model_parts, optimizers.optimizers,
                     marker={"world_size": dist.get_world_size(), "config": args.plan["config"]},
                 )
+    finally:
+        if tracking:
+            tracker.__exit__(None, None, None)
     _append_result(args, {"done": True, "world_size": dist.get_world_size()})
+
+
+def _step_figures(
+    device: torch.device, tracker: LiveTensorBytes | None, step_time_s: float
+) -> dict[str, Any]:
+    """The slowest rank's step time and every rank's peak memory (two small all-reduces)."""
+    step_time = torch.tensor([step_time_s], dtype=torch.float64, device=device)
+    dist.all_reduce(step_time, op=dist.ReduceOp.MAX)
+    peaks = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    peaks[dist.get_rank()] = float(_peak_bytes(device, tracker))
+    dist.all_reduce(peaks, op=dist.ReduceOp.SUM)
+    per_rank = [int(x) for x in peaks.tolist()]
+    return {
+        "step_time_s": float(step_time[0]),
+        "peak_memory_bytes": max(per_rank),
+        "peak_memory_bytes_per_rank": per_rank,
+    }
 
 
 def _peak_bytes(device: torch.device, tracker: LiveTensorBytes | None) -> int:

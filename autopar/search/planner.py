@@ -293,6 +293,7 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
         profile_fingerprint=profile.fingerprint(),
         cluster_fingerprint=cluster.fingerprint(),
         model=model,
+        seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
         search=info,
     )
@@ -397,5 +398,6 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
         profile_fingerprint=profile.fingerprint(),
         cluster_fingerprint=cluster.fingerprint(),
         model=model,
+        seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
     )

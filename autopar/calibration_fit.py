@@ -236,6 +236,7 @@ class Calibration:
         optimizer_nonblock_overhead_s: the same over the rest of the tiny model.
         dtensor_optimizer_layer_overhead_s: extra seconds of that step when the block's
             parameters are DTensors (TP or FSDP2).
+        cpu_cores: CPU cores the processes could run on (0: not recorded).
         memory_bytes_per_s: bytes read + written per second by a large tensor copy (per process).
         wall_s: wall time of the measurement, process start included.
         device_name: the device's name ("cpu", or what CUDA reports, e.g. "NVIDIA H200").
@@ -261,6 +262,7 @@ class Calibration:
     optimizer_layer_overhead_s: float = 0.0
     optimizer_nonblock_overhead_s: float = 0.0
     dtensor_optimizer_layer_overhead_s: float = 0.0
+    cpu_cores: int = 0
 
     def collective(self, op: str, group_size: int | None = None) -> CollectiveFit:
         """The fit of collective ``op`` (over ``group_size`` ranks, default the largest group).
@@ -330,7 +332,7 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
       (half the rest of a one-block model), ``tp_module_overhead_s`` (DTensor's extra per
       tensor-parallel module), ``fsdp_layer_overhead_s``, ``optimizer_layer_overhead_s`` and
       ``dtensor_optimizer_layer_overhead_s``; ``matmul_half_flops = R * t0`` (one call's own
-      fixed cost);
+      fixed cost); ``shared_compute_processes = max(1, nproc / cpu_cores)``;
     - on GPU (the host runs ahead of the kernels) ``matmul_half_flops = R * layer_overhead_s /
       FWD_BWD_WORK_RATIO``: the compute model charges a pass of F FLOPs of a layer whose
       forward work is w the time ``F (w + half) / (w R)``, whose fixed part sums to
@@ -377,6 +379,8 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
             optimizer_layer_overhead_s=cal.optimizer_layer_overhead_s,
             dtensor_optimizer_layer_overhead_s=cal.dtensor_optimizer_layer_overhead_s,
         )
+        if cal.cpu_cores > 0:  # workers beyond the cores take turns on them
+            device["shared_compute_processes"] = max(1.0, cal.nproc / cal.cpu_cores)
     else:
         # The host dispatches ahead of the kernels: its cost shows only when a layer's kernels
         # are shorter, which the matmul half-work point expresses.

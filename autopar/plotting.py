@@ -168,7 +168,9 @@ def _schedule_panel(ax: Any, config: ParallelConfig, est: Estimate) -> None:
     ax.set_ylabel("pipeline rank")
     ax.invert_yaxis()
     ax.set_yticks(sorted(set(placement.values())))
-    handles = [ax.bar(0, 0, color=COLORS[k], label=n)[0]
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS[k], label=n)
                for k, n in (("F", "forward"), ("B", "backward"), ("W", "weight grad"))
                if any(op.kind == k for op in ops)]
     ax.legend(handles=handles, loc="upper right", fontsize=7)

@@ -13,6 +13,11 @@ order is the other way round. On a GPU machine the same script runs with NCCL an
 
     .venv/bin/python benchmarks/accuracy.py                 # full run (~5 minutes here)
     .venv/bin/python benchmarks/accuracy.py --quick         # 4 configs, 3 steps (development)
+
+``--calibration cal.json`` keeps the raw calibration (read when the file exists, written after
+calibrating otherwise) and ``--measurements runs.json`` the raw measurements (configurations
+found there are not run again): together they re-predict a real run after a cost-model change
+without re-measuring. The predicted time terms of every configuration go to stderr.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ __all__ = ["alternatives_for"]
 
 
 def _references(best: ParallelConfig, world: int) -> list[tuple[str, dict[str, Any]]]:
-    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1}
+    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False}
     refs = [
         (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "zero": 0}),
         (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "zero": 3}),

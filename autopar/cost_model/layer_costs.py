@@ -151,6 +151,24 @@ def _tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
     return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
 
 
+def _net_of_fresh_grads(act: tuple[float, float, float], cfg: ParallelConfig,
+                        local_params: float) -> tuple[float, float, float]:
+    """Saved activations net of the gradients that take their place, with one micro-batch.
+
+    The runtime frees gradients at every step's end (``zero_grad(set_to_none=True)``), so
+    with one micro-batch a layer's gradient (4 bytes per local parameter) appears in its
+    backward as its saved activations are released: the two never peak together. The table's
+    memory adds every gradient to every activation (assemble.py), so the layer's activations
+    are charged net of its gradient, max(0, act - grad), which makes the sum the peak of
+    max(act, grad) per layer. With several micro-batches gradients accumulate from the first
+    backward on and both are charged in full.
+    """
+    if cfg.num_microbatches > 1:
+        return act
+    grad = memory.GRAD_BYTES * local_params
+    return (max(0.0, act[0] - grad), max(0.0, act[1] - grad), max(0.0, act[2] - grad))
+
+
 def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
     """Compute speed-up of a pipeline's ranks from sharing compute units with idle neighbours
     (``compute.busy_speedup``; busy fraction of uniform stages m v / (m v + c p v))."""
@@ -242,10 +260,13 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
     b, tp = cfg.micro_batch, cfg.tp
     w = DTYPE_BYTES[cfg.dtype]
     shard = tp if tp_sharded(layer) else 1
-    vocab_shard = tp if layer.tp.vocab_parallel else 1
-    head_elems = profile.seq_len * profile.vocab / vocab_shard if layer.kind == "head" else 0.0
+    # The runtime all-gathers the vocab-parallel head's logits before an ordinary loss
+    # (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
+    # log-softmax.
+    head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = memory.activation_bytes(
-        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems
+        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
+        gathered_logits=layer.kind == "head" and bool(layer.tp.vocab_parallel),
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
@@ -295,7 +316,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         recompute_s=times.recompute_s,
         tp_comm_s=tuple(sum(c.time_s(groups["tp"]) for c in calls) for calls in tp_calls),
         dp_microbatch_s=mb_s,
-        act_bytes=act,
+        act_bytes=_net_of_fresh_grads(act, cfg, state.local_params),
         transient_bytes=transient,
         param_bytes=state.param_bytes,
         grad_bytes=state.grad_bytes,

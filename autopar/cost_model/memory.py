@@ -164,6 +164,7 @@ def activation_bytes(
     dtype_ratio: float,
     tp_sharded: bool,
     logprob_elements: float,
+    gathered_logits: bool = False,
 ) -> tuple[float, float, float]:
     """Bytes one rank saves for backward for one micro-batch, by recompute mode.
 
@@ -174,6 +175,9 @@ def activation_bytes(
         tp_sharded: whether tensor parallelism splits this layer's activations.
         logprob_elements: elements of the fp32 log-softmax per sample on this rank (head
             layer only: s * V / vocab shards), 0 elsewhere.
+        gathered_logits: the head's vocab shards are all-gathered before the loss (the
+            runtime's colwise head with ``Replicate()`` output): the log-softmax of
+            ``logprob_elements`` is whole on every tp rank, not sharded.
     """
     b, tp = config.micro_batch, config.tp
     out = []
@@ -182,6 +186,9 @@ def activation_bytes(
         rep = layer.saved_bytes_replicated.get(mode, 0) * b * dtype_ratio
         if tp_sharded and tp > 1:
             saved = (saved - rep) / tp + (rep / tp if config.sequence_parallel else rep)
+            if gathered_logits and mode != "full":  # the log-softmax is whole: undo its 1/tp
+                whole = DTYPE_BYTES[config.dtype] * logprob_elements * b
+                saved += whole * (1.0 - 1.0 / tp)
         # The profile counted the fp32 log-softmax at ratio-scaled size; restore its 4 bytes.
         if mode != "full":
             saved += FP32_LOGPROB_BYTES * logprob_elements * b * (1.0 - dtype_ratio)

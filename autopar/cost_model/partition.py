@@ -17,24 +17,38 @@ __all__ = ["balanced_partition"]
 _RELATIVE_TOLERANCE = 1e-7  # stop bisecting when the bottleneck is known to this precision
 
 
-def _greedy(prefix: list[float], limit: float, num_stages: int) -> list[int] | None:
-    """Stage end indices (exclusive) of a greedy packing under ``limit``, or None if > k."""
+def _greedy(prefix: list[float], limit: float, num_stages: int) -> tuple[list[int] | None, float]:
+    """Greedy packing under ``limit``: (stage end indices (exclusive) or None if > k, grow).
+
+    ``grow`` is the smallest limit above ``limit`` at which the packing would change (a stage
+    taking one more layer); every limit below it gives the same packing.
+    """
     n = len(prefix) - 1
     ends: list[int] = []
+    grow = float("inf")
     start = 0
     while start < n:
         stages_left = num_stages - len(ends)
         if stages_left <= 0:
-            return None
+            return None, grow
         # furthest end e with prefix[e] - prefix[start] <= limit, keeping one layer per later stage
         e = bisect_right(prefix, prefix[start] + limit) - 1
-        e = min(e, n - (stages_left - 1))
+        cap = n - (stages_left - 1)
+        if e < cap and e + 1 <= n:
+            grow = min(grow, prefix[e + 1] - prefix[start])
+        e = min(e, cap)
         if e <= start:
-            return None
+            return None, grow
         ends.append(e)
         start = e
     # Leaving one layer per later stage makes the packing use exactly k stages when it fits.
-    return ends if len(ends) == num_stages else None
+    return (ends if len(ends) == num_stages else None), grow
+
+
+def _bottleneck(prefix: list[float], ends: list[int]) -> float:
+    """Largest stage sum of a packing given by its stage ends."""
+    starts = [0, *ends[:-1]]
+    return max(prefix[b] - prefix[a] for a, b in zip(starts, ends))
 
 
 def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -65,19 +79,29 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[i
     biggest = max(float(c) for c in costs)
     lo = max(biggest, prefix[-1] / num_stages)
     hi = lo + biggest
-    ends = _greedy(prefix, hi * (1 + 1e-12), num_stages)
+    ends, _ = _greedy(prefix, hi * (1 + 1e-12), num_stages)
     if ends is None:  # pragma: no cover - the bound above is always feasible
         raise AssertionError("balanced_partition: upper bound infeasible")
-    if _greedy(prefix, lo, num_stages) is not None:
+    hi = _bottleneck(prefix, ends)
+    probe, grow = _greedy(prefix, lo, num_stages)
+    if probe is not None:
         hi = lo
     else:
+        lo = max(lo, grow)
+        # Both ends snap to layer-range sums: hi to the bottleneck a feasible packing achieves,
+        # lo to the smallest limit that changes an infeasible packing. Usually a few probes.
         while hi - lo > _RELATIVE_TOLERANCE * hi:
             mid = 0.5 * (lo + hi)
-            if _greedy(prefix, mid, num_stages) is None:
-                lo = mid
+            probe, grow = _greedy(prefix, mid, num_stages)
+            if probe is None:
+                lo = max(mid, grow)
             else:
-                hi = mid
-    ends = _greedy(prefix, hi, num_stages)
+                hi = _bottleneck(prefix, probe)
+        if lo <= hi:
+            probe, _ = _greedy(prefix, lo, num_stages)
+            if probe is not None:
+                hi = _bottleneck(prefix, probe)
+    ends, _ = _greedy(prefix, hi, num_stages)
     assert ends is not None
     starts = [0, *ends[:-1]]
     return tuple((a, b - 1) for a, b in zip(starts, ends))

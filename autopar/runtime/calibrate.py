@@ -22,7 +22,6 @@ Units: seconds, bytes, FLOPs, bytes per second, FLOP/s.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -59,10 +58,8 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 # All-reduce in concurrent groups of 2 (measured when nproc >= 4 is even): the latency of the
 # small groups that tp=2 or dp=2 splits create, under the contention of the whole machine.
 PAIRS_ALL_REDUCE = "all_reduce_pairs"
-# The runtime's CPU workers count live tensor bytes under a dispatch mode for the whole run
-# (worker.main), so its per-operator cost is part of every CPU step and calibrate measures the
-# framework overheads under it. Set to False when the worker stops tracking its timed steps.
-CPU_RUNTIME_TRACKS_MEMORY = True
+# Shortest window a framework-overhead figure averages over (several scheduler time slices).
+OVERHEAD_WINDOW_S = 0.1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,35 +243,26 @@ def _count_ops(fn) -> int:
     return counter.calls
 
 
-def _runtime_mode(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """The dispatch mode the runtime's workers run every step under, on this device type.
-
-    On CPU every worker counts live tensor bytes with ``worker.LiveTensorBytes`` through the
-    whole run (``worker.main``): its per-operator cost is part of every CPU training step, so
-    the framework overheads are measured under it. On GPU the runtime reads CUDA's allocator
-    statistics instead: no mode.
-    """
-    if device.type == "cpu" and CPU_RUNTIME_TRACKS_MEMORY:
-        from autopar.runtime.worker import LiveTensorBytes
-
-        return LiveTensorBytes()
-    return contextlib.nullcontext()
-
-
 def _time_median(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn`` over ``iters`` calls after 3 untimed ones, under the runtime's
-    dispatch mode."""
-    with _runtime_mode(device):
-        for _ in range(3):
-            fn()
-        times = []
-        dist.barrier()
-        for _ in range(iters):
-            start = time.perf_counter()
+    """Seconds per call of ``fn``: median of 3 repetitions, each the mean over at least
+    ``iters`` calls and OVERHEAD_WINDOW_S seconds.
+
+    A mean over a window longer than the scheduler's time slice, not a median of single calls:
+    with more processes than cores a call shorter than a slice is either not preempted or
+    preempted for a whole slice, and the median of single calls would miss the sharing.
+    """
+    for _ in range(3):
+        fn()
+    dist.barrier()
+    per_call = []
+    for _ in range(3):
+        calls, start = 0, time.perf_counter()
+        while calls < iters or time.perf_counter() - start < OVERHEAD_WINDOW_S:
             fn()
             _sync(device)
-            times.append(time.perf_counter() - start)
-    return median(times)
+            calls += 1
+        per_call.append((time.perf_counter() - start) / calls)
+    return median(per_call)
 
 
 def _time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, iters: int,
@@ -491,6 +479,8 @@ def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = Non
         optimizer_layer_overhead_s=raw["optimizer_layer_overhead_s"],
         optimizer_nonblock_overhead_s=raw["optimizer_nonblock_overhead_s"],
         dtensor_optimizer_layer_overhead_s=raw["dtensor_optimizer_layer_overhead_s"],
+        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 0),
         memory_bytes_per_s=raw["memory_bytes_per_s"],
         device_name=torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
         wall_s=time.perf_counter() - start,
@@ -555,7 +545,12 @@ def format_calibration(cal: Calibration) -> str:
         f"  copy bandwidth: {cal.memory_bytes_per_s / 1e9:.2f} GB/s per process",
         f"  framework: {cal.op_overhead_s * 1e6:.1f} us per op, block fwd+bwd "
         f"{cal.layer_overhead_s * 1e3:.2f} ms, +{cal.dtensor_layer_overhead_s * 1e3:.2f} ms "
-        f"with DTensor, +{cal.fsdp_layer_overhead_s * 1e3:.2f} ms with FSDP2",
+        f"with DTensor ({cal.dtensor_module_overhead_s * 1e3:.2f} ms per module), "
+        f"+{cal.fsdp_layer_overhead_s * 1e3:.2f} ms with FSDP2; rest of the model "
+        f"{cal.nonblock_overhead_s * 1e3:.2f} ms",
+        f"  AdamW step: {cal.optimizer_layer_overhead_s * 1e3:.2f} ms per block, "
+        f"+{cal.dtensor_optimizer_layer_overhead_s * 1e3:.2f} ms with DTensor parameters; "
+        f"{cal.cpu_cores or '?'} cores",
     ]
     for c in cal.collectives:
         lines.append(

@@ -39,6 +39,9 @@ def test_calibrate_two_processes_writes_a_loadable_cluster(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in values)
     assert all(math.isfinite(c.latency_s) and c.latency_s >= 0 for c in cal.collectives)
     assert cal.dtensor_layer_overhead_s >= 0 and cal.fsdp_layer_overhead_s >= 0
+    assert cal.optimizer_layer_overhead_s > 0 and cal.nonblock_overhead_s >= 0
+    assert cal.dtensor_module_overhead_s >= 0 and cal.dtensor_optimizer_layer_overhead_s >= 0
+    assert cal.cpu_cores >= 1
     # Loose (the machine is shared and loopback timings are noisy): the alpha-beta model
     # explains the sweep to within 30% at the median collective.
     assert median([c.median_rel_error for c in cal.collectives]) < 0.3
@@ -50,6 +53,8 @@ def test_calibrate_two_processes_writes_a_loadable_cluster(tmp_path):
     assert loaded.gpus_per_node == 2
     assert 0 < loaded.device.matmul_efficiency_max <= 1
     assert loaded.intra_node.bandwidth_bytes_per_s > 0
+    assert loaded.device.layer_overhead_s == cal.layer_overhead_s
+    assert loaded.allocator_reserve_bytes == 0  # gloo on CPU: no NCCL/CUDA buffers
 
 
 def test_calibrate_command_never_overwrites_without_force(tmp_path):

@@ -118,7 +118,9 @@ def _calibration(nproc: int = 2) -> Calibration:
         matmul_fixed_s=2e-6, matmul_peak_flops=40e9, matmul_median_rel_error=0.05,
         collectives=fits, op_overhead_s=6e-6, layer_overhead_s=1e-3,
         dtensor_layer_overhead_s=5e-3, fsdp_layer_overhead_s=1e-3, memory_bytes_per_s=8e9,
-        wall_s=10.0,
+        wall_s=10.0, nonblock_overhead_s=6e-4, dtensor_module_overhead_s=7e-4,
+        optimizer_layer_overhead_s=2e-3, optimizer_nonblock_overhead_s=1e-3,
+        dtensor_optimizer_layer_overhead_s=3e-3,
     )
 
 
@@ -127,7 +129,15 @@ def test_calibration_to_cluster_maps_the_fits(tmp_path):
     cluster = calibration_to_cluster(cal)
     dev = cluster.device
     assert dev.peak_fp32_flops * dev.matmul_efficiency_max == pytest.approx(40e9)
-    assert 3 * dev.matmul_half_flops / 40e9 == pytest.approx(1e-3)  # fixed part fwd + bwd
+    # CPU: the framework overheads in their own fields, the matmul curve keeps t0 only
+    assert dev.matmul_half_flops / 40e9 == pytest.approx(2e-6)
+    assert dev.layer_overhead_s == 1e-3 and dev.edge_layer_overhead_s == pytest.approx(3e-4)
+    assert dev.tp_module_overhead_s == 7e-4 and dev.fsdp_layer_overhead_s == 1e-3
+    assert dev.optimizer_layer_overhead_s == 2e-3
+    assert dev.dtensor_optimizer_layer_overhead_s == 3e-3
+    assert dev.shared_compute_processes == Cluster.preset("cpu", gpus_per_node=2).device.\
+        shared_compute_processes
+    assert cluster.comm_buffer_bytes_per_group == 0 and cluster.allocator_reserve_bytes == 0
     assert dev.hbm_bytes_per_s == 8e9
     assert cluster.intra_node.bandwidth_bytes_per_s == 2e9  # median of AR, AG, RS
     # per ring step: AR 4e-4 / 2, AG 2e-4 / 1, RS 3e-4 / 1 -> median 2e-4
@@ -152,6 +162,11 @@ def test_base_preset_follows_the_device_name():
     cluster = calibration_to_cluster(replace(gpu, matmul_peak_flops=600e12))
     assert cluster.device.peak_bf16_flops * cluster.device.matmul_efficiency_max == pytest.approx(
         600e12)
+    # GPU: the host's cost rides on the matmul half-work point; no per-layer overhead fields
+    assert 3 * cluster.device.matmul_half_flops / 600e12 == pytest.approx(1e-3)
+    assert cluster.device.layer_overhead_s == 0 and cluster.device.tp_module_overhead_s == 0
+    assert cluster.comm_buffer_bytes_per_group == 64 * 2**20
+    assert cluster.allocator_reserve_bytes == 256 * 2**20
     assert cluster.device.memory_bytes == Cluster.preset("h200").device.memory_bytes
 
 

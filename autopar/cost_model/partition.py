@@ -101,7 +101,8 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[i
             probe, _ = _greedy(prefix, lo, num_stages)
             if probe is not None:
                 hi = _bottleneck(prefix, probe)
-    ends, _ = _greedy(prefix, hi, num_stages)
+    # hi is a layer-range sum; allow for rounding when the greedy re-adds it to a prefix sum.
+    ends, _ = _greedy(prefix, hi * (1 + 1e-12), num_stages)
     assert ends is not None
     starts = [0, *ends[:-1]]
     return tuple((a, b - 1) for a, b in zip(starts, ends))

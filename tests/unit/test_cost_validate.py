@@ -86,3 +86,13 @@ def test_balanced_partition_matches_brute_force(costs, data):
 def test_balanced_partition_rejects_bad_counts():
     with pytest.raises(ValueError):
         balanced_partition([1.0, 2.0], 3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(costs=st.lists(st.floats(0.0, 1e3, allow_nan=False), min_size=1, max_size=8),
+       data=st.data())
+def test_balanced_partition_is_optimal_on_arbitrary_floats(costs, data):
+    k = data.draw(st.integers(1, len(costs)))
+    split = balanced_partition(costs, k)
+    worst = max(sum(costs[a:b + 1]) for a, b in split)
+    assert worst == pytest.approx(_brute(costs, k), rel=1e-6, abs=1e-9)

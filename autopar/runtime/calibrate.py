@@ -60,6 +60,10 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 PAIRS_ALL_REDUCE = "all_reduce_pairs"
 # Shortest window a framework-overhead figure averages over (several scheduler time slices).
 OVERHEAD_WINDOW_S = 0.1
+# Shape at which the fixed per-layer cost is measured (a small model's: operators on [b, s, h]
+# tensors of this size cost more than their dispatch).
+SMALL_HIDDEN = 128
+SMALL_SEQ = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,6 +299,24 @@ def _tiny_model(kind: str, device: torch.device) -> torch.nn.Module:
     return build(kind, device=device, seed=0, **shape)
 
 
+def _small_model(kind: str, device: torch.device) -> torch.nn.Module:
+    from autopar.models import build
+
+    shape = {"layers": 1, "hidden": SMALL_HIDDEN, "heads": 4, "vocab": 512,
+             "seq_len": SMALL_SEQ}
+    if kind == "llama":
+        shape["kv_heads"] = 2
+    return build(kind, device=device, seed=0, **shape)
+
+
+def _fixed_part(module: torch.nn.Module, inputs: list[torch.Tensor], iters: int,
+                device: torch.device) -> float:
+    """The batch-independent seconds of a forward + backward: t(b) = fixed + b * per-sample,
+    extrapolated to b = 0 from b = 1 and 2 (``inputs``), fixed = 2 t(1) - t(2)."""
+    t1, t2 = (_time_fwd_bwd(module, x, iters, device) for x in inputs)
+    return 2.0 * t1 - t2
+
+
 def _tiny_block(kind: str, device: torch.device) -> torch.nn.Module:
     return _tiny_model(kind, device).layers["0"]
 
@@ -326,6 +348,16 @@ def _measure_kind(kind: str, mesh: Any, iters: int, device: torch.device) -> dic
     model = _tiny_model(kind, device)
     out["nonblock"] = max(_time_fwd_bwd(model, tokens, iters, device) - out["block"], 0.0)
     out["opt_nonblock"] = max(_time_optimizer(model, iters, device) - out["opt_block"], 0.0)
+    # At a small model's shapes the operators cost more than their dispatch: the fixed part
+    # of a block (and of the rest of a one-block model) at width SMALL_HIDDEN, never below the
+    # tiny block's.
+    small = _small_model(kind, device)
+    xs = [torch.randn(b, SMALL_SEQ, SMALL_HIDDEN, device=device, requires_grad=True)
+          for b in (1, 2)]
+    out["block_fixed"] = max(_fixed_part(small.layers["0"], xs, iters, device), out["block"])
+    toks = [torch.randint(0, 512, (b, SMALL_SEQ), device=device) for b in (1, 2)]
+    out["nonblock_fixed"] = max(_fixed_part(small, toks, iters, device) - out["block_fixed"],
+                                out["nonblock"])
     block = _tiny_block(kind, device)
     styles = _tp_styles(block)
     parallelize_module(block, mesh["tp"], styles)
@@ -359,8 +391,8 @@ def _measure_overheads(sweep: Sweep, device: torch.device) -> dict[str, float]:
     opt_dtensor = 0.5 * (mean("opt_dtensor") + mean("opt_fsdp"))
     return {
         "op_overhead_s": mean("block") / mean("ops"),
-        "layer_overhead_s": mean("block"),
-        "nonblock_overhead_s": mean("nonblock"),
+        "layer_overhead_s": mean("block_fixed"),
+        "nonblock_overhead_s": mean("nonblock_fixed"),
         "dtensor_layer_overhead_s": mean("dtensor"),
         "dtensor_module_overhead_s": _mean_over_ranks(
             sum(r["dtensor"] / r["tp_modules"] for r in runs) / len(runs), device),

@@ -37,9 +37,9 @@ from autopar.cost_model.layer_costs import build_cost_table  # noqa: E402
 from autopar.cost_model.validate import check_config  # noqa: E402
 from tests.fixtures.profiles import analytic_transformer_profile  # noqa: E402
 
-RUNS = Path("/work/shared/reference/calibration_runs.json")
-if not RUNS.exists():
-    RUNS = ROOT.parent / "shared" / "reference" / "calibration_runs.json"
+# The published runs (with their sources) are kept beside this script, so the figures in README
+# reproduce from a checkout alone.
+RUNS = ROOT / "benchmarks" / "data" / "calibration_runs.json"
 
 DEFAULT_MICRO_BATCH = 1  # a record without a micro-batch size: 1 (Megatron's usual for big runs)
 DEFAULT_VIRTUAL_STAGES = 2  # "interleaved" without a chunk count: 2 when the stage layers allow

@@ -237,6 +237,8 @@ class Calibration:
         dtensor_optimizer_layer_overhead_s: extra seconds of that step when the block's
             parameters are DTensors (TP or FSDP2).
         cpu_cores: CPU cores the processes could run on (0: not recorded).
+        recompute_layer_overhead_s: extra seconds of a block's forward + backward under
+            non-reentrant activation checkpointing (the re-run forward included).
         memory_bytes_per_s: bytes read + written per second by a large tensor copy (per process).
         wall_s: wall time of the measurement, process start included.
         device_name: the device's name ("cpu", or what CUDA reports, e.g. "NVIDIA H200").
@@ -263,6 +265,7 @@ class Calibration:
     optimizer_nonblock_overhead_s: float = 0.0
     dtensor_optimizer_layer_overhead_s: float = 0.0
     cpu_cores: int = 0
+    recompute_layer_overhead_s: float = 0.0
 
     def collective(self, op: str, group_size: int | None = None) -> CollectiveFit:
         """The fit of collective ``op`` (over ``group_size`` ranks, default the largest group).
@@ -378,6 +381,7 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
             fsdp_layer_overhead_s=cal.fsdp_layer_overhead_s,
             optimizer_layer_overhead_s=cal.optimizer_layer_overhead_s,
             dtensor_optimizer_layer_overhead_s=cal.dtensor_optimizer_layer_overhead_s,
+            recompute_layer_overhead_s=cal.recompute_layer_overhead_s,
         )
         if cal.cpu_cores > 0:  # workers beyond the cores take turns on them
             device["shared_compute_processes"] = max(1.0, cal.nproc / cal.cpu_cores)

@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(median after {args.warmup} warm-up); torch {torch.__version__}; "
             f"{time.perf_counter() - start:.0f} s in all; reproduce: "
             f"`.venv/bin/python benchmarks/accuracy.py`")
+    if args.calibration or args.measurements:
+        meta += (f"; raw calibration `{args.calibration or '-'}`, raw measurements "
+                 f"`{args.measurements or '-'}` (configurations found there were not run again)")
     _print_breakdowns(rows)
     text = report(rows, cluster, meta)
     print(text)

@@ -76,6 +76,7 @@ def layer_compute(
     elementwise_bytes: float,
     overhead_s: float = 0.0,
     speedup: float = 1.0,
+    recompute_extra_s: float = 0.0,
 ) -> LayerCompute:
     """Times of one layer, micro-batch and rank (FLOPs and bytes already per rank).
 
@@ -89,6 +90,8 @@ def layer_compute(
             the elementwise traffic is ``elementwise_traffic_factor`` times this.
         overhead_s: fixed framework seconds of the layer's forward + backward (1/3, 2/3).
         speedup: divides every time (``busy_speedup``: ranks sharing cores with idle ones).
+        recompute_extra_s: checkpointing's own fixed cost of a full re-run, beyond the re-run
+            forward share of ``overhead_s`` (selective pays its FLOP share of it).
 
     Returns:
         forward, backward and per-mode recompute seconds.
@@ -106,7 +109,7 @@ def layer_compute(
             continue
         # A full re-run also repeats the elementwise forward traffic in proportion to its FLOPs.
         share = min(1.0, extra / fwd_flops) if fwd_flops > 0 else 1.0
-        recompute.append(extra / rate + share * fwd_traffic_s)
+        recompute.append(extra / rate + share * (fwd_traffic_s + recompute_extra_s))
     bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
     return LayerCompute(
         forward_s=(fwd_mm + fwd_traffic_s) / speedup,

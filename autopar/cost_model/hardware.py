@@ -65,6 +65,10 @@ class DeviceSpec:
             step (non-block layers: scaled by ``edge_layer_overhead_s / layer_overhead_s``).
         dtensor_optimizer_layer_overhead_s: extra cost of that step when the parameters are
             DTensors (tensor-parallel layers, FSDP2 / replicate() units), per block per step.
+        recompute_layer_overhead_s: extra cost of a fully recomputed block per micro-batch
+            (activation checkpointing: the re-run forward and its bookkeeping), replacing
+            the re-run share of ``layer_overhead_s`` when larger; selective recompute pays it
+            in proportion to the FLOPs it re-runs. Measured by calibrate on CPU.
         shared_compute_processes: device processes that share one compute unit when all of
             them run (CPU workers over cores: workers / cores; a GPU: 1). The throughputs above
             are per process with all running; a process whose neighbours idle (a pipeline
@@ -87,6 +91,7 @@ class DeviceSpec:
     fsdp_layer_overhead_s: float = 0.0
     optimizer_layer_overhead_s: float = 0.0
     dtensor_optimizer_layer_overhead_s: float = 0.0
+    recompute_layer_overhead_s: float = 0.0
     shared_compute_processes: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
@@ -286,7 +291,7 @@ _DEVICE_OPTIONAL: dict[str, Any] = {
     name: 0.0
     for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
                  "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
-                 "dtensor_optimizer_layer_overhead_s")
+                 "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s")
 }
 _DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
 _DEVICE_OPTIONAL["shared_compute_processes"] = 1.0

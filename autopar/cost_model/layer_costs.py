@@ -285,6 +285,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         elementwise_bytes=act[0],
         overhead_s=passes_s,
         speedup=_pipeline_speedup(cluster, cfg),
+        # Checkpointing's measured cost of a re-run block beyond the forward share charged.
+        recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
+                              - cluster.device.layer_overhead_s / 3.0)
+        if layer.kind == "block" else 0.0,
     )
     params_tp = layer.num_params / shard
     state = memory.layer_state(params_tp, cfg)

@@ -368,7 +368,30 @@ def _measure_kind(kind: str, mesh: Any, iters: int, device: torch.device) -> dic
     fully_shard(block, mesh=mesh["tp"])
     out["fsdp"] = max(_time_fwd_bwd(block, x, iters, device) - out["block"], 0.0)
     out["opt_fsdp"] = max(_time_optimizer(block, iters, device) - out["opt_block"], 0.0)
+    # The same extras at the small shape (their fixed parts), never below the tiny ones.
+    block = _small_model(kind, device).layers["0"]
+    parallelize_module(block, mesh["tp"], _tp_styles(block))
+    out["dtensor"] = max(_fixed_part(block, xs, iters, device) - out["block_fixed"],
+                         out["dtensor"])
+    block = _small_model(kind, device).layers["0"]
+    fully_shard(block, mesh=mesh["tp"])
+    out["fsdp"] = max(_fixed_part(block, xs, iters, device) - out["block_fixed"], out["fsdp"])
+    out["checkpoint"] = max(_fixed_part(_Checkpointed(small.layers["0"]), xs, iters, device)
+                            - out["block_fixed"], 0.0)
     return out
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block under non-reentrant activation checkpointing (the runtime's full recompute)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def _measure_overheads(sweep: Sweep, device: torch.device) -> dict[str, float]:
@@ -400,6 +423,7 @@ def _measure_overheads(sweep: Sweep, device: torch.device) -> dict[str, float]:
         "optimizer_layer_overhead_s": mean("opt_block"),
         "optimizer_nonblock_overhead_s": mean("opt_nonblock"),
         "dtensor_optimizer_layer_overhead_s": opt_dtensor,
+        "recompute_layer_overhead_s": mean("checkpoint"),
     }
 
 
@@ -511,6 +535,7 @@ def calibrate(nproc: int, device_type: str = "cpu", *, sweep: Sweep | None = Non
         optimizer_layer_overhead_s=raw["optimizer_layer_overhead_s"],
         optimizer_nonblock_overhead_s=raw["optimizer_nonblock_overhead_s"],
         dtensor_optimizer_layer_overhead_s=raw["dtensor_optimizer_layer_overhead_s"],
+        recompute_layer_overhead_s=raw["recompute_layer_overhead_s"],
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 0),
         memory_bytes_per_s=raw["memory_bytes_per_s"],
@@ -582,6 +607,7 @@ def format_calibration(cal: Calibration) -> str:
         f"{cal.nonblock_overhead_s * 1e3:.2f} ms",
         f"  AdamW step: {cal.optimizer_layer_overhead_s * 1e3:.2f} ms per block, "
         f"+{cal.dtensor_optimizer_layer_overhead_s * 1e3:.2f} ms with DTensor parameters; "
+        f"checkpointed block +{cal.recompute_layer_overhead_s * 1e3:.2f} ms; "
         f"{cal.cpu_cores or '?'} cores",
     ]
     for c in cal.collectives:

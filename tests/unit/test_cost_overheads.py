@@ -139,3 +139,17 @@ def test_one_microbatch_charges_activations_net_of_fresh_gradients():
             # micro_batch 2 saves twice micro_batch 1's activations; one micro-batch nets grads
             assert a.act_bytes[k] == pytest.approx(max(0.0, 2 * b.act_bytes[k] - grad))
         assert a.transient_bytes[0] >= b.transient_bytes[0]
+
+
+def test_checkpointing_cost_enters_recompute_only():
+    base = Cluster.preset("cpu", gpus_per_node=4)
+    p = _profile()
+    cfg = ParallelConfig(dp=4, global_batch=8, micro_batch=1)
+    i = next(k for k, x in enumerate(p.layers) if x.kind == "block")
+    dev = {"layer_overhead_s": 3e-3}
+    plain = build_cost_table(p, _with(base, **dev), cfg).layers[i]
+    ckpt = build_cost_table(p, _with(base, recompute_layer_overhead_s=5e-3, **dev), cfg).layers[i]
+    assert ckpt.compute_s == plain.compute_s and ckpt.recompute_s[0] == 0.0
+    # full: the measured 5 ms replaces the 1 ms forward share already charged
+    assert ckpt.recompute_s[2] - plain.recompute_s[2] == pytest.approx(4e-3)
+    assert 0.0 < ckpt.recompute_s[1] - plain.recompute_s[1] < 4e-3  # selective: its FLOP share

@@ -120,7 +120,7 @@ def _calibration(nproc: int = 2) -> Calibration:
         dtensor_layer_overhead_s=5e-3, fsdp_layer_overhead_s=1e-3, memory_bytes_per_s=8e9,
         wall_s=10.0, nonblock_overhead_s=6e-4, dtensor_module_overhead_s=7e-4,
         optimizer_layer_overhead_s=2e-3, optimizer_nonblock_overhead_s=1e-3,
-        dtensor_optimizer_layer_overhead_s=3e-3,
+        dtensor_optimizer_layer_overhead_s=3e-3, recompute_layer_overhead_s=4e-3,
     )
 
 
@@ -135,6 +135,7 @@ def test_calibration_to_cluster_maps_the_fits(tmp_path):
     assert dev.tp_module_overhead_s == 7e-4 and dev.fsdp_layer_overhead_s == 1e-3
     assert dev.optimizer_layer_overhead_s == 2e-3
     assert dev.dtensor_optimizer_layer_overhead_s == 3e-3
+    assert dev.recompute_layer_overhead_s == 4e-3
     assert dev.shared_compute_processes == Cluster.preset("cpu", gpus_per_node=2).device.\
         shared_compute_processes
     assert cluster.comm_buffer_bytes_per_group == 0 and cluster.allocator_reserve_bytes == 0

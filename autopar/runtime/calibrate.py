@@ -22,6 +22,7 @@ Units: seconds, bytes, FLOPs, bytes per second, FLOP/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -269,7 +270,7 @@ def _time_median(fn, iters: int, device: torch.device) -> float:
     return median(per_call)
 
 
-def _time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, iters: int,
+def _time_fwd_bwd(module: Any, x: torch.Tensor, iters: int,
                   device: torch.device) -> float:
     """Forward + backward of a block (output summed) or of a model (the runtime's loss)."""
     from autopar.models import cross_entropy_loss
@@ -290,35 +291,23 @@ def _time_optimizer(module: torch.nn.Module, iters: int, device: torch.device) -
     return _time_median(opt.step, iters, device)
 
 
-def _tiny_model(kind: str, device: torch.device) -> torch.nn.Module:
+def _zoo_model(kind: str, device: torch.device, *, small: bool) -> torch.nn.Module:
+    """A one-block zoo model: tiny (width 16, dispatch only) or small (width SMALL_HIDDEN)."""
     from autopar.models import build
 
-    shape = {"layers": 1, "hidden": 16, "heads": 2, "vocab": 32, "seq_len": 8}
+    h, heads, vocab, seq = (SMALL_HIDDEN, 4, 512, SMALL_SEQ) if small else (16, 2, 32, 8)
+    shape = {"layers": 1, "hidden": h, "heads": heads, "vocab": vocab, "seq_len": seq}
     if kind == "llama":
-        shape["kv_heads"] = 1
+        shape["kv_heads"] = heads // 2
     return build(kind, device=device, seed=0, **shape)
 
 
-def _small_model(kind: str, device: torch.device) -> torch.nn.Module:
-    from autopar.models import build
-
-    shape = {"layers": 1, "hidden": SMALL_HIDDEN, "heads": 4, "vocab": 512,
-             "seq_len": SMALL_SEQ}
-    if kind == "llama":
-        shape["kv_heads"] = 2
-    return build(kind, device=device, seed=0, **shape)
-
-
-def _fixed_part(module: torch.nn.Module, inputs: list[torch.Tensor], iters: int,
+def _fixed_part(module: Any, inputs: list[torch.Tensor], iters: int,
                 device: torch.device) -> float:
     """The batch-independent seconds of a forward + backward: t(b) = fixed + b * per-sample,
     extrapolated to b = 0 from b = 1 and 2 (``inputs``), fixed = 2 t(1) - t(2)."""
     t1, t2 = (_time_fwd_bwd(module, x, iters, device) for x in inputs)
     return 2.0 * t1 - t2
-
-
-def _tiny_block(kind: str, device: torch.device) -> torch.nn.Module:
-    return _tiny_model(kind, device).layers["0"]
 
 
 def _tp_styles(block: torch.nn.Module) -> dict[str, Any]:
@@ -338,60 +327,49 @@ def _measure_kind(kind: str, mesh: Any, iters: int, device: torch.device) -> dic
     """The overheads of one zoo kind's tiny block and model (seconds; see _measure_overheads)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils.checkpoint import checkpoint
 
     x = torch.randn(1, 8, 16, device=device, requires_grad=True)
     tokens = torch.randint(0, 32, (1, 8), device=device)
-    block = _tiny_block(kind, device)
+    block = _zoo_model(kind, device, small=False).layers["0"]
     out = {"ops": float(_count_ops(lambda: block(x).sum().backward()))}
     out["block"] = _time_fwd_bwd(block, x, iters, device)
     out["opt_block"] = _time_optimizer(block, iters, device)
-    model = _tiny_model(kind, device)
+    model = _zoo_model(kind, device, small=False)
     out["nonblock"] = max(_time_fwd_bwd(model, tokens, iters, device) - out["block"], 0.0)
     out["opt_nonblock"] = max(_time_optimizer(model, iters, device) - out["opt_block"], 0.0)
     # At a small model's shapes the operators cost more than their dispatch: the fixed part
     # of a block (and of the rest of a one-block model) at width SMALL_HIDDEN, never below the
     # tiny block's.
-    small = _small_model(kind, device)
+    small = _zoo_model(kind, device, small=True)
     xs = [torch.randn(b, SMALL_SEQ, SMALL_HIDDEN, device=device, requires_grad=True)
           for b in (1, 2)]
     out["block_fixed"] = max(_fixed_part(small.layers["0"], xs, iters, device), out["block"])
     toks = [torch.randint(0, 512, (b, SMALL_SEQ), device=device) for b in (1, 2)]
     out["nonblock_fixed"] = max(_fixed_part(small, toks, iters, device) - out["block_fixed"],
                                 out["nonblock"])
-    block = _tiny_block(kind, device)
+    block = _zoo_model(kind, device, small=False).layers["0"]
     styles = _tp_styles(block)
     parallelize_module(block, mesh["tp"], styles)
     out["tp_modules"] = float(len(styles))
     out["dtensor"] = max(_time_fwd_bwd(block, x, iters, device) - out["block"], 0.0)
     out["opt_dtensor"] = max(_time_optimizer(block, iters, device) - out["opt_block"], 0.0)
-    block = _tiny_block(kind, device)
+    block = _zoo_model(kind, device, small=False).layers["0"]
     fully_shard(block, mesh=mesh["tp"])
     out["fsdp"] = max(_time_fwd_bwd(block, x, iters, device) - out["block"], 0.0)
     out["opt_fsdp"] = max(_time_optimizer(block, iters, device) - out["opt_block"], 0.0)
     # The same extras at the small shape (their fixed parts), never below the tiny ones.
-    block = _small_model(kind, device).layers["0"]
+    block = _zoo_model(kind, device, small=True).layers["0"]
     parallelize_module(block, mesh["tp"], _tp_styles(block))
     out["dtensor"] = max(_fixed_part(block, xs, iters, device) - out["block_fixed"],
                          out["dtensor"])
-    block = _small_model(kind, device).layers["0"]
+    block = _zoo_model(kind, device, small=True).layers["0"]
     fully_shard(block, mesh=mesh["tp"])
     out["fsdp"] = max(_fixed_part(block, xs, iters, device) - out["block_fixed"], out["fsdp"])
-    out["checkpoint"] = max(_fixed_part(_Checkpointed(small.layers["0"]), xs, iters, device)
-                            - out["block_fixed"], 0.0)
+    block = small.layers["0"]  # non-reentrant checkpointing: the runtime's full recompute
+    rerun = functools.partial(checkpoint, block, use_reentrant=False)
+    out["checkpoint"] = max(_fixed_part(rerun, xs, iters, device) - out["block_fixed"], 0.0)
     return out
-
-
-class _Checkpointed(torch.nn.Module):
-    """A block under non-reentrant activation checkpointing (the runtime's full recompute)."""
-
-    def __init__(self, block: torch.nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def _measure_overheads(sweep: Sweep, device: torch.device) -> dict[str, float]:

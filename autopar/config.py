@@ -17,6 +17,7 @@ __all__ = [
     "RECOMPUTE",
     "SCHEDULES",
     "ParallelConfig",
+    "dp_mechanism",
 ]
 
 # Pipeline schedules by name; the names of the zero-bubble variants follow torch's classes
@@ -146,3 +147,17 @@ class ParallelConfig:
             parts.append("sp")
         parts.append(self.dtype)
         return " ".join(parts)
+
+
+def dp_mechanism(config: ParallelConfig) -> str:
+    """The data-parallel mechanism a config runs with: none | ddp | replicate | fsdp.
+
+    dp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
+    tensor-parallel weights or pipeline stages is wrong on torch 2.13; see docs/runtime.md).
+    zero >= 1: FSDP2. The runtime applies exactly this and the cost model charges it.
+    """
+    if config.dp == 1:
+        return "none"
+    if config.zero == 0:
+        return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"
+    return "fsdp"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError, ClusterConfigError
+from autopar.stdio import document_stdout
 
 __all__ = [
     "DEFAULT_GPU",
@@ -218,27 +219,6 @@ def check_writable(path: str | None, *, force: bool) -> None:
         raise AutoparError(f"cannot write {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise AutoparError(f"cannot write {path}: directory {parent} is not writable")
-
-
-@contextlib.contextmanager
-def document_stdout() -> Iterator[Callable[[str], None]]:
-    """Keep stdout for the document alone.
-
-    While the block runs, file descriptor 1 points at stderr, so whatever a library or a solver
-    prints (HiGHS writes a banner from C) lands on stderr. The yielded function writes the
-    document to the real stdout.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    real = os.fdopen(os.dup(saved), "w")
-    try:
-        yield lambda text: (real.write(text), real.flush())
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        real.close()
 
 
 def make_console(*, stderr: bool) -> Any:

@@ -9,7 +9,7 @@ fp32; n = dp; m = micro-batches per step):
 |---------------------------------------------|-------------|--------------------|-----------|
 | none (dp == 1): autocast, fp32 params       | 4 + w'      | 4                  | 8         |
 | zero 0, tp == pp == 1: DDP                  | 4 + w'      | 4 + 4 (buckets)    | 8         |
-| zero 0, tp > 1 or pp > 1: replicate()       | 4 + w'      | 4                  | 8         |
+| zero 0, tp > 1 or pp > 1: replicate()       | 4 + w'      | 4 + 4 a            | 8         |
 | zero 1: fully_shard(reshard=False)          | 4/n + w     | 4/n + 4 a          | 8/n       |
 | zero 2: same, pp == 1                       | 4/n + w     | 4/n                | 8/n       |
 | zero 2: pp > 1                              | 4/n + w     | 4/n + 4 a          | 8/n       |
@@ -19,8 +19,10 @@ fp32; n = dp; m = micro-batches per step):
 w' = w when the training dtype is 16-bit (the 16-bit copies autocast makes and the backward keeps;
 FSDP2's unsharded compute copy for replicate()) and 0 for fp32. Optimizer = fp32 Adam moments
 (8 bytes); the fp32 master weights are the 4-byte stored parameters. a = 1 when unsharded
-gradients accumulate across micro-batches (m > 1 and zero 1, or m > 1 and pp > 1: the pipeline
-schedule syncs gradients only in its last micro-batch), else 0; FSDP2 accumulates them in its
+gradients accumulate across micro-batches (m > 1 and zero 0 or 1, or m > 1 and pp > 1: the
+pipeline schedule syncs gradients only in its last micro-batch), else 0; replicate() is FSDP2 over
+a size-1 shard group and accumulates the same way (measured on CPU: both copies live at the last
+micro-batch's backward); FSDP2 accumulates them in its
 reduce dtype, fp32 (``FSDPParam.to_accumulated_grad_if_needed``), hence 4 bytes whatever w.
 u = 1 when zero 3 runs under a pipeline schedule with m > 1 (parameters stay unsharded from the
 first backward to the last), else 0. Zero 1 and 2 keep parameters unsharded from the first
@@ -40,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
+from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, dp_mechanism
 from autopar.graph.types import LayerProfile
 
 if TYPE_CHECKING:
@@ -109,20 +111,15 @@ class LayerState:
     local_params: float
 
 
-def dp_mechanism(config: ParallelConfig) -> str:
-    """none | ddp | replicate | fsdp, as the runtime picks it (``data_parallel.dp_kind``)."""
-    if config.dp == 1:
-        return "none"
-    if config.zero == 0:
-        return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"
-    return "fsdp"
-
-
 def fsdp_accumulates_grads(config: ParallelConfig) -> bool:
-    """Whether FSDP2 keeps unsharded fp32 gradients across micro-batches (see the table)."""
-    if dp_mechanism(config) != "fsdp" or config.num_microbatches == 1:
+    """Whether FSDP2 keeps unsharded fp32 gradients across micro-batches (see the table).
+
+    ``replicate()`` is FSDP2 over a size-1 shard group: with gradient sync off before the last
+    micro-batch it accumulates into the same unsharded buffers, besides its reduced gradients.
+    """
+    if dp_mechanism(config) not in ("fsdp", "replicate") or config.num_microbatches == 1:
         return False
-    return config.zero == 1 or config.pp > 1
+    return config.zero in (0, 1) or config.pp > 1
 
 
 def fsdp_keeps_params_unsharded(config: ParallelConfig) -> bool:
@@ -140,9 +137,10 @@ def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
     kind = dp_mechanism(config)
     if kind in ("none", "replicate", "ddp"):
         buckets = GRAD_BYTES if kind == "ddp" else 0
+        accumulated = GRAD_BYTES if fsdp_accumulates_grads(config) else 0  # replicate(), m > 1
         return LayerState(
             param_bytes=(MASTER_BYTES + copy) * p,
-            grad_bytes=(GRAD_BYTES + buckets) * p,
+            grad_bytes=(GRAD_BYTES + buckets + accumulated) * p,
             optimizer_bytes=ADAM_BYTES * p,
             local_params=p,
         )

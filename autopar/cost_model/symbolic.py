@@ -52,7 +52,7 @@ a, u = sp.symbols("a u", nonnegative=True)
 MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
     "none": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
     "ddp": ((4 + w) * Psi, 8 * Psi, 8 * Psi),
-    "replicate": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
+    "replicate": ((4 + w) * Psi, (4 + 4 * a) * Psi, 8 * Psi),
     "zero1": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
     "zero2": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
     "zero3": ((4 / d + w * u) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),

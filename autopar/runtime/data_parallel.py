@@ -33,27 +33,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopar.config import dp_mechanism
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar.config import ParallelConfig
 
-__all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_kind"]
+__all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_mechanism"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-
-def dp_kind(cfg: ParallelConfig) -> str:
-    """The data-parallel mechanism of a config: none | ddp | replicate | fsdp."""
-    if cfg.dp == 1:
-        return "none"
-    if cfg.zero == 0:
-        return "ddp" if cfg.pp == 1 and cfg.tp == 1 else "replicate"
-    return "fsdp"
 
 
 def _mp_policy(cfg: ParallelConfig) -> Any:
@@ -79,7 +72,7 @@ def apply_data_parallel(
         The module to run and optimize: ``part`` itself (FSDP2 / replicate act in place) or a
         ``DistributedDataParallel`` wrapper.
     """
-    kind = dp_kind(cfg)
+    kind = dp_mechanism(cfg)
     if kind == "none":
         return part
     if kind == "ddp":

@@ -9,16 +9,15 @@ directories) is checked here, before any worker starts, and ends with one line a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.stdio import document_stdout
 
 __all__ = ["add_run_arguments", "main", "run_command"]
 
@@ -74,33 +73,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``autopar run`` for parsed arguments; returns the exit code (2 for bad input)."""
-    with _stdout_for_document_only() as write:
+    with document_stdout() as write:
         try:
             return _run(args, write)
         except (AutoparError, ValueError) as err:
             # Every user error is one line; ValueError covers ParallelConfig's own checks.
             print(f"autopar run: error: {err}", file=sys.stderr)
             return 2
-
-
-@contextlib.contextmanager
-def _stdout_for_document_only() -> Iterator[Callable[[str], None]]:
-    """Point file descriptor 1 at stderr while the command runs; yield a writer to real stdout.
-
-    Whatever a library prints (a solver banner from C, a warning) then lands on stderr, and the
-    JSON document of ``--json`` is the only thing on stdout.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    real = os.fdopen(os.dup(saved), "w")
-    try:
-        yield lambda text: (real.write(text), real.flush())
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        real.close()
 
 
 def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:

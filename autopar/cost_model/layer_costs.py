@@ -151,22 +151,42 @@ def _tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
     return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
 
 
-def _net_of_fresh_grads(act: tuple[float, float, float], cfg: ParallelConfig,
-                        local_params: float) -> tuple[float, float, float]:
-    """Saved activations net of the gradients that take their place, with one micro-batch.
+def _sp_gathered_inputs(layer: LayerProfile) -> int:
+    """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
+    linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
+    the MLP's input projections another), one for the vocab-parallel head."""
+    if layer.kind == "block":
+        rowwise = len(layer.tp.rowwise)
+        return len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}) if rowwise else 0
+    return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0
 
-    The runtime frees gradients at every step's end (``zero_grad(set_to_none=True)``), so
-    with one micro-batch a layer's gradient (4 bytes per local parameter) appears in its
-    backward as its saved activations are released: the two never peak together. The table's
-    memory adds every gradient to every activation (assemble.py), so the layer's activations
-    are charged net of its gradient, max(0, act - grad), which makes the sum the peak of
-    max(act, grad) per layer. With several micro-batches gradients accumulate from the first
-    backward on and both are charged in full.
+
+def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
+                           local_params: float, params_tp: float) -> tuple[float, float, float]:
+    """Saved activations net of the model state that the backward creates in their place.
+
+    When every forward of the step runs before any backward (one micro-batch, or a GPipe
+    pipeline), the state born in the backward never peaks together with all the activations:
+    the gradients (freed at every step's end, ``zero_grad(set_to_none=True)``; 4 bytes per
+    local parameter), FSDP2's unsharded fp32 gradient accumulators (4 bytes per parameter)
+    and zero 3's parameters kept unsharded from the first backward (w bytes per parameter).
+    A layer's share x appears in the first backward as that micro-batch's activations a of
+    the layer are released, so the layer peaks at (m - 1) a + max(a, x). The table's memory
+    adds x (static) to m a (assemble.py), so a is charged as a - min(a, x) / m (with one
+    micro-batch: max(0, a - x)). With other schedules (and with gradient accumulation at
+    pp == 1) the state exists from the first backward on while later forwards still save
+    activations: both are charged in full.
     """
-    if cfg.num_microbatches > 1:
+    m = cfg.num_microbatches
+    if m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe"):
         return act
-    grad = memory.GRAD_BYTES * local_params
-    return (max(0.0, act[0] - grad), max(0.0, act[1] - grad), max(0.0, act[2] - grad))
+    born = memory.GRAD_BYTES * local_params
+    if memory.fsdp_accumulates_grads(cfg):
+        born += memory.GRAD_BYTES * params_tp
+    if cfg.zero == 3 and memory.fsdp_keeps_params_unsharded(cfg):
+        born += DTYPE_BYTES[cfg.dtype] * params_tp
+    return (act[0] - min(act[0], born) / m, act[1] - min(act[1], born) / m,
+            act[2] - min(act[2], born) / m)
 
 
 def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
@@ -267,6 +287,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
     act = memory.activation_bytes(
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
         gathered_logits=layer.kind == "head" and bool(layer.tp.vocab_parallel),
+        sp_gathered_bytes=_sp_gathered_inputs(layer) * profile.seq_len * profile.hidden
+        * DTYPE_BYTES[profile.dtype],
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
@@ -308,7 +330,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         output_bytes=layer.output_bytes * b * ratio / sp_div,
         gathered_param_bytes=2 * w * params_tp if gathered else 0.0,
         unsharded_grad_bytes=fresh_grad * params_tp if fsdp else 0.0,
-        logits_bytes=(w + memory.FP32_LOGPROB_BYTES) * head_elems * b,
+        # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
+        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
+        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b,
     )
     cost = LayerCost(
         name=layer.name,
@@ -320,7 +344,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         recompute_s=times.recompute_s,
         tp_comm_s=tuple(sum(c.time_s(groups["tp"]) for c in calls) for calls in tp_calls),
         dp_microbatch_s=mb_s,
-        act_bytes=_net_of_fresh_grads(act, cfg, state.local_params),
+        act_bytes=_net_of_backward_state(act, cfg, state.local_params, params_tp),
         transient_bytes=transient,
         param_bytes=state.param_bytes,
         grad_bytes=state.grad_bytes,
@@ -376,12 +400,30 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         p2p_s=p2p,
         dp_tail_s=max(tails) if cfg.dp > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency,
-        buffers_bytes=memory.buffers_bytes(cfg, cluster),
+        buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(cfg.dtype),
         tokens_per_step=cfg.global_batch * profile.seq_len,
         world_size=cfg.world_size,
     )
+
+
+def _fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
+    """Zero 3 at pp == 1: the root unit's unsharded parameters and gradients held over the step.
+
+    FSDP2 never reshards the root module after forward, so its gathered parameters (w bytes per
+    parameter) stay from the forward to the end of the backward; its reduce-scatter waits for
+    every root gradient, the embedding's coming last, so the other root layers' unsharded fp32
+    gradients (the head's) stay through the blocks' backward. The per-layer transient terms
+    count one unit at a time; this is the root's share that outlives its own layers.
+    """
+    if memory.dp_mechanism(cfg) != "fsdp" or cfg.zero != 3 or cfg.num_stages > 1:
+        return 0.0
+    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+    if not roots:
+        return 0.0
+    params = [_params_tp(profile.layers[k], cfg) for k in roots]
+    return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
 
 
 def _first_block(profile: ModelProfile) -> int:

@@ -163,6 +163,7 @@ def activation_bytes(
     tp_sharded: bool,
     logprob_elements: float,
     gathered_logits: bool = False,
+    sp_gathered_bytes: float = 0.0,
 ) -> tuple[float, float, float]:
     """Bytes one rank saves for backward for one micro-batch, by recompute mode.
 
@@ -176,6 +177,12 @@ def activation_bytes(
         gathered_logits: the head's vocab shards are all-gathered before the loss (the
             runtime's colwise head with ``Replicate()`` output): the log-softmax of
             ``logprob_elements`` is whole on every tp rank, not sharded.
+        sp_gathered_bytes: bytes per sample (profile dtype) of the layer's inputs that sequence
+            parallelism all-gathers before a column-parallel (or vocab-parallel) linear. The
+            runtime's DTensor linears keep the gathered [b, s, h] input for the weight
+            gradient (no re-gather in the backward), so under SP that part of the replicated
+            bytes stays whole instead of shrinking by tp (Korthikanti's 34/t assumes a
+            re-gather; autopar's runtime does not re-gather).
     """
     b, tp = config.micro_batch, config.tp
     out = []
@@ -184,6 +191,8 @@ def activation_bytes(
         rep = layer.saved_bytes_replicated.get(mode, 0) * b * dtype_ratio
         if tp_sharded and tp > 1:
             saved = (saved - rep) / tp + (rep / tp if config.sequence_parallel else rep)
+            if config.sequence_parallel and mode != "full":
+                saved += sp_gathered_bytes * b * dtype_ratio * (1.0 - 1.0 / tp)
             if gathered_logits and mode != "full":  # the log-softmax is whole: undo its 1/tp
                 whole = DTYPE_BYTES[config.dtype] * logprob_elements * b
                 saved += whole * (1.0 - 1.0 / tp)
@@ -206,8 +215,10 @@ def transient_bytes(
 
     Every mode: the output gradient and input gradient (2 x output bytes), gathered ZeRO-3
     parameters and unsharded gradients awaiting reduce-scatter, and the head's logits with
-    their fp32 copy. Selective recompute re-creates the attention core (act_none - act_sel),
-    full recompute re-creates the whole layer (act_none - act_full) during its backward.
+    the two fp32 gradients of the loss's backward (of the log-probabilities and of the
+    logits, alive together: ``logits_bytes``). Selective recompute re-creates the attention
+    core (act_none - act_sel), full recompute re-creates the whole layer (act_none -
+    act_full) during its backward.
     """
     base = 2 * output_bytes + gathered_param_bytes + unsharded_grad_bytes + logits_bytes
     none, sel, full = act

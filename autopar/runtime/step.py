@@ -74,9 +74,11 @@ def _accumulate(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.T
 def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Tensor) -> float:
     losses: list[torch.Tensor] = []
     args = (tokens,) if pmodel.has_first_stage else ()
-    kwargs: dict[str, Any] = {}
+    # return_outputs=False: the last stage keeps no logits of finished micro-batches (the losses
+    # are all the step needs), so a step's memory is what the cost model charges.
+    kwargs: dict[str, Any] = {"return_outputs": False}
     if pmodel.has_last_stage:
-        kwargs = {"target": labels, "losses": losses}
+        kwargs.update(target=labels, losses=losses)
     with _autocast(pmodel):
         pmodel.schedule.step(*args, **kwargs)
     if not losses:

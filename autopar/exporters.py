@@ -159,9 +159,15 @@ def to_megatron(plan: Plan) -> Export:
     ]
     blocks = _blocks_per_stage(plan)
     if cfg.virtual_stages > 1 and cfg.pp > 1:
-        flags.append(["--num-layers-per-virtual-pipeline-stage", str(max(blocks))])
+        chunks = cfg.pp * cfg.virtual_stages
+        # Megatron splits the blocks evenly over the chunks; the nearest even split it accepts.
+        per_chunk = sum(blocks) // chunks if sum(blocks) % chunks == 0 else max(blocks)
+        flags.append(["--num-layers-per-virtual-pipeline-stage", str(per_chunk)])
         if len(set(blocks)) > 1:
-            notes.append(f"chunks hold {blocks} blocks; Megatron interleaving needs equal chunks")
+            notes.append(
+                f"autopar's chunks hold {blocks} blocks; Megatron interleaving needs equal chunks "
+                f"({per_chunk} per chunk exported)"
+            )
         if cfg.schedule != "interleaved-1f1b":
             notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
     elif cfg.pp > 1 and len(set(blocks)) > 1:

@@ -67,7 +67,8 @@ def test_megatron_flags_interleaved_plan():
     flags = _flags(export_plan(plan, "megatron").text)
     assert flags["--tensor-model-parallel-size"] == "2"
     assert flags["--pipeline-model-parallel-size"] == "2"
-    assert flags["--num-layers-per-virtual-pipeline-stage"] == "2"
+    # 4 blocks over pp * v = 4 chunks: Megatron splits them evenly, 1 per chunk
+    assert flags["--num-layers-per-virtual-pipeline-stage"] == "1"
     assert flags["--micro-batch-size"] == "1" and flags["--global-batch-size"] == "16"
     assert flags["--recompute-granularity"] == "selective"
     assert "--recompute-method" not in flags

@@ -14,7 +14,7 @@ import autopar
 # (zoo preset, GPU preset, GPUs, global batch, goal seconds)
 CASES = [
     ("gpt3-175b", "a100-80g", 1024, 1536, 5.0),
-    ("llama3-70b", "h100", 512, 1024, None),
+    ("llama3-70b", "h100", 512, 1024, 10.0),
     ("llama3-405b", "h100", 16384, 2048, 30.0),
 ]
 

@@ -5,10 +5,11 @@ bounds come from it (``bounds.py``): a lower bound on the step time over every s
 recompute choice, and a lower bound on the largest rank's memory. Candidates are visited in
 increasing time bound (ties by enumeration order, so the search is deterministic): a candidate
 whose bound cannot beat the k-th best plan so far ends the search (every later one is pruned too),
-one whose memory bound exceeds the capacity is pruned as infeasible. Survivors first try the most
-balanced split with uniform recompute; when that meets the time bound within the MIP gap it is
-optimal and no ILP is needed, otherwise the ILP (``ilp.py``) decides the split and per-layer
-recompute exactly. Candidates whose ILP inputs are equal share one solution.
+one whose memory bound exceeds the capacity is pruned as infeasible. ILP cutoffs start from a warm
+bound (balanced-uniform splits, and exact optima of single-stage candidates). Survivors first try
+the most balanced split with uniform recompute; when that meets the time bound within the MIP gap
+it is optimal and no ILP is needed, otherwise the ILP (``ilp.py``) decides the split and
+per-layer recompute exactly. Candidates whose ILP inputs are equal share one solution.
 """
 
 from __future__ import annotations
@@ -102,18 +103,45 @@ def _best_uniform(table: CostTable) -> _Outcome | None:
     return best
 
 
-def _warm_bound(order: list[_Candidate], top_k: int, count: int = 32) -> float:
-    """The k-th best balanced-uniform step time among the first candidates (an upper bound on
-    the k-th best plan, so ILPs can be cut off before the search has its own incumbents)."""
-    steps = []
+def _warm_bound(
+    order: list[_Candidate],
+    top_k: int,
+    options: SearchOptions,
+    deadline: float | None = None,
+    count: int = 32,
+    exact: int = 16,
+) -> tuple[float, dict[tuple, _Outcome], int]:
+    """An upper bound on the k-th best plan, so ILPs can be cut off before the search has its
+    own incumbents: the k-th best step among the balanced-uniform splits of the first ``count``
+    fitting candidates and the exact optima of the first ``exact`` fitting single-stage ones.
+
+    A single-stage candidate's ILP is a small knapsack over recompute modes (milliseconds), and
+    under a tight memory cap it is often the best plan while the balanced-uniform splits are far
+    from it; without it, multi-stage ILPs run with a loose cutoff and can reach their time limit.
+    Returns (bound, proven outcomes by ``ilp_key`` for the search to reuse, ILPs solved).
+    """
+    steps, seeded, ilps, uniform, singles = [], {}, 0, 0, 0
     for cand in order:
-        if len(steps) >= count:
+        if uniform >= count and singles >= exact:
             break
-        if cand.memory_lb_bytes <= cand.table.capacity_bytes:
+        if cand.memory_lb_bytes > cand.table.capacity_bytes:
+            continue
+        remaining = float("inf") if deadline is None else deadline - time.monotonic()
+        if cand.table.config.num_stages == 1 and singles < exact and remaining > 0:
+            singles += 1
+            outcome = _solve(cand.table, options, min(options.time_limit_s, remaining))
+            ilps += outcome.used_ilp
+            if outcome.split and outcome.optimal and not outcome.time_limit_hit:
+                seeded.setdefault(ilp_key(cand.table), outcome)
+        elif uniform < count:
+            uniform += 1
             outcome = _best_uniform(cand.table)
-            steps.append(outcome.step_s if outcome else float("inf"))
+        else:
+            continue
+        steps.append(outcome.step_s if outcome is not None and outcome.split else float("inf"))
     steps.sort()
-    return steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
+    bound = steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
+    return bound, seeded, ilps
 
 
 def _solve(
@@ -215,10 +243,9 @@ def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Ca
 
 def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _State:
     state = _State()
-    cache: dict[tuple, _Outcome] = {}
     order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
     total = len(order)
-    warm = _warm_bound(order, top_k)
+    warm, cache, state.ilps = _warm_bound(order, top_k, options, deadline)
     for pos, cand in enumerate(order):
         kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
         # Sorted by bound: once it cannot beat the k-th best, no later candidate can either.

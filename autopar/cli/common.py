@@ -142,35 +142,9 @@ def load_profile(model_text: str, seq_len: int | None) -> Any:
     Raises:
         AutoparError: the model cannot be found, built or traced.
     """
-    import autopar
-    from autopar.models import resolve_model
+    from autopar.graph.model_text import build_and_profile
 
-    builder, _ = resolve_model(model_text)
-    model = builder(device="meta")
-    example_inputs = None
-    if model_text.endswith(".py"):
-        # A model file is profiled on its own example_inputs, as `autopar run` profiles it, so
-        # plan, explain and run agree on the profile and its fingerprint.
-        from autopar.graph.inputs import seq_len_of
-        from autopar.models import load_model_file
-
-        example_inputs = load_model_file(model_text).example_inputs
-        file_seq_len = seq_len_of(example_inputs)
-        if seq_len is not None and file_seq_len is not None and seq_len != file_seq_len:
-            raise AutoparError(
-                f"--seq-len {seq_len} differs from the {file_seq_len} tokens of {model_text}'s "
-                "example_inputs; drop --seq-len or change example_inputs"
-            )
-        seq_len = seq_len or file_seq_len
-    if seq_len is None:
-        spec = getattr(model, "autopar_spec", None)
-        config = getattr(model, "config", None)
-        seq_len = getattr(spec, "seq_len", None) or getattr(
-            config, "max_position_embeddings", None
-        )
-    if seq_len is None:
-        raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
-    return autopar.profile(model, seq_len=seq_len, example_inputs=example_inputs)
+    return build_and_profile(model_text, seq_len=seq_len)[1]
 
 
 def load_plan_file(path: str) -> Any:

@@ -84,6 +84,12 @@ _NDR_IB = _link(47e9, 10e-6)
 _V100_NVLINK = _link(120e9, 5e-6)
 _V100_IB = _link(6.25e9, 10e-6)
 
+# Fields every GPU preset shares.
+_GPU_CLUSTER_DEFAULTS: dict[str, Any] = {
+    "memory_headroom_fraction": HEADROOM,
+    "dp_overlap_efficiency": DP_OVERLAP,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "a100-40g": {
         "device": _gpu(
@@ -92,8 +98,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _A100_NVLINK,
         "inter_node": _HDR_IB,
-        "memory_headroom_fraction": HEADROOM,
-        "dp_overlap_efficiency": DP_OVERLAP,
+        **_GPU_CLUSTER_DEFAULTS,
     },
     "a100-80g": {
         "device": _gpu(
@@ -102,8 +107,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _A100_NVLINK,
         "inter_node": _HDR_IB,
-        "memory_headroom_fraction": HEADROOM,
-        "dp_overlap_efficiency": DP_OVERLAP,
+        **_GPU_CLUSTER_DEFAULTS,
     },
     "h100": {
         # H100 SXM5 80GB: nvidia-smi reports 81,559 MiB.
@@ -113,8 +117,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _H100_NVLINK,
         "inter_node": _NDR_IB,
-        "memory_headroom_fraction": HEADROOM,
-        "dp_overlap_efficiency": DP_OVERLAP,
+        **_GPU_CLUSTER_DEFAULTS,
     },
     "h200": {
         # H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
@@ -125,8 +128,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _H100_NVLINK,
         "inter_node": _NDR_IB,
-        "memory_headroom_fraction": HEADROOM,
-        "dp_overlap_efficiency": DP_OVERLAP,
+        **_GPU_CLUSTER_DEFAULTS,
     },
     "v100-32g": {
         # No calibration record: efficiency as A100 (assumption).
@@ -136,8 +138,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _V100_NVLINK,
         "inter_node": _V100_IB,
-        "memory_headroom_fraction": HEADROOM,
-        "dp_overlap_efficiency": DP_OVERLAP,
+        **_GPU_CLUSTER_DEFAULTS,
     },
 }
 

@@ -7,9 +7,9 @@ download); ``load_model_file`` loads a user's ``build_model()``/``example_inputs
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from autopar.lazy import lazy_attribute
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import cross_entropy_loss, init_weights
 from autopar.models.zoo import build, list_presets, make_spec, num_params
@@ -42,8 +42,6 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'autopar.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    value = lazy_attribute(__name__, _LAZY, name)
     globals()[name] = value
     return value

@@ -7,8 +7,9 @@ because these names resolve on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from autopar.lazy import lazy_attribute
 
 __all__ = [
     "ParallelizedModel",
@@ -32,8 +33,6 @@ _LAZY: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'autopar.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    value = lazy_attribute(__name__, _LAZY, name)
     globals()[name] = value
     return value

@@ -187,18 +187,9 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
 
 def _build_and_profile(model_text: str, seq_len: int | None = None) -> tuple[Any, Any]:
     """Build ``model_text`` on the meta device and profile it as ``autopar plan`` does."""
-    import autopar
-    from autopar.runtime.worker import build_model
+    from autopar.graph.model_text import build_and_profile
 
-    model = build_model(model_text, device="meta")
-    if model_text.endswith(".py"):
-        from autopar.models import load_model_file
-
-        # A model file's example_inputs give the sequence length its profile is made at.
-        return model, autopar.profile(
-            model, example_inputs=load_model_file(model_text).example_inputs
-        )
-    return model, autopar.profile(model, seq_len=seq_len)
+    return build_and_profile(model_text, seq_len=seq_len)
 
 
 def _launch_spec(args: argparse.Namespace, world_size: int) -> Any:

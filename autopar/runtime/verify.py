@@ -173,11 +173,9 @@ def model_profile(model_text: str, dtype: str | None = None) -> Any:
         dtype: the dtype the profile counts bytes at (default: ``autopar.profile``'s, as
             ``autopar plan`` uses).
     """
-    import autopar
-    from autopar.runtime.worker import build_model
+    from autopar.graph.model_text import build_and_profile
 
-    model = build_model(model_text, device="meta")
-    return autopar.profile(model) if dtype is None else autopar.profile(model, dtype=dtype)
+    return build_and_profile(model_text, dtype=dtype)[1]
 
 
 def predict(plan: Any, model_text: str, cluster: Any) -> Any:

@@ -1,0 +1,61 @@
+"""Build a model from its MODEL text and profile it: the one rule plan, run and verify share.
+
+``autopar plan`` profiles a model, stores the profile's fingerprint in the plan, and ``autopar
+run`` / ``autopar verify`` rebuild and re-profile the model to check it is the same one; they all
+call ``build_and_profile`` so the fingerprints agree. The model is built on the meta device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.graph.types import ModelProfile
+
+__all__ = ["build_and_profile"]
+
+
+def build_and_profile(
+    model_text: str, *, seq_len: int | None = None, dtype: Any = None
+) -> tuple[Any, ModelProfile]:
+    """Build ``model_text`` on the meta device and profile it.
+
+    Args:
+        model_text: a model file, a zoo name or ``kind:key=value`` spec, or an HF config JSON.
+        seq_len: tokens per sequence. None: a model file's ``example_inputs`` decide, else the
+            model's own (its zoo spec, or the HF config's ``max_position_embeddings``).
+        dtype: the dtype the profile counts bytes at (None: ``autopar.profile``'s default).
+
+    Returns:
+        (the meta-device model, its ModelProfile).
+
+    Raises:
+        AutoparError: the model cannot be found, built or traced, or its sequence length is
+            unknown or contradicts a model file's inputs.
+    """
+    from autopar.graph.profiler import profile
+    from autopar.models import resolve_model
+
+    builder, _ = resolve_model(model_text)
+    model = builder(device="meta")
+    example_inputs = None
+    if model_text.endswith(".py"):
+        from autopar.graph.inputs import seq_len_of
+        from autopar.models import load_model_file
+
+        example_inputs = load_model_file(model_text).example_inputs
+        file_seq_len = seq_len_of(example_inputs)
+        if seq_len is not None and file_seq_len is not None and seq_len != file_seq_len:
+            raise AutoparError(
+                f"--seq-len {seq_len} differs from the {file_seq_len} tokens of {model_text}'s "
+                "example_inputs; drop --seq-len or change example_inputs"
+            )
+        seq_len = seq_len or file_seq_len
+    if seq_len is None:
+        spec = getattr(model, "autopar_spec", None)
+        config = getattr(model, "config", None)
+        seq_len = getattr(spec, "seq_len", None) or getattr(config, "max_position_embeddings", None)
+    if seq_len is None:
+        raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return model, profile(model, seq_len=seq_len, example_inputs=example_inputs, **kwargs)

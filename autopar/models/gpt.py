@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autopar.models.attention import Attention
+from autopar.models.norms import LayerNorm
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import Transformer
 
@@ -39,7 +40,7 @@ class GPTBlock(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.attention_norm = nn.LayerNorm(spec.hidden)
+        self.attention_norm = LayerNorm(spec.hidden)
         self.attention = Attention(
             hidden=spec.hidden,
             heads=spec.heads,
@@ -49,7 +50,7 @@ class GPTBlock(nn.Module):
             dropout=spec.dropout,
             rope_theta=None,
         )
-        self.ffn_norm = nn.LayerNorm(spec.hidden)
+        self.ffn_norm = LayerNorm(spec.hidden)
         self.feed_forward = GPTFeedForward(spec.hidden, spec.ffn_hidden, spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,6 @@ def build_gpt(spec: ModelSpec) -> Transformer:
     return Transformer(
         spec,
         lambda _: GPTBlock(spec),
-        lambda: nn.LayerNorm(spec.hidden),
+        lambda: LayerNorm(spec.hidden),
         learned_positions=True,
     )

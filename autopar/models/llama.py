@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.attention import Attention
+from autopar.models.norms import RMSNorm
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import Transformer
 
@@ -43,7 +44,7 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+        self.attention_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
         self.attention = Attention(
             hidden=spec.hidden,
             heads=spec.heads,
@@ -53,7 +54,7 @@ class LlamaBlock(nn.Module):
             dropout=0.0,
             rope_theta=spec.rope_theta,
         )
-        self.ffn_norm = nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+        self.ffn_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
         self.feed_forward = SwiGLU(spec.hidden, spec.ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +68,6 @@ def build_llama(spec: ModelSpec) -> Transformer:
     return Transformer(
         spec,
         lambda _: LlamaBlock(spec),
-        lambda: nn.RMSNorm(spec.hidden, eps=NORM_EPS),
+        lambda: RMSNorm(spec.hidden, eps=NORM_EPS),
         learned_positions=False,
     )

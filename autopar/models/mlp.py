@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autopar.models.gpt import GPTFeedForward
+from autopar.models.norms import LayerNorm
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import Transformer
 
@@ -34,6 +35,6 @@ def build_mlp(spec: ModelSpec) -> Transformer:
     return Transformer(
         spec,
         lambda _: MLPBlock(spec),
-        lambda: nn.LayerNorm(spec.hidden),
+        lambda: LayerNorm(spec.hidden),
         learned_positions=False,
     )

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.norms import to_autocast_dtype
 from autopar.models.spec import ModelSpec
 
 __all__ = ["INIT_STD", "Transformer", "cross_entropy_loss", "init_weights"]
@@ -76,6 +77,8 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             positions = torch.arange(h.shape[1], device=h.device)
             h = h + self.pos_embeddings(positions)
+        # Under autocast the residual stream is 16-bit from here on (autopar/models/norms.py).
+        h = to_autocast_dtype(h)
         for block in self.layers.values():
             h = block(h)
         if self.norm is not None:

@@ -142,6 +142,11 @@ def _worker_env() -> dict[str, str]:
     # Make this autopar importable in the workers even when it is not installed.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    # CUDA: grow allocator segments instead of splitting fixed ones, so the reserved memory
+    # stays close to the allocated peak the cost model predicts (without it, 6 GiB of a 140 GiB
+    # H200 sat reserved but unallocated when a plan at 100% of memory ran out; benchmarks/
+    # results/h200/). A user's own PYTORCH_CUDA_ALLOC_CONF wins. Ignored on CPU.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
 
 

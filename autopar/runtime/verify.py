@@ -5,8 +5,10 @@ seeded synthetic data. Measured:
 
 - step time: the median of the slowest rank's step wall time over the steps after the warm-up
   (the first steps build buffers, warm caches and, on GPU, select kernels);
-- peak memory: the largest rank's peak of live tensor bytes (CPU: every storage the run creates,
-  counted exactly while alive; GPU: ``torch.cuda.max_memory_allocated``).
+- peak memory: every rank's peak of live tensor bytes (CPU: every storage the run creates,
+  counted exactly while alive; GPU: ``torch.cuda.max_memory_allocated``), shown for the largest
+  rank and per global rank beside that rank's prediction (the prediction of its pipeline rank:
+  every dp x tp rank at one pp coordinate of the mesh holds the same chunks).
 
 Predicted: ``autopar.estimate(profile, cluster, plan)`` on the given cluster (``--cluster``), or
 on the cluster the plan carries. Errors are signed and relative to the measurement:
@@ -28,11 +30,15 @@ from autopar.calibration_fit import median
 from autopar.errors import AutoparError, PlanMismatchError
 
 __all__ = [
+    "RankMemory",
     "Verification",
     "add_verify_arguments",
+    "format_rank_table",
     "format_verification",
     "measure_plan",
     "model_profile",
+    "per_rank_memory",
+    "pp_rank_of",
     "predict",
     "verify_command",
     "verify_plan",
@@ -40,6 +46,11 @@ __all__ = [
 
 # Default process-group timeout of a verification run (as ``autopar run``).
 PG_TIMEOUT_S = 300.0
+
+# Rows of the per-rank memory table; the ranks after these are summed up in one line.
+MAX_RANK_ROWS = 16
+
+_MIB = 2**20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,17 +62,49 @@ class Measurement:
         warmup_steps: leading steps left out of the median.
         peak_memory_bytes: the largest rank's peak of live tensor bytes.
         losses: the loss of every step.
+        peak_memory_bytes_per_rank: every rank's peak of live tensor bytes, global rank order.
     """
 
     step_times_s: tuple[float, ...]
     warmup_steps: int
     peak_memory_bytes: int
     losses: tuple[float, ...]
+    peak_memory_bytes_per_rank: tuple[int, ...] = ()
 
     @property
     def step_time_s(self) -> float:
         """Median step time after the warm-up."""
         return median(self.step_times_s[self.warmup_steps:])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMemory:
+    """One global rank's predicted and measured peak memory.
+
+    Attributes:
+        rank: global rank.
+        pp_rank: the rank's pipeline rank (its coordinate on the mesh's "pp" axis).
+        predicted_bytes: the cost model's peak for that pipeline rank (headroom excluded).
+        measured_bytes: the rank's measured peak of live tensor bytes.
+    """
+
+    rank: int
+    pp_rank: int
+    predicted_bytes: float
+    measured_bytes: int
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - measured) / measured; None when the rank measured nothing."""
+        if self.measured_bytes <= 0:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (error included)."""
+        return {"rank": self.rank, "pp_rank": self.pp_rank,
+                "predicted_bytes": self.predicted_bytes, "measured_bytes": self.measured_bytes,
+                "error": self.error}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +120,7 @@ class Verification:
         measurement: the raw measurement.
         estimate: the Estimate as a dict (its time and memory breakdowns).
         cluster_name: the name of the cluster the prediction is for.
+        per_rank: every global rank's predicted and measured peak memory, in rank order.
     """
 
     config: dict[str, Any]
@@ -87,6 +131,22 @@ class Verification:
     measurement: Measurement
     estimate: dict[str, Any]
     cluster_name: str
+    per_rank: tuple[RankMemory, ...] = ()
+
+    @property
+    def predicted_memory_bytes_per_rank(self) -> tuple[float, ...]:
+        """Predicted peak of every global rank."""
+        return tuple(r.predicted_bytes for r in self.per_rank)
+
+    @property
+    def measured_memory_bytes_per_rank(self) -> tuple[int, ...]:
+        """Measured peak of every global rank."""
+        return tuple(r.measured_bytes for r in self.per_rank)
+
+    @property
+    def memory_errors_per_rank(self) -> tuple[float | None, ...]:
+        """(predicted - measured) / measured of every global rank (None: nothing measured)."""
+        return tuple(r.error for r in self.per_rank)
 
     @property
     def step_time_error(self) -> float:
@@ -117,7 +177,60 @@ class Verification:
             "warmup_steps": self.measurement.warmup_steps,
             "losses": list(self.measurement.losses),
             "estimate": self.estimate,
+            "per_rank": [r.to_dict() for r in self.per_rank],
         }
+
+
+def pp_rank_of(rank: int, config: dict[str, Any]) -> int:
+    """The pipeline rank of global rank ``rank`` on the runtime's mesh.
+
+    ``runtime/mesh.py`` builds the mesh with ``init_device_mesh`` over shape (pp, dp, tp) in the
+    axis order ``MESH_AXES``, outermost first, so ranks are laid out row-major: the innermost axis
+    varies fastest. Peeling the axes off from the innermost gives the rank's coordinates; with
+    ("pp", "dp", "tp") the pipeline rank is ``rank // (dp * tp)``.
+
+    Args:
+        rank: global rank (0 .. pp * dp * tp - 1).
+        config: the plan's ParallelConfig as a dict (``dp``, ``tp``, ``pp``).
+
+    Raises:
+        ValueError: ``rank`` is outside the mesh.
+    """
+    from autopar.runtime.mesh import MESH_AXES
+
+    degrees = [int(config.get(axis, 1)) for axis in MESH_AXES]
+    world_size = 1
+    for degree in degrees:
+        world_size *= degree
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a mesh of {world_size} ranks")
+    coordinates: dict[str, int] = {}
+    for axis, degree in zip(reversed(MESH_AXES), reversed(degrees), strict=True):
+        coordinates[axis] = rank % degree
+        rank //= degree
+    return coordinates["pp"]
+
+
+def per_rank_memory(config: dict[str, Any], estimate: dict[str, Any],
+                    measured_bytes_per_rank: tuple[int, ...]) -> tuple[RankMemory, ...]:
+    """Pair every global rank's measured peak with its pipeline rank's predicted peak.
+
+    Args:
+        config: the plan's ParallelConfig as a dict.
+        estimate: the Estimate as a dict; ``stages[i]["memory"]`` are the byte terms of pipeline
+            rank ``stages[i]["rank"]``. Without stages every rank gets ``memory_per_gpu_bytes``.
+        measured_bytes_per_rank: the measured peaks in global rank order.
+    """
+    by_pp_rank = {int(st["rank"]): float(sum(st["memory"].values()))
+                  for st in estimate.get("stages", ())}
+    fallback = float(estimate.get("memory_per_gpu_bytes", 0.0))
+    rows = []
+    for rank, measured in enumerate(measured_bytes_per_rank):
+        pp_rank = pp_rank_of(rank, config)
+        rows.append(RankMemory(rank=rank, pp_rank=pp_rank,
+                               predicted_bytes=by_pp_rank.get(pp_rank, fallback),
+                               measured_bytes=int(measured)))
+    return tuple(rows)
 
 
 def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
@@ -160,9 +273,15 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
             f"the plan's workers failed (torchrun exit code {result.returncode}); see the log "
             "above, or run it with `autopar run` to reproduce"
         )
+    if len(result.peak_memory_bytes_per_rank) != plan.config.world_size:
+        raise AutoparError(
+            f"the workers reported {len(result.peak_memory_bytes_per_rank)} per-rank memory "
+            f"peaks for {plan.config.world_size} ranks"
+        )
     return Measurement(step_times_s=tuple(result.step_times_s), warmup_steps=warmup_steps,
                        peak_memory_bytes=int(result.peak_memory_bytes),
-                       losses=tuple(result.losses))
+                       losses=tuple(result.losses),
+                       peak_memory_bytes_per_rank=tuple(result.peak_memory_bytes_per_rank))
 
 
 def model_profile(model_text: str, dtype: str | None = None) -> Any:
@@ -220,15 +339,18 @@ def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6
         raise AutoparError("the plan does not say its model; pass --model MODEL")
     estimate = predict(plan, model_text, cluster)
     measured = measure_plan(plan, model_text, steps=steps, warmup_steps=warmup_steps, seed=seed)
+    config = plan.config.to_dict()
+    estimate_dict = estimate.to_dict()
     return Verification(
-        config=plan.config.to_dict(),
+        config=config,
         predicted_step_time_s=estimate.step_time_s,
         measured_step_time_s=measured.step_time_s,
         predicted_memory_bytes=_predicted_memory(estimate),
         measured_memory_bytes=measured.peak_memory_bytes,
         measurement=measured,
-        estimate=estimate.to_dict(),
+        estimate=estimate_dict,
         cluster_name=cluster.name,
+        per_rank=per_rank_memory(config, estimate_dict, measured.peak_memory_bytes_per_rank),
     )
 
 
@@ -237,19 +359,18 @@ def _predicted_memory(estimate: Any) -> float:
     return float(estimate.memory_per_gpu_bytes)
 
 
-def _percent(x: float) -> str:
-    return f"{x * 100:+.1f}%"
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:+.1f}%"
 
 
 def format_verification(v: Verification) -> str:
-    """The prediction beside the measurement, as a short table."""
-    mib = 2**20
+    """The prediction beside the measurement, as a short table, then the per-rank memory table."""
     m = v.measurement
     timed = len(m.step_times_s) - m.warmup_steps
     tb = v.estimate.get("time_breakdown", {})
     terms = ", ".join(f"{k.removesuffix('_s')} {t * 1e3:.1f}" for k, t in tb.items() if t > 0)
-    per_rank = ", ".join(
-        f"pp rank {st['rank']} {sum(st['memory'].values()) / mib:.2f}"
+    per_pp_rank = ", ".join(
+        f"pp rank {st['rank']} {sum(st['memory'].values()) / _MIB:.2f}"
         for st in v.estimate.get("stages", ())
     )
     return (
@@ -259,12 +380,36 @@ def format_verification(v: Verification) -> str:
         f"  step time      {v.predicted_step_time_s * 1e3:9.2f} ms "
         f"{v.measured_step_time_s * 1e3:9.2f} ms  {_percent(v.step_time_error):>7s}"
         f"   (median of {timed} steps after {m.warmup_steps} warm-up)\n"
-        f"  peak memory    {v.predicted_memory_bytes / mib:9.2f} MiB"
-        f"{v.measured_memory_bytes / mib:9.2f} MiB {_percent(v.memory_error):>7s}"
+        f"  peak memory    {v.predicted_memory_bytes / _MIB:9.2f} MiB"
+        f"{v.measured_memory_bytes / _MIB:9.2f} MiB {_percent(v.memory_error):>7s}"
         f"   (largest rank, live tensor bytes)\n"
         f"  predicted time by term (ms): {terms}\n"
-        f"  predicted memory by pipeline rank (MiB): {per_rank}\n"
+        f"  predicted memory by pipeline rank (MiB): {per_pp_rank}\n"
+        + format_rank_table(v.per_rank)
     )
+
+
+def format_rank_table(rows: tuple[RankMemory, ...], max_rows: int = MAX_RANK_ROWS) -> str:
+    """Peak memory per global rank, predicted beside measured; ranks past ``max_rows`` summed up.
+
+    Empty when there are no rows. The summary line gives the omitted ranks' count and their
+    largest error by magnitude (signed).
+    """
+    if not rows:
+        return ""
+    lines = ["  peak memory per rank (MiB, live tensor bytes):",
+             "     rank  pp rank   predicted    measured    error"]
+    lines += [
+        f"  {r.rank:7d}  {r.pp_rank:7d}  {r.predicted_bytes / _MIB:10.2f}"
+        f"  {r.measured_bytes / _MIB:10.2f}  {_percent(r.error):>7s}"
+        for r in rows[:max_rows]
+    ]
+    rest = rows[max_rows:]
+    if rest:
+        errors = [r.error for r in rest if r.error is not None]
+        largest = max(errors, key=abs) if errors else None
+        lines.append(f"  ... {len(rest)} more ranks, largest error {_percent(largest)}")
+    return "\n".join(lines) + "\n"
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:

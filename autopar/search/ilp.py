@@ -29,8 +29,11 @@ Strength. Counts are bounded by what fits a rank's memory (count (static + infli
 capacity - buffers), which also gives the transient constraints a small M. For embedding +
 blocks + head profiles, ``ilp_ranks.py`` counts the blocks per pipeline rank instead of per stage
 (exact, and free of the symmetry between a rank's chunks); interchangeable ranks (same in-flight
-count, chunks and layer kinds) are ordered by time, (order) R_k >= R_k'. An optional cutoff
-(step <= the planner's k-th best) lets a candidate that cannot compete end as infeasible fast.
+count, chunks and layer kinds) are ordered by time, (order) R_k >= R_k'. There, ``ilp_hull.py``
+also gives each rank the exact hull of its time as a function of its block count (the fastest
+mix of recompute modes its memory allows), which the LP relaxation of the per-rank knapsack lacks.
+An optional cutoff (step <= the planner's k-th best) lets a candidate that cannot compete end as
+infeasible fast; the hull then drops the counts a rank could not afford under it.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ from dataclasses import dataclass
 import pulp
 
 from autopar.config import RECOMPUTE
+from autopar.cost_model.assemble import pipeline_buffer_bytes
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
 from autopar.cost_model.tables import CostTable, LayerCost
-from autopar.search.ilp_ranks import add_rank_counts, rank_aggregable, stage_counts
+from autopar.search.ilp_hull import add_rank_hull
+from autopar.search.ilp_ranks import add_rank_counts, big_run, rank_aggregable, stage_counts
 from autopar.search.options import SearchOptions
 
 __all__ = [
@@ -237,7 +242,9 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
             for (g, j, r), var in sorted(n.items())
             if j in stages
         )
-        exprs.append(static + act + mt + table.buffers_bytes / GIB)
+        # torch pipelining's receive buffers: a per-rank constant (assemble.pipeline_buffer_bytes)
+        pbuf = pipeline_buffer_bytes(table, k) / GIB
+        exprs.append(static + act + mt + table.buffers_bytes / GIB + pbuf)
     return exprs
 
 
@@ -359,6 +366,10 @@ def build_ilp(
             # [Constraint] mem: each pipeline rank's peak fits the usable device memory
             prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
         twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
+        if aggregate and s > 1:
+            add_rank_hull(
+                prob, table, runs, n, big_run(runs, len(table.layers)), cap, _var, cutoff_s
+            )
         step = _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt, twins)
         if cutoff_s is not None:
             # [Constraint] cutoff: beat the k-th best plan found so far

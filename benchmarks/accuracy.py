@@ -161,22 +161,28 @@ def disagreeing_pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
     return out
 
 
-def predict_case(case: Case, cluster: Cluster):
-    """The plan (split chosen by autopar for the config) and its estimate on ``cluster``."""
-    from autopar.runtime.verify import model_profile
+def predict_case(case: Case, cluster: Cluster, kernels: str = "cpu"):
+    """The plan (split chosen by autopar for the config) and its estimate on ``cluster``.
+
+    The profile counts what the measured device's kernels save (``kernels``: "cpu" for the
+    gloo runs here, "cuda" on GPU; on CPU torch's RMSNorm is a composite that keeps one more
+    [b, s, h] per norm than the fused GPU kernel).
+    """
+    from autopar.graph.model_text import build_and_profile
     from autopar.search.planner import plan_from_config
 
-    profile = model_profile(case.model, case.config.dtype)  # fp32 runs profiled at fp32
+    # fp32 runs profiled at fp32
+    profile = build_and_profile(case.model, dtype=case.config.dtype, kernels=kernels)[1]
     return plan_from_config(profile, cluster, case.config, model=case.model)
 
 
 def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
-             measured: dict[str, dict] | None = None) -> Row:
+             measured: dict[str, dict] | None = None, kernels: str = "cpu") -> Row:
     """Predict and measure one configuration (or take the measurement from ``measured``)."""
     from autopar.runtime.verify import measure_plan
 
     try:
-        plan = predict_case(case, cluster)
+        plan = predict_case(case, cluster, kernels)
         if measured is not None and case.label in measured:
             m = measured[case.label]
             times = m["step_times_s"][m["warmup_steps"]:]
@@ -185,8 +191,10 @@ def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
             run = measure_plan(plan, case.model, steps=steps, warmup_steps=warmup)
             measured_s, peak = run.step_time_s, run.peak_memory_bytes
             if measured is not None:
-                measured[case.label] = {"step_times_s": list(run.step_times_s),
-                                        "warmup_steps": warmup, "peak_memory_bytes": peak}
+                measured[case.label] = {
+                    "step_times_s": list(run.step_times_s), "warmup_steps": warmup,
+                    "peak_memory_bytes": peak,
+                    "peak_memory_bytes_per_rank": list(run.peak_memory_bytes_per_rank)}
     except (AutoparError, ValueError, RuntimeError) as err:
         return Row(case=case, error=" ".join(str(err).split())[:120])
     return Row(case=case, predicted_s=plan.estimate.step_time_s, measured_s=measured_s,
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = json.loads(store.read_text()) if store is not None and store.exists() else {}
     rows = []
     for case in todo:
-        row = run_case(case, cluster, args.steps, args.warmup, measured)
+        row = run_case(case, cluster, args.steps, args.warmup, measured, kernels=device_type)
         if store is not None:
             store.write_text(json.dumps(measured, indent=1))
         rows.append(row)

@@ -162,15 +162,31 @@ def predict(rec: dict, profile, overrides: dict | None = None):
     return est, est.tokens_per_s / cluster.num_gpus
 
 
+def published_run_memory_bytes(est) -> float:
+    """The largest rank's memory without torch pipelining's receive buffers.
+
+    The published runs used Megatron-LM / torchtitan runtimes; Megatron's p2p communication
+    allocates one receive tensor per transfer and frees it with the micro-batch, unlike torch's
+    PipelineStage, which keeps one per micro-batch for the whole step (the estimate's
+    ``pipeline_buffers`` term, which autopar's own plans are charged). A published run's fit is
+    judged on the memory of its own runtime, so that term is left out here.
+    """
+    if not est.stages:
+        return est.memory_per_gpu_bytes - est.memory_breakdown.pipeline_buffers_bytes
+    return max(s.memory_bytes - s.memory.pipeline_buffers_bytes for s in est.stages)
+
+
 def evaluate(records, profiles, overrides=None) -> list[dict]:
     """One row per record: measured, predicted, error, memory and fit."""
     rows = []
     for rec, prof in zip(records, profiles):
         est, pred = predict(rec, prof, overrides)
         meas = measured_tokens_per_gpu(rec, prof)
+        mem = published_run_memory_bytes(est)
         rows.append({
             "id": rec["id"], "measured": meas, "predicted": pred, "error": pred / meas - 1,
-            "memory_gib": est.memory_per_gpu_bytes / 2**30, "fits": est.fits, "mfu": est.mfu,
+            "memory_gib": mem / 2**30, "fits": mem <= est.memory_capacity_bytes,
+            "mfu": est.mfu,
         })
     return rows
 

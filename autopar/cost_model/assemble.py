@@ -19,7 +19,12 @@ Memory of pipeline rank k:
 
     static_k = sum_{i on k} (param_i + grad_i + optimizer_i)
     act_k    = sum_{j on k} inflight_j * sum_{i in j} act_i(r_i) + max_{i on k} transient_i(r_i)
-    mem_k    = static_k + act_k + buffers;       fits  <=>  max_k mem_k <= capacity
+    pbuf_k   = pipeline_buffer_microbatches(schedule, p, v, m, k) * recv_buffer_bytes
+    mem_k    = static_k + act_k + buffers + pbuf_k;       fits  <=>  max_k mem_k <= capacity
+
+pbuf_k (``pipeline_buffer_bytes``) is what torch's PipelineStage keeps per micro-batch: receive
+buffers for stage inputs and output gradients, and the split backward's input gradients
+(pipeline.py). It depends on the rank only, not on the split (the search's ILP adds it per rank).
 """
 
 from __future__ import annotations
@@ -28,10 +33,24 @@ from collections.abc import Sequence
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.pipeline import (
+    bubble_coefficient,
+    in_flight_microbatches,
+    pipeline_buffer_microbatches,
+    rank_of_stage,
+)
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable
 
-__all__ = ["assemble", "check_split"]
+__all__ = ["assemble", "check_split", "pipeline_buffer_bytes"]
+
+
+def pipeline_buffer_bytes(table: CostTable, rank: int) -> float:
+    """Bytes of torch pipelining's receive buffers (and held input gradients) on ``rank``."""
+    cfg = table.config
+    count = pipeline_buffer_microbatches(
+        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
+    )
+    return count * table.recv_buffer_bytes
 
 
 def check_split(
@@ -78,6 +97,7 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBre
         optimizer_bytes=sum(table.layers[i].optimizer_bytes for i in layers),
         activations_bytes=peak_act,
         buffers_bytes=table.buffers_bytes,
+        pipeline_buffers_bytes=pipeline_buffer_bytes(table, rank),
     )
 
 

@@ -60,6 +60,9 @@ class MemoryBreakdown:
         activations_bytes: saved activations of the in-flight micro-batches, plus the transient
             working set of the largest layer.
         buffers_bytes: communication buffers, allocator reserve, ZeRO-3 gather buffers.
+        pipeline_buffers_bytes: torch pipelining's per-micro-batch receive buffers (stage
+            inputs, output gradients) and the input gradients the split backward keeps on
+            them, held through the step (``pipeline.pipeline_buffer_microbatches``).
     """
 
     parameters_bytes: float = 0.0
@@ -67,13 +70,14 @@ class MemoryBreakdown:
     optimizer_bytes: float = 0.0
     activations_bytes: float = 0.0
     buffers_bytes: float = 0.0
+    pipeline_buffers_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
         """Sum of the terms."""
         return (
             self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
-            + self.activations_bytes + self.buffers_bytes
+            + self.activations_bytes + self.buffers_bytes + self.pipeline_buffers_bytes
         )
 
     def to_dict(self) -> dict[str, float]:

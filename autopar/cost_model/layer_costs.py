@@ -387,12 +387,13 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
             done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
         layers.append(cost)
         tails.append(tail)
-    p2p = 0.0
+    p2p = recv_bytes = 0.0
     if cfg.pp > 1:
         sp_div = cfg.tp if cfg.sequence_parallel else 1
         boundary = max(layer.output_bytes for layer in profile.layers) * cfg.micro_batch * ratio
+        recv_bytes = boundary / sp_div  # one stage input (or output gradient) on one rank
         # forward activation send + backward gradient send of one micro-batch
-        p2p = 2 * comm.p2p_s(groups["pp"], boundary / sp_div)
+        p2p = 2 * comm.p2p_s(groups["pp"], recv_bytes)
     return CostTable(
         config=cfg,
         layers=tuple(layers),
@@ -405,6 +406,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         peak_flops=cluster.device.peak_flops(cfg.dtype),
         tokens_per_step=cfg.global_batch * profile.seq_len,
         world_size=cfg.world_size,
+        recv_buffer_bytes=recv_bytes,
     )
 
 

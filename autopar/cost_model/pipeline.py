@@ -20,6 +20,7 @@ __all__ = [
     "bubble_coefficient",
     "bubble_ratio",
     "in_flight_microbatches",
+    "pipeline_buffer_microbatches",
     "rank_of_stage",
 ]
 
@@ -27,6 +28,8 @@ __all__ = [
 ZERO_BUBBLE_RESIDUAL = 1.0 / 3.0
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
 V_SHAPED_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
+# Schedules whose every backward runs as an input-gradient pass (I) then a weight pass (W).
+SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
 
 
 def bubble_ratio(
@@ -78,9 +81,15 @@ def in_flight_microbatches(
       (v - 1) p + 2 (p - 1 - r) chunk-forwards, then keeps one more in flight; per chunk that is
       ((v - 1) p + 2 (p - 1 - r) + 1) / v, which at r = 0 is p (1 + (p - 1) / (p v)),
       Korthikanti et al. 2022's interleaving factor;
-    - V-shaped (zbv-zero-bubble, dualpipe-v): memory balanced across ranks at about 1F1B's first
-      stage, p micro-batches of the rank's layers (Qi et al. 2024, "Pipeline Parallelism with
-      Controllable Memory"): p per chunk.
+    - V-shaped, counted on torch's own per-rank action lists (``_calculate_single_rank_operations``
+      of ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` in torch/distributed/pipelining/
+      schedules.py; tests/unit/test_cost_pipeline_orders.py replays them): a chunk-micro-batch
+      holds its activations from its forward F to its weight pass W (or its full backward B).
+      The most held at once over the rank's two chunks is, for zbv-zero-bubble,
+      min(2 p, 2 m, m + r + 1) (its warm-up runs 2 (p - r) - 1 forwards of chunk 0, then
+      alternates chunks; I and W run back to back until the cool-down), and for dualpipe-v
+      (m >= 2 p) 2 p + 1 (one more than zbv: its overlapped F/B pairs run the forward first).
+      Charged as half of it per chunk (chunks balanced by the split).
     Capped at m.
     """
     p, v, m = num_ranks, virtual_stages, num_microbatches
@@ -88,8 +97,10 @@ def in_flight_microbatches(
         return 1.0
     if schedule == "gpipe":
         value = float(m)
-    elif schedule in V_SHAPED_SCHEDULES:
-        value = float(p)
+    elif schedule == "zbv-zero-bubble":
+        value = min(2 * p, 2 * m, m + rank + 1) / 2.0
+    elif schedule == "dualpipe-v":
+        value = (2 * p + 1) / 2.0
     elif v > 1:
         value = ((v - 1) * p + 2 * (p - 1 - rank) + 1) / v
     else:
@@ -109,3 +120,38 @@ def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
     if schedule in V_SHAPED_SCHEDULES:
         return stage_index if stage_index < num_ranks else 2 * num_ranks - 1 - stage_index
     return stage_index % num_ranks
+
+
+def pipeline_buffer_microbatches(
+    schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> int:
+    """One-micro-batch stage-boundary tensors that torch's PipelineStages of ``rank`` hold.
+
+    torch/distributed/pipelining/stage.py (``PipelineStage._setup_forward_recv_info``,
+    ``_create_grad_recv_info``, via ``_make_tensor_from_meta``) allocates, once per micro-batch,
+    a receive buffer for the stage input on every stage but the first and one for the output
+    gradient on every stage but the last, and keeps them in ``args_recv_info`` /
+    ``grad_recv_info`` for the whole step (a V schedule's same-rank neighbour hands its tensor
+    over in place of the buffer, which is then kept instead). With the backward split into
+    input and weight passes (interleaved-zero-bubble, zbv-zero-bubble),
+    ``_backward.stage_backward_input`` also leaves each micro-batch's input gradient on the
+    receive buffer's ``.grad`` until ``clear_runtime_states`` at the next step: m more per
+    stage but the first. (dualpipe-v runs full backwards until its cool-down, after its peak.)
+    Every such tensor has the boundary activation's size; the caller multiplies.
+
+    Returns:
+        The count (0 without a pipeline).
+    """
+    p, m = num_ranks, num_microbatches
+    if p <= 1:
+        return 0
+    num_stages = p * virtual_stages
+    count = 0
+    for stage in range(num_stages):
+        if rank_of_stage(schedule, p, stage) != rank:
+            continue
+        if stage > 0:
+            count += m * (2 if schedule in SPLIT_BACKWARD_SCHEDULES else 1)
+        if stage < num_stages - 1:
+            count += m
+    return count

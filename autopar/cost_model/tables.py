@@ -94,6 +94,9 @@ class CostTable:
         peak_flops: the device's peak FLOP/s at the training dtype (for MFU).
         tokens_per_step: global_batch * seq_len.
         world_size: dp * tp * pp.
+        recv_buffer_bytes: bytes of one micro-batch's stage-boundary activation on a rank (what
+            torch's PipelineStage allocates per micro-batch to receive an input or an output
+            gradient; ``pipeline.pipeline_buffer_microbatches`` counts them); 0 when pp == 1.
     """
 
     config: ParallelConfig
@@ -107,3 +110,4 @@ class CostTable:
     peak_flops: float
     tokens_per_step: int
     world_size: int
+    recv_buffer_bytes: float = 0.0

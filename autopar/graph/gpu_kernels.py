@@ -121,14 +121,22 @@ class GpuKernelMode(TorchFunctionMode):
             ``core`` around the stand-in so the caller can tag what the kernel saves.
         core: a zero-argument callable returning a context manager active while the kernel's
             tensors are saved (the saved-tensor recorder marks them as the attention core).
+        fused_rms_norm: replace ``F.rms_norm`` by the fused kernel's stand-in (GPU); False
+            leaves torch's composite, which CPU runs: it also keeps the normalised input
+            (x * 1/rms, the operand of the weight product), one [b, s, h] more per norm.
     """
 
     def __init__(
-        self, on_call: Callable[[AttentionCall], None], core: Callable[[tuple], Any]
+        self,
+        on_call: Callable[[AttentionCall], None],
+        core: Callable[[tuple], Any],
+        *,
+        fused_rms_norm: bool = True,
     ) -> None:
         super().__init__()
         self._on_call = on_call
         self._core = core
+        self._fused_rms_norm = fused_rms_norm
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -136,7 +144,7 @@ class GpuKernelMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
-        if func is F.rms_norm:
+        if func is F.rms_norm and self._fused_rms_norm:
             return self._rms_norm(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)

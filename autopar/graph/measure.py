@@ -130,7 +130,8 @@ def _instruments(
     flops = FlopCounterMode(display=False)
     with (
         fake_mode if fake_mode is not None else contextlib.nullcontext(),
-        GpuKernelMode(calls.append, recorder.attention_core),
+        GpuKernelMode(calls.append, recorder.attention_core,
+                      fused_rms_norm=recorder.fused_rms_norm),
         flops,
         recorder,
         torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),

@@ -16,7 +16,7 @@ __all__ = ["build_and_profile"]
 
 
 def build_and_profile(
-    model_text: str, *, seq_len: int | None = None, dtype: Any = None
+    model_text: str, *, seq_len: int | None = None, dtype: Any = None, kernels: str = "cuda"
 ) -> tuple[Any, ModelProfile]:
     """Build ``model_text`` on the meta device and profile it.
 
@@ -25,6 +25,8 @@ def build_and_profile(
         seq_len: tokens per sequence. None: a model file's ``example_inputs`` decide, else the
             model's own (its zoo spec, or the HF config's ``max_position_embeddings``).
         dtype: the dtype the profile counts bytes at (None: ``autopar.profile``'s default).
+        kernels: whose kernels' saved tensors the profile counts ("cuda" or "cpu", see
+            ``autopar.profile``).
 
     Returns:
         (the meta-device model, its ModelProfile).
@@ -58,4 +60,5 @@ def build_and_profile(
     if seq_len is None:
         raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return model, profile(model, seq_len=seq_len, example_inputs=example_inputs, **kwargs)
+    return model, profile(model, seq_len=seq_len, example_inputs=example_inputs, kernels=kernels,
+                          **kwargs)

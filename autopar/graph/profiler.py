@@ -36,7 +36,10 @@ from autopar.graph.tp import block_tp
 from autopar.graph.trace import CallOrder, trace_call_order
 from autopar.graph.types import ModelProfile
 
-__all__ = ["profile"]
+__all__ = ["KERNELS", "profile"]
+
+# Kernel sets whose saved tensors ``profile`` can count (see its ``kernels`` argument).
+KERNELS = ("cuda", "cpu")
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _DTYPE_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -109,7 +112,8 @@ def _vocab_modules(model: nn.Module, blocks: Sequence[str], vocab: int) -> tuple
 
 
 def _recorder(
-    model: nn.Module, sharded: Sequence[torch.Tensor], fake_mode: FakeTensorMode | None
+    model: nn.Module, sharded: Sequence[torch.Tensor], fake_mode: FakeTensorMode | None,
+    fused_rms_norm: bool,
 ) -> SavedRecorder:
     # Parameters and buffers are meta tensors; inside a fake mode ops see their fake versions
     # (memoized by the mode while alive, so converting them here gives the tensors ops use).
@@ -118,7 +122,8 @@ def _recorder(
             return list(tensors)
         return [*tensors, *(fake_mode.from_tensor(t) for t in tensors)]
 
-    return SavedRecorder(both([*model.parameters(), *model.buffers()]), both(sharded))
+    return SavedRecorder(both([*model.parameters(), *model.buffers()]), both(sharded),
+                         fused_rms_norm=fused_rms_norm)
 
 
 def _run_all(
@@ -128,6 +133,7 @@ def _run_all(
     vocab: int,
     loss_fn: Callable[..., Any] | None,
     fake_mode: FakeTensorMode | None,
+    fused_rms_norm: bool,
 ) -> dict[int, ModelRun]:
     signatures = {b: module_signature(work.get_submodule(b)) for b in blocks}
     embeddings, heads = _vocab_modules(work, blocks, vocab)
@@ -144,7 +150,7 @@ def _run_all(
             forward_and_loss,
             blocks=blocks,
             signatures=signatures,
-            recorder=_recorder(work, sharded, fake_mode),
+            recorder=_recorder(work, sharded, fake_mode, fused_rms_norm),
             fake_mode=fake_mode,
             reduce_modules=embeddings,
             input_bytes=tokens.numel() * tokens.element_size()
@@ -159,6 +165,7 @@ def _measure_blocks(
     blocks: Sequence[str],
     runs: dict[int, ModelRun],
     fake_mode: FakeTensorMode | None,
+    fused_rms_norm: bool,
 ) -> tuple[dict[str, str], dict[str, Measured]]:
     """Measure each distinct block once per batch size; return (block -> representative, counts)."""
     representative: dict[str, str] = {}
@@ -175,7 +182,7 @@ def _measure_blocks(
         counts = {}
         for size, run in runs.items():
             call = run.calls[run.block_keys[fqn]]
-            recorder = _recorder(work, params, fake_mode)
+            recorder = _recorder(work, params, fake_mode, fused_rms_norm)
             counts[size] = measure_block(block, call, recorder, reduce, fake_mode)
         measured[fqn] = per_sample(counts[1], counts[2])
     return representative, measured
@@ -211,18 +218,21 @@ def _run_with_fallback(
     blocks: Sequence[str],
     loss_fn: Callable[..., Any] | None,
     trace: CallOrder,
+    fused_rms_norm: bool,
 ) -> tuple[dict[int, ModelRun], FakeTensorMode | None]:
     """Run on plain meta tensors; if the model fails there, on fake tensors; else TraceError."""
     prelim = model_facts(work, hidden_seen=0, heads_seen=0, kv_heads_seen=0, block=None)
     try:
-        return _run_all(work, batches, blocks, prelim.vocab, loss_fn, None), None
+        return _run_all(work, batches, blocks, prelim.vocab, loss_fn, None, fused_rms_norm), None
     except RunFailure as on_meta:
         # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
         # make such models skip them. Slower, so only when needed. The meta failure is the
         # clearer message when both fail.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
-            return _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode), fake_mode
+            runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode,
+                            fused_rms_norm)
+            return runs, fake_mode
         except RunFailure:
             raise _trace_error(work, on_meta, trace, prelim.name) from on_meta.error
 
@@ -234,6 +244,7 @@ def profile(
     dtype: torch.dtype | str = torch.bfloat16,
     *,
     loss_fn: Callable[..., Any] | None = None,
+    kernels: str = "cuda",
 ) -> ModelProfile:
     """Profile ``model`` layer by layer on the meta device, per sample of ``seq_len`` tokens.
 
@@ -246,6 +257,9 @@ def profile(
             batch (tensor, tuple or dict) re-sized along dim 0.
         dtype: the dtype counts are at (bf16 default; also fp16, fp32 or their short names).
         loss_fn: ``loss_fn(output, batch)``; default token cross entropy on fp32 logits.
+        kernels: whose kernels' saved tensors to count: "cuda" (default; fused RMSNorm,
+            flash attention, bool dropout masks) or "cpu" (the same, but RMSNorm as torch's
+            CPU composite, which also keeps x * 1/rms: one [b, s, h] more per norm).
 
     Returns:
         The ModelProfile.
@@ -270,10 +284,13 @@ def profile(
     container, blocks = find_blocks(work)
     batches = {b: make_batch(work, b, seq_len, example_inputs) for b in _BATCH_SIZES}
     trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
-    runs, fake_mode = _run_with_fallback(work, batches, blocks, loss_fn, trace)
+    if kernels not in KERNELS:
+        raise AutoparError(f"profile kernels must be one of {KERNELS}, got {kernels!r}")
+    fused = kernels == "cuda"
+    runs, fake_mode = _run_with_fallback(work, batches, blocks, loss_fn, trace, fused)
     order = trace.order if trace.method else runs[1].call_order
     structure = group_outside(container, blocks, order)
-    representative, measured = _measure_blocks(work, blocks, runs, fake_mode)
+    representative, measured = _measure_blocks(work, blocks, runs, fake_mode, fused)
     facts = _facts(work, blocks, measured, runs[1])
     layers = build_layers(
         work,

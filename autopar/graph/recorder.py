@@ -83,12 +83,19 @@ class SavedRecorder(TorchDispatchMode):
     Args:
         excluded: tensors that are not activations (parameters, buffers); storages compared.
         sharded_params: parameters tensor parallelism shards (their products are sharded).
+        fused_rms_norm: run ``F.rms_norm`` as the fused GPU kernel while recording (what it
+            saves: input and fp32 1/rms); False keeps torch's composite, as CPU runs it.
     """
 
     def __init__(
-        self, excluded: Iterable[torch.Tensor], sharded_params: Iterable[torch.Tensor]
+        self,
+        excluded: Iterable[torch.Tensor],
+        sharded_params: Iterable[torch.Tensor],
+        *,
+        fused_rms_norm: bool = True,
     ) -> None:
         super().__init__()
+        self.fused_rms_norm = fused_rms_norm
         # Every tensor whose storage key is remembered is kept alive here, so no other storage
         # can be allocated at its address and inherit its key.
         self._alive: list[torch.Tensor] = [*excluded, *sharded_params]

@@ -284,17 +284,18 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
                        peak_memory_bytes_per_rank=tuple(result.peak_memory_bytes_per_rank))
 
 
-def model_profile(model_text: str, dtype: str | None = None) -> Any:
+def model_profile(model_text: str, dtype: str | None = None, kernels: str = "cuda") -> Any:
     """Build ``model_text`` on the meta device (as ``autopar run`` builds it) and profile it.
 
     Args:
         model_text: ``gpt:layers=...``, a zoo preset, a ``.py`` model file, an HF config JSON.
         dtype: the dtype the profile counts bytes at (default: ``autopar.profile``'s, as
             ``autopar plan`` uses).
+        kernels: whose kernels' saved tensors to count ("cuda", as ``autopar plan``, or "cpu").
     """
     from autopar.graph.model_text import build_and_profile
 
-    return build_and_profile(model_text, dtype=dtype)[1]
+    return build_and_profile(model_text, dtype=dtype, kernels=kernels)[1]
 
 
 def predict(plan: Any, model_text: str, cluster: Any) -> Any:
@@ -306,16 +307,24 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
     Raises:
         PlanMismatchError: the plan was made for another model.
     """
+    import torch
+
     import autopar
 
+    dtype = None
     profile = model_profile(model_text)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
-        profile = model_profile(model_text, plan.config.dtype)
+        dtype = plan.config.dtype
+        profile = model_profile(model_text, dtype)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model than {model_text} (profile fingerprints "
             f"differ); re-plan with `autopar plan` for this model"
         )
+    if not torch.cuda.is_available():
+        # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
+        # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
+        profile = model_profile(model_text, dtype, kernels="cpu")
     return autopar.estimate(profile, cluster, plan)
 
 

@@ -123,12 +123,16 @@ def record_cluster(rec: dict, overrides: dict | None = None) -> Cluster:
     name = "h100" if "h100" in c["gpu"].lower() else "a100-80g"
     gpn = c["gpus_per_node"] or 8
     cluster = Cluster.preset(name, nodes=c["n_gpus"] // gpn, gpus_per_node=gpn)
+    data = cluster.to_dict()
+    if rec["id"].startswith(("megatron", "korthikanti")):
+        # Megatron-LM keeps bf16 weights and accumulates gradients inside the weight-gradient
+        # GEMM (gradient_accumulation_fusion): none of autopar's runtime's per-micro-batch
+        # weight casts and gradient accumulation passes.
+        data["param_traffic_factor"] = 0.0
     if overrides:
-        data = cluster.to_dict()
         data["device"].update(overrides.get(name, {}))
         data["device"].update(overrides.get("all", {}))
-        cluster = Cluster.from_dict(data)
-    return cluster
+    return Cluster.from_dict(data)
 
 
 def measured_tokens_per_gpu(rec: dict, profile) -> float:

@@ -224,28 +224,40 @@ def _err(pred: float, meas: float) -> str:
     return f"{(pred - meas) / meas * 100:+.0f}%" if meas else "-"
 
 
-def _fit_efficiency(rows: list[dict], peak_flops: float) -> tuple[float, float, float]:
-    """(eff_max, w_half, MAPE) minimising the block-time MAPE, matmul part only.
+def _fit_curve(rows: list[dict], peak_flops: float) -> tuple[float, float, float, float]:
+    """(eff_max, w_half, floor_s, MAPE) minimising the block-time MAPE (grid search).
 
-    Measured matmul time is taken as measured - predicted elementwise share (the predicted
-    total minus its matmul part at the preset's efficiency), t_mm = F / (peak eff(w)) with
-    eff(w) = eff_max w / (w + w_half) (autopar/cost_model/compute.py).
+    The prediction's non-matmul part (elementwise traffic) is kept; the matmul part is
+    F / (peak eff(w)) with eff(w) = eff_max w / (w + w_half), and the block takes at least the
+    host's dispatch floor (autopar/cost_model/compute.py).
     """
     import numpy as np
 
-    best = (0.0, 0.0, float("inf"))
-    for eff_max in np.arange(0.40, 0.95, 0.01):
+    w = np.array([r["fwd_flops_rank"] for r in rows])
+    flops = np.array([r["total_flops_rank"] for r in rows])
+    other = np.array([r["other_s"] for r in rows])
+    meas = np.array([r["measured_s"] for r in rows])
+    best = (0.0, 0.0, 0.0, float("inf"))
+    for eff_max in np.arange(0.50, 0.95, 0.01):
         for w_half in np.geomspace(1e9, 1e13, 81):
-            errs = []
-            for r in rows:
-                w = r["fwd_flops_rank"]
-                eff = eff_max * w / (w + w_half)
-                pred = r["total_flops_rank"] / (peak_flops * eff) + r["other_s"]
-                errs.append(abs(pred - r["measured_s"]) / r["measured_s"])
-            mape = float(np.mean(errs))
-            if mape < best[2]:
-                best = (float(eff_max), float(w_half), mape)
+            t = flops / (peak_flops * eff_max * w / (w + w_half)) + other
+            for floor in np.arange(0.0, 3.05e-3, 0.1e-3):
+                mape = float(np.mean(np.abs(np.maximum(t, floor) - meas) / meas))
+                if mape < best[3]:
+                    best = (float(eff_max), float(w_half), float(floor), mape)
     return best
+
+
+def _current_predictions(rows: list[dict], cluster_name: str) -> dict[tuple, dict]:
+    """The cost model's predictions now (not those stored at measurement time)."""
+    keys = {(r["model"], r["seq_len"]) for r in rows}
+    out: dict[tuple, dict] = {}
+    for model, seq_len in sorted(keys):
+        tps = sorted({r["tp"] for r in rows if r["model"] == model})
+        mbs = sorted({r["micro_batch"] for r in rows if r["model"] == model})
+        for p in predict([model], tps, mbs, cluster_name, seq_len):
+            out[(p["model"], p["tp"], p["micro_batch"])] = p
+    return out
 
 
 def report(path: Path, cluster_name: str) -> str:
@@ -255,38 +267,41 @@ def report(path: Path, cluster_name: str) -> str:
     data = json.loads(path.read_text())
     device = Cluster.preset(cluster_name).device
     peak = device.peak_flops("bf16")
+    now = _current_predictions([r for r in data["rows"] if "error" not in r], cluster_name)
     lines = [f"# One block forward + backward: cost model ({cluster_name} preset) vs "
              f"{data['device']}", "",
              f"bf16, torch {data['torch']}, CUDA events, median of {data['repeats']} after "
              f"{data['warmup']} warm-up; local tensor-parallel shard shapes, no communication. "
-             "Reproduce: `benchmarks/gpu_layer.py` (predict here, measure on the GPU, report).",
+             "Predictions from the current cost model. Reproduce: `benchmarks/gpu_layer.py` "
+             "(predict here, measure on the GPU, report here).",
              "", "| model | seq | tp | mb | predicted ms | measured ms | error | achieved "
              "TFLOP/s | predicted act GiB | measured act GiB | act error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     time_errs, act_errs, fit_rows = [], [], []
+    gib = 2**30
     for r in data["rows"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['seq_len']} | {r['tp']} | {r['micro_batch']} | "
                          f"{r['error']} |||||||")
             continue
-        pred = r["predicted_forward_s"] + r["predicted_backward_s"]
+        p = now[(r["model"], r["tp"], r["micro_batch"])]
+        pred = p["predicted_forward_s"] + p["predicted_backward_s"]
         meas = r["measured_forward_s"] + r["measured_backward_s"]
         time_errs.append(abs(pred - meas) / meas)
-        gib = 2**30
         act = r["measured_act_bytes"]
         if act:
-            act_errs.append(abs(r["predicted_act_bytes"] - act) / act)
+            act_errs.append(abs(p["predicted_act_bytes"] - act) / act)
         lines.append(
             f"| {r['model']} | {r['seq_len']} | {r['tp']} | {r['micro_batch']} | "
             f"{pred * 1e3:.2f} | {meas * 1e3:.2f} | {_err(pred, meas)} | "
-            f"{r['model_flops'] / meas / 1e12:.0f} | {r['predicted_act_bytes'] / gib:.2f} | "
-            f"{act / gib:.2f} | {_err(r['predicted_act_bytes'], act)} |")
-        # Split the prediction into matmul and the rest, to refit the matmul curve.
+            f"{r['model_flops'] / meas / 1e12:.0f} | {p['predicted_act_bytes'] / gib:.2f} | "
+            f"{act / gib:.2f} | {_err(p['predicted_act_bytes'], act)} |")
+        # Split the prediction into matmul, floor and the rest, to refit the curve.
         fwd_flops = r["model_flops"] / 3.0
-        eff = matmul_efficiency(device, fwd_flops)
-        mm_s = r["model_flops"] / (peak * eff)
+        mm_s = r["model_flops"] / (peak * matmul_efficiency(device, fwd_flops))
+        unfloored = mm_s + max(0.0, pred - mm_s) if pred > device.dispatch_floor_s else mm_s
         fit_rows.append({"fwd_flops_rank": fwd_flops, "total_flops_rank": r["model_flops"],
-                         "other_s": max(0.0, pred - mm_s), "measured_s": meas})
+                         "other_s": max(0.0, unfloored - mm_s), "measured_s": meas})
     lines.append("")
     if time_errs:
         lines.append(f"- block time: MAPE {statistics.mean(time_errs) * 100:.1f}%, median "
@@ -296,11 +311,13 @@ def report(path: Path, cluster_name: str) -> str:
         lines.append(f"- saved activations: median error {statistics.median(act_errs) * 100:.1f}%,"
                      f" largest {max(act_errs) * 100:.1f}%")
     if fit_rows:
-        eff_max, w_half, mape = _fit_efficiency(fit_rows, peak)
+        eff_max, w_half, floor, mape = _fit_curve(fit_rows, peak)
         lines.append(
-            f"- preset matmul curve: eff_max {device.matmul_efficiency_max:.2f}, w_half "
-            f"{device.matmul_half_flops:.3g} FLOPs; best fit to these blocks: eff_max "
-            f"{eff_max:.2f}, w_half {w_half:.3g} FLOPs (block-time MAPE {mape * 100:.1f}%)")
+            f"- preset: eff_max {device.matmul_efficiency_max:.2f}, w_half "
+            f"{device.matmul_half_flops:.3g} FLOPs, dispatch floor "
+            f"{device.dispatch_floor_s * 1e3:.1f} ms; best fit to these blocks: eff_max "
+            f"{eff_max:.2f}, w_half {w_half:.3g} FLOPs, floor {floor * 1e3:.1f} ms "
+            f"(block-time MAPE {mape * 100:.1f}%)")
     return "\n".join(lines) + "\n"
 
 

@@ -139,7 +139,8 @@ def assemble(
     }
     rank_time = {k: sum(times[j] for j in stages_of[k]) for k in ranks}
     bottleneck = max(ranks, key=lambda k: (rank_time[k], -k))
-    bubble_s = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages) * sum(times)
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
+    bubble_s = c * sum(times)
     extras = {k: _rank_extra_s(table, layers_of[k]) for k in ranks}
     tail = max(ranks, key=lambda k: (sum(extras[k]), -k))
     step_s = m * rank_time[bottleneck] + bubble_s + sum(extras[tail])

@@ -69,6 +69,12 @@ class DeviceSpec:
             (activation checkpointing: the re-run forward and its bookkeeping), replacing
             the re-run share of ``layer_overhead_s`` when larger; selective recompute pays it
             in proportion to the FLOPs it re-runs. Measured by calibrate on CPU.
+        dispatch_floor_s: the host's time to issue one transformer block's forward + backward
+            kernels in eager PyTorch (Python, dispatcher, autograd, launches). A GPU runs ahead
+            of nothing: a block whose kernels take less than this takes this long (the GPU
+            waits for the host), so a block's time is max(kernels, floor), 1/3 forward, 2/3
+            backward. Measured per block by ``benchmarks/gpu_layer.py``; 0 on CPU, where the
+            framework cost adds to the arithmetic (``layer_overhead_s``).
         shared_compute_processes: device processes that share one compute unit when all of
             them run (CPU workers over cores: workers / cores; a GPU: 1). The throughputs above
             are per process with all running; a process whose neighbours idle (a pipeline
@@ -93,6 +99,7 @@ class DeviceSpec:
     dtensor_optimizer_layer_overhead_s: float = 0.0
     recompute_layer_overhead_s: float = 0.0
     shared_compute_processes: float = 1.0
+    dispatch_floor_s: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of the training dtype ("bf16", "fp16", "fp32" or "tf32")."""
@@ -139,6 +146,11 @@ class Cluster:
             process group in use (NCCL channel buffers: 64 MiB; gloo on CPU: none as tensors).
         allocator_reserve_bytes: device memory held by the caching allocator beyond live
             tensors over a step (CUDA: 256 MiB; CPU: 0, the measured peak is live tensor bytes).
+        param_traffic_factor: multiplier of the per-micro-batch memory traffic over the
+            parameters (16-bit weight casts under autocast, fp32 gradient accumulation;
+            ``compute.param_traffic_bytes_per_param``): 1 for autopar's runtime; 0 describes a
+            runtime that keeps 16-bit weights and fuses the accumulation into the weight-gradient
+            GEMM (Megatron-LM's gradient_accumulation_fusion).
     """
 
     name: str
@@ -151,6 +163,7 @@ class Cluster:
     dp_overlap_efficiency: float = 0.8
     comm_buffer_bytes_per_group: float = 64 * MIB
     allocator_reserve_bytes: float = 256 * MIB
+    param_traffic_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _validate(self.to_dict())
@@ -237,6 +250,7 @@ class Cluster:
             dp_overlap_efficiency=clean["dp_overlap_efficiency"],
             comm_buffer_bytes_per_group=clean["comm_buffer_bytes_per_group"],
             allocator_reserve_bytes=clean["allocator_reserve_bytes"],
+            param_traffic_factor=clean["param_traffic_factor"],
         )
 
     def to_yaml(self, path: str | Path) -> None:
@@ -291,7 +305,8 @@ _DEVICE_OPTIONAL: dict[str, Any] = {
     name: 0.0
     for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
                  "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
-                 "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s")
+                 "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s",
+                 "dispatch_floor_s")
 }
 _DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
 _DEVICE_OPTIONAL["shared_compute_processes"] = 1.0
@@ -308,10 +323,12 @@ _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
     "dp_overlap_efficiency": ("float", "unit"),
     "comm_buffer_bytes_per_group": ("float", "nonneg"),
     "allocator_reserve_bytes": ("float", "nonneg"),
+    "param_traffic_factor": ("float", "unit"),
 }
 _OPTIONAL: dict[str, Any] = {
     "memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8,
     "comm_buffer_bytes_per_group": 64.0 * MIB, "allocator_reserve_bytes": 256.0 * MIB,
+    "param_traffic_factor": 1.0,
 }
 _RULE_TEXT = {
     "pos": "must be > 0",

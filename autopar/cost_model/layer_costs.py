@@ -41,7 +41,12 @@ from typing import TYPE_CHECKING
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import stage_split
-from autopar.cost_model.compute import busy_speedup, framework_overheads_s, layer_compute
+from autopar.cost_model.compute import (
+    busy_speedup,
+    framework_overheads_s,
+    layer_compute,
+    param_traffic_bytes_per_param,
+)
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
@@ -195,7 +200,8 @@ def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
     if cfg.pp <= 1:
         return 1.0
     busy = cfg.num_microbatches * cfg.virtual_stages
-    bubble = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages) * cfg.num_stages
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
+    bubble = c * cfg.num_stages
     return busy_speedup(cluster.device, busy / (busy + bubble))
 
 
@@ -275,6 +281,22 @@ def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: floa
     return step, mb, tail
 
 
+def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, float]:
+    """(forward, backward) bytes over a layer's parameters per micro-batch (weight casts under
+    autocast, gradient accumulation; ``compute.param_traffic_bytes_per_param``)."""
+    # The runtime's autocast rule (autopar/runtime/apply.py ``_autocast_dtype``): 16-bit
+    # training except under FSDP2 (dp > 1, zero > 0), whose MixedPrecisionPolicy casts instead.
+    fsdp_mp = cfg.dp > 1 and cfg.zero > 0
+    fwd, bwd = param_traffic_bytes_per_param(
+        autocast=cfg.dtype != "fp32" and not fsdp_mp, casts_per_step=cfg.pp > 1,
+        num_microbatches=cfg.num_microbatches)
+    # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
+    # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
+    if fsdp_mp and not memory.fsdp_accumulates_grads(cfg):
+        return fwd * params_tp, bwd * params_tp / cfg.dp
+    return fwd * params_tp, bwd * params_tp
+
+
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tuple:
     layer = profile.layers[index]
     b, tp = cfg.micro_batch, cfg.tp
@@ -311,6 +333,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
                               - cluster.device.layer_overhead_s / 3.0)
         if layer.kind == "block" else 0.0,
+        floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
+        param_traffic_bytes=tuple(cluster.param_traffic_factor * x
+                                  for x in _param_traffic_bytes(cfg, layer.num_params / shard)),
     )
     params_tp = layer.num_params / shard
     state = memory.layer_state(params_tp, cfg)

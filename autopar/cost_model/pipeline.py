@@ -54,7 +54,9 @@ def bubble_ratio(
     return ratio
 
 
-def bubble_coefficient(schedule: str, num_ranks: int, virtual_stages: int = 1) -> float:
+def bubble_coefficient(
+    schedule: str, num_ranks: int, virtual_stages: int = 1, num_microbatches: int | None = None
+) -> float:
     """Coefficient c of the bubble term ``c * sum_j T_j`` over all stages' per-micro-batch times.
 
     With uniform stages (T_j = T for all p v stages) the step is m v T (ideal) plus the bubble
@@ -63,7 +65,14 @@ def bubble_coefficient(schedule: str, num_ranks: int, virtual_stages: int = 1) -
     """
     if num_ranks <= 1:
         return 0.0
-    c = (num_ranks - 1) / (virtual_stages * num_ranks)
+    p, v = num_ranks, virtual_stages
+    m = num_microbatches or p
+    if m < p:
+        # Too few micro-batches to fill p ranks: one micro-batch's forward and backward cross
+        # all p v chunks in turn, (m + v p - 1) chunk-times for m of them, against the ideal
+        # m v: c = (v p - 1 - m (v - 1)) / (v p), which is (p - 1) / (v p) at m = p.
+        return (v * p - 1 - m * (v - 1)) / (v * p)
+    c = (p - 1) / (v * p)
     if schedule in ZERO_BUBBLE_SCHEDULES:
         c *= ZERO_BUBBLE_RESIDUAL
     return c

@@ -30,6 +30,14 @@ H100_EFFICIENCY_MAX = 0.618  # fraction of 989 TFLOP/s (fit; H100 runs further f
 MATMUL_HALF_S = 2.0e-5
 ELEMENTWISE_TRAFFIC = 7.66  # non-matmul HBM traffic / bytes saved for backward (fit)
 DP_OVERLAP = 0.8  # usable fraction of the last backward for hiding DP reduction (fit)
+# Measured on one H200 (benchmarks/gpu_layer.py; 96 blocks of 8 zoo models, bf16, tp 1-8,
+# micro-batch 1-4, torch 2.11 eager; table in benchmarks/results/gpu_layer_h200.md): the best fit
+# of the block-time curve is eff_max 0.70, half-efficiency work 3.7e10 FLOPs and a 2.0 ms floor
+# per block forward + backward (the host's eager dispatch; small blocks at high tp measured
+# 1.5-3 ms whatever their FLOPs), block-time MAPE 6.5% (the H100 fit above gave 17.3%).
+H200_EFFICIENCY_MAX = 0.70
+H200_HALF_FLOPS = 3.7e10
+DISPATCH_FLOOR_S = 2.0e-3  # eager PyTorch, one block forward + backward (any GPU's host)
 HEADROOM = 0.05  # CUDA context (~0.5-1 GiB) + allocator fragmentation, of device memory
 
 
@@ -43,6 +51,7 @@ def _gpu(
     memory_bytes: int,
     hbm: float,
     eff: float,
+    half_flops: float | None = None,
 ) -> dict[str, Any]:
     return {
         "name": name,
@@ -53,8 +62,9 @@ def _gpu(
         "memory_bytes": memory_bytes,
         "hbm_bytes_per_s": hbm,
         "matmul_efficiency_max": eff,
-        "matmul_half_flops": MATMUL_HALF_S * max(bf16, fp16),
+        "matmul_half_flops": half_flops or MATMUL_HALF_S * max(bf16, fp16),
         "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
+        "dispatch_floor_s": DISPATCH_FLOOR_S,
     }
 
 
@@ -121,10 +131,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "h200": {
         # H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
-        # HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency as H100 (same core).
+        # HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency measured on one H200.
         "device": _gpu(
             "H200-SXM-141GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
-            memory_bytes=143771 * MIB, hbm=4.8e12, eff=H100_EFFICIENCY_MAX,
+            memory_bytes=143771 * MIB, hbm=4.8e12, eff=H200_EFFICIENCY_MAX,
+            half_flops=H200_HALF_FLOPS,
         ),
         "intra_node": _H100_NVLINK,
         "inter_node": _NDR_IB,

@@ -142,7 +142,7 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
         "",
         f"step time: {sp.sstr(STEP_TIME)}",
     ]
-    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
     r_max = max(s.time_per_microbatch_s for s in est.stages)
     tb = est.time_breakdown
     e_max = est.step_time_s - table.num_microbatches * r_max - tb.bubble_s

@@ -180,7 +180,8 @@ def time_lower_bound(
     if refined:
         bottleneck = max(bottleneck, integer_bottleneck_s(table))
     pipeline = table.num_microbatches * bottleneck
-    pipeline += bubble_coefficient(cfg.schedule, p, cfg.virtual_stages) * total
+    c = bubble_coefficient(cfg.schedule, p, cfg.virtual_stages, cfg.num_microbatches)
+    pipeline += c * total
     if cfg.dp > 1:
         tail = max(table.dp_tail_s + summary.opt_sum_s / p, summary.exposed_sum_s / p)
     else:
@@ -232,5 +233,5 @@ def ilp_key(table: CostTable) -> tuple:
         cfg.dp > 1,
         placement,
         flights,
-        bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages),
+        bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches),
     )

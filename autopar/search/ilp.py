@@ -310,7 +310,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
             pulp.lpSum(t for j, t in enumerate(stage_t) if slot_rank[j] == x) for x in (k, k2)
         ]
         prob += rank_t[0] >= rank_t[1], f"order[rank{k}][rank{k2}]"
-    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
     return table.num_microbatches * rmax + c * pulp.lpSum(stage_t) + tail
 
 

@@ -303,7 +303,7 @@ def add_rank_hull(
     limit_s = math.inf
     if cutoff_s is not None:
         weight = table.num_microbatches + bubble_coefficient(
-            cfg.schedule, cfg.pp, cfg.virtual_stages
+            cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches
         )
         p2p = table.p2p_s if cfg.pp > 1 else 0.0
         limit_s = cutoff_s / weight - cfg.virtual_stages * p2p + TIME_SLACK_S

@@ -118,8 +118,9 @@ def test_busy_speedup_and_pipelines_on_shared_cores():
     gpu = Cluster.preset("h100").device
     assert busy_speedup(gpu, 0.1) == 1.0
     p = _profile()
-    cluster = Cluster.preset("cpu", gpus_per_node=4)
-    flat = build_cost_table(p, cluster, ParallelConfig(dp=4, global_batch=8, micro_batch=1))
+    # Without the per-micro-batch parameter traffic, which differs between the two schedules.
+    cluster = dataclasses.replace(Cluster.preset("cpu", gpus_per_node=4), param_traffic_factor=0.0)
+    flat = build_cost_table(p, cluster, ParallelConfig(dp=4, global_batch=16, micro_batch=1))
     # gpipe over 4 ranks with m = 4: busy fraction 4 / (4 + 3) -> 1.75x faster per layer
     pipe = build_cost_table(p, cluster, ParallelConfig(pp=4, global_batch=4, micro_batch=1,
                                                        schedule="gpipe"))

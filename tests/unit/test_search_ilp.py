@@ -120,7 +120,7 @@ def objective(table: CostTable, split, rec) -> tuple[float, float]:
             + max(lay[i].transient_bytes[idx[i]] for i in on_k)
             + table.buffers_bytes
         )
-    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages)
+    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
     step = table.num_microbatches * max(rank_t) + c * sum(stage_t) + max(tails)
     return step, max(mems)
 

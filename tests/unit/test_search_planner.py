@@ -104,7 +104,7 @@ TIGHT_OPTS = dataclasses.replace(OPTS, micro_batch_sizes=(8,), zero_stages=(0,),
 
 def _tight_case():
     model = gpt_profile(6, 2048, 16, s=2048, vocab=8000)
-    return model, Cluster.preset("a100-80g", nodes=1, gpus_per_node=2, gpu_memory_gb=10)
+    return model, Cluster.preset("a100-80g", nodes=1, gpus_per_node=2, gpu_memory_gb=11)
 
 
 def test_plan_estimate_equals_estimate_of_plan_with_mixed_recompute() -> None:

@@ -173,8 +173,7 @@ def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
     When every forward of the step runs before any backward (one micro-batch, or a GPipe
     pipeline), the state born in the backward never peaks together with all the activations:
     the gradients (freed at every step's end, ``zero_grad(set_to_none=True)``; 4 bytes per
-    local parameter), FSDP2's unsharded fp32 gradient accumulators (4 bytes per parameter)
-    and zero 3's parameters kept unsharded from the first backward (w bytes per parameter).
+    local parameter) or FSDP2's unsharded fp32 gradient accumulators (4 bytes per parameter).
     A layer's share x appears in the first backward as that micro-batch's activations a of
     the layer are released, so the layer peaks at (m - 1) a + max(a, x). The table's memory
     adds x (static) to m a (assemble.py), so a is charged as a - min(a, x) / m (with one
@@ -185,11 +184,15 @@ def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
     m = cfg.num_microbatches
     if m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe"):
         return act
+    # The fp32 gradient: the local one, or FSDP2's unsharded accumulator (which the sharded one
+    # replaces at its reduce-scatter: memory.layer_state charges the larger of the two).
     born = memory.GRAD_BYTES * local_params
     if memory.fsdp_accumulates_grads(cfg):
-        born += memory.GRAD_BYTES * params_tp
-    if cfg.zero == 3 and memory.fsdp_keeps_params_unsharded(cfg):
-        born += DTYPE_BYTES[cfg.dtype] * params_tp
+        born = memory.GRAD_BYTES * params_tp
+    # Zero 3's unsharded parameters under a pipeline are not born in the backward: measured
+    # (gpt dp2 pp2 gpipe zero 3 of benchmarks/accuracy.py) they are live before the step's first
+    # forward (the stage root is never resharded, the blocks' all-gathers persist), so they
+    # peak with all the activations and are not netted.
     return (act[0] - min(act[0], born) / m, act[1] - min(act[1], born) / m,
             act[2] - min(act[2], born) / m)
 

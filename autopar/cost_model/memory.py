@@ -10,11 +10,11 @@ fp32; n = dp; m = micro-batches per step):
 | none (dp == 1): autocast, fp32 params       | 4 + w'      | 4                  | 8         |
 | zero 0, tp == pp == 1: DDP                  | 4 + w'      | 4 + 4 (buckets)    | 8         |
 | zero 0, tp > 1 or pp > 1: replicate()       | 4 + w'      | 4 + 4 a            | 8         |
-| zero 1: fully_shard(reshard=False)          | 4/n + w     | 4/n + 4 a          | 8/n       |
+| zero 1: fully_shard(reshard=False)          | 4/n + w     | 4 a or 4/n         | 8/n       |
 | zero 2: same, pp == 1                       | 4/n + w     | 4/n                | 8/n       |
-| zero 2: pp > 1                              | 4/n + w     | 4/n + 4 a          | 8/n       |
+| zero 2: pp > 1                              | 4/n + w     | 4 a or 4/n         | 8/n       |
 | zero 3: fully_shard, pp == 1                | 4/n         | 4/n                | 8/n       |
-| zero 3: pp > 1                              | 4/n + w u   | 4/n + 4 a          | 8/n       |
+| zero 3: pp > 1                              | 4/n + w u   | 4 a or 4/n         | 8/n       |
 
 w' = w when the training dtype is 16-bit (the 16-bit copies autocast makes and the backward keeps;
 FSDP2's unsharded compute copy for replicate()) and 0 for fp32. Optimizer = fp32 Adam moments
@@ -147,9 +147,12 @@ def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
     sharded = p / n
     unsharded_params = w * p if fsdp_keeps_params_unsharded(config) else 0.0
     accumulated_grads = GRAD_BYTES * p if fsdp_accumulates_grads(config) else 0.0
+    # A unit's sharded gradient appears at its reduce-scatter in the step's last backward, which
+    # frees the unsharded accumulator it reduces (FSDP2 ``foreach_reduce``); with zero_grad
+    # (set_to_none) at every step's end the two never coexist: max(4 p, 4 p / n) = 4 p.
     return LayerState(
         param_bytes=MASTER_BYTES * sharded + unsharded_params,
-        grad_bytes=GRAD_BYTES * sharded + accumulated_grads,
+        grad_bytes=accumulated_grads or GRAD_BYTES * sharded,
         optimizer_bytes=ADAM_BYTES * sharded,
         local_params=sharded,
     )

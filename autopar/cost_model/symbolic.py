@@ -47,15 +47,16 @@ R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
 # Model state per mechanism (memory.py's table): (parameters, gradients, optimizer) bytes.
 # a = 1 when FSDP2 accumulates unsharded fp32 gradients across micro-batches, u = 1 when zero 3
 # keeps unsharded parameters through a pipeline step (memory.fsdp_accumulates_grads and
-# memory.fsdp_keeps_params_unsharded say when).
+# memory.fsdp_keeps_params_unsharded say when). An unsharded accumulator and the sharded gradient
+# that replaces it at its reduce-scatter never coexist: gradients are 4 a + 4 (1 - a) / d.
 a, u = sp.symbols("a u", nonnegative=True)
 MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
     "none": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
     "ddp": ((4 + w) * Psi, 8 * Psi, 8 * Psi),
     "replicate": ((4 + w) * Psi, (4 + 4 * a) * Psi, 8 * Psi),
-    "zero1": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
-    "zero2": ((4 / d + w) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
-    "zero3": ((4 / d + w * u) * Psi, (4 / d + 4 * a) * Psi, 8 * Psi / d),
+    "zero1": ((4 / d + w) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
+    "zero2": ((4 / d + w) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
+    "zero3": ((4 / d + w * u) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
 }
 # Ring all-reduce = reduce-scatter + all-gather (formulas.md section 6).
 REDUCE_SCATTER = (n - 1) / n * S / B + (n - 1) * alpha

@@ -80,3 +80,16 @@ def test_loss_backward_holds_logits_and_two_fp32_gradients() -> None:
     logits = PROFILE.seq_len * PROFILE.vocab * 2
     output = PROFILE.layers[-1].output_bytes * 2
     assert head.transient_bytes[0] == pytest.approx((W + 2 * 4) * logits + 2 * output)
+
+
+def test_fsdp_accumulator_and_sharded_gradient_never_coexist() -> None:
+    # zero 1 with gradient accumulation: the unsharded fp32 accumulator (4 B) is replaced by the
+    # sharded gradient (4/n B) at its reduce-scatter: 4 B per parameter, not 4 + 4/n.
+    from autopar.cost_model.memory import fsdp_accumulates_grads, layer_state
+
+    cfg = ParallelConfig(dp=4, micro_batch=1, global_batch=16, zero=1)
+    assert fsdp_accumulates_grads(cfg)
+    assert layer_state(1000.0, cfg).grad_bytes == 4000.0
+    one = ParallelConfig(dp=4, micro_batch=4, global_batch=16, zero=1)  # one micro-batch
+    assert not fsdp_accumulates_grads(one)
+    assert layer_state(1000.0, one).grad_bytes == 1000.0

@@ -350,7 +350,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
     # into the (static) fp32 accumulator.
-    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) else w + memory.GRAD_BYTES
+    # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
+    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
+        w + memory.GRAD_BYTES)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block)
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
     transient = memory.transient_bytes(

@@ -91,18 +91,42 @@ class LiveTensorBytes(TorchDispatchMode):
 
     Every storage an operator returns is counted once, at its size when first seen, until Python
     frees it (a weakref finalizer). Build the model under the mode so parameters, gradients and
-    optimizer state are all counted. DTensors count their local shard.
+    optimizer state are all counted. DTensors count their local shard. Storages resized in place
+    (``UntypedStorage.resize_``, which no operator dispatch sees: FSDP2 frees and re-allocates
+    its unsharded parameters that way) are followed by wrapping ``resize_`` while the mode is
+    active, as torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` does.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._seen: set[int] = set()
+        self._sizes: dict[int, int] = {}
+        self._orig_resize: Any = None
 
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.current_bytes -= nbytes
+    def __enter__(self) -> LiveTensorBytes:
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig, sizes = self._orig_resize, self._sizes
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = orig(storage, size)
+            key = storage._cdata
+            if key in sizes:
+                new = storage.nbytes()
+                self.current_bytes += new - sizes[key]
+                sizes[key] = new
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def _release(self, key: int) -> None:
+        self.current_bytes -= self._sizes.pop(key, 0)
 
     def _track(self, value: Any) -> None:
         local = getattr(value, "_local_tensor", value)
@@ -110,13 +134,13 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         storage = local.untyped_storage()
         key = storage._cdata
-        if key in self._seen:
+        if key in self._sizes:
             return
         nbytes = storage.nbytes()
-        self._seen.add(key)
+        self._sizes[key] = nbytes
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        weakref.finalize(storage, self._release, key, nbytes)
+        weakref.finalize(storage, self._release, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -21,6 +21,8 @@ tp, with sequence parallelism:
   The model's first block cuts its input to the sequence shard: one all-gather in backward.
 - embedding: one all-reduce forward. Head: all-gathers the sequence and the logits forward,
   reduce-scatters the input gradient backward.
+- with dp > 1 as well: one all-reduce per sequence-parallel norm parameter at each gradient
+  reduction (per step, or per micro-batch for zero 2 and 3 at pp == 1).
 dp, per step, U = FSDP2 / replicate() units of the rank: one per block plus each stage module's
 root if it holds parameters (pp == 1: one root holding the embedding and the head):
 - zero 0 with replicate() (tp > 1 or pp > 1): U all-reduces. DDP (tp == pp == 1) reduces in its
@@ -49,7 +51,14 @@ from autopar.graph.types import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["expected_collectives", "fsdp_units", "multi_stage_fsdp", "stage_split"]
+__all__ = [
+    "expected_collectives",
+    "fsdp_units",
+    "multi_stage_fsdp",
+    "sp_norm_grad_reductions",
+    "sp_norm_tensors",
+    "stage_split",
+]
 
 AR, AG, RS = "all_reduce@tp", "all_gather_into_tensor@tp", "reduce_scatter_tensor@tp"
 DP_AR, DP_AG, DP_RS = "all_reduce@dp", "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
@@ -77,6 +86,26 @@ def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool) 
     if layer.kind == "head":
         return Counter({AG: 2, RS: 1}) if sp else Counter({AG: 1, AR: 1})
     return Counter()
+
+
+def sp_norm_tensors(layer: LayerProfile, cfg: ParallelConfig) -> int:
+    """Norm parameters whose gradients sequence parallelism leaves partial over tp, when dp > 1.
+
+    Every tp rank sees only its sequence shard, so the gradient of a replicated norm parameter
+    is a partial sum; FSDP2 / replicate() all-reduce it over tp when they reduce gradients
+    (measured: 10 calls per reduction for the 2-block GPT, 2 LayerNorms of 2 tensors per block
+    plus the final one). With dp == 1 nothing reduces there.
+    """
+    if not (cfg.sequence_parallel and cfg.tp > 1 and cfg.dp > 1):
+        return 0
+    return layer.tp.sequence_param_tensors
+
+
+def sp_norm_grad_reductions(cfg: ParallelConfig) -> int:
+    """Gradient reductions per step: every micro-batch for zero 2 and 3 at pp == 1 (FSDP2
+    reduce-scatters each micro-batch), else once (gradient sync only in the last micro-batch:
+    ``runtime/step.py`` for zero 0/1, the pipeline schedule's REDUCE_GRAD for pp > 1)."""
+    return cfg.num_microbatches if (cfg.pp == 1 and cfg.zero in (2, 3)) else 1
 
 
 def stage_split(
@@ -162,5 +191,7 @@ def expected_collectives(
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,
                                             recompute[i], i == first_block).items():
                     counts[key] += value * m
+                counts[AR] += sp_norm_grad_reductions(cfg) * sp_norm_tensors(
+                    profile.layers[i], cfg)
         counts.update(_dp_counts(cfg, fsdp_units(profile, a, b)))
     return dict(sorted((k, v) for k, v in counts.items() if v))

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.cost_model import comm, memory
-from autopar.cost_model.collectives import stage_split
+from autopar.cost_model.collectives import sp_norm_grad_reductions, sp_norm_tensors, stage_split
 from autopar.cost_model.compute import (
     busy_speedup,
     framework_overheads_s,
@@ -124,6 +124,25 @@ def tp_collectives(
     """
     if cfg.tp <= 1:
         return _NO_TP
+    norms = _sp_norm_grads(layer, cfg)
+    calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block)
+    return tuple(c + norms for c in calls) if norms else calls
+
+
+def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Collective, ...]:
+    """All-reduces over tp of the partial gradients of sequence-parallel norm parameters
+    (``collectives.sp_norm_tensors``), fp32, at each gradient reduction."""
+    tensors = sp_norm_tensors(layer, cfg)
+    if not tensors:
+        return ()
+    reductions = sp_norm_grad_reductions(cfg)
+    return (comm.Collective(
+        kind=AR, axis="tp", size_bytes=memory.GRAD_BYTES * layer.tp.sequence_param_elements
+        / tensors, calls=tensors * reductions, per="step", phase="backward"),)
+
+
+def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
+                    dtype_ratio: float, *, first_block: bool):
     b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
     hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
     if layer.kind == "block":
@@ -372,7 +391,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         compute_s=times.forward_s + times.backward_s,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
-        tp_comm_s=tuple(sum(c.time_s(groups["tp"]) for c in calls) for calls in tp_calls),
+        # Per micro-batch: a per-step collective counts 1/m per micro-batch.
+        tp_comm_s=tuple(sum(c.time_s(groups["tp"]) / (cfg.num_microbatches if c.per == "step"
+                                                      else 1) for c in calls)
+                        for calls in tp_calls),
         dp_microbatch_s=mb_s,
         act_bytes=_net_of_backward_state(act, cfg, state.local_params, params_tp),
         transient_bytes=transient,

@@ -100,6 +100,7 @@ def block_tp(
             sequence.append(name)
     if not colwise or not rowwise:
         return TPStructure(heads=heads, kv_heads=kv_heads)
+    tensors, elements = _norm_params(model, sequence)
     return TPStructure(
         colwise=tuple(colwise),
         rowwise=tuple(rowwise),
@@ -107,7 +108,15 @@ def block_tp(
         heads=heads,
         kv_heads=kv_heads,
         allreduce_fwd_bytes=allreduce,
+        sequence_param_tensors=tensors,
+        sequence_param_elements=elements,
     )
+
+
+def _norm_params(model: nn.Module, fqns: Sequence[str]) -> tuple[int, int]:
+    """(parameter tensors, elements) directly owned by the norms ``fqns``."""
+    params = [p for f in fqns for p in model.get_submodule(f).parameters(recurse=False)]
+    return len(params), sum(p.numel() for p in params)
 
 
 def embedding_tp(
@@ -134,4 +143,6 @@ def head_tp(model: nn.Module, fqns: Sequence[str], *, vocab: int) -> TPStructure
             vocab_parallel.append(name)
         elif is_norm(module):
             sequence.append(name)
-    return TPStructure(vocab_parallel=tuple(vocab_parallel), sequence=tuple(sequence))
+    tensors, elements = _norm_params(model, sequence)
+    return TPStructure(vocab_parallel=tuple(vocab_parallel), sequence=tuple(sequence),
+                       sequence_param_tensors=tensors, sequence_param_elements=elements)

@@ -31,6 +31,10 @@ class TPStructure:
         kv_heads: key/value heads (GQA); tp must divide it.
         allreduce_fwd_bytes: bytes per sample all-reduced over tp in this layer's forward
             (Megatron: 2 all-reduces of s*h per block); backward moves the same.
+        sequence_param_tensors: parameter tensors of the ``sequence`` norms (LayerNorm: weight
+            and bias; RMSNorm: weight). With sequence parallelism each one's gradient is partial
+            over tp and is all-reduced at every gradient reduction when dp > 1.
+        sequence_param_elements: elements of those parameters in all.
     """
 
     colwise: tuple[str, ...] = ()
@@ -40,6 +44,8 @@ class TPStructure:
     heads: int = 0
     kv_heads: int = 0
     allreduce_fwd_bytes: int = 0
+    sequence_param_tensors: int = 0
+    sequence_param_elements: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

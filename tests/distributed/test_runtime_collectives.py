@@ -12,10 +12,9 @@ full recompute, and dp x tp with replicate() and FSDP2.
 
 The only collective outside the cost model is the reported loss's all-reduce of one float on the
 world group, which every step with world size > 1 issues once: it is expected on top.
-Known and not charged (so not run here): with sequence parallelism and dp > 1, FSDP2 /
-replicate() all-reduce over tp the gradient of every sequence-parallel norm parameter at each
-gradient reduction (measured: 10 per micro-batch for the 2-block GPT at zero 3); the profile
-does not record how many parameter tensors a norm has.
+With sequence parallelism and dp > 1, FSDP2 / replicate() all-reduce over tp the gradient of
+every sequence-parallel norm parameter at each gradient reduction; the profile records the norms'
+parameter tensors and the cost model charges them (the SP cases below).
 """
 
 from __future__ import annotations
@@ -63,6 +62,14 @@ CASES_4: list[tuple[str, str, dict[str, Any]]] = [
       "layers": 2, "n_mb": 2}),
     ("gpt-L2-mb2-dp2-tp2-zero0", "gpt", {"dp": 2, "tp": 2, "zero": 0, "layers": 2, "n_mb": 2}),
     ("gpt-L2-mb2-dp2-tp2-zero3", "gpt", {"dp": 2, "tp": 2, "zero": 3, "layers": 2, "n_mb": 2}),
+    # Sequence parallelism with dp > 1: the norm parameters' partial gradients are all-reduced
+    # over tp at every gradient reduction (per micro-batch at zero 3, per step at zero 0 / 1).
+    ("gpt-L2-mb2-dp2-tp2-sp-zero3", "gpt",
+     {"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True, "layers": 2, "n_mb": 2}),
+    ("gpt-L2-mb2-dp2-tp2-sp-zero1", "gpt",
+     {"dp": 2, "tp": 2, "zero": 1, "sequence_parallel": True, "layers": 2, "n_mb": 2}),
+    ("llama-L2-mb2-dp2-tp2-sp-zero0", "llama",
+     {"dp": 2, "tp": 2, "zero": 0, "sequence_parallel": True, "layers": 2, "n_mb": 2}),
 ]
 
 

@@ -148,3 +148,24 @@ def test_first_block_sp_cut_is_charged_once():
     assert first > second  # one more all-gather in the first block's backward
     assert dataclasses.replace(table.layers[3], name="x") == dataclasses.replace(
         table.layers[2], name="x")
+
+
+def test_sp_norm_gradients_are_charged_only_with_dp() -> None:
+    # Sequence parallelism leaves the norm parameters' gradients partial over tp; with dp > 1
+    # FSDP2 / replicate() all-reduce them at each gradient reduction (measured in
+    # tests/distributed/test_runtime_collectives.py): 2 blocks x 2 LayerNorms x 2 tensors + the
+    # final LayerNorm's 2 = 10 per reduction for the zoo GPT.
+    import autopar
+    from autopar.cost_model.collectives import expected_collectives
+
+    profile = autopar.profile(autopar.models.build("gpt", layers=2, hidden=32, heads=4, vocab=64,
+                                                   seq_len=8))
+    assert sum(x.tp.sequence_param_tensors for x in profile.layers) == 10
+    base = dict(tp=2, sequence_parallel=True, micro_batch=1)
+    tp_only = expected_collectives(profile, ParallelConfig(**base, global_batch=2))
+    z3 = expected_collectives(profile, ParallelConfig(**base, dp=2, zero=3, global_batch=4))
+    z1 = expected_collectives(profile, ParallelConfig(**base, dp=2, zero=1, global_batch=4))
+    # m = 2 micro-batches: the embedding's all-reduce twice, plus 10 per reduction.
+    assert tp_only["all_reduce@tp"] == 2
+    assert z3["all_reduce@tp"] == 2 + 10 * 2
+    assert z1["all_reduce@tp"] == 2 + 10

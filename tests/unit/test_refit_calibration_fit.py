@@ -163,8 +163,9 @@ def test_base_preset_follows_the_device_name():
     cluster = calibration_to_cluster(replace(gpu, matmul_peak_flops=600e12))
     assert cluster.device.peak_bf16_flops * cluster.device.matmul_efficiency_max == pytest.approx(
         600e12)
-    # GPU: the host's cost rides on the matmul half-work point; no per-layer overhead fields
-    assert 3 * cluster.device.matmul_half_flops / 600e12 == pytest.approx(1e-3)
+    # GPU: the host's cost is the dispatch floor per block; the preset's matmul curve stays
+    assert cluster.device.dispatch_floor_s == pytest.approx(cal.layer_overhead_s)
+    assert cluster.device.matmul_half_flops == Cluster.preset("h200").device.matmul_half_flops
     assert cluster.device.layer_overhead_s == 0 and cluster.device.tp_module_overhead_s == 0
     assert cluster.comm_buffer_bytes_per_group == 64 * 2**20
     assert cluster.allocator_reserve_bytes == 256 * 2**20

@@ -31,6 +31,7 @@ __all__ = [
     "base_preset",
     "bus_factor",
     "calibration_to_cluster",
+    "collective_time_factors",
     "compute_part_s",
     "fit_linear_relative",
     "median",
@@ -393,7 +394,38 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
         }
         data["intra_node"] = dict(link)
         data["inter_node"] = dict(link)
+        data.update(collective_time_factors(fits, link))
     return Cluster.from_dict(data)
+
+
+# Calibration op -> the Cluster field of its measured-over-modelled time factor.
+_TIME_FACTOR_FIELDS = {
+    "all_reduce": "all_reduce_time_factor",
+    "all_gather_into_tensor": "all_gather_time_factor",
+    "reduce_scatter_tensor": "reduce_scatter_time_factor",
+}
+
+
+def collective_time_factors(fits: Sequence[Any], link: dict[str, float]) -> dict[str, float]:
+    """Per collective kind: median over its samples of measured time / ring-model time on
+    ``link`` (``comm``'s formulas: (n - 1)/n S/B + (n - 1) alpha, twice for all-reduce).
+
+    One link (the median bandwidth and per-step latency of all kinds) cannot express that a
+    library runs some kinds with other algorithms (gloo's reduce-scatter measured about twice
+    the ring model on this machine); the factor carries the rest.
+    """
+    ratios: dict[str, list[float]] = {}
+    for fit in fits:
+        field = _TIME_FACTOR_FIELDS.get(fit.op)
+        n = fit.group_size
+        if field is None or n <= 1:
+            continue
+        for size, seconds in fit.samples:
+            model = ring_steps(fit.op, n) * (
+                link["latency_s"] + size / n / link["bandwidth_bytes_per_s"])
+            if model > 0 and seconds > 0:
+                ratios.setdefault(field, []).append(seconds / model)
+    return {field: median(values) for field, values in sorted(ratios.items())}
 
 
 def compute_part_s(time_breakdown: dict[str, float]) -> float:

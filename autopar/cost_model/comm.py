@@ -50,12 +50,15 @@ class GroupLink:
         bandwidth_bytes_per_s: per-GPU bus bandwidth the group's ring achieves.
         latency_s: per ring step latency.
         spans_nodes: whether the group crosses a node boundary.
+        time_factors: measured over ring-model time per collective kind (all-reduce,
+            all-gather, reduce-scatter): the cluster's ``*_time_factor`` fields.
     """
 
     size: int
     bandwidth_bytes_per_s: float
     latency_s: float
     spans_nodes: bool
+    time_factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
 
 def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
@@ -67,12 +70,15 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
     """
     gpn = cluster.gpus_per_node
     block = size * stride
+    factors = (cluster.all_reduce_time_factor, cluster.all_gather_time_factor,
+               cluster.reduce_scatter_time_factor)
     if size <= 1 or cluster.nodes == 1 or (block <= gpn and gpn % block == 0):
         return GroupLink(
             size=size,
             bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s,
             latency_s=cluster.intra_node.latency_s,
             spans_nodes=False,
+            time_factors=factors,
         )
     per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
     bw = min(
@@ -84,6 +90,7 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
         bandwidth_bytes_per_s=bw,
         latency_s=cluster.inter_node.latency_s,
         spans_nodes=True,
+        time_factors=factors,
     )
 
 
@@ -122,7 +129,7 @@ def collective_s(link: GroupLink, kind: str, size_bytes: float) -> float:
     except KeyError:
         known = sorted(COLLECTIVE_KINDS)
         raise ValueError(f"unknown collective kind {kind!r}; known: {known}") from None
-    return fn(link, size_bytes)
+    return fn(link, size_bytes) * link.time_factors[_FACTOR_INDEX[kind]]
 
 
 def p2p_s(link: GroupLink, size_bytes: float) -> float:
@@ -133,6 +140,7 @@ def p2p_s(link: GroupLink, size_bytes: float) -> float:
 
 
 # Functional-collective kind (what autopar.runtime.count_collectives reports) -> time function.
+_FACTOR_INDEX = {"all_reduce": 0, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
 COLLECTIVE_KINDS = {
     "all_reduce": all_reduce_s,
     "all_gather_into_tensor": all_gather_s,

@@ -151,6 +151,11 @@ class Cluster:
             ``compute.param_traffic_bytes_per_param``): 1 for autopar's runtime; 0 describes a
             runtime that keeps 16-bit weights and fuses the accumulation into the weight-gradient
             GEMM (Megatron-LM's gradient_accumulation_fusion).
+        all_reduce_time_factor: measured over ring-model time of an all-reduce on this
+            cluster's links (1 for the GPU presets; ``autopar calibrate`` fits it: gloo on CPU
+            runs its collectives with their own algorithms).
+        all_gather_time_factor: the same for all-gather.
+        reduce_scatter_time_factor: the same for reduce-scatter (gloo: about 2).
     """
 
     name: str
@@ -164,6 +169,9 @@ class Cluster:
     comm_buffer_bytes_per_group: float = 64 * MIB
     allocator_reserve_bytes: float = 256 * MIB
     param_traffic_factor: float = 1.0
+    all_reduce_time_factor: float = 1.0
+    all_gather_time_factor: float = 1.0
+    reduce_scatter_time_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _validate(self.to_dict())
@@ -251,6 +259,9 @@ class Cluster:
             comm_buffer_bytes_per_group=clean["comm_buffer_bytes_per_group"],
             allocator_reserve_bytes=clean["allocator_reserve_bytes"],
             param_traffic_factor=clean["param_traffic_factor"],
+            all_reduce_time_factor=clean["all_reduce_time_factor"],
+            all_gather_time_factor=clean["all_gather_time_factor"],
+            reduce_scatter_time_factor=clean["reduce_scatter_time_factor"],
         )
 
     def to_yaml(self, path: str | Path) -> None:
@@ -324,11 +335,17 @@ _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
     "comm_buffer_bytes_per_group": ("float", "nonneg"),
     "allocator_reserve_bytes": ("float", "nonneg"),
     "param_traffic_factor": ("float", "unit"),
+    "all_reduce_time_factor": ("float", "pos"),
+    "all_gather_time_factor": ("float", "pos"),
+    "reduce_scatter_time_factor": ("float", "pos"),
 }
 _OPTIONAL: dict[str, Any] = {
     "memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8,
     "comm_buffer_bytes_per_group": 64.0 * MIB, "allocator_reserve_bytes": 256.0 * MIB,
     "param_traffic_factor": 1.0,
+    "all_reduce_time_factor": 1.0,
+    "all_gather_time_factor": 1.0,
+    "reduce_scatter_time_factor": 1.0,
 }
 _RULE_TEXT = {
     "pos": "must be > 0",

@@ -191,3 +191,31 @@ def test_sweep_json_round_trip():
         for quick in (False, True):
             sweep = Sweep.default(device_type, quick=quick)
             assert Sweep.from_json(sweep.to_json()) == sweep
+
+
+def test_collective_time_factors_carry_what_one_link_cannot():
+    from dataclasses import replace
+
+    from autopar.calibration_fit import CollectiveFit, collective_time_factors
+    from autopar.cost_model.comm import collective_s, group_link
+
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-3}
+    # reduce-scatter over 4 ranks measured exactly twice the ring model, all-reduce exactly it.
+    ring = lambda steps, size: steps * (1e-3 + size / 4 / 1e9)  # noqa: E731
+    fits = [
+        CollectiveFit(op="reduce_scatter_tensor", group_size=4, latency_s=0.0,
+                      bandwidth_bytes_per_s=1.0, median_rel_error=0.0, max_rel_error=0.0,
+                      samples=tuple((s, 2 * ring(3, s)) for s in (4096, 2**20))),
+        CollectiveFit(op="all_reduce", group_size=4, latency_s=0.0, bandwidth_bytes_per_s=1.0,
+                      median_rel_error=0.0, max_rel_error=0.0,
+                      samples=tuple((s, ring(6, s)) for s in (4096, 2**20))),
+    ]
+    factors = collective_time_factors(fits, link)
+    assert factors == {"all_reduce_time_factor": pytest.approx(1.0),
+                       "reduce_scatter_time_factor": pytest.approx(2.0)}
+    base = Cluster.preset("cpu", gpus_per_node=4)
+    scaled = replace(base, reduce_scatter_time_factor=2.0)
+    plain, slow = (group_link(c, 4, 1) for c in (base, scaled))
+    rs, ar = "reduce_scatter_tensor", "all_reduce"
+    assert collective_s(slow, rs, 1e6) == pytest.approx(2 * collective_s(plain, rs, 1e6))
+    assert collective_s(slow, ar, 1e6) == collective_s(plain, ar, 1e6)

@@ -18,6 +18,7 @@ __all__ = [
     "SCHEDULES",
     "ParallelConfig",
     "dp_mechanism",
+    "uses_autocast",
 ]
 
 # Pipeline schedules by name; the names of the zero-bubble variants follow torch's classes
@@ -147,6 +148,12 @@ class ParallelConfig:
             parts.append("sp")
         parts.append(self.dtype)
         return " ".join(parts)
+
+
+def uses_autocast(config: ParallelConfig) -> bool:
+    """Whether the runtime runs the forward under ``torch.autocast``: 16-bit training, except
+    under FSDP2, whose ``MixedPrecisionPolicy`` casts the parameters itself."""
+    return config.dtype != "fp32" and dp_mechanism(config) != "fsdp"
 
 
 def dp_mechanism(config: ParallelConfig) -> str:

@@ -272,7 +272,10 @@ def report(rows: list[Row], cluster: Cluster, meta: str) -> str:
         f"{d.peak_fp32_flops * d.matmul_efficiency_max / 1e9:.1f} GFLOP/s (fp32) per device, "
         f"half-efficiency work {d.matmul_half_flops / 1e6:.1f} MFLOP, memory "
         f"{d.hbm_bytes_per_s / 1e9:.2f} GB/s; link {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-        f"{link.latency_s * 1e6:.0f} us per ring step.",
+        f"{link.latency_s * 1e6:.0f} us per ring step; measured over ring-model time: "
+        f"all-reduce {cluster.all_reduce_time_factor:.2f}, all-gather "
+        f"{cluster.all_gather_time_factor:.2f}, reduce-scatter "
+        f"{cluster.reduce_scatter_time_factor:.2f}.",
     ]
     return "\n".join(lines) + "\n"
 

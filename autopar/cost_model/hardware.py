@@ -247,22 +247,10 @@ class Cluster:
             ClusterConfigError: naming the first missing, unknown or impossible field.
         """
         clean = _validate(data)
-        return cls(
-            name=clean["name"],
-            nodes=clean["nodes"],
-            gpus_per_node=clean["gpus_per_node"],
-            device=DeviceSpec(**clean["device"]),
-            intra_node=LinkSpec(**clean["intra_node"]),
-            inter_node=LinkSpec(**clean["inter_node"]),
-            memory_headroom_fraction=clean["memory_headroom_fraction"],
-            dp_overlap_efficiency=clean["dp_overlap_efficiency"],
-            comm_buffer_bytes_per_group=clean["comm_buffer_bytes_per_group"],
-            allocator_reserve_bytes=clean["allocator_reserve_bytes"],
-            param_traffic_factor=clean["param_traffic_factor"],
-            all_reduce_time_factor=clean["all_reduce_time_factor"],
-            all_gather_time_factor=clean["all_gather_time_factor"],
-            reduce_scatter_time_factor=clean["reduce_scatter_time_factor"],
-        )
+        nested = {"device": DeviceSpec(**clean["device"]),
+                  "intra_node": LinkSpec(**clean["intra_node"]),
+                  "inter_node": LinkSpec(**clean["inter_node"])}
+        return cls(**{**clean, **nested})
 
     def to_yaml(self, path: str | Path) -> None:
         """Write the cluster as YAML to ``path``."""

@@ -38,7 +38,7 @@ import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
+from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import sp_norm_grad_reductions, sp_norm_tensors, stage_split
 from autopar.cost_model.compute import (
@@ -306,15 +306,12 @@ def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: floa
 def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, float]:
     """(forward, backward) bytes over a layer's parameters per micro-batch (weight casts under
     autocast, gradient accumulation; ``compute.param_traffic_bytes_per_param``)."""
-    # The runtime's autocast rule (autopar/runtime/apply.py ``_autocast_dtype``): 16-bit
-    # training except under FSDP2 (dp > 1, zero > 0), whose MixedPrecisionPolicy casts instead.
-    fsdp_mp = cfg.dp > 1 and cfg.zero > 0
     fwd, bwd = param_traffic_bytes_per_param(
-        autocast=cfg.dtype != "fp32" and not fsdp_mp, casts_per_step=cfg.pp > 1,
+        autocast=uses_autocast(cfg), casts_per_step=cfg.pp > 1,
         num_microbatches=cfg.num_microbatches)
     # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
     # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
-    if fsdp_mp and not memory.fsdp_accumulates_grads(cfg):
+    if memory.dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
         return fwd * params_tp, bwd * params_tp / cfg.dp
     return fwd * params_tp, bwd * params_tp
 

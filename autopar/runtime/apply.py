@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.pipeline_parallel import (
@@ -236,9 +237,7 @@ def _device_of(mesh: DeviceMesh) -> torch.device:
 
 def _autocast_dtype(plan: Plan) -> torch.dtype | None:
     cfg = plan.config
-    if cfg.dtype == "fp32" or (cfg.dp > 1 and cfg.zero > 0):
-        return None  # fp32, or FSDP2's MixedPrecisionPolicy casts parameters itself
-    return TORCH_DTYPES[cfg.dtype]
+    return TORCH_DTYPES[cfg.dtype] if uses_autocast(cfg) else None
 
 
 def apply_plan(

@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 __all__ = [
     "expected_collectives",
     "fsdp_units",
+    "grad_reductions_per_step",
     "multi_stage_fsdp",
-    "sp_norm_grad_reductions",
     "sp_norm_tensors",
     "stage_split",
 ]
@@ -101,10 +101,11 @@ def sp_norm_tensors(layer: LayerProfile, cfg: ParallelConfig) -> int:
     return layer.tp.sequence_param_tensors
 
 
-def sp_norm_grad_reductions(cfg: ParallelConfig) -> int:
-    """Gradient reductions per step: every micro-batch for zero 2 and 3 at pp == 1 (FSDP2
-    reduce-scatters each micro-batch), else once (gradient sync only in the last micro-batch:
-    ``runtime/step.py`` for zero 0/1, the pipeline schedule's REDUCE_GRAD for pp > 1)."""
+def grad_reductions_per_step(cfg: ParallelConfig) -> int:
+    """Gradient reductions per step (FSDP2 / replicate()): every micro-batch for zero 2 and 3 at
+    pp == 1 (FSDP2 reduce-scatters each micro-batch), else once (gradient sync only in the last
+    micro-batch: ``runtime/step.py`` for zero 0/1, the pipeline schedule's REDUCE_GRAD for
+    pp > 1)."""
     return cfg.num_microbatches if (cfg.pp == 1 and cfg.zero in (2, 3)) else 1
 
 
@@ -145,15 +146,14 @@ def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
     m, u = cfg.num_microbatches, units
     if cfg.dp == 1 or u == 0:
         return Counter()
+    reductions = u * grad_reductions_per_step(cfg)
     if cfg.zero == 0:
         replicate = cfg.tp > 1 or cfg.pp > 1
-        return Counter({DP_AR: u}) if replicate else Counter()
+        return Counter({DP_AR: reductions}) if replicate else Counter()
     if cfg.zero == 3:
-        if cfg.pp == 1:
-            return Counter({DP_AG: 2 * u * m, DP_RS: u * m})
-        return Counter({DP_AG: u * (m + 1), DP_RS: u})
-    scatters = u * m if (cfg.zero == 2 and cfg.pp == 1) else u
-    return Counter({DP_AG: u, DP_RS: scatters})
+        gathers = 2 * u * m if cfg.pp == 1 else u * (m + 1)
+        return Counter({DP_AG: gathers, DP_RS: reductions})
+    return Counter({DP_AG: u, DP_RS: reductions})
 
 
 def expected_collectives(
@@ -191,7 +191,7 @@ def expected_collectives(
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,
                                             recompute[i], i == first_block).items():
                     counts[key] += value * m
-                counts[AR] += sp_norm_grad_reductions(cfg) * sp_norm_tensors(
+                counts[AR] += grad_reductions_per_step(cfg) * sp_norm_tensors(
                     profile.layers[i], cfg)
         counts.update(_dp_counts(cfg, fsdp_units(profile, a, b)))
     return dict(sorted((k, v) for k, v in counts.items() if v))

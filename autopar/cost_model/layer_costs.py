@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
-from autopar.cost_model.collectives import sp_norm_grad_reductions, sp_norm_tensors, stage_split
+from autopar.cost_model.collectives import grad_reductions_per_step, sp_norm_tensors, stage_split
 from autopar.cost_model.compute import (
     busy_speedup,
     framework_overheads_s,
@@ -135,7 +135,7 @@ def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Colle
     tensors = sp_norm_tensors(layer, cfg)
     if not tensors:
         return ()
-    reductions = sp_norm_grad_reductions(cfg)
+    reductions = grad_reductions_per_step(cfg)
     return (comm.Collective(
         kind=AR, axis="tp", size_bytes=memory.GRAD_BYTES * layer.tp.sequence_param_elements
         / tensors, calls=tensors * reductions, per="step", phase="backward"),)

@@ -8,6 +8,10 @@ target tool cannot express, which the CLI prints on stderr). Mappings of autopar
   degree with ``fsdp_reshard_after_forward = "never"``; Megatron's distributed optimizer;
   DeepSpeed ZeRO stage 1/2); 3: FSDP2 ``fully_shard`` (``"always"``; DeepSpeed stage 3).
 - ``recompute``: none / selective (the attention core) / full (each layer's input only).
+
+A plan is data anyone can write: every string it carries (``model``, stage names) is quoted for
+the language it lands in (``shlex.quote`` for shell, ``toml_string`` for TOML) or, in comments,
+escaped onto one line (``one_line``), so no plan field can add a line or a command.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ __all__ = [
     "TORCHTITAN_SCHEDULES",
     "Export",
     "export_plan",
+    "one_line",
     "to_deepspeed",
     "to_megatron",
     "to_slurm",
     "to_torchtitan",
+    "toml_string",
 ]
 
 # autopar schedule name -> torchtitan's `pipeline_parallel_schedule` (torch's class names less the
@@ -67,6 +73,41 @@ def _split_points(plan: Plan) -> list[str]:
     return ["norm" if s.layer_names[0] == "head" else s.layer_names[0] for s in plan.stages[1:]]
 
 
+# TOML basic-string escapes (TOML 1.0, "String"); other control characters become \uXXXX.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
+                 "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string, ASCII only (``tomllib`` reads back exactly ``text``).
+
+    Quote, backslash and control characters (U+0000..U+001F, U+007F) are escaped, and so is
+    every non-ASCII character (``\\uXXXX`` / ``\\UXXXXXXXX``).
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate, which no TOML (or UTF-8) string can carry.
+    """
+    out = []
+    for char in text:
+        code = ord(char)
+        if 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"plan string {text!r} is not valid Unicode (a lone surrogate)")
+        if char in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[char])
+        elif code < 0x20 or code == 0x7F or 0x80 <= code <= 0xFFFF:
+            out.append(f"\\u{code:04X}")
+        elif code > 0xFFFF:
+            out.append(f"\\U{code:08X}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def one_line(text: str) -> str:
+    """``text`` for a comment: printable ASCII on one line (escapes as Python writes them)."""
+    return text.encode("unicode_escape", errors="backslashreplace").decode("ascii")
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -74,11 +115,11 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string (ASCII)
+    return toml_string(str(value))
 
 
 def _toml(tables: dict[str, dict[str, Any]], header: str) -> str:
-    lines = [f"# {header}"]
+    lines = [f"# {one_line(header)}"]
     for name, table in tables.items():
         lines.append("")
         lines.append(f"[{name}]")
@@ -116,6 +157,7 @@ def to_torchtitan(plan: Plan) -> Export:
             f"most common ({cfg.recompute})"
         )
     tables = {
+        "job": {"description": _header(plan)},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": cfg.recompute, "selective_ac_option": "op"},
         "training": {
@@ -138,6 +180,7 @@ def _seq_len(plan: Plan) -> int:
 
 
 def _header(plan: Plan) -> str:
+    """One sentence naming the plan; raw text (quote or ``one_line`` it where it is written)."""
     model = plan.model or "model"
     return f"autopar plan for {model}: {plan.config.describe()}"
 
@@ -252,7 +295,7 @@ def to_slurm(plan: Plan, *, plan_path: str = "plan.json", steps: int = 100) -> E
     nodes, per_node = cluster_shape(plan)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in (plan.model or "autopar"))
     text = f"""#!/bin/bash
-# {_header(plan)}
+# {one_line(_header(plan))}
 #SBATCH --job-name=autopar-{name[:32]}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1

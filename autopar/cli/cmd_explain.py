@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``explain``'s arguments."""
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     parser.add_argument(
-        "--model", default=None, help="the model the plan was made for (default: the plan's own)"
+        "--model", default=None,
+        help="the model the plan was made for (default: the plan's own; a .py model file runs "
+        "only when named here)",
     )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
 

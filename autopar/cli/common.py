@@ -285,14 +285,14 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tupl
 
     Raises:
         PlanMismatchError: the model or the cluster is not the one the plan was made for.
-        AutoparError: the plan records no model and none was given.
+        AutoparError: the plan records no model and none was given, or it names a model file
+            (code) and none was given.
     """
     from autopar.cost_model.hardware import Cluster
     from autopar.errors import PlanMismatchError
+    from autopar.graph.model_text import plan_model_text
 
-    text = model_text or plan.model
-    if not text:
-        raise AutoparError("the plan does not record its model; pass --model MODEL")
+    text = plan_model_text(plan.model, model_text)
     profile = load_profile(text, seq_len or plan.seq_len or None)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(

@@ -12,7 +12,33 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.graph.types import ModelProfile
 
-__all__ = ["build_and_profile"]
+__all__ = ["build_and_profile", "plan_model_text"]
+
+
+def plan_model_text(plan_model: str, given: str | None) -> str:
+    """The MODEL a plan is rebuilt from: the user's ``--model``, else the plan's ``model`` field.
+
+    A plan is data anyone can write, and a ``.py`` model is code: the plan's own field is used
+    only when it is data too (a zoo name or spec, an HF config JSON). A model file runs only
+    when the user names it with ``--model`` (the same path or another).
+
+    Args:
+        plan_model: the plan's ``model`` field ("" when it records none).
+        given: ``--model`` as the user gave it (None or "": not given).
+
+    Raises:
+        AutoparError: no model at all, or the plan names a model file and ``given`` is empty.
+    """
+    if given:
+        return given
+    if not plan_model:
+        raise AutoparError("the plan does not record its model; pass --model MODEL")
+    if plan_model.endswith(".py"):
+        raise AutoparError(
+            f"the plan names a model file ({plan_model!r}), and loading it runs its code; pass "
+            "--model FILE (that path, or your own copy) if you trust it"
+        )
+    return plan_model
 
 
 def build_and_profile(

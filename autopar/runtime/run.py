@@ -35,7 +35,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "an HF config JSON",
     )
     parser.add_argument("--model", default=None,
-                        help="with a plan: the model to run (default: the plan's model field)")
+                        help="with a plan: the model to run (default: the plan's model field; "
+                        "a .py model file runs only when named here)")
     split = parser.add_argument_group("split (with a model; a plan brings its own)")
     for name in ("dp", "tp", "pp"):
         split.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default 1)")
@@ -78,7 +79,8 @@ def run_command(args: argparse.Namespace) -> int:
             return _run(args, write)
         except (AutoparError, ValueError) as err:
             # Every user error is one line; ValueError covers ParallelConfig's own checks.
-            print(f"autopar run: error: {err}", file=sys.stderr)
+            text = " ".join(str(err).split()) or type(err).__name__
+            print(f"autopar: error: {text}", file=sys.stderr)
             return 2
 
 
@@ -155,10 +157,10 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
                 f"{args.source} is a plan and brings its own split and global batch; drop "
                 f"{' '.join(given)} (or run the model with the split you want)"
             )
+        from autopar.graph.model_text import plan_model_text
+
         plan = Plan.from_dict(doc)
-        model_text = args.model or plan.model
-        if not model_text:
-            raise AutoparError(f"plan {args.source} does not say its model; pass --model MODEL")
+        model_text = plan_model_text(plan.model, args.model)
         model, profile = _build_and_profile(model_text, plan.seq_len or None)
         if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
             raise PlanMismatchError(

@@ -335,7 +335,8 @@ def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6
     Args:
         plan: the Plan.
         cluster: the Cluster to predict on (e.g. the output of ``autopar calibrate``).
-        model_text: the model (default: the plan's own ``model`` field).
+        model_text: the model (default: the plan's own ``model`` field, unless it is a ``.py``
+            file: a model file named by a plan runs only when given here).
         steps: steps to run, warm-up included.
         warmup_steps: leading steps not timed.
         seed: seed of the weights and data.
@@ -343,9 +344,9 @@ def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6
     Returns:
         The prediction beside the measurement.
     """
-    model_text = model_text or plan.model
-    if not model_text:
-        raise AutoparError("the plan does not say its model; pass --model MODEL")
+    from autopar.graph.model_text import plan_model_text
+
+    model_text = plan_model_text(plan.model, model_text)
     estimate = predict(plan, model_text, cluster)
     measured = measure_plan(plan, model_text, steps=steps, warmup_steps=warmup_steps, seed=seed)
     config = plan.config.to_dict()
@@ -429,7 +430,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leading steps not timed (default 2)")
     parser.add_argument("--cluster", default=None, metavar="YAML",
                         help="predict on this cluster (default: the cluster the plan carries)")
-    parser.add_argument("--model", default=None, help="the model (default: the plan's own)")
+    parser.add_argument("--model", default=None,
+                        help="the model (default: the plan's own; a .py model file runs only "
+                        "when named here)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     parser.add_argument("--refit", action="store_true",
                         help="rescale the cluster's compute efficiency to the measurement")

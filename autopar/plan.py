@@ -17,6 +17,7 @@ from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
+from autopar.cost_model.frameworks import FRAMEWORKS
 from autopar.cost_model.pipeline import rank_of_stage
 
 __all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
@@ -137,6 +138,7 @@ class Plan:
         seq_len: tokens per sequence the model was profiled at (0 if unknown).
         cluster: the cluster as a dict (Cluster.to_dict()), so a plan is self-contained.
         search: how the search found the plan.
+        framework: the training framework the plan is made for (``FRAMEWORKS``).
         schema_version: the plan JSON schema version.
     """
 
@@ -150,9 +152,14 @@ class Plan:
     seq_len: int = 0
     cluster: dict[str, Any] = field(default_factory=dict)
     search: SearchInfo = field(default_factory=SearchInfo)
+    framework: str = "autopar"
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise PlanFormatError(
+                f"plan framework {self.framework!r} is unknown; use one of {', '.join(FRAMEWORKS)}"
+            )
         if self.schema_version != SCHEMA_VERSION:
             raise PlanFormatError(
                 f"plan schema_version {self.schema_version} is not supported (this autopar "
@@ -205,6 +212,7 @@ class Plan:
         return {
             "schema_version": self.schema_version,
             "model": self.model,
+            "framework": self.framework,
             "seq_len": self.seq_len,
             "config": self.config.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
@@ -229,6 +237,7 @@ class Plan:
             return cls(
                 schema_version=int(data["schema_version"]),
                 model=data.get("model", ""),
+                framework=data.get("framework", "autopar"),
                 seq_len=int(data.get("seq_len", 0)),
                 config=ParallelConfig.from_dict(data["config"]),
                 stages=tuple(StagePlan.from_dict(s) for s in data["stages"]),

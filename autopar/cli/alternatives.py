@@ -51,23 +51,29 @@ def alternatives_for(
     """
     import autopar
 
+    refs: list[tuple[str, dict[str, Any], ParallelConfig | None, str]] = []
+    for label, fields in _references(best.config, cluster.num_gpus):
+        try:
+            refs.append((label, fields, _with_batch(best.config, fields), ""))
+        except ValueError as e:
+            refs.append((label, fields, None, str(e)))
+    named = {config: label for label, _f, config, _r in refs if config is not None and label}
     out = [
-        Alternative(label=config_label(p.config, best.config), config=p.config, estimate=p.estimate)
+        Alternative(label=named.get(p.config) or config_label(p.config, best.config),
+                    config=p.config, estimate=p.estimate)
         for p in runners_up
     ]
     seen = {best.config, *(p.config for p in runners_up)}
-    for label, fields in _references(best.config, cluster.num_gpus):
-        try:
-            config = _with_batch(best.config, fields)
-        except ValueError as e:
-            out.append(Alternative(label=label or str(fields), reason=str(e)))
+    for label, fields, config, reason in refs:
+        if config is None:
+            out.append(Alternative(label=label or str(fields), reason=reason))
             continue
         if config in seen:
             continue
         seen.add(config)
         name = label or config_label(config, best.config)
         try:
-            estimate = autopar.estimate(profile, cluster, config)
+            estimate = autopar.estimate(profile, cluster, config, framework=best.framework)
         except (AutoparError, ValueError) as e:
             out.append(Alternative(label=name, config=config, reason=str(e)))
             continue

@@ -6,9 +6,10 @@ The step-time formula (the search's ILP encodes exactly this; keep them in sync)
     T_j      = sum_{i in stage j} t_i(r_i) + p2p                             (p2p = 0 if pp == 1)
     R_k      = sum_{j on rank k} T_j                                          (per pipeline rank)
     pipeline = m * max_k R_k + c * sum_j T_j        c = bubble_coefficient(schedule, p, v)
-    dp_k     = max(dp_tail, sum_{i on k} dp_step_i - eta * sum_{i on k} backward_i)   (dp > 1)
+    r_k      = sum_{i on k} dp_step_i,   w_k = eta * sum_{i on k} backward_i
+    dp_k     = max(dp_tail, s r_k, r_k - (1 - s) w_k)          (dp > 1; s = overlap slowdown)
     E_k      = dp_k + sum_{i on k} optimizer_i
-    step     = pipeline + max_k E_k
+    step     = pipeline + max_k E_k + fixed      (fixed: framework step overhead + first gather)
 
 For uniform stages, pipeline = (m v + p - 1) T_chunk: Megatron-LM SC'21 Eq. 1 generalised to v
 chunks. The DP reduction overlaps the last micro-batch's backward (gradients are synchronised
@@ -22,9 +23,10 @@ Memory of pipeline rank k:
     pbuf_k   = pipeline_buffer_microbatches(schedule, p, v, m, k) * recv_buffer_bytes
     mem_k    = static_k + act_k + buffers + pbuf_k;       fits  <=>  max_k mem_k <= capacity
 
-pbuf_k (``pipeline_buffer_bytes``) is what torch's PipelineStage keeps per micro-batch: receive
-buffers for stage inputs and output gradients, and the split backward's input gradients
-(pipeline.py). It depends on the rank only, not on the split (the search's ILP adds it per rank).
+pbuf_k (``pipeline_buffer_bytes``) is what the framework's pipeline keeps to receive: torch's
+PipelineStage one buffer per micro-batch for stage inputs and output gradients, and the split
+backward's input gradients (pipeline.py); a framework that allocates a tensor per transfer only
+the ones in flight. It depends on the rank only, not on the split (the ILP adds it per rank).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.config import RECOMPUTE
+from autopar.cost_model.comm import COMM_SPREAD
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import (
     bubble_coefficient,
     in_flight_microbatches,
@@ -48,7 +52,8 @@ def pipeline_buffer_bytes(table: CostTable, rank: int) -> float:
     """Bytes of torch pipelining's receive buffers (and held input gradients) on ``rank``."""
     cfg = table.config
     count = pipeline_buffer_microbatches(
-        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
+        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank,
+        policy=table.framework.pipeline_recv_buffers,
     )
     return count * table.recv_buffer_bytes
 
@@ -108,7 +113,7 @@ def _rank_extra_s(table: CostTable, layers: list[int]) -> tuple[float, float]:
         return 0.0, opt
     reduce_s = sum(table.layers[i].dp_step_s for i in layers)
     window_s = table.overlap_efficiency * sum(table.layers[i].backward_s for i in layers)
-    return max(table.dp_tail_s, reduce_s - window_s), opt
+    return max(table.dp_tail_s, overlapped_s(reduce_s, window_s, table.overlap_slowdown)), opt
 
 
 def assemble(
@@ -143,7 +148,7 @@ def assemble(
     bubble_s = c * sum(times)
     extras = {k: _rank_extra_s(table, layers_of[k]) for k in ranks}
     tail = max(ranks, key=lambda k: (sum(extras[k]), -k))
-    step_s = m * rank_time[bottleneck] + bubble_s + sum(extras[tail])
+    step_s = m * rank_time[bottleneck] + bubble_s + sum(extras[tail]) + table.step_fixed_s
 
     blayers = layers_of[bottleneck]
     breakdown = TimeBreakdown(
@@ -151,9 +156,11 @@ def assemble(
         recompute_s=m * sum(table.layers[i].recompute_s[idx[i]] for i in blayers),
         tp_comm_s=m * sum(table.layers[i].tp_comm_s[idx[i]] for i in blayers),
         pp_comm_s=m * p2p * len(stages_of[bottleneck]),
-        dp_comm_s=m * sum(table.layers[i].dp_microbatch_s for i in blayers) + extras[tail][0],
+        dp_comm_s=m * sum(table.layers[i].dp_microbatch_s for i in blayers) + extras[tail][0]
+        + table.dp_head_s,
         bubble_s=bubble_s,
         optimizer_s=extras[tail][1],
+        overhead_s=table.step_overhead_s,
     )
     per_rank = [
         StageEstimate(
@@ -195,7 +202,18 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) 
         memory_breakdown=largest.memory,
         stages=tuple(per_rank),
         binding=_binding(table, breakdown, step_s, largest, bottleneck),
+        framework=table.framework.name,
+        step_time_interval_s=step_time_interval_s(table, step_s, breakdown),
     )
+
+
+def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdown):
+    """(low, high) step time: the framework's cross-validated band around the prediction,
+    widened at the high end by ``comm.COMM_SPREAD`` per second of exposed communication (one
+    collective in ten runs that much slower than modelled on published clusters)."""
+    low, high = table.framework.step_time_band
+    exposed = breakdown.tp_comm_s + breakdown.dp_comm_s + breakdown.pp_comm_s
+    return step_s * low, step_s * high + COMM_SPREAD * exposed
 
 
 def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int) -> str:

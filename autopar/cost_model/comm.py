@@ -18,14 +18,37 @@ members all sit in one node uses the intra-node link. A group spanning nodes is 
 inter-node link: with g members per node the ring's node crossings share those g GPUs' NICs, so
 B = min(intra, g * inter_per_gpu) (8 GPUs of a DGX-A100 in one group: 8 x 24 = 192 GB/s busbw,
 formulas.md section 6; one member per node: one NIC, 24 GB/s).
+
+At scale (a group spanning N > 1 nodes), from published nccl-tests figures
+(benchmarks/data/nccl_busbw.json; the fit is benchmarks/nccl_scaling.py):
+
+    all_reduce(S)      = 2 (n-1)/n S / (B (1 - d_tree)^log2 N) + l_tree log2 N
+    reduce_scatter(S)  = (n-1)/n S / (B (1 - d_ring)^log2 N) + (n-1) alpha      (all_gather alike)
+
+NCCL runs large all-reduces over its tree / NVLS-tree algorithms, whose bus bandwidth stays
+nearly flat from 4 to 1,024 H100 nodes (d_tree 0.7% per doubling at 4-16 GiB) and whose
+latency grows with log2 N (l_tree 0.09 ms per doubling, from the 16 MiB series); all-gather and
+reduce-scatter have only the ring, whose bus bandwidth fell 6.4% per doubling of nodes (4 to 128
+H100 nodes, NVIDIA/nccl#1229) and whose latency grows with the ranks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
+
+# Fitted by benchmarks/nccl_scaling.py to benchmarks/data/nccl_busbw.json (H100 series; the
+# same NCCL algorithms are assumed on the other parts).
+TREE_DECAY_PER_DOUBLING = 0.0067  # all-reduce busbw loss per doubling of nodes, >= 4 GiB messages
+TREE_LATENCY_PER_DOUBLING_S = 0.094e-3  # all-reduce latency per doubling of nodes (16 MiB series)
+RING_DECAY_PER_DOUBLING = 0.022  # ring busbw loss per doubling of nodes, latency apart (nccl#1229)
+# How much slower than modelled one collective in ten ran on the published clusters (1 - the
+# 10th percentile of measured / modelled busbw, benchmarks/nccl_scaling.py): the extra width of
+# the high end of a step-time interval per second of exposed communication.
+COMM_SPREAD = 0.08
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -52,6 +75,7 @@ class GroupLink:
         spans_nodes: whether the group crosses a node boundary.
         time_factors: measured over ring-model time per collective kind (all-reduce,
             all-gather, reduce-scatter): the cluster's ``*_time_factor`` fields.
+        nodes: nodes the group spans (1 inside a node).
     """
 
     size: int
@@ -59,6 +83,12 @@ class GroupLink:
     latency_s: float
     spans_nodes: bool
     time_factors: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    nodes: int = 1
+
+    @property
+    def doublings(self) -> float:
+        """log2 of the nodes spanned (0 inside a node)."""
+        return math.log2(self.nodes) if self.nodes > 1 else 0.0
 
 
 def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
@@ -85,12 +115,18 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
         cluster.intra_node.bandwidth_bytes_per_s,
         per_node * cluster.inter_node.bandwidth_bytes_per_s,
     )
+    nodes = min(cluster.nodes, -(-size // per_node))
+    # A ring over the group crosses nodes ``nodes`` times and stays inside one for the rest.
+    hops = max(1, size - 1)
+    latency = ((hops - min(nodes, hops)) * cluster.intra_node.latency_s
+               + min(nodes, hops) * cluster.inter_node.latency_s) / hops
     return GroupLink(
         size=size,
         bandwidth_bytes_per_s=bw,
-        latency_s=cluster.inter_node.latency_s,
+        latency_s=latency,
         spans_nodes=True,
         time_factors=factors,
+        nodes=nodes,
     )
 
 
@@ -105,11 +141,13 @@ def parallel_groups(cluster: Cluster, config: ParallelConfig) -> dict[str, Group
 
 
 def reduce_scatter_s(link: GroupLink, size_bytes: float) -> float:
-    """Ring reduce-scatter of a ``size_bytes`` input: (n-1)/n S/B + (n-1) alpha; 0 for n=1."""
+    """Ring reduce-scatter of a ``size_bytes`` input: (n-1)/n S/B + (n-1) alpha; 0 for n=1
+    (B falls by ``RING_DECAY_PER_DOUBLING`` per doubling of the nodes spanned)."""
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    bw = link.bandwidth_bytes_per_s * (1.0 - RING_DECAY_PER_DOUBLING) ** link.doublings
+    return (n - 1) / n * size_bytes / bw + (n - 1) * link.latency_s
 
 
 def all_gather_s(link: GroupLink, size_bytes: float) -> float:
@@ -118,8 +156,13 @@ def all_gather_s(link: GroupLink, size_bytes: float) -> float:
 
 
 def all_reduce_s(link: GroupLink, size_bytes: float) -> float:
-    """Ring all-reduce = reduce-scatter + all-gather of the same buffer."""
-    return reduce_scatter_s(link, size_bytes) + all_gather_s(link, size_bytes)
+    """All-reduce: inside a node the ring (reduce-scatter + all-gather of the same buffer);
+    across N nodes NCCL's tree, 2 (n-1)/n S / (B (1 - d_tree)^log2 N) + l_tree log2 N."""
+    n = link.size
+    if link.nodes <= 1 or n <= 1 or size_bytes <= 0:
+        return reduce_scatter_s(link, size_bytes) + all_gather_s(link, size_bytes)
+    bw = link.bandwidth_bytes_per_s * (1.0 - TREE_DECAY_PER_DOUBLING) ** link.doublings
+    return 2 * (n - 1) / n * size_bytes / bw + TREE_LATENCY_PER_DOUBLING_S * link.doublings
 
 
 def collective_s(link: GroupLink, kind: str, size_bytes: float) -> float:

@@ -26,6 +26,8 @@ class TimeBreakdown:
         dp_comm_s: exposed data-parallel gradient reduction and ZeRO parameter gathers.
         bubble_s: pipeline fill and drain.
         optimizer_s: optimizer step.
+        overhead_s: the framework's fixed per-step cost outside the layers (data loading,
+            gradient clipping, optimizer launch, logging).
     """
 
     compute_s: float = 0.0
@@ -35,13 +37,14 @@ class TimeBreakdown:
     dp_comm_s: float = 0.0
     bubble_s: float = 0.0
     optimizer_s: float = 0.0
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         """Sum of the terms (equals the step time)."""
         return (
             self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
-            + self.dp_comm_s + self.bubble_s + self.optimizer_s
+            + self.dp_comm_s + self.bubble_s + self.optimizer_s + self.overhead_s
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -151,6 +154,9 @@ class Estimate:
         memory_breakdown: the largest rank's memory by kind.
         stages: per pipeline-rank figures.
         binding: what limits the split most, in words (e.g. "memory of pipeline rank 0").
+        framework: the training framework the prediction is for.
+        step_time_interval_s: (low, high) step time that holds 80% of the framework's
+            cross-validated outcomes (``Framework.step_time_band`` around ``step_time_s``).
     """
 
     step_time_s: float
@@ -165,6 +171,15 @@ class Estimate:
     memory_breakdown: MemoryBreakdown
     stages: tuple[StageEstimate, ...] = ()
     binding: str = ""
+    framework: str = "autopar"
+    step_time_interval_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def tokens_per_s_interval(self) -> tuple[float, float]:
+        """(low, high) tokens per second matching ``step_time_interval_s``."""
+        low_s, high_s = self.step_time_interval_s
+        per_step = self.tokens_per_s * self.step_time_s
+        return (per_step / high_s if high_s else 0.0, per_step / low_s if low_s else 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (nested records as dicts)."""
@@ -181,6 +196,8 @@ class Estimate:
             "memory_breakdown": self.memory_breakdown.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "binding": self.binding,
+            "framework": self.framework,
+            "step_time_interval_s": list(self.step_time_interval_s),
         }
 
     @classmethod
@@ -190,4 +207,7 @@ class Estimate:
         data["time_breakdown"] = TimeBreakdown(**data["time_breakdown"])
         data["memory_breakdown"] = MemoryBreakdown(**data["memory_breakdown"])
         data["stages"] = tuple(StageEstimate.from_dict(s) for s in data.get("stages", ()))
+        if "step_time_interval_s" in data:
+            low, high = data["step_time_interval_s"]
+            data["step_time_interval_s"] = (float(low), float(high))
         return cls(**data)

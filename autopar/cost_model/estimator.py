@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.estimate import Estimate
+from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
@@ -36,7 +37,10 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
 
 
 def estimate(
-    profile: ModelProfile, cluster: Cluster, config_or_plan: ParallelConfig | Plan
+    profile: ModelProfile,
+    cluster: Cluster,
+    config_or_plan: ParallelConfig | Plan,
+    framework: str | Framework | None = None,
 ) -> Estimate:
     """Predict step time, throughput and per-GPU memory of a split.
 
@@ -44,12 +48,15 @@ def estimate(
         profile: the model profile.
         cluster: the cluster.
         config_or_plan: a ParallelConfig (balanced split) or a Plan (its own split).
+        framework: the training framework that runs it (a name in ``FRAMEWORKS`` or a
+            Framework record); default: the plan's own, or "autopar" for a config.
 
     Returns:
         The Estimate (fields and meanings in DESIGN.md).
 
     Raises:
-        ValueError: naming the constraint an impossible config breaks.
+        ValueError: naming the constraint an impossible config breaks, or what the framework
+            cannot run.
 
     Example:
         >>> cluster = Cluster.preset("a100-80g")
@@ -59,8 +66,14 @@ def estimate(
         cfg, plan = config_or_plan, None
     else:
         cfg, plan = config_or_plan.config, config_or_plan
+    if framework is None:
+        framework = plan.framework if plan is not None else "autopar"
+    fw = get_framework(framework)
     check_config(profile, cluster, cfg)
-    table = build_cost_table(profile, cluster, cfg)
+    reason = framework_supports(fw, cfg)
+    if reason:
+        raise ValueError(reason)
+    table = build_cost_table(profile, cluster, cfg, fw)
     if plan is None:
         stage_layers, recompute = default_split(table)
     else:

@@ -47,7 +47,9 @@ from autopar.cost_model.compute import (
     layer_compute,
     param_traffic_bytes_per_param,
 )
+from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.graph.types import LayerProfile, ModelProfile
@@ -281,11 +283,13 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
             _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
 
 
-def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float):
+def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float,
+              slowdown: float = 0.0):
     """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
 
     Collectives within a micro-batch overlap that micro-batch's forward or backward of the layer
-    (prefetch, eta of it usable): only the excess is exposed. A per-step forward all-gather
+    (prefetch, eta of it usable): only the excess is exposed, plus the slowdown of the compute
+    they overlap (``overlapped_s``). A per-step forward all-gather
     (zero 1/2) is prefetched under the first micro-batch's forward; per-step backward
     reductions are left to assemble (overlap with the last backward); the tail is the layer's
     last reduction, which nothing hides.
@@ -298,9 +302,9 @@ def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: floa
             size = min(c.size_bytes, c.calls * c.size_bytes)
             tail = max(tail, comm.collective_s(link, c.kind, size))
     window = {"forward": eta * fwd_s, "backward": eta * bwd_s}
-    mb = sum(max(0.0, total[("microbatch", ph)] - window[ph]) for ph in window)
-    step = max(0.0, total[("step", "forward")] - window["forward"]) + total[("step", "backward")]
-    return step, mb, tail
+    mb = sum(overlapped_s(total[("microbatch", ph)], window[ph], slowdown) for ph in window)
+    step = overlapped_s(total[("step", "forward")], window["forward"], slowdown)
+    return step + total[("step", "backward")], mb, tail
 
 
 def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, float]:
@@ -316,7 +320,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
     return fwd * params_tp, bwd * params_tp
 
 
-def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tuple:
+def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) -> tuple:
     layer = profile.layers[index]
     b, tp = cfg.micro_batch, cfg.tp
     w = DTYPE_BYTES[cfg.dtype]
@@ -361,7 +365,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
     eta = cluster.dp_overlap_efficiency
     dp_calls = dp_collectives(cfg, fsdp_unit_params(profile, cfg, index))
     step_s, mb_s, tail_s = _dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
-                                     eta)
+                                     eta, fw.overlap_slowdown)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
@@ -371,11 +375,16 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
         w + memory.GRAD_BYTES)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block)
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
+    gathered_bytes = 2 * w * params_tp if gathered else 0.0
+    unsharded_grad_bytes = fresh_grad * params_tp if fsdp else 0.0
+    if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
+        gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
+        unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
     transient = memory.transient_bytes(
         act,
         output_bytes=layer.output_bytes * b * ratio / sp_div,
-        gathered_param_bytes=2 * w * params_tp if gathered else 0.0,
-        unsharded_grad_bytes=fresh_grad * params_tp if fsdp else 0.0,
+        gathered_param_bytes=gathered_bytes,
+        unsharded_grad_bytes=unsharded_grad_bytes,
         # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
         # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
         logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b,
@@ -393,8 +402,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
                                                       else 1) for c in calls)
                         for calls in tp_calls),
         dp_microbatch_s=mb_s,
-        act_bytes=_net_of_backward_state(act, cfg, state.local_params, params_tp),
-        transient_bytes=transient,
+        act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, params_tp),
+                              cluster, fw),
+        transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes,
@@ -405,18 +415,47 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block) -> tup
     return cost, tail_s
 
 
-def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelConfig) -> CostTable:
+def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):
+    """Memory that churns over a step, with the caching allocator's unusable share
+    (``Framework.fragmentation_fraction``). The CPU preset has no caching allocator (its
+    reserve is 0: a CPU run's peak is its live tensor bytes), so nothing is added there."""
+    if cluster.allocator_reserve_bytes <= 0:
+        return values
+    f = 1.0 + fw.fragmentation_fraction
+    return values[0] * f, values[1] * f, values[2] * f
+
+
+def _dp_head_s(profile: ModelProfile, cfg: ParallelConfig, link: comm.GroupLink,
+               fw: Framework) -> float:
+    """The step's first parameter all-gather (ZeRO 1-3), which no compute precedes."""
+    if not fw.first_gather_exposed or memory.dp_mechanism(cfg) != "fsdp":
+        return 0.0
+    for index in range(len(profile.layers)):
+        unit = fsdp_unit_params(profile, cfg, index)
+        if unit > 0:
+            first = dp_collectives(cfg, unit)[0]  # the forward all-gather
+            gathered = min(first.size_bytes, DTYPE_BYTES[cfg.dtype] * fw.zero3_live_params) if (
+                fw.zero3_gather == GATHER_BUCKET) else first.size_bytes
+            return comm.collective_s(link, first.kind, gathered)
+    return 0.0
+
+
+def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelConfig,
+                     framework: str | Framework = "autopar") -> CostTable:
     """Every per-layer cost term of ``config`` on ``cluster`` for ``profile``.
 
     Args:
         profile: the model profile (bytes at ``profile.dtype``, counts per sample).
         cluster: the cluster.
         config: the outer configuration.
+        framework: the training framework (a name in ``FRAMEWORKS`` or a Framework record).
 
     Returns:
         The CostTable that ``assemble`` and the search's ILP consume.
     """
     cfg = config
+    fw = get_framework(framework)
+    cluster = framework_cluster(cluster, fw)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     layers: list[LayerCost] = []
@@ -432,7 +471,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
             fields["name"] = layer.name
             cost = LayerCost(**fields)
         else:
-            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first)
+            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
+                                     fw)
             done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
         layers.append(cost)
         tails.append(tail)
@@ -456,6 +496,10 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         tokens_per_step=cfg.global_batch * profile.seq_len,
         world_size=cfg.world_size,
         recv_buffer_bytes=recv_bytes,
+        framework=fw,
+        overlap_slowdown=fw.overlap_slowdown,
+        step_overhead_s=fw.step_overhead_s,
+        dp_head_s=_dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp > 1 else 0.0,
     )
 
 

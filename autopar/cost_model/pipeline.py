@@ -132,7 +132,8 @@ def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
 
 
 def pipeline_buffer_microbatches(
-    schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
+    schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int,
+    policy: str = "per_microbatch",
 ) -> int:
     """One-micro-batch stage-boundary tensors that torch's PipelineStages of ``rank`` hold.
 
@@ -148,6 +149,10 @@ def pipeline_buffer_microbatches(
     stage but the first. (dualpipe-v runs full backwards until its cool-down, after its peak.)
     Every such tensor has the boundary activation's size; the caller multiplies.
 
+    ``policy="in_flight"`` counts what a runtime that allocates a tensor per transfer and frees
+    it with its micro-batch holds at most (Megatron-LM's p2p_communication, DeepSpeed's pipe
+    buffers): one input and one output-gradient tensor per chunk of the rank.
+
     Returns:
         The count (0 without a pipeline).
     """
@@ -159,8 +164,9 @@ def pipeline_buffer_microbatches(
     for stage in range(num_stages):
         if rank_of_stage(schedule, p, stage) != rank:
             continue
+        per = 1 if policy == "in_flight" else m
         if stage > 0:
-            count += m * (2 if schedule in SPLIT_BACKWARD_SCHEDULES else 1)
+            count += per * (2 if schedule in SPLIT_BACKWARD_SCHEDULES else 1)
         if stage < num_stages - 1:
-            count += m
+            count += per
     return count

@@ -12,9 +12,11 @@ recompute mode follow ``autopar.config.RECOMPUTE`` = ("none", "selective", "full
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.cost_model.frameworks import Framework, get_framework
 
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 
@@ -97,6 +99,12 @@ class CostTable:
         recv_buffer_bytes: bytes of one micro-batch's stage-boundary activation on a rank (what
             torch's PipelineStage allocates per micro-batch to receive an input or an output
             gradient; ``pipeline.pipeline_buffer_microbatches`` counts them); 0 when pp == 1.
+        framework: the training framework the terms are for (``frameworks.Framework``).
+        overlap_slowdown: compute slowed per second of data-parallel communication that
+            overlaps it (the framework's ``overlap_slowdown``).
+        step_overhead_s: the framework's fixed seconds per step outside the layers.
+        dp_head_s: the step's first parameter gather, which nothing before it can hide
+            (ZeRO 1-3 with ``first_gather_exposed``); 0 otherwise.
     """
 
     config: ParallelConfig
@@ -111,3 +119,12 @@ class CostTable:
     tokens_per_step: int
     world_size: int
     recv_buffer_bytes: float = 0.0
+    framework: Framework = dataclasses.field(default_factory=lambda: get_framework("autopar"))
+    overlap_slowdown: float = 0.0
+    step_overhead_s: float = 0.0
+    dp_head_s: float = 0.0
+
+    @property
+    def step_fixed_s(self) -> float:
+        """Per-step seconds that no split changes: framework overhead + first exposed gather."""
+        return self.step_overhead_s + self.dp_head_s

@@ -186,7 +186,7 @@ def time_lower_bound(
         tail = max(table.dp_tail_s + summary.opt_sum_s / p, summary.exposed_sum_s / p)
     else:
         tail = summary.opt_sum_s / p
-    return pipeline + tail
+    return pipeline + tail + table.step_fixed_s
 
 
 def memory_lower_bound(table: CostTable, summary: TableSummary | None = None) -> float:
@@ -226,6 +226,10 @@ def ilp_key(table: CostTable) -> tuple:
         table.p2p_s,
         table.dp_tail_s,
         table.overlap_efficiency,
+        table.overlap_slowdown,
+        table.step_fixed_s,
+        table.recv_buffer_bytes,
+        table.framework.pipeline_recv_buffers,
         table.buffers_bytes,
         table.capacity_bytes,
         cfg.pp,

@@ -299,8 +299,13 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
             d = _var(prob, f"dp_exposed[rank{k}]", 0)
             # [Constraint] tail: exposed DP reduction is at least the last bucket
             prob += d >= table.dp_tail_s, f"dp_tail[rank{k}]"
-            exposed = on_k(lambda lay: lay.dp_step_s - table.overlap_efficiency * lay.backward_s)
+            # assemble's max(tail, s r, r - (1 - s) w): overlapped DP traffic (overlap.py)
+            exposed = on_k(lambda lay: lay.dp_step_s - (1.0 - table.overlap_slowdown)
+                           * table.overlap_efficiency * lay.backward_s)
             prob += d >= exposed, f"dp[rank{k}]"
+            if table.overlap_slowdown > 0:
+                prob += d >= on_k(lambda lay: table.overlap_slowdown * lay.dp_step_s), (
+                    f"dp_slow[rank{k}]")
             prob += tail >= d + opt, f"tail[rank{k}]"
         else:
             prob += tail >= opt, f"tail[rank{k}]"
@@ -311,7 +316,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
         ]
         prob += rank_t[0] >= rank_t[1], f"order[rank{k}][rank{k2}]"
     c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
-    return table.num_microbatches * rmax + c * pulp.lpSum(stage_t) + tail
+    return table.num_microbatches * rmax + c * pulp.lpSum(stage_t) + tail + table.step_fixed_s
 
 
 def build_ilp(

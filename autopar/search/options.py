@@ -39,6 +39,11 @@ class SearchOptions:
             per-replica batch).
         solver: "highs" (HiGHS through highspy, default) or "cbc" (pulp's bundled CBC).
         dtype: training precision of every candidate.
+        framework: the training framework that will run the plan (``FRAMEWORKS``): the search
+            proposes only what it can run and costs it as it runs.
+        robust: pick, among the best plans, the one with the best pessimistic step time (the
+            high end of ``step_time_interval_s``) whose memory also fits with the framework's
+            memory band.
     """
 
     time_limit_s: float = 10.0
@@ -54,6 +59,8 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] | None = None
     solver: str = "highs"
     dtype: str = "bf16"
+    framework: str = "autopar"
+    robust: bool = False
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
@@ -77,5 +84,8 @@ class SearchOptions:
             raise ValueError(f"SearchOptions.zero_stages {self.zero_stages!r}: use 0, 1, 2, 3")
         if not self.sequence_parallel:
             raise ValueError("SearchOptions.sequence_parallel must list at least one setting")
+        from autopar.cost_model.frameworks import get_framework
+
+        get_framework(self.framework)  # raises ValueError naming the known ones
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError("SearchOptions.micro_batch_sizes must be positive")

@@ -42,6 +42,8 @@ from autopar.search.space import enumerate_candidates
 
 __all__ = ["ProgressFn", "plan", "plan_from_config"]
 
+ROBUST_POOL = 8  # plans the robust choice re-ranks
+
 ProgressFn = Callable[[int, int, str], None]
 GIB = 2**30
 
@@ -83,7 +85,7 @@ class _State:
 def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions) -> CostTable:
     from autopar.cost_model import build_cost_table
 
-    table = build_cost_table(profile, cluster, config)
+    table = build_cost_table(profile, cluster, config, options.framework)
     if options.memory_headroom_bytes is not None:
         capacity = cluster.device.memory_bytes - options.memory_headroom_bytes
         table = dataclasses.replace(table, capacity_bytes=capacity)
@@ -323,6 +325,7 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
         seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
         search=info,
+        framework=options.framework,
     )
 
 
@@ -352,6 +355,7 @@ def plan(
     time_budget_s: float | None = None,
     seq_len: int | None = None,
     model: str = "",
+    framework: str | None = None,
 ) -> Plan | list[Plan]:
     """Search every split of ``profile`` over ``cluster`` and return the best Plan (or top k).
 
@@ -367,12 +371,17 @@ def plan(
             from the optimum it may be.
         seq_len: must equal the profile's sequence length if given (profiles are per length).
         model: how to rebuild the model, recorded in the plan (zoo name, spec, path).
+        framework: the training framework that runs the plan (``autopar.FRAMEWORKS``;
+            default ``options.framework``, "autopar"): only what it can run is proposed, costed
+            as it runs it, and the Plan records it.
 
     Raises:
         ValueError: bad arguments, or no (dp, tp, pp) split satisfies the model's constraints.
         InfeasiblePlanError: no candidate fits the device memory.
     """
     options = options or SearchOptions()
+    if framework is not None:
+        options = dataclasses.replace(options, framework=framework)
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if seq_len is not None and seq_len != profile.seq_len:
@@ -381,6 +390,9 @@ def plan(
             f"with seq_len={seq_len}"
         )
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+    wanted = top_k
+    if options.robust:  # re-rank the best few by their pessimistic step time (``_robust``)
+        top_k = max(top_k, ROBUST_POOL)
     configs = _candidates(profile, cluster, global_batch, options)
     if not configs:
         raise ValueError(
@@ -403,19 +415,40 @@ def plan(
     plans = [_make_plan(profile, cluster, cand.table.config, outcome.split, outcome.recompute,
                         _info(state, outcome, step), model, options)
              for step, _, outcome, cand in state.best]  # fmt: skip
-    return plans[0] if top_k == 1 else plans
+    if options.robust:
+        plans = _robust(plans)[:wanted]
+    return plans[0] if wanted == 1 else plans
 
 
-def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "") -> Plan:
+def _robust(plans: list[Plan]) -> list[Plan]:
+    """Plans by pessimistic step time (the high end of ``step_time_interval_s``), those whose
+    memory fits even at the high end of the framework's memory band first."""
+    from autopar.cost_model.frameworks import get_framework
+
+    def key(p: Plan) -> tuple[bool, float, float]:
+        band = get_framework(p.framework).memory_band
+        est = p.estimate
+        safe = est.memory_per_gpu_bytes * (1.0 + band) <= est.memory_capacity_bytes
+        return (not safe, est.step_time_interval_s[1], est.step_time_s)
+
+    return sorted(plans, key=key)
+
+
+def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "",
+                     framework: str = "autopar") -> Plan:
     """A Plan for a given split: the most balanced stages and ``config.recompute`` everywhere.
 
-    Its estimate equals ``autopar.estimate(profile, cluster, config)``.
+    Its estimate equals ``autopar.estimate(profile, cluster, config, framework)``.
     """
     from autopar.cost_model.estimator import default_split
+    from autopar.cost_model.frameworks import framework_supports, get_framework
     from autopar.cost_model.validate import check_config
 
     check_config(profile, cluster, config)
-    table = _cost_table(profile, cluster, config, SearchOptions())
+    reason = framework_supports(get_framework(framework), config)
+    if reason:
+        raise ValueError(reason)
+    table = _cost_table(profile, cluster, config, SearchOptions(framework=framework))
     split, recompute = default_split(table)
     return Plan(
         config=config,
@@ -427,4 +460,5 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
         model=model,
         seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
+        framework=framework,
     )

@@ -14,7 +14,9 @@ Rules (each one a constraint the runtime or torch imposes):
   m to be a multiple of max(1, m // pp) ("rounds"); ScheduleZBVZeroBubble and ScheduleDualPipeV
   run exactly 2 chunks per rank, and DualPipeV needs m >= 2 pp; GPipe takes any m;
 - sequence parallelism only when tp > 1; ZeRO stages > 0 only when dp > 1 (nothing to shard:
-  they are the same plan as stage 0).
+  they are the same plan as stage 0);
+- only what the framework runs (``frameworks.framework_supports``: its schedules, ZeRO stages,
+  ZeRO with pipelines, sequence parallelism).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.cost_model.validate import check_schedule
 from autopar.search.options import SearchOptions
 
@@ -129,6 +132,7 @@ def enumerate_candidates(
         max_tp=options.max_tp,
         allow_tp_across_nodes=options.allow_tp_across_nodes,
     )
+    framework = get_framework(options.framework)
     for dp, tp, pp in shapes:
         if global_batch % dp:
             continue
@@ -146,7 +150,7 @@ def enumerate_candidates(
                     continue
                 for zero in zeros:
                     for sp in sps:
-                        yield ParallelConfig(
+                        config = ParallelConfig(
                             dp=dp,
                             tp=tp,
                             pp=pp,
@@ -158,3 +162,5 @@ def enumerate_candidates(
                             zero=zero,
                             dtype=options.dtype,
                         )
+                        if framework_supports(framework, config) is None:
+                            yield config

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import GRAD_BYTES, fsdp_accumulates_grads, layer_state
@@ -13,6 +16,8 @@ from tests.fixtures.profiles import analytic_transformer_profile
 PROFILE = analytic_transformer_profile(4, 256, 8, 1024, 128)
 CLUSTER = Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
 W = DTYPE_BYTES["bf16"]  # the profile's and the configs' dtype
+# The exact live bytes: autopar's runtime without the allocator's fragmentation share.
+EXACT = dataclasses.replace(get_framework("autopar"), fragmentation_fraction=0.0)
 
 
 def _cfg(**kw) -> ParallelConfig:
@@ -20,7 +25,7 @@ def _cfg(**kw) -> ParallelConfig:
 
 
 def _table(**kw):
-    return build_cost_table(PROFILE, CLUSTER, _cfg(**kw))
+    return build_cost_table(PROFILE, CLUSTER, _cfg(**kw), EXACT)
 
 
 def _block(table):
@@ -93,3 +98,18 @@ def test_fsdp_accumulator_and_sharded_gradient_never_coexist() -> None:
     one = ParallelConfig(dp=4, micro_batch=4, global_batch=16, zero=1)  # one micro-batch
     assert not fsdp_accumulates_grads(one)
     assert layer_state(1000.0, one).grad_bytes == 1000.0
+
+
+def test_allocator_fragmentation_scales_churning_memory_only() -> None:
+    cfg = _cfg(dp=2, micro_batch=2)
+    exact = _block(build_cost_table(PROFILE, CLUSTER, cfg, EXACT))
+    charged = _block(build_cost_table(PROFILE, CLUSTER, cfg, "autopar"))
+    f = 1 + get_framework("autopar").fragmentation_fraction
+    assert charged.act_bytes[0] == pytest.approx(f * exact.act_bytes[0])
+    assert charged.transient_bytes[2] == pytest.approx(f * exact.transient_bytes[2])
+    assert charged.static_bytes == exact.static_bytes
+    # CPU runs have no caching allocator: their exact live bytes are charged.
+    cpu = Cluster.preset("cpu", gpus_per_node=2)
+    cpu_cfg = ParallelConfig(dp=2, micro_batch=2, global_batch=16, dtype="fp32")
+    assert (_block(build_cost_table(PROFILE, cpu, cpu_cfg, "autopar")).act_bytes
+            == _block(build_cost_table(PROFILE, cpu, cpu_cfg, EXACT)).act_bytes)

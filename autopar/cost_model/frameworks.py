@@ -1,0 +1,325 @@
+"""Training frameworks: what runs a plan, as one declarative record each.
+
+A prediction is for a named framework: the same split allocates, communicates and overlaps
+differently under autopar's own runtime, torchtitan, Megatron-LM and DeepSpeed. Each record
+below says, field by field, what the framework does (its allocations, its collectives and their
+overlap, its fused kernels, its per-step cost, what it can run) and where that comes from:
+
+- sourced: read in the framework's code or documentation (cited in ``sources``);
+- fitted: fitted by ``benchmarks/calibration.py --fit`` on that framework's published runs only
+  (benchmarks/data/), reported with leave-one-source-out error (docs/frameworks.md);
+- measured: measured here (``autopar calibrate``, ``benchmarks/accuracy.py``, the H200 runs).
+
+``estimate(..., framework=)`` and ``plan(..., framework=)`` take a name from ``FRAMEWORKS`` or a
+``Framework`` record (``dataclasses.replace`` of one, which is how the calibration fits them
+through the public API).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from autopar.config import SCHEDULES
+from autopar.cost_model.hardware import Cluster
+
+__all__ = ["FRAMEWORKS", "Framework", "framework_cluster", "framework_supports", "get_framework"]
+
+FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
+
+# Receive-buffer policies of a pipeline runtime.
+PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
+IN_FLIGHT = "in_flight"  # one tensor per transfer, freed with its micro-batch
+# How ZeRO-3 gathers parameters.
+GATHER_BLOCK = "block"  # FSDP2: one unit per block, the next one prefetched
+GATHER_BUCKET = "bucket"  # DeepSpeed stage 3: parameters gathered in bounded buckets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Framework:
+    """One training framework's behaviour, as the cost model and the search use it.
+
+    Attributes:
+        name: the framework's name (``FRAMEWORKS``).
+        runtime: what runs, in words (release the record describes).
+        pipeline_recv_buffers: ``per_microbatch`` (torch's PipelineStage keeps a receive buffer
+            per micro-batch for the whole step) or ``in_flight`` (a tensor per transfer, freed
+            with its micro-batch: at most one forward and one backward buffer per chunk).
+        zero3_gather: ``block`` (one block's parameters gathered at a time, the next prefetched)
+            or ``bucket`` (at most ``zero3_live_params`` gathered parameters live at once).
+        zero3_live_params: the bucket bound of ``bucket`` gathering (parameters).
+        reduce_bucket_params: gradient elements reduced per bucket (DDP / ZeRO-1/2 reductions;
+            bounds the unreduced gradient copies and the exposed last reduction).
+        fragmentation_fraction: the caching allocator's unusable share of the memory that churns
+            over a step (activations, gathered parameters, working buffers): reserved but not
+            live at the peak.
+        param_traffic_factor: per-micro-batch traffic over the parameters (weight casts,
+            gradient accumulation) relative to autopar's eager runtime; 0 where the weight
+            gradient GEMM accumulates in place (Megatron's gradient_accumulation_fusion).
+            None: the cluster's own value (autopar: measured).
+        elementwise_traffic_scale: the non-matmul memory traffic relative to the device's
+            eager figure (fused norms, bias-activation and softmax kernels move less).
+        kernel_efficiency: the framework's matmul-heavy block throughput relative to the
+            device's eager curve (fitted).
+        dp_overlap_efficiency: usable fraction of the compute window that hides data-parallel
+            collectives; None: the cluster's value (autopar: measured).
+        overlap_slowdown: compute slowed while collectives overlap it (NCCL kernels take SMs
+            and memory bandwidth), as a fraction of the overlapped communication time.
+        step_overhead_s: fixed seconds per optimizer step outside the layers (data loading,
+            gradient-norm clipping, optimizer launch, logging, the first parameter gather).
+        first_gather_exposed: whether the step's first ZeRO parameter gather waits in full.
+        schedules: pipeline schedules it runs.
+        zero_stages: ZeRO / FSDP stages it runs.
+        zero_with_pipeline: the largest ZeRO stage it runs together with pipeline parallelism.
+        sequence_parallel: whether it runs Megatron-style sequence parallelism.
+        per_layer_recompute: whether it can choose recomputation per layer (else one mode for
+            every block).
+        exports: autopar's export formats that configure this framework.
+        memory_band: relative error of predicted peak memory this framework's runs showed (the
+            largest one; ``plan --robust`` keeps this much memory free).
+        step_time_band: (low, high) factors on the predicted step time that hold 80% of this
+            framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
+            over predicted step time).
+        sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
+    """
+
+    name: str
+    runtime: str
+    pipeline_recv_buffers: str
+    zero3_gather: str
+    zero3_live_params: float
+    reduce_bucket_params: float
+    fragmentation_fraction: float
+    param_traffic_factor: float | None
+    elementwise_traffic_scale: float
+    kernel_efficiency: float
+    dp_overlap_efficiency: float | None
+    overlap_slowdown: float
+    step_overhead_s: float
+    first_gather_exposed: bool
+    schedules: tuple[str, ...]
+    zero_stages: tuple[int, ...]
+    zero_with_pipeline: int
+    sequence_parallel: bool
+    per_layer_recompute: bool
+    exports: tuple[str, ...]
+    memory_band: float
+    step_time_band: tuple[float, float]
+    sources: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        if self.pipeline_recv_buffers not in (PER_MICROBATCH, IN_FLIGHT):
+            raise ValueError(f"pipeline_recv_buffers {self.pipeline_recv_buffers!r} unknown")
+        if self.zero3_gather not in (GATHER_BLOCK, GATHER_BUCKET):
+            raise ValueError(f"zero3_gather {self.zero3_gather!r} unknown")
+        for name in ("kernel_efficiency", "elementwise_traffic_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Framework.{name} must be > 0")
+        for name in ("fragmentation_fraction", "overlap_slowdown", "step_overhead_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"Framework.{name} must be >= 0, got {value!r}")
+        low, high = self.step_time_band
+        if not 0 < low <= 1 <= high:
+            raise ValueError(f"Framework.step_time_band {self.step_time_band} must hold 1")
+        unknown = [s for s in self.schedules if s not in SCHEDULES]
+        if unknown:
+            raise ValueError(f"Framework.schedules: unknown {unknown}")
+
+    def with_fit(self, **values: float) -> Framework:
+        """The record with some fitted fields replaced (what calibration tries)."""
+        return dataclasses.replace(self, **values)
+
+
+_TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's names
+
+# ---- values fitted by `benchmarks/calibration.py --fit` (each framework on its own records) ----
+# and their leave-one-source-out error bands; see docs/frameworks.md for the fit and its table.
+_FIT: dict[str, dict[str, object]] = {
+    "autopar": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+                "step_time_band": (0.8, 1.35)},
+    "torchtitan": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+                   "step_time_band": (0.85, 1.2)},
+    "megatron-lm": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+                    "step_time_band": (0.85, 1.2)},
+    "deepspeed": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+                  "step_time_band": (0.85, 1.2)},
+}
+
+_MEGATRON_P2P = ("sourced: Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py "
+                 "(_communicate allocates torch.empty receive tensors per transfer)")
+_TORCH_STAGE = ("sourced: torch/distributed/pipelining/stage.py (_setup_forward_recv_info, "
+                "_create_grad_recv_info: one buffer per micro-batch, kept for the step)")
+_FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
+               "the next unit (torch/distributed/fsdp/_fully_shard)")
+_DS_BUCKETS = ("sourced: DeepSpeed config docs (deepspeed.ai/docs/config-json): "
+               "stage3_max_live_parameters 1e9, reduce_bucket_size 5e8 (defaults)")
+_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator notes (expandable_segments avoids "
+               "most fragmentation of churning blocks); 3% charged")
+_NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable segments "
+                  "(memory_stats: reserved exceeds allocated by 5-10% on varied sizes); 7% "
+                  "charged")
+
+_RECORDS: dict[str, dict[str, object]] = {
+    "autopar": dict(
+        runtime="autopar's runtime (torch 2.13: FSDP2, DTensor, torch.distributed.pipelining)",
+        pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
+        zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
+        fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
+        dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
+        schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
+        sequence_parallel=True, per_layer_recompute=True,
+        exports=("torchtitan", "megatron", "deepspeed", "slurm"),
+        sources={
+            "pipeline_recv_buffers": _TORCH_STAGE,
+            "zero3_gather": _FSDP2_UNIT,
+            "reduce_bucket_params": "sourced: DistributedDataParallel bucket_cap_mb=25",
+            "fragmentation_fraction": _EXPANDABLE + " (autopar's launcher sets it)",
+            "param_traffic_factor": "measured: the cluster's value (H200 runs, calibrate)",
+            "dp_overlap_efficiency": "measured: the cluster's value (autopar calibrate)",
+            "kernel_efficiency": "measured: 1 by definition (the device curve is this runtime)",
+            "step_overhead_s": "measured: in the device's per-layer overheads (calibrate)",
+            "overlap_slowdown": "measured: 0 on CPU (gloo runs on the same cores: "
+                                "dp_overlap_efficiency 0 already charges it)",
+            "step_time_band": "measured: benchmarks/accuracy.py residuals (CPU, 16 configs)",
+            "memory_band": "measured: benchmarks/accuracy.py, largest memory error 7.2% (CPU)",
+        },
+    ),
+    "torchtitan": dict(
+        runtime="torchtitan 0.1-0.2 (FSDP2 per block, torch pipelining, eager or compiled)",
+        pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
+        zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
+        fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
+        schedules=_TORCH_SCHEDULES, zero_stages=(0, 3), zero_with_pipeline=3,
+        sequence_parallel=True, per_layer_recompute=True, exports=("torchtitan", "slurm"),
+        sources={
+            "pipeline_recv_buffers": _TORCH_STAGE,
+            "zero3_gather": _FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
+            "reduce_bucket_params": "sourced: DDP default bucket (data_parallel_replicate)",
+            "fragmentation_fraction": _EXPANDABLE + " (torchtitan's run script sets it)",
+            "param_traffic_factor": "sourced: FSDP2 MixedPrecisionPolicy(param bf16, reduce "
+                                    "fp32): fp32 gradient accumulation as autopar's",
+            "dp_overlap_efficiency": "sourced: autopar's preset value (FSDP2 prefetch alike)",
+            "zero_stages": "sourced: torchtitan parallel dims dp_shard (FSDP2) / "
+                           "dp_replicate (DDP)",
+            "per_layer_recompute": "sourced: torchtitan activation_checkpoint mode "
+                                   "selective with selective_ac_option=N (every N-th layer)",
+        },
+    ),
+    "megatron-lm": dict(
+        runtime="Megatron-LM / Megatron-Core (NeMo) with Transformer Engine kernels",
+        pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
+        zero3_live_params=0.0, reduce_bucket_params=4e7,
+        fragmentation_fraction=0.07, param_traffic_factor=0.0, elementwise_traffic_scale=1.0,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
+        schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
+        sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
+        sources={
+            "pipeline_recv_buffers": _MEGATRON_P2P,
+            "reduce_bucket_params": "sourced: Megatron-Core DDP bucket_size default "
+                                    "max(40000000, 1000000 * dp) (distributed_data_parallel)",
+            "fragmentation_fraction": _NO_EXPANDABLE,
+            "param_traffic_factor": "sourced: --gradient-accumulation-fusion (default on): "
+                                    "wgrad GEMM accumulates into fp32 main_grad; bf16 params",
+            "zero_stages": "sourced: --use-distributed-optimizer shards optimizer state "
+                           "(ZeRO-1); parameters and gradients replicated",
+            "schedules": "sourced: schedules.py forward_backward_pipelining_without/with_"
+                         "interleaving",
+            "per_layer_recompute": "sourced: --recompute-method block --recompute-num-layers N",
+            "dp_overlap_efficiency": "sourced: autopar's preset value (--overlap-grad-reduce "
+                                     "buckets overlap the backward)",
+        },
+    ),
+    "deepspeed": dict(
+        runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
+        pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
+        zero3_live_params=1e9, reduce_bucket_params=5e8,
+        fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
+        schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
+        sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),
+        sources={
+            "pipeline_recv_buffers": "sourced: deepspeed/runtime/pipe/engine.py "
+                                     "(num_pipe_buffers = min(stages - stage_id, micro_batches))",
+            "zero3_gather": _DS_BUCKETS,
+            "reduce_bucket_params": _DS_BUCKETS,
+            "fragmentation_fraction": _NO_EXPANDABLE,
+            "param_traffic_factor": "sourced: fp16/bf16 optimizer keeps fp32 master weights and "
+                                    "accumulates gradients per micro-batch (as autopar's)",
+            "zero_stages": "sourced: deepspeed.ai ZeRO tutorial; pipeline engine supports "
+                           "ZeRO-1 only",
+            "schedules": "sourced: deepspeed/runtime/pipe/schedule.py TrainSchedule (1F1B)",
+            "dp_overlap_efficiency": "sourced: autopar's preset value (overlap_comm)",
+        },
+    ),
+}
+
+
+def _build(name: str) -> Framework:
+    fields = {**_RECORDS[name], **_FIT[name]}
+    sources = dict(fields.pop("sources"))  # type: ignore[arg-type]
+    for key in ("kernel_efficiency", "step_overhead_s", "overlap_slowdown", "step_time_band"):
+        sources.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
+                                "published runs (benchmarks/data/)")
+    for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
+                "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
+                "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
+                "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor"):
+        sources.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
+    return Framework(name=name, sources=MappingProxyType(sources), **fields)  # type: ignore[arg-type]
+
+
+_BY_NAME: Mapping[str, Framework] = MappingProxyType({n: _build(n) for n in FRAMEWORKS})
+
+
+def get_framework(framework: str | Framework) -> Framework:
+    """The record of ``framework`` (a name from ``FRAMEWORKS`` or a Framework itself).
+
+    Raises:
+        ValueError: an unknown name, naming the known ones.
+    """
+    if isinstance(framework, Framework):
+        return framework
+    if isinstance(framework, str) and framework.lower() in _BY_NAME:
+        return _BY_NAME[framework.lower()]
+    raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(FRAMEWORKS)}")
+
+
+def framework_supports(framework: Framework, config) -> str | None:
+    """Why ``framework`` cannot run ``config`` (None when it can)."""
+    fw = framework
+    if config.pp > 1 and config.schedule not in fw.schedules:
+        return (f"{fw.name} runs the pipeline schedules {', '.join(fw.schedules)}, not "
+                f"{config.schedule!r}")
+    if config.dp > 1 and config.zero not in fw.zero_stages:
+        return f"{fw.name} runs ZeRO stages {fw.zero_stages}, not zero={config.zero}"
+    if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:
+        return (f"{fw.name} runs ZeRO stage {config.zero} without pipeline parallelism only "
+                f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
+    if config.sequence_parallel and not fw.sequence_parallel:
+        return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
+    return None
+
+
+def framework_cluster(cluster: Cluster, framework: Framework) -> Cluster:
+    """The cluster as ``framework`` drives it: its kernels' efficiency and traffic, its
+    parameter traffic and overlap where the record sets them (None keeps the cluster's)."""
+    fw = framework
+    device = dataclasses.replace(
+        cluster.device,
+        matmul_efficiency_max=min(1.0, cluster.device.matmul_efficiency_max
+                                  * fw.kernel_efficiency),
+        elementwise_traffic_factor=cluster.device.elementwise_traffic_factor
+        * fw.elementwise_traffic_scale,
+    )
+    changes: dict[str, object] = {"device": device}
+    if fw.param_traffic_factor is not None:
+        changes["param_traffic_factor"] = fw.param_traffic_factor
+    if fw.dp_overlap_efficiency is not None:
+        changes["dp_overlap_efficiency"] = fw.dp_overlap_efficiency
+    if device == cluster.device and len(changes) == 1:
+        return cluster
+    return dataclasses.replace(cluster, **changes)  # type: ignore[arg-type]

@@ -1,20 +1,26 @@
-"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Sharded, atomic, verified training checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout of a checkpoint directory::
 
-    DIR/step_4/       a complete checkpoint: DCP shards + .metadata, then COMPLETE (written last)
+    DIR/step_4/       a checkpoint: DCP shards + .metadata + MANIFEST.json (sha256 of each file)
     DIR/step_6.tmp/   a checkpoint being written (or left by a crash: ignored and replaced)
 
 What is saved: the model and AdamW state of every model part this rank holds, through
 ``get_state_dict`` / ``set_state_dict`` with flattened optimizer keys (``state.<fqn>.exp_avg``,
 ``param_groups.<fqn>.lr``). Keys are the original model's FQNs, so a checkpoint written under one
-split loads under any other (tp=2 -> dp=2, pp=2 -> one process): DCP reshards on load. DCP stores
-tensors and plain values only; no pickled code.
+split loads under any other (tp=2 -> dp=2, pp=2 -> one process): DCP reshards on load.
 
-Atomicity: every rank writes its shards into ``step_N.tmp/``; after a barrier rank 0 renames it to
-``step_N/`` and only then writes the ``COMPLETE`` marker (itself written to a temporary name and
-renamed). A crash at any point leaves either no ``step_N/`` or one without the marker, and
-``latest_complete_step`` skips both, so the previous checkpoint stays the one resumed from. On
+Trust: DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``-ed with
+``weights_only=False``, so loading a checkpoint can run code it contains. Before any
+``dcp.load`` the checkpoint is checked against its manifest (``manifest.py``): every file
+present, of the recorded size and sha256, and no other file. A checkpoint without a manifest
+(not written by autopar) is loaded only with ``--trust-checkpoint``; a damaged newest checkpoint
+is skipped for the newest one that verifies.
+
+Atomicity: every rank writes its shards into ``step_N.tmp/``; after a barrier the ranks hash
+the files (each its share), rank 0 writes the manifest last (a temporary file, fsynced, then
+renamed) and only then renames ``step_N.tmp/`` to ``step_N/``. A crash at any point leaves either
+no ``step_N/`` or an earlier one, so the previous checkpoint stays the one resumed from. On
 several nodes DIR must be on storage every node sees.
 """
 
@@ -22,77 +28,73 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.runtime.manifest import (
+    MANIFEST_NAME,
+    ResumePoint,
+    file_digests,
+    find_resume_point,
+    manifest_problem,
+    write_manifest,
+)
 
 __all__ = [
-    "MARKER_NAME",
+    "MANIFEST_NAME",
+    "ResumePoint",
     "check_checkpoint_dir",
     "checkpoint_path",
-    "latest_complete_step",
-    "load_checkpoint",
-    "read_marker",
+    "load_latest_checkpoint",
+    "read_manifest",
     "save_checkpoint",
 ]
 
-MARKER_NAME = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 def checkpoint_path(checkpoint_dir: str | Path, step: int) -> Path:
-    """The directory of the complete checkpoint taken after optimizer step ``step``."""
+    """The directory of the checkpoint taken after optimizer step ``step``."""
     return Path(checkpoint_dir) / f"step_{step}"
 
 
-def latest_complete_step(checkpoint_dir: str | Path) -> int | None:
-    """The highest step with a complete checkpoint in ``checkpoint_dir``; None if there is none.
-
-    Pure file-system inspection (no process group), so the launcher can call it before starting
-    any worker.
-    """
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return None
-    steps = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / MARKER_NAME).is_file():
-            steps.append(int(match.group(1)))
-    return max(steps) if steps else None
-
-
 def check_checkpoint_dir(
-    checkpoint_dir: str | None, *, resume: bool, steps: int, every: int
-) -> int:
-    """Check the checkpoint arguments of a launch; return the step training starts after.
+    checkpoint_dir: str | None, *, resume: bool, steps: int, every: int, trust: bool = False
+) -> ResumePoint:
+    """Check the checkpoint arguments of a launch; return the checkpoint training resumes from.
+
+    Pure file-system inspection (no process group), so the launcher calls it before starting any
+    worker; it reads every byte of the checkpoint it picks (the sha256 check).
 
     Args:
         checkpoint_dir: ``--checkpoint-dir`` (None: no checkpoints).
         resume: ``--resume``.
         steps: ``--steps``, the total.
         every: ``--checkpoint-every``.
+        trust: ``--trust-checkpoint`` (load a checkpoint without a manifest).
 
     Returns:
-        The step of the checkpoint resumed from (0 for a fresh run).
+        The ResumePoint (``step`` None for a fresh run); its ``note()`` says what was skipped.
 
     Raises:
-        AutoparError: --resume or --checkpoint-every without a directory; --resume with no
-            complete checkpoint; an existing non-empty directory without --resume (a run never
-            overwrites checkpoints silently); a checkpoint already past --steps.
+        AutoparError: --resume, --checkpoint-every or --trust-checkpoint without what they need;
+            --resume with no checkpoint that verifies; an existing non-empty directory without
+            --resume (a run never overwrites checkpoints silently); a checkpoint past --steps.
     """
     if every < 0:
         raise AutoparError(f"--checkpoint-every must be 0 or more, got {every}")
+    if trust and not resume:
+        raise AutoparError(
+            "--trust-checkpoint goes with --resume (it lets autopar load a checkpoint it did "
+            "not write)"
+        )
     if not checkpoint_dir:
         if resume:
             raise AutoparError("--resume needs --checkpoint-dir DIR (the run to continue)")
         if every:
             raise AutoparError("--checkpoint-every needs --checkpoint-dir DIR")
-        return 0
+        return ResumePoint(step=None)
     root = Path(checkpoint_dir)
     if root.exists() and not root.is_dir():
         raise AutoparError(f"checkpoint dir {checkpoint_dir} is a file; give a directory")
@@ -102,28 +104,31 @@ def check_checkpoint_dir(
                 f"checkpoint dir {checkpoint_dir} already holds a run; pass --resume to continue "
                 "it, or give a new --checkpoint-dir"
             )
-        return 0
-    if not root.is_dir():
+        return ResumePoint(step=None)
+    return _resume_point(checkpoint_dir, steps=steps, trust=trust)
+
+
+def _resume_point(checkpoint_dir: str, *, steps: int, trust: bool) -> ResumePoint:
+    """The checkpoint ``--resume`` continues from (``check_checkpoint_dir``'s resume case)."""
+    if not Path(checkpoint_dir).is_dir():
         raise AutoparError(
             f"checkpoint dir {checkpoint_dir} does not exist; nothing to resume (drop --resume "
             "to start a new run there)"
         )
-    latest = latest_complete_step(root)
-    if latest is None:
+    point = find_resume_point(checkpoint_dir, trust=trust)
+    if point.step is None:
+        raise AutoparError(point.refusal(checkpoint_dir))
+    if point.step > steps:
         raise AutoparError(
-            f"checkpoint dir {checkpoint_dir} holds no complete checkpoint to resume"
+            f"the last checkpoint in {checkpoint_dir} is at step {point.step}, past --steps "
+            f"{steps}; --steps is the total, so pass --steps {point.step} or more"
         )
-    if latest > steps:
-        raise AutoparError(
-            f"the last checkpoint in {checkpoint_dir} is at step {latest}, past --steps {steps}; "
-            f"--steps is the total, so pass --steps {latest} or more"
-        )
-    return latest
+    return point
 
 
-def read_marker(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
-    """The JSON the marker of checkpoint ``step`` records (step, world size, config)."""
-    text = (checkpoint_path(checkpoint_dir, step) / MARKER_NAME).read_text()
+def read_manifest(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
+    """The manifest of checkpoint ``step``: its facts (step, world size, config) and files."""
+    text = (checkpoint_path(checkpoint_dir, step) / MANIFEST_NAME).read_text()
     return json.loads(text)
 
 
@@ -156,14 +161,15 @@ def save_checkpoint(
     *,
     marker: dict[str, Any],
 ) -> Path:
-    """Write the checkpoint of step ``step`` atomically (collective: every rank calls it).
+    """Write the checkpoint of step ``step`` atomically, manifest last (collective).
 
     Args:
         checkpoint_dir: the run's checkpoint directory.
         step: optimizer steps completed.
         model_parts: the model chunks this rank holds (one per pipeline stage on the rank).
         optimizers: one optimizer per model part, in the same order.
-        marker: JSON-ready facts recorded in the marker (world size, config); ``step`` is added.
+        marker: JSON-ready facts recorded in the manifest (world size, config); ``step`` is
+            added.
 
     Returns:
         The path of the complete checkpoint.
@@ -175,8 +181,7 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
-        # A crash may have left partial writes (tmp dirs, or this step renamed without its
-        # marker): none is a usable checkpoint, so start clean.
+        # A crash may have left partial writes (tmp dirs): none is a usable checkpoint.
         for stale in Path(checkpoint_dir).glob("step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -184,39 +189,86 @@ def save_checkpoint(
     state, _ = _merged_state(model_parts, optimizers)
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
+    digests = _shared_digests(tmp)
     if rank == 0:
+        write_manifest(tmp, {**marker, "step": step}, digests)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_marker(final, {**marker, "step": step})
+        _fsync_dir(final.parent)
     dist.barrier()
     return final
 
 
-def _write_marker(directory: Path, data: dict[str, Any]) -> None:
-    """Write the marker through a temporary file, fsynced, then renamed (atomic on POSIX)."""
-    tmp = directory / (MARKER_NAME + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MARKER_NAME)
+def _shared_digests(directory: Path) -> dict[str, str]:
+    """sha256 of every file in ``directory``, each rank hashing its share (collective).
+
+    The files are sorted and rank r hashes every world-size-th one from r, so the ranks together
+    read the checkpoint once; every rank gets the merged table.
+    """
+    import torch.distributed as dist
+
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
+    mine = file_digests(directory, names[dist.get_rank()::dist.get_world_size()])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: digest for part in gathered for name, digest in part.items()}
 
 
-def load_checkpoint(
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (POSIX; a no-op where directories can't be
+    opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _agreed_problem(directory: Path) -> str | None:
+    """``manifest_problem`` of ``directory`` over all ranks (collective): each rank hashes its
+    share of the files and every rank gets the same answer (the first rank's reason)."""
+    import torch.distributed as dist
+
+    mine = manifest_problem(directory, rank=dist.get_rank(), world_size=dist.get_world_size())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return next((p for p in gathered if p is not None), None)
+
+
+def load_latest_checkpoint(
     checkpoint_dir: str | Path,
-    step: int,
     model_parts: Sequence[Any],
     optimizers: Sequence[Any],
-) -> None:
-    """Load checkpoint ``step`` into this rank's model parts and optimizers, resharding as needed.
+    *,
+    trust: bool,
+) -> ResumePoint:
+    """Load the newest checkpoint that verifies into this rank's parts and optimizers.
 
-    Collective: every rank calls it. The current split may differ from the one that saved.
+    Collective: every rank calls it. Each checkpoint is checked against its manifest before
+    ``dcp.load`` reads it (the ranks share the hashing); one without a manifest is loaded only
+    when ``trust``. The current split may differ from the one that saved (DCP reshards).
+
+    Returns:
+        The ResumePoint (``step`` None: nothing loaded).
     """
+    point = find_resume_point(checkpoint_dir, trust=trust, check=_agreed_problem)
+    if point.step is not None:
+        _load(checkpoint_path(checkpoint_dir, point.step), model_parts, optimizers)
+    return point
+
+
+def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any]) -> None:
+    """``dcp.load`` of the checked checkpoint ``path``, then each part's state set from it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state, part_keys = _merged_state(model_parts, optimizers)
-    dcp.load(state, checkpoint_id=str(checkpoint_path(checkpoint_dir, step)))
+    dcp.load(state, checkpoint_id=str(path))
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     for part, optimizer, (model_keys, optim_keys) in zip(
         model_parts, optimizers, part_keys, strict=True

@@ -59,7 +59,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                       help="checkpoint every K steps (and after the last)")
     ckpt.add_argument("--resume", action="store_true",
-                      help="continue from the last complete checkpoint in --checkpoint-dir")
+                      help="continue from the newest checkpoint in --checkpoint-dir whose "
+                      "manifest verifies")
+    ckpt.add_argument("--trust-checkpoint", action="store_true",
+                      help="with --resume: also load a checkpoint autopar did not write (no "
+                      "manifest); loading a checkpoint runs code it contains (DCP pickles)")
     ckpt.add_argument("--max-restarts", type=int, default=0,
                       help="torchrun restarts after a worker fails (resumes from the checkpoint)")
     nodes = parser.add_argument_group("multi-node (passed to torchrun; same command on every node)")
@@ -98,9 +102,13 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         _emit(write, args.json, report.to_dict(), format_report(report))
         return 0
     spec = _launch_spec(args, job.plan.config.world_size)
-    start = check_checkpoint_dir(
-        args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every
+    point = check_checkpoint_dir(
+        args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every,
+        trust=args.trust_checkpoint,
     )
+    if point.note():
+        print(f"autopar: note: {point.note()}", file=sys.stderr)
+    start = point.step or 0
     result = launch(_worker_args(args, job), spec)
     if result.returncode != 0 or not result.finished:
         print(f"autopar run: the workers failed (torchrun exit code {result.returncode}); "
@@ -255,7 +263,7 @@ def _worker_args(args: argparse.Namespace, job: _Job) -> Any:
         checkpoint_dir=str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else "",
         checkpoint_every=args.checkpoint_every, seq_len=job.seq_len, vocab=job.vocab,
         result_path="", device_type="cuda" if torch.cuda.is_available() else "cpu",
-        pg_timeout_s=PG_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S, trust_checkpoint=args.trust_checkpoint,
     )
 
 

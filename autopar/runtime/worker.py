@@ -3,9 +3,9 @@
 ``ARGS`` is a JSON file the launcher wrote (``WorkerArgs``). Every rank builds the model from the
 run's seed on its real device, applies the plan, trains with AdamW at a constant learning rate on
 seeded synthetic tokens (``data.py``), checkpoints every K steps (``checkpoint.py``), and resumes
-from the last complete checkpoint when one exists (``--resume``, or a torchrun restart after a
-fault). The local rank 0 of every node appends one JSON line per step to the node's result file
-(loss, step time, peak memory); the launcher reads it.
+from the newest checkpoint whose manifest verifies when one exists (``--resume``, or a torchrun
+restart after a fault). The local rank 0 of every node appends one JSON line per step to the
+node's result file (loss, step time, peak memory); the launcher reads it.
 
 Peak memory is the peak of live tensor bytes on the rank (``LiveTensorBytes``, a counting
 ``TorchDispatchMode``), reported as the largest over ranks; on CUDA it is
@@ -30,11 +30,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar.errors import AutoparError
 from autopar.runtime import checkpoint
 from autopar.runtime.data import TokenBatch, synthetic_batch
 
 __all__ = [
-    "LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "WorkerArgs", "build_model", "main",
+    "LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "NoUsableCheckpointError", "WorkerArgs",
+    "build_model", "main",
 ]
 
 # AdamW settings of ``autopar run``: constant (no dependence on --steps, so a run resumed up to
@@ -44,6 +46,10 @@ WEIGHT_DECAY = 0.01
 # Environment hook for fault tests: "RANK:STEP:MARKER" makes RANK exit with code 1 at the start of
 # STEP, once (the marker file records that it happened, so the restarted group does not repeat it).
 FAULT_ENV = "AUTOPAR_TEST_FAIL_AT"
+
+
+class NoUsableCheckpointError(AutoparError):
+    """The checkpoint directory holds checkpoints but none verifies (the same on every rank)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +68,7 @@ class WorkerArgs:
         result_path: JSON-lines file the node's local rank 0 appends its per-step results to.
         device_type: "cpu" (gloo) or "cuda" (NCCL).
         pg_timeout_s: process-group timeout; a hung collective fails after this long.
+        trust_checkpoint: load a checkpoint without a manifest (``--trust-checkpoint``).
     """
 
     plan: dict[str, Any]
@@ -75,6 +82,7 @@ class WorkerArgs:
     result_path: str
     device_type: str
     pg_timeout_s: float
+    trust_checkpoint: bool = False
 
     def to_json(self) -> str:
         """The args as JSON text."""
@@ -280,14 +288,7 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
     try:
         job = _build_job(args, device)
         optimizers = _Optimizers(job.model_parts)
-        start = 0
-        if args.checkpoint_dir:
-            latest = checkpoint.latest_complete_step(args.checkpoint_dir)
-            if latest is not None:
-                checkpoint.load_checkpoint(
-                    args.checkpoint_dir, latest, job.model_parts, optimizers.optimizers
-                )
-                start = latest
+        start = _resume(args, job, optimizers)
         if dist.get_rank() == 0:
             print(f"[autopar] training steps {start + 1}..{args.steps}", file=sys.stderr)
         for step in range(start + 1, args.steps + 1):
@@ -316,6 +317,28 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
         if tracking:
             tracker.__exit__(None, None, None)
     _append_result(args, {"done": True, "world_size": dist.get_world_size()})
+
+
+def _resume(args: WorkerArgs, job: _Job, optimizers: _Optimizers) -> int:
+    """Load the newest checkpoint that verifies (collective); the step it was taken after.
+
+    The launcher checked the directory and printed what it skipped before the first attempt;
+    after a torchrun restart rank 0 says it here.
+
+    Raises:
+        NoUsableCheckpointError: checkpoints exist but none verifies (nor is trusted).
+    """
+    if not args.checkpoint_dir:
+        return 0
+    point = checkpoint.load_latest_checkpoint(
+        args.checkpoint_dir, job.model_parts, optimizers.optimizers, trust=args.trust_checkpoint
+    )
+    if point.step is None and point.skipped:
+        raise NoUsableCheckpointError(point.refusal(args.checkpoint_dir))
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if point.note() and restarted and dist.get_rank() == 0:
+        print(f"autopar: note: {point.note()}", file=sys.stderr)
+    return point.step or 0
 
 
 def _step_figures(
@@ -348,7 +371,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     device = _init_process_group(args)
     tracker = LiveTensorBytes() if device.type == "cpu" else None
-    _train(args, device, tracker)
+    try:
+        _train(args, device, tracker)
+    except NoUsableCheckpointError as err:
+        # Every rank reached the same verdict (the check is collective): one line, exit 2.
+        if dist.get_rank() == 0:
+            print(f"autopar: error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
     # Clean exit (runtime notes): without it TP processes can abort during interpreter shutdown.
     dist.barrier()
     dist.destroy_process_group()

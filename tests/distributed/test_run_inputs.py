@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from autopar.runtime.manifest import write_manifest
 from autopar.runtime.run import main
 
 pytestmark = pytest.mark.distributed
@@ -89,9 +90,10 @@ def test_checkpoint_dirs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     _expect_error(capsys, [*base, "--checkpoint-dir", str(used)], "pass --resume")
     _expect_error(capsys, [*base, "--checkpoint-dir", str(used), "--resume"],
                   "holds no complete checkpoint")
-    (used / "step_1" / "COMPLETE").write_text("{}")
-    (used / "step_5").mkdir()
-    (used / "step_5" / "COMPLETE").write_text("{}")
+    for step in (1, 5):
+        (used / f"step_{step}").mkdir(exist_ok=True)
+        (used / f"step_{step}" / ".metadata").write_bytes(b"metadata")
+        write_manifest(used / f"step_{step}", {"step": step})
     _expect_error(capsys, [*base, "--checkpoint-dir", str(used), "--resume"],
                   "at step 5, past --steps 2")
     _expect_error(capsys, [*base, "--resume"], "--resume needs --checkpoint-dir")

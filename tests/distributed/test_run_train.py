@@ -116,7 +116,7 @@ def test_resume_same_and_different_split(tmp_path: Path, reference: dict) -> Non
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
     other = tmp_path / "ckpt_copy"
     shutil.copytree(ckpt, other)
-    # What a crash mid-write leaves (a tmp dir; a renamed dir without its marker) is skipped.
+    # What a crash mid-write leaves (a tmp dir; a dir without its manifest) is skipped.
     (ckpt / "step_3.tmp").mkdir()
     (ckpt / "step_4").mkdir()
     # Same split: continue up to step 4 (--steps is the total): exactly the uninterrupted losses.
@@ -124,7 +124,7 @@ def test_resume_same_and_different_split(tmp_path: Path, reference: dict) -> Non
     assert resumed["steps"] == [3, 4]
     assert resumed["losses"] == reference["losses"][2:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2", "step_4"]
-    assert (ckpt / "step_4" / "COMPLETE").is_file()
+    assert (ckpt / "step_4" / "MANIFEST.json").is_file()
     # Different split (one process -> tp=2): DCP reshards; equal up to fp32 rounding.
     resharded = run_json(MODEL, *BATCH, "--steps", "4", "--tp", "2", "--checkpoint-dir",
                          str(other), "--resume")

@@ -23,8 +23,9 @@ NASTY = ['a"b', "back\\slash", "tab\there", "nl\nline", "cr\rline", "del\x7fchar
 
 
 def _evil_plan(model: str = EVIL):
-    return dataclasses.replace(make_plan(dp=2, tp=1, pp=1, schedule="1f1b", virtual_stages=1),
-                               model=model)
+    # zero=0 with dp=2: a split every export target runs.
+    plan = make_plan(dp=2, tp=1, pp=1, schedule="1f1b", virtual_stages=1, zero=0)
+    return dataclasses.replace(plan, model=model)
 
 
 def _no_injected_line(text: str) -> None:
@@ -75,7 +76,7 @@ def test_every_export_survives_odd_model_names(value):
 
 
 def test_split_points_from_the_plan_are_quoted():
-    plan = make_plan(schedule="1f1b", virtual_stages=1)
+    plan = make_plan(schedule="1f1b", virtual_stages=1, zero=0)
     odd = 'layers.1"\n[evil]\nx = 1'
     second = plan.stages[1]
     names = (odd, *second.layer_names[1:])

@@ -7,7 +7,8 @@ copied, and FQNs stay those of the full model (``layers.5.attention.wq.weight`` 
 stage owns block 5), so gradients, checkpoints and tensor-parallel layouts line up across splits.
 The stage's forward is the model's own: it must run whatever parts are present (the zoo's
 convention, docs/model-structure.md). Each stage becomes a hand-built
-``torch.distributed.pipelining.PipelineStage``; the schedule class comes from the plan's
+``torch.distributed.pipelining.PipelineStage`` (``LeanPipelineStage``, lean_pipeline.py: receive
+buffers for the micro-batches in flight only); the schedule class comes from the plan's
 ``schedule`` name.
 """
 
@@ -155,11 +156,15 @@ def build_stages(
     device: torch.device,
     pp_group: dist.ProcessGroup,
 ) -> list[Any]:
-    """Hand-built ``PipelineStage`` objects for this rank's stage modules (model order)."""
-    from torch.distributed.pipelining import PipelineStage
+    """Hand-built pipeline stages for this rank's stage modules (model order).
+
+    ``LeanPipelineStage`` (lean_pipeline.py): torch's ``PipelineStage`` holding receive buffers only
+    for the micro-batches in flight, not one per micro-batch for the whole step.
+    """
+    from autopar.runtime.lean_pipeline import LeanPipelineStage
 
     return [
-        PipelineStage(part, stage_plan.index, num_stages, device, group=pp_group)
+        LeanPipelineStage(part, stage_plan.index, num_stages, device, group=pp_group)
         for part, stage_plan in zip(parts, stage_plans)
     ]
 
@@ -174,8 +179,12 @@ def build_schedule(
     """
     import torch.distributed.pipelining as pipelining
 
+    from autopar.runtime.lean_pipeline import lean_schedule_class
+
     cfg = plan.config
-    cls = getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule])
+    # Action-list schedules (interleaved, zero bubble, ZBV, DualPipeV) release each send once it
+    # has provably completed instead of at the step's end (lean_pipeline.py).
+    cls = lean_schedule_class(getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule]))
     n_mb = cfg.num_microbatches
     if cfg.schedule in SINGLE_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)

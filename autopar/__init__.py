@@ -1,7 +1,8 @@
 """autopar: an automatic parallelism planner for training large models.
 
 Public names (see DESIGN.md): ``profile``, ``estimate``, ``plan``, ``ParallelConfig``, ``Plan``,
-``Cluster``, ``models``, ``load_model_file``, ``InfeasiblePlanError``. Heavy modules (torch,
+``Cluster``, ``models``, ``load_model_file``, ``InfeasiblePlanError``, ``FRAMEWORKS``,
+``Framework``. Heavy modules (torch,
 pulp) are imported on first use so ``import autopar`` stays fast.
 """
 
@@ -16,9 +17,11 @@ from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.plan import Plan
 
 __all__ = [
+    "FRAMEWORKS",
     "AutoparError",
     "Cluster",
     "Estimate",
+    "Framework",
     "InfeasiblePlanError",
     "ModelProfile",
     "ParallelConfig",
@@ -36,6 +39,8 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str | None]] = {
     "Cluster": ("autopar.cost_model.hardware", "Cluster"),
     "Estimate": ("autopar.cost_model.estimate", "Estimate"),
+    "FRAMEWORKS": ("autopar.cost_model.frameworks", "FRAMEWORKS"),
+    "Framework": ("autopar.cost_model.frameworks", "Framework"),
     "estimate": ("autopar.cost_model", "estimate"),
     "ModelProfile": ("autopar.graph.types", "ModelProfile"),
     "profile": ("autopar.graph", "profile"),

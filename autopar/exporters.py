@@ -336,8 +336,29 @@ def export_plan(plan: Plan, to: str, **options: Any) -> Export:
         **options: exporter options (slurm: ``plan_path``, ``steps``).
 
     Raises:
-        ValueError: an unknown format.
+        ValueError: an unknown format, or a plan the target tool cannot run (its framework's
+            ``framework_supports`` names why).
     """
     if to not in EXPORTERS:
         raise ValueError(f"unknown export format {to!r}; use one of {', '.join(EXPORTERS)}")
+    refusal = export_refusal(plan, to)
+    if refusal:
+        raise ValueError(refusal)
     return EXPORTERS[to](plan, **options)
+
+
+# Export format -> the framework that runs what it writes (slurm launches `autopar run`).
+EXPORT_FRAMEWORK = {"torchtitan": "torchtitan", "megatron": "megatron-lm",
+                    "deepspeed": "deepspeed", "slurm": "autopar"}
+
+
+def export_refusal(plan: Plan, to: str) -> str | None:
+    """Why the tool behind format ``to`` cannot run ``plan`` (None when it can)."""
+    from autopar.cost_model.frameworks import framework_supports, get_framework
+
+    target = EXPORT_FRAMEWORK[to]
+    reason = framework_supports(get_framework(target), plan.config)
+    if reason is None:
+        return None
+    return (f"cannot export a plan made for {plan.framework} to {to}: {reason}; re-plan for it "
+            f"with `autopar plan ... --framework {target}`")

@@ -99,6 +99,7 @@ def sweep(
     time_budget_s: float | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     model: str = "",
+    framework: str = "autopar",
 ) -> tuple[SweepPoint, ...]:
     """Plan every cluster and price the training run.
 
@@ -111,6 +112,7 @@ def sweep(
         time_budget_s: search time per point.
         progress: ``progress(done, total, message)`` called after each point.
         model: how to rebuild the model (recorded in the plans).
+        framework: the training framework every plan is for.
 
     Returns:
         One SweepPoint per cluster, in order, with the Pareto front marked. Points that cannot
@@ -131,6 +133,7 @@ def sweep(
                 global_batch=global_batch,
                 time_budget_s=time_budget_s,
                 model=model,
+                framework=framework,
             )
         except (AutoparError, ValueError) as e:
             points.append(SweepPoint(gpu=gpu, num_gpus=num_gpus, error=str(e).split("\n")[0]))

@@ -1,262 +1,374 @@
-"""Measured vs predicted throughput for every published run in calibration_runs.json.
+"""Published training runs against autopar's predictions, per framework, through the public API.
 
 Usage:
-    python benchmarks/calibration.py            # table of measured vs predicted tokens/s per GPU
-    python benchmarks/calibration.py --fit      # fit the efficiency parameters once, jointly
-    python benchmarks/calibration.py --analytic # closed-form profiles instead of traced ones
+    python benchmarks/calibration.py            # every run: measured, predicted, error, memory
+    python benchmarks/calibration.py --loso     # and leave-one-source-out error (refits per source)
+    python benchmarks/calibration.py --fit      # fit each framework's parameters on its records
 
-Each record becomes a ParallelConfig on a cluster preset by the rules in ``record_config``
-(documented in docs/cost_model.md: fields a record leaves out get one fixed default, never a
-per-record choice). The profile of each run's shape is autopar's traced profile of the zoo
-model of that shape on the meta device (default, ``--traced``), or the closed-form profile
-(tests/fixtures/profiles.py) with ``--analytic``; both follow the same record rules (eager
-attention, dropout, tied embeddings).
-The ``--fit`` mode minimises the squared log error over all records at once for three
-parameters (A100 and H100 matmul efficiency maxima and the elementwise traffic factor; the
-matmul half-work time is set from GEMM physics, the records cannot separate it) and prints
-them; they are then written into autopar/cost_model/presets.py.
+Every record of benchmarks/data/published_runs.json (each number with its source) names its
+framework, its model (kind, shape, attention kernel, dropout, tied embeddings), its cluster (GPU,
+count) and its split. A record becomes exactly what a user would type (``record_inputs``):
+
+    model    = autopar.models.build(kind, layers=..., attention=..., dropout=..., ...)
+    profile  = autopar.profile(model, seq_len=...)
+    cluster  = autopar.Cluster.preset(gpu, nodes=n_gpus // gpus_per_node, gpus_per_node=...)
+    estimate = autopar.estimate(profile, cluster, config, framework=record["framework"])
+
+with fixed, documented defaults for fields a record leaves out (``DEFAULTS``, docs/frameworks.md)
+and no rule keyed on a record's id. Records outside autopar's space (fp8 matmuls, context
+parallelism) are listed and skipped.
+
+The fit (``--fit``): for each framework, its own records only, the few fitted fields of its
+``Framework`` record (``FITTED``) minimise the squared log error of tokens/s per GPU
+(Nelder-Mead). Leave-one-source-out (``--loso``): for each publication (``source_key``), fit
+without it, predict it. A framework's step-time band is the 10th-90th percentile of measured
+over predicted step time in that cross-validation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autopar.config import ParallelConfig  # noqa: E402
-from autopar.cost_model.assemble import assemble  # noqa: E402
-from autopar.cost_model.estimator import default_split  # noqa: E402
-from autopar.cost_model.hardware import Cluster  # noqa: E402
-from autopar.cost_model.layer_costs import build_cost_table  # noqa: E402
-from autopar.cost_model.validate import check_config  # noqa: E402
-from tests.fixtures.profiles import analytic_transformer_profile  # noqa: E402
+import autopar  # noqa: E402
+from autopar.cost_model.frameworks import FITTED_FIELDS, Framework, get_framework  # noqa: E402
 
-# The published runs (with their sources) are kept beside this script, so the figures in README
-# reproduce from a checkout alone.
-RUNS = ROOT / "benchmarks" / "data" / "calibration_runs.json"
+RUNS = ROOT / "benchmarks" / "data" / "published_runs.json"
+# Fields a record leaves out: one default each, never a per-record choice.
+DEFAULTS = {
+    "microbatch": 1,  # Megatron's usual for large runs
+    "virtual_stages": 2,  # "interleaved" without a chunk count (lowered until the layers allow)
+    "sequence_parallel": "with tp > 1",  # Megatron-Core's and torchtitan's default
+    "zero_stage": {"megatron-lm": 1, "torchtitan": 3, "deepspeed": 1},  # distributed optimizer /
+    # FSDP2 / ZeRO-1: each framework's default for data parallelism at scale
+    "recompute": "the least of none, selective, full that fits",
+    # torchtitan's "selective" is its op-level SAC (every other matmul output saved): half the
+    # forward matmuls re-run and about half the activations kept, whose nearest autopar form
+    # is full recomputation of every second block (the same FLOPs and memory to first order).
+    "torchtitan selective": "full recompute of every second block",
+    "gpus_per_node": 8,
+    "memory_GB": "the preset's",
+}
+BOUNDS = {"kernel_efficiency": (0.5, 1.6), "step_overhead_s": (0.0, 10.0),
+          "overlap_slowdown": (0.0, 0.9), "tp_comm_overlap": (0.0, 0.95),
+          "dp_comm_efficiency": (0.02, 1.0), "zero3_comm_efficiency": (0.02, 1.0)}
 
-DEFAULT_MICRO_BATCH = 1  # a record without a micro-batch size: 1 (Megatron's usual for big runs)
-DEFAULT_VIRTUAL_STAGES = 2  # "interleaved" without a chunk count: 2 when the stage layers allow
+
+_BY_ID: dict[str, dict] = {}
 
 
-def _is_llama(rec: dict) -> bool:
-    return "llama" in rec["model"]["name"].lower()
+def load_records(path: Path = RUNS) -> list[dict]:
+    """Every published record."""
+    records = json.loads(path.read_text())
+    _BY_ID.update({r["id"]: r for r in records})
+    return records
 
 
-def record_profile(rec: dict, traced: bool = False):
-    """The ModelProfile of a record's model at its sequence length."""
+def out_of_space(rec: dict) -> str | None:
+    """Why autopar cannot express a record yet (None when it can)."""
+    if rec["plan"].get("precision") == "fp8":
+        return "fp8 matmuls (not in autopar's precision space yet)"
+    if (rec["plan"].get("cp") or 1) > 1:
+        return "context parallelism (not in autopar's space yet)"
+    return None
+
+
+def model_spec(rec: dict) -> tuple[str, dict]:
+    """(zoo kind, shape) of a record's model: the fields the zoo takes, from the record."""
     m = rec["model"]
-    llama = _is_llama(rec)
-    mpt = "mpt" in m["name"].lower()
-    # Megatron-LM 2021 and Korthikanti 2022 predate fused (flash) attention: their attention
-    # materialises the s x s scores (Korthikanti's 5as/h term), which costs memory traffic.
-    eager = rec["id"].startswith(("megatron2021", "korthikanti2022"))
-    if traced:  # the zoo model of the same shape, with the same rules, traced on meta
-        import autopar
-
-        kind = "llama" if llama else "gpt"
-        kw = dict(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], vocab=m["vocab"],
-                  seq_len=m["seq_len"], attention="eager" if eager else "sdpa")
-        if llama:
-            kw.update(kv_heads=m["kv_heads"] or m["heads"], ffn_hidden=m["ffn_hidden"])
-        else:
-            kw.update(dropout=0.0 if mpt else 0.1,
-                      tie_embeddings="131" not in str(m["vocab"]))
-        return autopar.profile(autopar.models.build(kind, **kw), seq_len=m["seq_len"])
-    return analytic_transformer_profile(
-        m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"],
-        kv_heads=m["kv_heads"], ffn_hidden=m["ffn_hidden"], gated_mlp=llama,
-        dropout=not (llama or mpt), tied_embeddings=not llama and "131" not in str(m["vocab"]),
-        position_embeddings=not (llama or mpt), bias=not (llama or mpt), name=m["name"],
-        attention="eager" if eager else "sdpa",
-    )
+    shape = dict(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], vocab=m["vocab"],
+                 seq_len=m["seq_len"], attention="eager" if m["attention"] == "eager" else "sdpa",
+                 tie_embeddings=bool(m["tie_embeddings"]))
+    if m.get("ffn_hidden"):
+        shape["ffn_hidden"] = m["ffn_hidden"]
+    if m["kind"] == "llama":
+        shape["kv_heads"] = m.get("kv_heads") or m["heads"]
+    else:
+        shape["dropout"] = float(m.get("dropout") or 0.0)
+        if m.get("kv_heads"):
+            shape["kv_heads"] = m["kv_heads"]
+    return m["kind"], shape
 
 
-def _recompute(rec: dict) -> tuple[str, bool]:
-    """(recompute mode, every-other-layer) from the record's text."""
-    text = str(rec["plan"]["recompute"] or "none").lower()
-    if text.startswith("full"):
-        return "full", False
-    if "selective layer" in text:  # torchtitan layer SAC: every second block fully recomputed
-        return "none", True
-    if text.startswith("selective"):
-        return "selective", False
-    return "none", False
+@functools.cache
+def _profile(kind: str, items: tuple):
+    shape = dict(items)
+    return autopar.profile(autopar.models.build(kind, **shape), seq_len=shape["seq_len"])
 
 
-def record_config(rec: dict, num_layers: int) -> ParallelConfig:
-    """The ParallelConfig of a record; fields it leaves out get the documented defaults."""
-    p = rec["plan"]
-    tp, pp, dp = p["tp"], p["pp"], p["dp"]
-    mb = p["microbatch"] or DEFAULT_MICRO_BATCH
-    schedule, v = "1f1b", 1
-    if pp > 1 and "interleaved" in str(p["schedule"]).lower():
-        schedule = "interleaved-1f1b"
-        v = p["virtual_stages"] or DEFAULT_VIRTUAL_STAGES
-        while v > 1 and pp * v > num_layers:
-            v -= 1
-        if v == 1:
-            schedule = "1f1b"
-    zero = p["zero_stage"]
-    zero = 3 if isinstance(zero, str) and "zero-3" in zero.lower() else int(zero or 0)
-    if p["zero_stage"] is None and "--overlap-param-gather" in rec["notes"]:
-        zero = 1  # Megatron's --overlap-param-gather exists only with the distributed optimizer
-    sp = p["sequence_parallel"]
-    sp = (tp > 1) if sp is None else bool(sp)  # unstated: SP with TP (Megatron-Core's default)
-    recompute, _ = _recompute(rec)
-    return ParallelConfig(
-        dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=p["global_batch"], schedule=schedule,
-        virtual_stages=v, recompute=recompute, sequence_parallel=sp and tp > 1, zero=zero,
-        dtype="bf16",
-    )
+def record_profile(rec: dict):
+    """autopar's traced profile of the record's model (cached per shape)."""
+    kind, shape = model_spec(rec)
+    return _profile(kind, tuple(sorted(shape.items())))
 
 
-def record_cluster(rec: dict, overrides: dict | None = None) -> Cluster:
-    """The preset of the record's GPU with the record's GPU count (8 per node by default)."""
+def record_cluster(rec: dict) -> autopar.Cluster:
+    """The preset of the record's GPU with its GPU count."""
     c = rec["cluster"]
-    name = "h100" if "h100" in c["gpu"].lower() else "a100-80g"
-    gpn = c["gpus_per_node"] or 8
-    cluster = Cluster.preset(name, nodes=c["n_gpus"] // gpn, gpus_per_node=gpn)
-    data = cluster.to_dict()
-    if rec["id"].startswith(("megatron", "korthikanti")):
-        # Megatron-LM keeps bf16 weights and accumulates gradients inside the weight-gradient
-        # GEMM (gradient_accumulation_fusion): none of autopar's runtime's per-micro-batch
-        # weight casts and gradient accumulation passes.
-        data["param_traffic_factor"] = 0.0
-    if overrides:
-        data["device"].update(overrides.get(name, {}))
-        data["device"].update(overrides.get("all", {}))
-    return Cluster.from_dict(data)
+    gpn = c.get("gpus_per_node") or DEFAULTS["gpus_per_node"]
+    return autopar.Cluster.preset(c["gpu"], nodes=max(1, c["n_gpus"] // gpn), gpus_per_node=gpn,
+                                  gpu_memory_gb=c.get("memory_GB"))
+
+
+def _schedule(p: dict, num_layers: int) -> tuple[str, int]:
+    if p["pp"] <= 1:
+        return "1f1b", 1
+    if "interleaved" not in str(p.get("schedule") or ""):
+        return "1f1b", 1
+    v = p.get("virtual_stages") or DEFAULTS["virtual_stages"]
+    while v > 1 and p["pp"] * v > num_layers:
+        v -= 1
+    return ("interleaved-1f1b", v) if v > 1 else ("1f1b", 1)
+
+
+def record_configs(rec: dict, num_layers: int) -> list[autopar.ParallelConfig]:
+    """The record's split; several when it leaves recompute out (tried in order)."""
+    p, fw = rec["plan"], rec["framework"]
+    schedule, v = _schedule(p, num_layers)
+    zero = p.get("zero_stage")
+    zero = DEFAULTS["zero_stage"][fw] if zero is None else int(zero)
+    zero = zero if p["dp"] > 1 else 0
+    sp = p.get("sequence_parallel")
+    sp = p["tp"] > 1 if sp is None else bool(sp) and p["tp"] > 1
+    dtype = "fp16" if p.get("precision") == "fp16" else "bf16"
+    modes = [p["recompute"]] if p.get("recompute") else ["none", "selective", "full"]
+    return [autopar.ParallelConfig(
+        dp=p["dp"], tp=p["tp"], pp=p["pp"], micro_batch=p.get("microbatch") or DEFAULTS[
+            "microbatch"], global_batch=p["global_batch"], schedule=schedule, virtual_stages=v,
+        recompute=mode, sequence_parallel=sp, zero=zero, dtype=dtype) for mode in modes]
+
+
+def _every_other_plan(profile, cluster, config, framework, every: int):
+    """A Plan recomputing every ``every``-th block fully (torchtitan's layer AC,
+    Megatron's --recompute-num-layers), the others not at all."""
+    from autopar.search import plan_from_config
+
+    plan = plan_from_config(profile, cluster, dataclasses.replace(config, recompute="none"),
+                            framework=framework)
+    blocks = [i for i, lay in enumerate(profile.layers) if lay.kind == "block"]
+    full = {b for k, b in enumerate(blocks) if k % every == every - 1}
+    stages = tuple(dataclasses.replace(s, recompute=tuple(
+        "full" if i in full else "none" for i in range(s.layers[0], s.layers[1] + 1)))
+        for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def record_inputs(rec: dict, framework: Framework | None = None):
+    """(profile, cluster, config-or-plan, framework) exactly as a user would pass them."""
+    fw = framework or get_framework(rec["framework"])
+    profile, cluster, chosen = _record_split(rec["id"])
+    return profile, cluster, chosen, fw
+
+
+@functools.cache
+def _record_split(record_id: str):
+    """(profile, cluster, config-or-plan) of a record under its framework's committed record
+    (the fitted fields change no memory term, so the recompute choice does not depend on them)."""
+    rec = _BY_ID[record_id]
+    profile = record_profile(rec)
+    cluster = record_cluster(rec)
+    fw = get_framework(rec["framework"])
+    configs = record_configs(rec, profile.num_layers)
+    every = rec["plan"].get("recompute_every")
+    if rec["framework"] == "torchtitan" and rec["plan"].get("recompute") == "selective":
+        every = 2  # DEFAULTS["torchtitan selective"]
+    if every:
+        return profile, cluster, _every_other_plan(profile, cluster, configs[0], fw.name, every)
+    chosen = configs[0]
+    for config in configs:
+        chosen = config
+        if autopar.estimate(profile, cluster, config, framework=fw).fits:
+            break
+    return profile, cluster, chosen
+
+
+def cli_args(rec: dict) -> list[str] | None:
+    """The ``autopar estimate`` command line of a record (None when it needs a per-layer
+    recompute plan, which the command line does not express)."""
+    _profile_unused, cluster, config, fw = record_inputs(rec)
+    if not isinstance(config, autopar.ParallelConfig):
+        return None
+    kind, shape = model_spec(rec)
+    spec = kind + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                 for k, v in shape.items())
+    args = ["estimate", spec, "--gpus", str(cluster.num_gpus), "--gpu", rec["cluster"]["gpu"],
+            "--dp", str(config.dp), "--tp", str(config.tp), "--pp", str(config.pp),
+            "--micro-batch", str(config.micro_batch), "--global-batch", str(config.global_batch),
+            "--schedule", config.schedule, "--virtual-stages", str(config.virtual_stages),
+            "--recompute", config.recompute, "--zero", str(config.zero), "--dtype", config.dtype,
+            "--framework", fw.name, "--json"]
+    if rec["cluster"].get("memory_GB"):
+        args += ["--gpu-memory", str(rec["cluster"]["memory_GB"])]
+    if config.sequence_parallel:
+        args.append("--sequence-parallel")
+    return args
 
 
 def measured_tokens_per_gpu(rec: dict, profile) -> float:
-    """Measured tokens/s per GPU, from whichever figure the record gives."""
-    meas, der = rec["measured"], rec.get("derived") or {}
-    n, seq = rec["cluster"]["n_gpus"], rec["model"]["seq_len"]
+    """Measured tokens/s per GPU, from whichever figure the record gives (model FLOPs for
+    TFLOP/s figures without tokens: the record's notes say which)."""
+    meas, n = rec["measured"], rec["cluster"]["n_gpus"]
+    seq = rec["model"]["seq_len"]
     if meas.get("tokens_per_s_per_gpu"):
         return float(meas["tokens_per_s_per_gpu"])
-    if der.get("tokens_per_s_per_gpu_from_eq3"):
-        return float(der["tokens_per_s_per_gpu_from_eq3"])
     if meas.get("iteration_time_s"):
         return rec["plan"]["global_batch"] * seq / meas["iteration_time_s"] / n
-    # Model TFLOP/s per GPU over model FLOPs per token (Megatron's formula = Korthikanti Eq. 7).
-    flops_per_token = sum(layer.fwd_flops + layer.bwd_flops for layer in profile.layers) / seq
+    flops_per_token = sum(lay.fwd_flops + lay.bwd_flops for lay in profile.layers) / seq
     return meas["tflops_per_gpu"] * 1e12 / flops_per_token
 
 
-def predict(rec: dict, profile, overrides: dict | None = None):
-    """(Estimate, predicted tokens/s per GPU) of one record."""
-    cluster = record_cluster(rec, overrides)
-    cfg = record_config(rec, profile.num_layers)
-    check_config(profile, cluster, cfg)
-    table = build_cost_table(profile, cluster, cfg)
-    split, recompute = default_split(table)
-    if _recompute(rec)[1]:
-        recompute = tuple(
-            "full" if layer.kind == "block" and i % 2 == 1 else "none"
-            for i, layer in enumerate(profile.layers)
-        )
-    est = assemble(table, split, recompute)
-    return est, est.tokens_per_s / cluster.num_gpus
+def predict(rec: dict, framework: Framework | None = None) -> dict:
+    """One row: measured and predicted tokens/s per GPU, error, memory, fit."""
+    profile, cluster, config, fw = record_inputs(rec, framework)
+    est = autopar.estimate(profile, cluster, config, framework=fw)
+    measured = measured_tokens_per_gpu(rec, profile)
+    predicted = est.tokens_per_s / cluster.num_gpus
+    return {"id": rec["id"], "source": rec["source_key"], "framework": fw.name,
+            "group": (rec["model"]["name"], rec["cluster"]["gpu"]),
+            "measured": measured, "predicted": predicted, "error": predicted / measured - 1,
+            "memory_gib": est.memory_per_gpu_bytes / 2**30, "fits": est.fits,
+            "interval": [i / est.step_time_s for i in est.step_time_interval_s]}
 
 
-def published_run_memory_bytes(est) -> float:
-    """The largest rank's memory without torch pipelining's receive buffers.
+def summary(rows: list[dict]) -> dict:
+    """Median and p90 absolute error, pairs ranked right, runs predicted not to fit."""
+    errs = sorted(abs(r["error"]) for r in rows)
+    p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)] if errs else 0.0
+    right = total = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if a["group"] != b["group"]:
+                continue
+            hi, lo = (a, b) if a["measured"] > b["measured"] else (b, a)
+            if hi["measured"] <= 1.1 * lo["measured"]:
+                continue
+            total += 1
+            right += hi["predicted"] > lo["predicted"]
+    return {"runs": len(rows), "median": statistics.median(errs) if errs else 0.0, "p90": p90,
+            "pairs": total, "pairs_right": right / total if total else 1.0,
+            "not_fit": [r["id"] for r in rows if not r["fits"]]}
 
-    The published runs used Megatron-LM / torchtitan runtimes; Megatron's p2p communication
-    allocates one receive tensor per transfer and frees it with the micro-batch, unlike torch's
-    PipelineStage, which keeps one per micro-batch for the whole step (the estimate's
-    ``pipeline_buffers`` term, which autopar's own plans are charged). A published run's fit is
-    judged on the memory of its own runtime, so that term is left out here.
-    """
-    if not est.stages:
-        return est.memory_per_gpu_bytes - est.memory_breakdown.pipeline_buffers_bytes
-    return max(s.memory_bytes - s.memory.pipeline_buffers_bytes for s in est.stages)
+
+def fit(records: Iterable[dict], base: Framework) -> Framework:
+    """The framework's fitted fields (``FITTED_FIELDS``) fitted to ``records``: bounded least
+    squares of the log error of tokens/s per GPU (scipy ``least_squares``), started from the
+    neutral values, so a field the records say nothing about stays neutral."""
+    from scipy.optimize import least_squares
+
+    records = list(records)
+    fitted = FITTED_FIELDS[base.name]
+    if not records or not fitted:
+        return base
+    start = neutral_framework(base.name)
+    lo = [BOUNDS[name][0] for name in fitted]
+    hi = [BOUNDS[name][1] for name in fitted]
+    x0 = [min(max(getattr(start, name), a + 1e-6), b - 1e-6)
+          for name, a, b in zip(fitted, lo, hi)]
+
+    def trial(x) -> Framework:
+        return start.with_fit(**dict(zip(fitted, (float(v) for v in x))))
+
+    def residuals(x) -> list[float]:
+        fw = trial(x)
+        return [math.log1p(predict(r, fw)["error"]) for r in records]
+
+    res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
+                        ftol=1e-6, max_nfev=60)
+    return trial(res.x)
 
 
-def evaluate(records, profiles, overrides=None) -> list[dict]:
-    """One row per record: measured, predicted, error, memory and fit."""
+def neutral_framework(name: str) -> Framework:
+    """The framework's record with its fitted fields at their neutral values (what a fit
+    without any record of the framework leaves)."""
+    from autopar.cost_model.frameworks import NEUTRAL_FIT
+
+    base = get_framework(name)
+    return base.with_fit(**{k: NEUTRAL_FIT[k] for k in FITTED_FIELDS[name]})
+
+
+def leave_one_source_out(records: list[dict], name: str) -> list[dict]:
+    """Each source of framework ``name`` predicted by a fit on the framework's other sources."""
+    own = [r for r in records if r["framework"] == name]
+    neutral = neutral_framework(name)
     rows = []
-    for rec, prof in zip(records, profiles):
-        est, pred = predict(rec, prof, overrides)
-        meas = measured_tokens_per_gpu(rec, prof)
-        mem = published_run_memory_bytes(est)
-        rows.append({
-            "id": rec["id"], "measured": meas, "predicted": pred, "error": pred / meas - 1,
-            "memory_gib": mem / 2**30, "fits": mem <= est.memory_capacity_bytes,
-            "mfu": est.mfu,
-        })
+    for source in sorted({r["source_key"] for r in own}):
+        rest = [r for r in own if r["source_key"] != source]
+        fw = fit(rest, neutral)  # with no other source, nothing is fitted: neutral
+        rows += [predict(r, fw) for r in own if r["source_key"] == source]
     return rows
 
 
-def summary(rows) -> tuple[float, float]:
-    """(median, p90) of the absolute relative error."""
-    errs = sorted(abs(r["error"]) for r in rows)
-    p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)]
-    return statistics.median(errs), p90
+def step_time_band(rows: list[dict]) -> tuple[float, float]:
+    """10th and 90th percentile of measured over predicted step time."""
+    ratios = sorted((1 + r["error"]) for r in rows)  # predicted / measured throughput
+    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
+    return pick(0.1), pick(0.9)
 
 
-def fit(records, profiles) -> dict:
-    """Joint least squares of the log error over all records for the efficiency parameters."""
-    from scipy.optimize import minimize
+def _print_rows(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'run':46s} {'framework':11s} {'measured':>9s} {'predicted':>9s} {'error':>7s} "
+          f"{'GiB':>6s} fits")
+    for r in rows:
+        print(f"{r['id'][:46]:46s} {r['framework']:11s} {r['measured']:9.1f} "
+              f"{r['predicted']:9.1f} {100 * r['error']:6.1f}% {r['memory_gib']:6.1f} {r['fits']}")
 
-    from autopar.cost_model import presets
 
-    half_s = presets.MATMUL_HALF_S  # set from GEMM physics, not fitted (docs/cost_model.md)
-
-    def overrides(x):
-        a100, h100, traffic = x
-        return {
-            "a100-80g": {"matmul_efficiency_max": a100, "matmul_half_flops": half_s * 312e12},
-            "h100": {"matmul_efficiency_max": h100, "matmul_half_flops": half_s * 989e12},
-            "all": {"elementwise_traffic_factor": traffic},
-        }
-
-    def loss(x):
-        a100, h100, traffic = x
-        if not (0.2 < a100 <= 1 and 0.2 < h100 <= 1 and traffic >= 0):
-            return 1e9
-        rows = evaluate(records, profiles, overrides(x))
-        return sum(math.log1p(r["error"]) ** 2 for r in rows)
-
-    x0 = [presets.A100_EFFICIENCY_MAX, presets.H100_EFFICIENCY_MAX, presets.ELEMENTWISE_TRAFFIC]
-    res = minimize(loss, x0, method="Nelder-Mead",
-                   options={"xatol": 1e-4, "fatol": 1e-8, "maxiter": 600})
-    a100, h100, traffic = res.x
-    return {"A100_EFFICIENCY_MAX": round(a100, 3), "H100_EFFICIENCY_MAX": round(h100, 3),
-            "ELEMENTWISE_TRAFFIC": round(traffic, 2), "loss": res.fun}
+def _print_summary(label: str, s: dict) -> None:
+    print(f"{label:28s} runs {s['runs']:3d}  median |error| {100 * s['median']:5.1f}%  p90 "
+          f"{100 * s['p90']:5.1f}%  pairs right {100 * s['pairs_right']:5.1f}% of "
+          f"{s['pairs']}  not fit: {len(s['not_fit'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the table (or the fitted parameters with --fit)."""
+    """Print the tables (and fits)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fit", action="store_true", help="fit the efficiency parameters")
-    ap.add_argument("--traced", action="store_true", help="traced zoo profiles (the default)")
-    ap.add_argument("--analytic", action="store_true", help="closed-form profiles instead")
+    ap.add_argument("--loso", action="store_true", help="leave-one-source-out error")
+    ap.add_argument("--fit", action="store_true", help="fit each framework on its records")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
-    records = [r for r in json.loads(RUNS.read_text()) if r["record_type"] == "training_throughput"]
-    profiles = [record_profile(r, traced=not args.analytic) for r in records]
+    records = load_records()
+    skipped = [(r["id"], out_of_space(r)) for r in records if out_of_space(r)]
+    records = [r for r in records if not out_of_space(r)]
+    frameworks = sorted({r["framework"] for r in records})
     if args.fit:
-        print(json.dumps(fit(records, profiles), indent=2))
-        return 0
-    rows = evaluate(records, profiles)
+        for name in frameworks:
+            fw = fit([r for r in records if r["framework"] == name], get_framework(name))
+            print(name, {k: round(getattr(fw, k), 4) for k in FITTED_FIELDS[name]})
+    rows = [predict(r) for r in records]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, default=list))
         return 0
-    print(f"{'run':45s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'mem GiB':>8s} fits")
-    for r in rows:
-        print(f"{r['id']:45s} {r['measured']:9.1f} {r['predicted']:9.1f} {100 * r['error']:6.1f}% "
-              f"{r['memory_gib']:8.1f} {r['fits']}")
-    med, p90 = summary(rows)
-    print(f"median |error| {100 * med:.1f}%   p90 |error| {100 * p90:.1f}%   "
-          f"all fit: {all(r['fits'] for r in rows)}")
+    _print_rows(rows, "In sample (the committed framework records):")
+    print()
+    for name in frameworks:
+        _print_summary(name, summary([r for r in rows if r["framework"] == name]))
+    _print_summary("all", summary(rows))
+    if args.loso:
+        loso = []
+        for name in frameworks:
+            part = leave_one_source_out(records, name)
+            loso += part
+            band = step_time_band(part)
+            print(f"{name}: leave-one-source-out step-time band (measured / predicted, p10-p90) "
+                  f"{band[0]:.2f} - {band[1]:.2f}")
+        _print_rows(loso, "Leave one source out (fit without the run's publication):")
+        print()
+        for name in frameworks:
+            _print_summary(f"LOSO {name}", summary([r for r in loso if r["framework"] == name]))
+        _print_summary("LOSO all", summary(loso))
+    print(f"\nskipped {len(skipped)} runs outside autopar's space: "
+          + "; ".join(sorted({why for _, why in skipped})))
     return 0
 
 

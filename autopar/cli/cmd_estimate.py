@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     split.add_argument("--sequence-parallel", action="store_true")
     split.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     split.add_argument("--dtype", default="bf16", choices=DTYPES)
+    common.add_framework_argument(parser)
     common.add_output_arguments(parser)
 
 
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     with stream as emit:
         cluster = common.cluster_from_args(args, default_gpus=config.world_size)
         profile = common.load_profile(args.model, args.seq_len)
-        plan = plan_from_config(profile, cluster, config, model=args.model)
+        plan = plan_from_config(profile, cluster, config, model=args.model,
+                                framework=args.framework)
         if args.json:
             emit(plan.to_json())
         else:

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-budget", type=float, default=None, metavar="S", help="search time limit, seconds"
     )
+    common.add_framework_argument(parser)
+    parser.add_argument(
+        "--robust", action="store_true",
+        help="pick the plan with the best pessimistic step time (high end of its interval) "
+        "that fits with the framework's memory band",
+    )
     common.add_output_arguments(parser)
 
 
@@ -29,6 +35,7 @@ def search(args: argparse.Namespace, profile: Any, cluster: Any) -> list[Any]:
     """Run the planner with a progress bar; the plans, best first."""
     # NOTE: autopar.search.plan, not autopar.plan: once the autopar.plan module (Plan records)
     # is imported, the package attribute `plan` names that module, not the function.
+    from autopar.search import SearchOptions
     from autopar.search import plan as search_plan
 
     if args.top_k < 1:
@@ -42,6 +49,7 @@ def search(args: argparse.Namespace, profile: Any, cluster: Any) -> list[Any]:
             progress=progress,
             time_budget_s=args.time_budget,
             model=args.model,
+            options=SearchOptions(framework=args.framework, robust=args.robust),
         )
     return list(result) if isinstance(result, (list, tuple)) else [result]
 

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG", help="days against cost")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --plot")
     parser.add_argument("--json", action="store_true", help="print the points as JSON")
+    common.add_framework_argument(parser)
 
 
 def _clusters(args: argparse.Namespace, gpus: list[str]) -> list[tuple[str, int, Any]]:
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 time_budget_s=args.time_budget,
                 progress=progress,
                 model=args.model,
+                framework=args.framework,
             )
         if args.json:
             emit(json.dumps([p.to_dict() for p in points], indent=2) + "\n")

@@ -65,6 +65,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default=None, metavar="YAML", help="cluster description file")
 
 
+def add_framework_argument(parser: argparse.ArgumentParser) -> None:
+    """``--framework``: the training framework a prediction is for."""
+    from autopar.cost_model.frameworks import FRAMEWORKS
+
+    parser.add_argument(
+        "--framework", default="autopar", choices=FRAMEWORKS,
+        help="training framework that runs the split (default autopar, this project's runtime; "
+        "docs/frameworks.md)",
+    )
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool = True) -> None:
     """``--out``, ``--force``, ``--json`` and (optionally) ``--plot``."""
     parser.add_argument("--out", default=None, metavar="FILE", help="write the plan JSON here")

@@ -55,6 +55,19 @@ class Framework:
         fragmentation_fraction: the caching allocator's unusable share of the memory that churns
             over a step (activations, gathered parameters, working buffers): reserved but not
             live at the peak.
+        loss_parallel: the loss runs on vocab-parallel logits (no all-gather of the logits
+            under tensor parallelism; each rank keeps its vocabulary shard).
+        sp_regathers_inputs: under sequence parallelism the backward all-gathers a
+            column-parallel linear's input again instead of keeping the gathered copy (the
+            saved input stays sequence-sharded: Korthikanti et al. 2022's 34/t).
+        grad_reduce_bytes: bytes per element of the data-parallel gradient reductions (4: fp32
+            reduce dtype; 2: reduced at the 16-bit training dtype).
+        tp_comm_overlap: fraction of the tensor-parallel collectives hidden under GEMMs (fitted
+            where the framework overlaps them, e.g. Transformer Engine's userbuffers).
+        dp_comm_efficiency: achieved over modelled bus bandwidth of the framework's
+            data-parallel collectives (fitted; 1 = the nccl-tests figures).
+        zero3_comm_efficiency: the same, further, for ZeRO-3 parameter gathers and gradient
+            reductions (the framework's own fetch machinery; fitted where it has ZeRO-3 runs).
         param_traffic_factor: per-micro-batch traffic over the parameters (weight casts,
             gradient accumulation) relative to autopar's eager runtime; 0 where the weight
             gradient GEMM accumulates in place (Megatron's gradient_accumulation_fusion).
@@ -92,6 +105,12 @@ class Framework:
     zero3_live_params: float
     reduce_bucket_params: float
     fragmentation_fraction: float
+    loss_parallel: bool
+    sp_regathers_inputs: bool
+    grad_reduce_bytes: int
+    tp_comm_overlap: float
+    dp_comm_efficiency: float
+    zero3_comm_efficiency: float
     param_traffic_factor: float | None
     elementwise_traffic_scale: float
     kernel_efficiency: float
@@ -114,9 +133,13 @@ class Framework:
             raise ValueError(f"pipeline_recv_buffers {self.pipeline_recv_buffers!r} unknown")
         if self.zero3_gather not in (GATHER_BLOCK, GATHER_BUCKET):
             raise ValueError(f"zero3_gather {self.zero3_gather!r} unknown")
-        for name in ("kernel_efficiency", "elementwise_traffic_scale"):
+        for name in ("kernel_efficiency", "elementwise_traffic_scale", "dp_comm_efficiency",
+                     "zero3_comm_efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Framework.{name} must be > 0")
+        if not 0 <= self.tp_comm_overlap < 1:
+            raise ValueError(f"Framework.tp_comm_overlap must be in [0, 1), got "
+                             f"{self.tp_comm_overlap!r}")
         for name in ("fragmentation_fraction", "overlap_slowdown", "step_overhead_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
@@ -137,15 +160,26 @@ _TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's nam
 
 # ---- values fitted by `benchmarks/calibration.py --fit` (each framework on its own records) ----
 # and their leave-one-source-out error bands; see docs/frameworks.md for the fit and its table.
+NEUTRAL_FIT = _NEUTRAL = {"kernel_efficiency": 1.0, "step_overhead_s": 0.0,
+                          "overlap_slowdown": 0.0, "tp_comm_overlap": 0.0,
+                          "dp_comm_efficiency": 1.0, "zero3_comm_efficiency": 1.0}
 _FIT: dict[str, dict[str, object]] = {
-    "autopar": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
-                "step_time_band": (0.8, 1.35)},
-    "torchtitan": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+    "autopar": {**_NEUTRAL, "step_time_band": (0.8, 1.35)},
+    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.968, "step_overhead_s": 0.153,
+                   "dp_comm_efficiency": 0.819,
                    "step_time_band": (0.85, 1.2)},
-    "megatron-lm": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
-                    "step_time_band": (0.85, 1.2)},
-    "deepspeed": {"kernel_efficiency": 1.0, "step_overhead_s": 0.0, "overlap_slowdown": 0.0,
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.880, "step_overhead_s": 0.0,
+                    "tp_comm_overlap": 0.942, "step_time_band": (0.85, 1.2)},
+    "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.851, "step_overhead_s": 3.78,
+                  "zero3_comm_efficiency": 0.143,
                   "step_time_band": (0.85, 1.2)},
+}
+# The fields each framework's calibration fits (the rest are sourced or measured).
+FITTED_FIELDS: dict[str, tuple[str, ...]] = {
+    "autopar": (),
+    "torchtitan": ("kernel_efficiency", "step_overhead_s", "dp_comm_efficiency"),
+    "megatron-lm": ("kernel_efficiency", "step_overhead_s", "tp_comm_overlap"),
+    "deepspeed": ("kernel_efficiency", "step_overhead_s", "zero3_comm_efficiency"),
 }
 
 _MEGATRON_P2P = ("sourced: Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py "
@@ -169,6 +203,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
+        loss_parallel=False, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
@@ -184,6 +219,12 @@ _RECORDS: dict[str, dict[str, object]] = {
             "overlap_slowdown": "measured: 0 on CPU (gloo runs on the same cores: "
                                 "dp_overlap_efficiency 0 already charges it)",
             "step_time_band": "measured: benchmarks/accuracy.py residuals (CPU, 16 configs)",
+            "sp_regathers_inputs": "measured: DTensor's colwise linear keeps the gathered input "
+                                   "(tests/unit/test_cost_memory_runtime.py)",
+            "loss_parallel": "sourced: autopar/runtime/tensor_parallel.py all-gathers the "
+                             "vocab-parallel logits (Replicate output) before the loss",
+            "grad_reduce_bytes": "sourced: autopar's FSDP2 MixedPrecisionPolicy reduce_dtype "
+                                 "float32",
             "memory_band": "measured: benchmarks/accuracy.py, largest memory error 7.2% (CPU)",
         },
     ),
@@ -192,19 +233,27 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
-        schedules=_TORCH_SCHEDULES, zero_stages=(0, 3), zero_with_pipeline=3,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
+        schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True, exports=("torchtitan", "slurm"),
         sources={
             "pipeline_recv_buffers": _TORCH_STAGE,
             "zero3_gather": _FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
+            "sp_regathers_inputs": "sourced: torchtitan's SP is DTensor's (the gathered input "
+                                   "is kept, as in autopar's runtime)",
+            "loss_parallel": "sourced: torchtitan parallelism.disable_loss_parallel=False "
+                             "(loss_parallel context over the vocab-sharded logits)",
+            "grad_reduce_bytes": "sourced: torchtitan MixedPrecisionPolicy(reduce_dtype="
+                                 "float32) (training.mixed_precision_reduce)",
             "reduce_bucket_params": "sourced: DDP default bucket (data_parallel_replicate)",
             "fragmentation_fraction": _EXPANDABLE + " (torchtitan's run script sets it)",
             "param_traffic_factor": "sourced: FSDP2 MixedPrecisionPolicy(param bf16, reduce "
                                     "fp32): fp32 gradient accumulation as autopar's",
             "dp_overlap_efficiency": "sourced: autopar's preset value (FSDP2 prefetch alike)",
-            "zero_stages": "sourced: torchtitan parallel dims dp_shard (FSDP2) / "
-                           "dp_replicate (DDP)",
+            "zero_stages": "sourced: torchtitan parallel dims dp_shard (FSDP2, zero 3; "
+                           "fsdp_reshard_after_forward='never' keeps parameters gathered "
+                           "between forward and backward: zero 1 and 2) / dp_replicate (DDP)",
             "per_layer_recompute": "sourced: torchtitan activation_checkpoint mode "
                                    "selective with selective_ac_option=N (every N-th layer)",
         },
@@ -214,11 +263,19 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=4e7,
         fragmentation_fraction=0.07, param_traffic_factor=0.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
         sources={
             "pipeline_recv_buffers": _MEGATRON_P2P,
+            "loss_parallel": "sourced: megatron/core/tensor_parallel/cross_entropy.py "
+                             "(vocab_parallel_cross_entropy)",
+            "sp_regathers_inputs": "sourced: megatron/core/tensor_parallel/layers.py "
+                                   "LinearWithGradAccumulationAndAsyncCommunication saves the "
+                                   "sharded input and all-gathers it again in backward",
+            "grad_reduce_bytes": "sourced: Megatron-Core DistributedDataParallelConfig "
+                                 "grad_reduce_in_fp32=False (reduced at the param dtype)",
             "reduce_bucket_params": "sourced: Megatron-Core DDP bucket_size default "
                                     "max(40000000, 1000000 * dp) (distributed_data_parallel)",
             "fragmentation_fraction": _NO_EXPANDABLE,
@@ -238,13 +295,21 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.1,
+        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
         sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),
         sources={
             "pipeline_recv_buffers": "sourced: deepspeed/runtime/pipe/engine.py "
                                      "(num_pipe_buffers = min(stages - stage_id, micro_batches))",
             "zero3_gather": _DS_BUCKETS,
+            "sp_regathers_inputs": "sourced: DeepSpeed has no sequence parallelism of this "
+                                   "kind (the field is moot: sequence_parallel=False)",
+            "loss_parallel": "sourced: Megatron-DeepSpeed's vocab-parallel cross entropy "
+                             "(the tp runs); no logits gather without tp",
+            "grad_reduce_bytes": "sourced: DeepSpeed fp16/bf16 engines reduce the 16-bit "
+                                 "gradients (communication_data_type defaults to the model "
+                                 "dtype)",
             "reduce_bucket_params": _DS_BUCKETS,
             "fragmentation_fraction": _NO_EXPANDABLE,
             "param_traffic_factor": "sourced: fp16/bf16 optimizer keeps fp32 master weights and "
@@ -261,9 +326,14 @@ _RECORDS: dict[str, dict[str, object]] = {
 def _build(name: str) -> Framework:
     fields = {**_RECORDS[name], **_FIT[name]}
     sources = dict(fields.pop("sources"))  # type: ignore[arg-type]
-    for key in ("kernel_efficiency", "step_overhead_s", "overlap_slowdown", "step_time_band"):
+    for key in (*FITTED_FIELDS[name], "step_time_band"):
         sources.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
-                                "published runs (benchmarks/data/)")
+                                "published runs (benchmarks/data/published_runs.json)")
+    sources.setdefault("memory_band", "measured: autopar's own band (benchmarks/accuracy.py; "
+                                      "no published memory figure of this framework fitted yet)")
+    for key in ("kernel_efficiency", "step_overhead_s", "overlap_slowdown", "tp_comm_overlap",
+                "dp_comm_efficiency", "zero3_comm_efficiency"):
+        sources.setdefault(key, "sourced: neutral (1 or 0); not fitted for this framework")
     for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
                 "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",

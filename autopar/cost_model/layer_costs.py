@@ -35,6 +35,7 @@ by ``comm.collective_s`` at the size of its call:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -110,7 +111,7 @@ def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
 
 def tp_collectives(
     profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
-    *, first_block: bool,
+    *, first_block: bool, loss_parallel: bool = False,
 ) -> tuple[tuple[comm.Collective, ...], ...]:
     """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
 
@@ -120,6 +121,8 @@ def tp_collectives(
         cfg: the config (tp, micro_batch, dtype, sequence_parallel).
         dtype_ratio: training-dtype bytes over profile-dtype bytes.
         first_block: whether this is the model's first block (its SP input cut).
+        loss_parallel: the loss runs on the vocab-parallel logits (no logits all-gather; its
+            [b, s] max and sum all-reduces are negligible).
 
     Returns:
         One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
@@ -127,7 +130,8 @@ def tp_collectives(
     if cfg.tp <= 1:
         return _NO_TP
     norms = _sp_norm_grads(layer, cfg)
-    calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block)
+    calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block,
+                            loss_parallel=loss_parallel)
     return tuple(c + norms for c in calls) if norms else calls
 
 
@@ -144,7 +148,7 @@ def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Colle
 
 
 def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
-                    dtype_ratio: float, *, first_block: bool):
+                    dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False):
     b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
     hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
     if layer.kind == "block":
@@ -157,7 +161,8 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
         calls = _tp(AR, layer.tp.allreduce_fwd_bytes * b * dtype_ratio or hidden_bytes, 1,
                     "forward")
     elif layer.kind == "head":  # logits all-gathered over the vocabulary
-        logits = _tp(AG, profile.seq_len * profile.vocab * b * w, 1, "forward")
+        logits = () if loss_parallel else _tp(AG, profile.seq_len * profile.vocab * b * w, 1,
+                                              "forward")
         if cfg.sequence_parallel:
             calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
                      + _tp(RS, hidden_bytes, 1, "backward"))
@@ -283,6 +288,28 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
             _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
 
 
+def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelConfig,
+                             fw: Framework) -> tuple[comm.Collective, ...]:
+    """autopar's dp collectives as ``fw`` issues them: gradients reduced at the framework's
+    dtype (``grad_reduce_bytes``), and ZeRO-3 gathers and reductions split into the framework's
+    buckets (``zero3_gather == "bucket"``: one call per bucket, each paying the ring latency)."""
+    if fw.grad_reduce_bytes == memory.GRAD_BYTES and fw.zero3_gather != GATHER_BUCKET:
+        return colls
+    out = []
+    for c in colls:
+        size = c.size_bytes
+        if c.kind != AG:
+            size *= fw.grad_reduce_bytes / memory.GRAD_BYTES
+        calls = c.calls
+        if fw.zero3_gather == GATHER_BUCKET and cfg.zero == 3 and c.kind != AR:
+            elem = DTYPE_BYTES[cfg.dtype] if c.kind == AG else fw.grad_reduce_bytes
+            bucket = elem * (fw.zero3_live_params / 2 if c.kind == AG else fw.reduce_bucket_params)
+            split = max(1, math.ceil(size / bucket))
+            size, calls = size / split, calls * split
+        out.append(dataclasses.replace(c, size_bytes=size, calls=calls, counted=False))
+    return tuple(out)
+
+
 def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float,
               slowdown: float = 0.0):
     """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
@@ -325,15 +352,17 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     b, tp = cfg.micro_batch, cfg.tp
     w = DTYPE_BYTES[cfg.dtype]
     shard = tp if tp_sharded(layer) else 1
-    # The runtime all-gathers the vocab-parallel head's logits before an ordinary loss
+    # autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
     # (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
-    # log-softmax.
+    # log-softmax. A framework with a vocab-parallel loss keeps them sharded.
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
+    gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
+        not fw.loss_parallel)
     act = memory.activation_bytes(
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
-        gathered_logits=layer.kind == "head" and bool(layer.tp.vocab_parallel),
-        sp_gathered_bytes=_sp_gathered_inputs(layer) * profile.seq_len * profile.hidden
-        * DTYPE_BYTES[profile.dtype],
+        gathered_logits=gathered_logits,
+        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else _sp_gathered_inputs(layer)
+        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
@@ -363,7 +392,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     params_tp = layer.num_params / shard
     state = memory.layer_state(params_tp, cfg)
     eta = cluster.dp_overlap_efficiency
-    dp_calls = dp_collectives(cfg, fsdp_unit_params(profile, cfg, index))
+    dp_calls = framework_dp_collectives(
+        dp_collectives(cfg, fsdp_unit_params(profile, cfg, index)), cfg, fw)
     step_s, mb_s, tail_s = _dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
                                      eta, fw.overlap_slowdown)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
@@ -373,7 +403,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
     fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
         w + memory.GRAD_BYTES)
-    tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block)
+    tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
+                              loss_parallel=fw.loss_parallel)
+    tp_exposed = 1.0 - fw.tp_comm_overlap
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
     gathered_bytes = 2 * w * params_tp if gathered else 0.0
     unsharded_grad_bytes = fresh_grad * params_tp if fsdp else 0.0
@@ -387,7 +419,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         unsharded_grad_bytes=unsharded_grad_bytes,
         # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
         # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
-        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b,
+        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
+        / (shard if fw.loss_parallel else 1),
     )
     cost = LayerCost(
         name=layer.name,
@@ -398,15 +431,16 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=tuple(sum(c.time_s(groups["tp"]) / (cfg.num_microbatches if c.per == "step"
-                                                      else 1) for c in calls)
+        tp_comm_s=tuple(tp_exposed * sum(c.time_s(groups["tp"]) / (
+            cfg.num_microbatches if c.per == "step" else 1) for c in calls)
                         for calls in tp_calls),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, params_tp),
                               cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
-        grad_bytes=state.grad_bytes,
+        # Gradients kept at the framework's reduce dtype (autopar's runtime: fp32).
+        grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
         optimizer_s=OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * state.local_params
@@ -458,6 +492,10 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cluster = framework_cluster(cluster, fw)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
+    dp_link = groups["dp"]
+    dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)
+    groups["dp"] = dataclasses.replace(dp_link, bandwidth_bytes_per_s=dp_link.bandwidth_bytes_per_s
+                                       * dp_efficiency)
     layers: list[LayerCost] = []
     tails: list[float] = []
     done: dict[tuple[str, bool], tuple[dict, float]] = {}

@@ -95,10 +95,10 @@ def test_plan_file_errors_in_process(tmp_path, plan_file, capfd):
 
 def test_export_never_overwrites_without_force(tmp_path, plan_file, capfd):
     out = tmp_path / "ds.json"
-    assert main(["export", str(plan_file), "--to", "deepspeed", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["train_batch_size"] == 16
+    assert main(["export", str(plan_file), "--to", "torchtitan", "--out", str(out)]) == 0
+    assert "global_batch_size = 16" in out.read_text()
     out.write_text("mine")
-    assert main(["export", str(plan_file), "--to", "deepspeed", "--out", str(out)]) == 2
+    assert main(["export", str(plan_file), "--to", "torchtitan", "--out", str(out)]) == 2
     assert "already exists; pass --force" in capfd.readouterr().err
     assert out.read_text() == "mine"
     assert main(["export", str(plan_file), "--to", "slurm", "--out", str(out), "--force"]) == 0

@@ -87,16 +87,29 @@ def test_megatron_flags_full_recompute_no_pipeline():
         assert absent not in flags
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_deepspeed_batch_identity_and_zero_stage(zero):
-    plan = make_plan(zero=zero)
+@pytest.mark.parametrize("zero,pp", [(0, 2), (1, 2), (3, 1)])
+def test_deepspeed_batch_identity_and_zero_stage(zero, pp):
+    # DeepSpeed's pipeline engine runs 1F1B with ZeRO-1 at most (frameworks.py).
+    plan = make_plan(zero=zero, pp=pp, dp=4 // pp, schedule="1f1b", virtual_stages=1,
+                     sequence_parallel=False)
     doc = json.loads(export_plan(plan, "deepspeed").text)
     cfg = plan.config
     assert doc["train_batch_size"] == (
         doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * cfg.dp)
     assert doc["zero_optimization"]["stage"] == zero
     assert doc["bf16"]["enabled"] is True and doc["fp16"]["enabled"] is False
-    assert doc["pipeline"]["stages"] == 2 and doc["tensor_parallel"]["autotp_size"] == 2
+    assert doc.get("pipeline", {}).get("stages", 1) == pp
+    assert doc["tensor_parallel"]["autotp_size"] == 2
+
+
+@pytest.mark.parametrize("fields,why", [
+    ({}, "interleaved-1f1b"),  # the default fixture plan is interleaved
+    ({"zero": 3, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False},
+     "without pipeline parallelism"),
+])
+def test_deepspeed_refuses_what_its_engine_cannot_run(fields, why):
+    with pytest.raises(ValueError, match=why):
+        export_plan(make_plan(**fields), "deepspeed")
 
 
 def test_slurm_script_runs_autopar_run_on_every_node():

@@ -33,6 +33,7 @@ TIME_TERMS: tuple[tuple[str, str], ...] = (
     ("pp_comm_s", "PP communication (exposed)"),
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
+    ("overhead_s", "framework overhead"),
 )
 MEMORY_KINDS: tuple[tuple[str, str], ...] = (
     ("parameters_bytes", "params"),
@@ -125,6 +126,9 @@ def describe_alternative(
         return f"{label}: " + "; ".join(notes)
     change = est.step_time_s / best.step_time_s - 1 if best.step_time_s > 0 else 0.0
     words = f"step {change * 100:+.0f}%" if abs(change) >= 0.01 else f"step {change * 100:+.1f}%"
+    low, high = best.step_time_interval_s
+    if low <= est.step_time_s <= high and high > 0:
+        words += " (a tie: inside the chosen plan's interval)"
     deltas = [
         (getattr(est.time_breakdown, f) - getattr(best.time_breakdown, f), f, name)
         for f, name in TIME_TERMS
@@ -142,13 +146,40 @@ def describe_alternative(
     return f"{label}: " + "; ".join([*notes, words])
 
 
-def _summary_lines(config: ParallelConfig, est: Estimate) -> list[str]:
+def recompute_mix(recompute: Sequence[str]) -> str:
+    """Per-layer recompute in words: ``full`` when uniform, else ``full on 50 of 98 layers,
+    none on 48`` (commonest first)."""
+    counts: dict[str, int] = {}
+    for mode in recompute:
+        counts[mode] = counts.get(mode, 0) + 1
+    if len(counts) <= 1:
+        return next(iter(counts), "none")
+    order = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    (first, n), rest = order[0], order[1:]
+    return f"{first} on {n} of {len(recompute)} layers, " + ", ".join(
+        f"{mode} on {k}" for mode, k in rest)
+
+
+def interval_text(est: Estimate) -> str:
+    """``14.1-21.5 s for megatron-lm``: the step-time interval and whose it is."""
+    low, high = est.step_time_interval_s
+    if high <= 0:
+        return ""
+    return f" (80%: {format_time(low)}-{format_time(high)} for {est.framework})"
+
+
+def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = None) -> list[str]:
     mfu = f"{est.mfu * 100:.1f}%"
+    split = config.describe()
+    per_layer = getattr(plan, "recompute_per_layer", None)
+    if per_layer:
+        split = split.replace(f"recompute={config.recompute}",
+                              f"recompute={recompute_mix(per_layer)}")
     return [
-        f"[bold]Split[/bold]  {config.describe()}",
+        f"[bold]Split[/bold]  {split}",
         f"  global batch {config.global_batch} = dp {config.dp} x micro-batch "
         f"{config.micro_batch} x {config.num_microbatches} micro-batches",
-        f"[bold]Step[/bold] {format_time(est.step_time_s)}   "
+        f"[bold]Step[/bold] {format_time(est.step_time_s)}{interval_text(est)}   "
         f"[bold]tokens/s[/bold] {format_count(est.tokens_per_s)}   "
         f"[bold]TFLOP/s per GPU[/bold] {est.tflops_per_gpu:.1f} "
         f"(hardware {est.hardware_tflops_per_gpu:.1f})   [bold]MFU[/bold] {mfu}",
@@ -235,7 +266,7 @@ def render_report(
     """
     if title:
         console.print(f"[bold]{title}[/bold]")
-    for line in _summary_lines(config, est):
+    for line in _summary_lines(config, est, plan):
         console.print(line)
     console.print()
     if est.stages:

@@ -20,6 +20,7 @@ new cluster is written as YAML.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -32,7 +33,6 @@ from autopar.errors import AutoparError, PlanMismatchError
 __all__ = [
     "RankMemory",
     "Verification",
-    "add_verify_arguments",
     "format_rank_table",
     "format_verification",
     "measure_plan",
@@ -422,26 +422,6 @@ def format_rank_table(rows: tuple[RankMemory, ...], max_rows: int = MAX_RANK_ROW
     return "\n".join(lines) + "\n"
 
 
-def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the arguments of ``autopar verify`` on ``parser``."""
-    parser.add_argument("plan", metavar="PLAN", help="a plan JSON file (autopar plan --out)")
-    parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="leading steps not timed (default 2)")
-    parser.add_argument("--cluster", default=None, metavar="YAML",
-                        help="predict on this cluster (default: the cluster the plan carries)")
-    parser.add_argument("--model", default=None,
-                        help="the model (default: the plan's own; a .py model file runs only "
-                        "when named here)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
-    parser.add_argument("--refit", action="store_true",
-                        help="rescale the cluster's compute efficiency to the measurement")
-    parser.add_argument("--out", default=None, metavar="YAML",
-                        help="with --refit: where to write the refitted cluster")
-    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-
-
 def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     from autopar.cost_model.hardware import Cluster
     from autopar.plan import Plan
@@ -477,6 +457,8 @@ def verify_command(args: argparse.Namespace) -> int:
     elif args.out:
         raise AutoparError("--out goes with --refit")
     plan, cluster = _load_inputs(args)
+    # The run here is autopar's runtime; --framework predicts as another framework would.
+    plan = dataclasses.replace(plan, framework=getattr(args, "framework", "autopar"))
     result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
                          warmup_steps=args.warmup, seed=args.seed)
     record = result.to_dict()

@@ -315,6 +315,27 @@ def step_time_band(rows: list[dict]) -> tuple[float, float]:
     return pick(0.1), pick(0.9)
 
 
+def framework_table() -> str:
+    """The framework records, field by field, as a markdown table (docs/frameworks.md)."""
+    from autopar.cost_model.frameworks import FRAMEWORKS
+
+    records = [get_framework(n) for n in FRAMEWORKS]
+    fields = [f.name for f in dataclasses.fields(records[0]) if f.name not in ("name",
+                                                                                "sources")]
+    lines = ["| field | " + " | ".join(FRAMEWORKS) + " |",
+             "|---|" + "---|" * len(FRAMEWORKS)]
+    for field in fields:
+        values = []
+        for fw in records:
+            v = getattr(fw, field)
+            if isinstance(v, tuple):
+                v = ", ".join(str(x) for x in v)
+            kind = fw.sources[field].split(":")[0]
+            values.append(f"{v} ({kind})")
+        lines.append(f"| `{field}` | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 def _print_rows(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     print(f"{'run':46s} {'framework':11s} {'measured':>9s} {'predicted':>9s} {'error':>7s} "
@@ -336,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out error")
     ap.add_argument("--fit", action="store_true", help="fit each framework on its records")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--records", action="store_true",
+                    help="print the framework records (values and sources) as markdown")
     args = ap.parse_args(argv)
+    if args.records:
+        print(framework_table())
+        return 0
     records = load_records()
     skipped = [(r["id"], out_of_space(r)) for r in records if out_of_space(r)]
     records = [r for r in records if not out_of_space(r)]

@@ -87,8 +87,8 @@ class Framework:
         zero_stages: ZeRO / FSDP stages it runs.
         zero_with_pipeline: the largest ZeRO stage it runs together with pipeline parallelism.
         sequence_parallel: whether it runs Megatron-style sequence parallelism.
-        per_layer_recompute: whether it can choose recomputation per layer (else one mode for
-            every block).
+        per_layer_recompute: whether it can choose recomputation per layer (else the search
+            keeps one mode for every block, on the balanced split).
         exports: autopar's export formats that configure this framework.
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
@@ -200,7 +200,7 @@ _NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable se
 _RECORDS: dict[str, dict[str, object]] = {
     "autopar": dict(
         runtime="autopar's runtime (torch 2.13: FSDP2, DTensor, torch.distributed.pipelining)",
-        pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
+        pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
@@ -209,7 +209,10 @@ _RECORDS: dict[str, dict[str, object]] = {
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
         sources={
-            "pipeline_recv_buffers": _TORCH_STAGE,
+            "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "
+                                     "a tensor per transfer and drops it with its micro-batch "
+                                     "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
+                                     "flat from 4 to 32 micro-batches)",
             "zero3_gather": _FSDP2_UNIT,
             "reduce_bucket_params": "sourced: DistributedDataParallel bucket_cap_mb=25",
             "fragmentation_fraction": _EXPANDABLE + " (autopar's launcher sets it)",
@@ -321,6 +324,9 @@ _RECORDS: dict[str, dict[str, object]] = {
                            "ZeRO-1 only",
             "schedules": "sourced: deepspeed/runtime/pipe/schedule.py TrainSchedule (1F1B)",
             "dp_overlap_efficiency": "sourced: autopar's preset value (overlap_comm)",
+            "per_layer_recompute": "sourced: PipelineModule activation_checkpoint_interval "
+                                   "(every n-th layer alike) and Megatron-DeepSpeed "
+                                   "--checkpoint-activations (all layers)",
         },
     ),
 }
@@ -336,7 +342,8 @@ def _build(name: str) -> Framework:
                                       "no published memory figure of this framework fitted yet)")
     for key in ("kernel_efficiency", "step_overhead_s", "overlap_slowdown", "tp_comm_overlap",
                 "dp_comm_efficiency", "zero3_comm_efficiency"):
-        sources.setdefault(key, "sourced: neutral (1 or 0); not fitted for this framework")
+        sources.setdefault(key, "sourced: no such mechanism charged for this framework "
+                                "(neutral value)")
     for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
                 "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",

@@ -154,6 +154,10 @@ def _solve(
     if cutoff_s is not None and lb >= cutoff_s:
         return _Outcome()  # cannot enter the top k
     best_uniform = _best_uniform(table)
+    if not table.framework.per_layer_recompute:
+        # The framework recomputes every block alike: balanced split, one mode (not proven
+        # optimal over uneven splits).
+        return best_uniform or _Outcome()
     if best_uniform is not None and best_uniform.step_s <= lb * (1 + options.mip_gap):
         return dataclasses.replace(best_uniform, optimal=True)  # meets the lower bound
     from_uniform = best_uniform is not None and (cutoff_s is None or best_uniform.step_s < cutoff_s)

@@ -233,8 +233,12 @@ def predict(rec: dict, framework: Framework | None = None) -> dict:
     est = autopar.estimate(profile, cluster, config, framework=fw)
     measured = measured_tokens_per_gpu(rec, profile)
     predicted = est.tokens_per_s / cluster.num_gpus
+    flops_per_token = sum(lay.fwd_flops + lay.bwd_flops for lay in profile.layers) / (
+        rec["model"]["seq_len"])
+    dtype = getattr(config, "config", config).dtype  # a Plan carries its config
     return {"id": rec["id"], "source": rec["source_key"], "framework": fw.name,
             "group": (rec["model"]["name"], rec["cluster"]["gpu"]),
+            "tokens_per_peak": cluster.device.peak_flops(dtype) / flops_per_token,
             "measured": measured, "predicted": predicted, "error": predicted / measured - 1,
             "memory_gib": est.memory_per_gpu_bytes / 2**30, "fits": est.fits,
             "interval": [i / est.step_time_s for i in est.step_time_interval_s]}
@@ -336,6 +340,18 @@ def framework_table() -> str:
     return "\n".join(lines)
 
 
+def constant_mfu_rows(rows: list[dict]) -> list[dict]:
+    """The same rows predicted by one MFU for every run (the median measured MFU of all runs,
+    fitted in sample, which flatters it): the baseline a cost model has to beat."""
+    mfu = statistics.median(r["measured"] / r["tokens_per_peak"] for r in rows)
+    out = []
+    for r in rows:
+        predicted = mfu * r["tokens_per_peak"]
+        out.append({**r, "predicted": predicted, "error": predicted / r["measured"] - 1,
+                    "fits": True})
+    return out
+
+
 def _print_rows(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     print(f"{'run':46s} {'framework':11s} {'measured':>9s} {'predicted':>9s} {'error':>7s} "
@@ -380,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in frameworks:
         _print_summary(name, summary([r for r in rows if r["framework"] == name]))
     _print_summary("all", summary(rows))
+    _print_summary("constant MFU (all)", summary(constant_mfu_rows(rows)))
     if args.loso:
         loso = []
         for name in frameworks:

@@ -6,10 +6,8 @@ and between nodes (the NIC share of one GPU). Link bandwidths are the *bus bandw
 collective achieves per GPU per direction (NCCL's ``busbw``, reference/formulas.md section 6), not
 the line rate: a ring all-reduce of S bytes over n ranks then takes ``2 (n-1)/n * S / bw``.
 
-The compute-efficiency parameters (``matmul_efficiency_max``, ``matmul_half_flops``,
-``elementwise_traffic_factor``) and ``dp_overlap_efficiency`` are fitted once, to all records of
-reference/calibration_runs.json together, by ``benchmarks/calibration.py --fit``; the values below
-are its output (see docs/cost_model.md).
+The GPU presets' values and their sources (fitted, sourced or measured) are in presets.py; what a
+training framework changes on top of them is in frameworks.py (docs/frameworks.md).
 """
 
 from __future__ import annotations
@@ -141,7 +139,8 @@ class Cluster:
         memory_headroom_fraction: fraction of device memory held back from the plan (CUDA
             context, allocator fragmentation); usable = memory_bytes * (1 - fraction).
         dp_overlap_efficiency: fraction of the last micro-batch's backward time usable to hide
-            the data-parallel gradient reduction (fitted).
+            the data-parallel gradient reduction (presets: sourced, not fitted; ``autopar
+            calibrate`` measures it on CPU).
         comm_buffer_bytes_per_group: device memory the communication library allocates per
             process group in use (NCCL channel buffers: 64 MiB; gloo on CPU: none as tensors).
         allocator_reserve_bytes: device memory held by the caching allocator beyond live

@@ -4,9 +4,10 @@ Units: FLOP/s, bytes, bytes/s, seconds. Link bandwidths are achievable ring bus 
 per direction (NCCL busbw), reference/formulas.md sections 6-7. Memory sizes are what the driver
 reports (vendors' "80GB" parts hold 80 GiB). ``Cluster.preset`` adds nodes and GPUs per node.
 
-Compute efficiency (``matmul_efficiency_max``, ``matmul_half_flops``,
-``elementwise_traffic_factor``) and ``dp_overlap_efficiency`` come from one joint fit to every
-record of reference/calibration_runs.json (``benchmarks/calibration.py --fit``). The half-work
+Compute efficiency (``matmul_efficiency_max``, ``elementwise_traffic_factor``) comes from one
+joint fit to the 13 runs of the first calibration set (now records of
+benchmarks/data/published_runs.json: docs/cost_model.md); each framework's own fields are fitted
+on top of these curves (docs/frameworks.md). The half-work
 point is fitted as a time (``MATMUL_HALF_S``: the per-layer fixed cost of launching and draining
 matmul kernels) and converted to FLOPs with each part's peak, so parts without calibration
 records (V100, H200) inherit the same physics.
@@ -21,7 +22,7 @@ __all__ = ["CPU_CORES", "PRESETS", "cpu_cluster_fields"]
 GIB = 2**30
 MIB = 2**20
 
-# ---- fitted once by `benchmarks/calibration.py --fit` (all 13 records, one joint fit) ----------
+# ---- fitted once, jointly, to the first 13 published runs (docs/cost_model.md) -----------------
 A100_EFFICIENCY_MAX = 0.746  # fraction of 312 TFLOP/s large 16-bit matmuls reach (fit)
 H100_EFFICIENCY_MAX = 0.618  # fraction of 989 TFLOP/s (fit; H100 runs further from its peak)
 # Work (as seconds at peak) per layer and micro-batch at which matmul efficiency is half its max:
@@ -29,7 +30,11 @@ H100_EFFICIENCY_MAX = 0.618  # fraction of 989 TFLOP/s (fit; H100 runs further f
 # throughput on A100. Physics, not fitted: every calibration run's layers are far larger.
 MATMUL_HALF_S = 2.0e-5
 ELEMENTWISE_TRAFFIC = 7.66  # non-matmul HBM traffic / bytes saved for backward (fit)
-DP_OVERLAP = 0.8  # usable fraction of the last backward for hiding DP reduction (fit)
+# Usable fraction of the last backward for hiding the DP reduction: sourced from DDP's design
+# (Li et al., "PyTorch Distributed", VLDB 2020: bucketed all-reduce launched as gradients are ready,
+# the last bucket exposed); 0.8 is not fitted (no record separates it from the frameworks'
+# fitted communication efficiency, which absorbs it).
+DP_OVERLAP = 0.8
 # Measured on one H200 (benchmarks/gpu_layer.py; 96 blocks of 8 zoo models, bf16, tp 1-8,
 # micro-batch 1-4, torch 2.11 eager; table in benchmarks/results/gpu_layer_h200.md): the best fit
 # of the block-time curve is eff_max 0.70, half-efficiency work 3.7e10 FLOPs and a 2.0 ms floor

@@ -59,9 +59,17 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def plan(*args: Any, **kwargs: Any) -> Any:
-    """Search for the best split; see ``autopar.search.plan`` (the package's ``plan`` name is
-    this function, not the ``autopar.plan`` module, which holds the Plan record)."""
+def plan(
+    profile: Any,
+    cluster: Any,
+    global_batch: int,
+    *,
+    framework: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Search for the best split for ``framework`` (a name in ``FRAMEWORKS``; default
+    "autopar"); see ``autopar.search.plan`` for the other keywords (the package's ``plan`` name
+    is this function, not the ``autopar.plan`` module, which holds the Plan record)."""
     from autopar.search import plan as _search_plan
 
-    return _search_plan(*args, **kwargs)
+    return _search_plan(profile, cluster, global_batch, framework=framework, **kwargs)

@@ -166,8 +166,8 @@ NEUTRAL_FIT = _NEUTRAL = {"kernel_efficiency": 1.0, "step_overhead_s": 0.0,
                           "dp_comm_efficiency": 1.0, "zero3_comm_efficiency": 1.0}
 _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
-    # (benchmarks/results/accuracy_cpu_202611.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
-    "autopar": {**_NEUTRAL, "step_time_band": (1.0, 1.52)},
+    # (benchmarks/results/accuracy_cpu_202612.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
+    "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.968, "step_overhead_s": 0.153,
                    "dp_comm_efficiency": 0.819, "step_time_band": (0.77, 1.13)},
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.880, "step_overhead_s": 0.0,
@@ -224,7 +224,7 @@ _RECORDS: dict[str, dict[str, object]] = {
                                 "dp_overlap_efficiency 0 already charges it)",
             "step_time_band": "measured: p10-p90 of measured / predicted step time over 16 CPU "
                               "configurations (benchmarks/accuracy.py) and 4 H200 plans "
-                              "(benchmarks/gpu_verify.py); CPU runs measured slower",
+                              "(benchmarks/gpu_verify.py)",
             "sp_regathers_inputs": "measured: DTensor's colwise linear keeps the gathered input "
                                    "(tests/unit/test_cost_memory_runtime.py)",
             "loss_parallel": "sourced: autopar/runtime/tensor_parallel.py all-gathers the "

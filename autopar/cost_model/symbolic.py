@@ -116,7 +116,7 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     from autopar.cost_model.assemble import assemble
 
     cfg = plan.config
-    table = build_cost_table(profile, cluster, cfg)
+    table = build_cost_table(profile, cluster, cfg, plan.framework)
     split = tuple(tuple(s.layers) for s in plan.stages)
     est = assemble(table, split, plan.recompute_per_layer)
     kind = dp_mechanism(cfg)
@@ -153,7 +153,8 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     step = float(STEP_TIME.subs(step_values)) if c else table.num_microbatches * r_max + e_max
     lines += [
         f"  m = {table.num_microbatches}, R_max = {r_max * 1e3:.3f} ms per micro-batch "
-        f"(slowest rank), c = {c:.4f}, E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer)",
+        f"(slowest rank), c = {c:.4f}, E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer + "
+        f"{plan.framework}'s fixed {table.step_fixed_s * 1e3:.3f} ms per step)",
         f"  step = {step:.4f} s -> {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
         "",
         f"collectives: all_reduce = {sp.sstr(ALL_REDUCE)} (ring: reduce-scatter + all-gather)",

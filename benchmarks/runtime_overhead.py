@@ -134,7 +134,10 @@ def _tp_plan(model: Any, sp: bool) -> dict[str, Any]:
     # The Megatron layout autopar's default tp_layout names, written out for the zoo GPT.
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
 
     act = Shard(1) if sp else Replicate()
@@ -185,7 +188,8 @@ def _shard_parts(parts: list[Any], cfg: dict[str, Any], mesh: Any) -> list[Any]:
     out = []
     for part in parts:
         if cfg.get("tp", 1) > 1:
-            parallelize_module(part, mesh["tp"], _tp_plan(part, cfg.get("sequence_parallel", False)))
+            sp = cfg.get("sequence_parallel", False)
+            parallelize_module(part, mesh["tp"], _tp_plan(part, sp))
         if cfg.get("dp", 1) > 1 and cfg.get("zero", 0) == 3:
             for block in part.layers.values():
                 fully_shard(block, mesh=mesh["dp"])
@@ -277,7 +281,7 @@ def _pipeline_step(schedule: Any, rank: int, last: bool, tokens: Any, labels: An
         schedule.step(target=labels, losses=losses)
     else:
         schedule.step()
-    return float(torch.stack(losses).mean()) if losses else 0.0
+    return float(torch.stack(losses).detach().mean()) if losses else 0.0
 
 
 # ---------------------------------------------------------------------------------------------

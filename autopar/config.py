@@ -14,6 +14,8 @@ from typing import Any
 __all__ = [
     "DTYPES",
     "DTYPE_BYTES",
+    "MAX_GLOBAL_BATCH",
+    "MAX_SEQ_LEN",
     "RECOMPUTE",
     "SCHEDULES",
     "ParallelConfig",
@@ -38,6 +40,11 @@ MULTI_CHUNK_SCHEDULES: frozenset[str] = frozenset(
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The largest global batch autopar plans for, in sequences: published runs use at most ~10^4
+# (16M tokens of 2k); the bound keeps the search's loops over its divisors short.
+MAX_GLOBAL_BATCH = 2**24
+# The longest sequence autopar profiles, in tokens (16M; the longest published context is ~10M).
+MAX_SEQ_LEN = 2**24
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +83,11 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise ValueError(
+                f"ParallelConfig.global_batch {self.global_batch} is above autopar's bound of "
+                f"{MAX_GLOBAL_BATCH} sequences; pick a smaller global batch"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"ParallelConfig.schedule {self.schedule!r} is unknown; use one of {SCHEDULES}"
@@ -86,7 +98,7 @@ class ParallelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"ParallelConfig.dtype {self.dtype!r} is unknown; use one of {DTYPES}")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if type(self.zero) is not int or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError("ParallelConfig.sequence_parallel must be true or false")

@@ -15,11 +15,13 @@ shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from autopar.errors import AutoparError
 
@@ -27,6 +29,17 @@ __all__ = ["EXIT_USAGE", "main"]
 
 EXIT_USAGE = 2  # argparse's own exit code for bad usage; every user error uses it too.
 _PREFIX = "cmd_"
+
+
+class UsageError(AutoparError):
+    """Bad command-line usage (argparse's errors), printed as one ``autopar: error:`` line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse without the usage block: an error is one line naming the fix (``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _command_modules() -> list[ModuleType]:
@@ -47,7 +60,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """
     from autopar import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autopar",
         description="Plan, explain, export and run the parallel split of a training job.",
     )
@@ -56,7 +69,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     modules = _command_modules()
     wanted = next((a for a in (argv or ()) if a in {m.NAME for m in modules}), None)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     # SUPPRESS: the subcommand's --debug must not reset a --debug given before the subcommand.
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
@@ -76,6 +89,21 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _closed_stdout() -> int:
+    """The reader of stdout went away (``| head``): outputs are written; end quietly with 0.
+
+    Python's own advice (docs, "Note on SIGPIPE"): point stdout at devnull so that the flush at
+    exit does not raise again.
+    """
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autopar`` command line.
 
@@ -88,13 +116,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autopar.plan import PlanFormatError
 
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(args_list)
-    args = parser.parse_args(args_list)
+    try:
+        args = build_parser(args_list).parse_args(args_list)
+    except UsageError as error:
+        print(f"autopar: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _closed_stdout()
     except (AutoparError, PlanFormatError, ValueError, OSError) as error:
         if getattr(args, "debug", False):
             raise

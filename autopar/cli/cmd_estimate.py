@@ -7,7 +7,9 @@ import contextlib
 from typing import Any
 
 from autopar.cli import common
-from autopar.config import DTYPES, MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
+from autopar.cli.argtypes import int_in
+from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
+from autopar.cost_model.hardware import MAX_GPUS
 
 NAME = "estimate"
 HELP = "predict time and memory of one given split of MODEL"
@@ -20,12 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_cluster_arguments(parser)
     split = parser.add_argument_group("split")
     for name in ("dp", "tp", "pp"):
-        split.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree (default 1)")
-    split.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    split.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+        split.add_argument(
+            f"--{name}", type=int_in(1, MAX_GPUS), default=1, help=f"{name} degree (default 1)"
+        )
+    split.add_argument("--micro-batch", type=int_in(1, MAX_GLOBAL_BATCH), default=1,
+                       help="sequences per micro-batch")
+    split.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
+                       help="sequences per step")
     split.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     split.add_argument(
-        "--virtual-stages", type=int, default=None, help="chunks per rank (interleaved: 2)"
+        "--virtual-stages", type=int_in(1, 1024), default=None,
+        help="chunks per rank (interleaved: 2)",
     )
     split.add_argument("--recompute", default="none", choices=RECOMPUTE)
     split.add_argument("--sequence-parallel", action="store_true")
@@ -62,17 +69,16 @@ def run(args: argparse.Namespace) -> int:
     from autopar.search import plan_from_config
 
     config = config_from_args(args)
-    common.check_writable(args.out, force=args.force)
-    common.check_writable(args.plot, force=args.force)
+    common.check_outputs(args)
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         cluster = common.cluster_from_args(args, default_gpus=config.world_size)
-        profile = common.load_profile(args.model, args.seq_len)
+        profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout)
         plan = plan_from_config(profile, cluster, config, model=args.model,
                                 framework=args.framework)
+        common.save_outputs(plan, args)  # first: a closed stdout must not lose the files
         if args.json:
             emit(plan.to_json())
         else:
             common.print_plan_report(plan, cluster)
-        common.save_outputs(plan, args)
     return 0

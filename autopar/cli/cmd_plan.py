@@ -7,6 +7,8 @@ import contextlib
 from typing import Any
 
 from autopar.cli import common
+from autopar.cli.argtypes import int_in, positive_float
+from autopar.config import MAX_GLOBAL_BATCH
 
 NAME = "plan"
 HELP = "find the best split of MODEL over a cluster"
@@ -17,10 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``plan``'s arguments."""
     common.add_model_argument(parser)
     common.add_cluster_arguments(parser)
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    parser.add_argument("--top-k", type=int, default=3, help="alternatives to keep (default 3)")
+    parser.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
+                        help="sequences per step")
+    parser.add_argument("--top-k", type=int_in(1, 100), default=3,
+                        help="alternatives to keep (default 3)")
     parser.add_argument(
-        "--time-budget", type=float, default=None, metavar="S", help="search time limit, seconds"
+        "--time-budget", type=positive_float(common.MAX_SECONDS), default=None, metavar="S",
+        help="time limit of the whole command (model building included), seconds",
     )
     common.add_framework_argument(parser)
     parser.add_argument(
@@ -31,15 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_output_arguments(parser)
 
 
-def search(args: argparse.Namespace, profile: Any, cluster: Any) -> list[Any]:
+def search(
+    args: argparse.Namespace, profile: Any, cluster: Any, time_budget_s: float | None
+) -> list[Any]:
     """Run the planner with a progress bar; the plans, best first."""
     # NOTE: autopar.search.plan, not autopar.plan: once the autopar.plan module (Plan records)
     # is imported, the package attribute `plan` names that module, not the function.
     from autopar.search import SearchOptions
     from autopar.search import plan as search_plan
 
-    if args.top_k < 1:
-        raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
     with common.progress_bar("searching") as progress:
         result = search_plan(
             profile,
@@ -47,7 +52,7 @@ def search(args: argparse.Namespace, profile: Any, cluster: Any) -> list[Any]:
             global_batch=args.global_batch,
             top_k=args.top_k,
             progress=progress,
-            time_budget_s=args.time_budget,
+            time_budget_s=time_budget_s,
             model=args.model,
             options=SearchOptions(framework=args.framework, robust=args.robust),
         )
@@ -58,18 +63,20 @@ def run(args: argparse.Namespace) -> int:
     """Plan, then print the report (or the JSON) and write ``--out`` / ``--plot``."""
     from autopar.cli.alternatives import alternatives_for
 
-    common.check_writable(args.out, force=args.force)
-    common.check_writable(args.plot, force=args.force)
+    common.check_outputs(args)
+    clock = common.Budget(args.time_budget)
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         cluster = common.cluster_from_args(args)
-        profile = common.load_profile(args.model, args.seq_len)
-        plans = search(args, profile, cluster)
+        profile = common.load_profile(
+            args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout)
+        )
+        plans = search(args, profile, cluster, clock.left("searching"))
         best = plans[0]
+        common.save_outputs(best, args)  # first: a closed stdout must not lose the files
         if args.json:
             emit(best.to_json())
         else:
             alternatives = alternatives_for(profile, cluster, best, plans[1:])
             common.print_plan_report(best, cluster, alternatives=alternatives)
-        common.save_outputs(best, args)
     return 0

@@ -10,6 +10,9 @@ import sys
 from typing import Any
 
 from autopar.cli import common
+from autopar.cli.argtypes import int_in, positive_float
+from autopar.config import MAX_GLOBAL_BATCH
+from autopar.cost_model.hardware import MAX_GPU_MEMORY_GB, MAX_GPUS
 
 NAME = "sweep"
 HELP = "best plan per GPU count and GPU kind: throughput, days to train, cost, Pareto front"
@@ -21,7 +24,7 @@ DEFAULT_BATCH_TOKENS = 4 * 2**20
 
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(float(v)) for v in text.split(",") if v.strip()]
+        values = [int_in(1, MAX_GPUS)(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a comma-separated list of integers"
@@ -36,15 +39,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_argument(parser)
     parser.add_argument("--gpus", type=_int_list, required=True, help="GPU counts: 64,128,256")
     parser.add_argument("--gpu", default=common.DEFAULT_GPU, help="GPU presets: a100-80g,h100")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GB")
-    parser.add_argument("--tokens", type=float, required=True, help="tokens to train on: 300e9")
     parser.add_argument(
-        "--global-batch", type=int, default=None, help="sequences per step (default ~4M tokens)"
+        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB), default=None, metavar="GB"
+    )
+    parser.add_argument("--tokens", type=positive_float(1e30), required=True,
+                        help="tokens to train on: 300e9")
+    parser.add_argument(
+        "--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), default=None,
+        help="sequences per step (default ~4M tokens)",
     )
     parser.add_argument(
         "--price-per-gpu-hour", default=None, metavar="X", help="2.5 or a100-80g=1.8,h100=3.2"
     )
-    parser.add_argument("--time-budget", type=float, default=None, metavar="S", help="per point")
+    parser.add_argument("--time-budget", type=positive_float(common.MAX_SECONDS), default=None,
+                        metavar="S", help="per point")
     parser.add_argument("--plot", default=None, metavar="PNG", help="days against cost")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --plot")
     parser.add_argument("--json", action="store_true", help="print the points as JSON")
@@ -96,13 +104,15 @@ def run(args: argparse.Namespace) -> int:
     from autopar.sweep import parse_prices, sweep
 
     gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
+    if not gpus:
+        raise ValueError(f"--gpu {args.gpu!r} names no GPU preset; give one or more: a100-80g,h100")
     prices = parse_prices(args.price_per_gpu_hour, gpus)
     if args.tokens <= 0:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
     common.check_writable(args.plot, force=args.force)
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
-        profile = common.load_profile(args.model, args.seq_len)
+        profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout)
         batch = args.global_batch or 2 ** round(math.log2(DEFAULT_BATCH_TOKENS / profile.seq_len))
         if args.global_batch is None:
             print(f"autopar: global batch {batch} sequences (--global-batch)", file=sys.stderr)

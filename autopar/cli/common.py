@@ -10,10 +10,14 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from autopar.cli.argtypes import int_in, positive_float
+from autopar.config import MAX_SEQ_LEN
+from autopar.cost_model.hardware import MAX_GPU_MEMORY_GB, MAX_GPUS
 from autopar.errors import AutoparError, ClusterConfigError
 from autopar.stdio import document_stdout
 
@@ -34,6 +38,8 @@ __all__ = [
 
 DEFAULT_GPU = "a100-80g"
 GPUS_PER_NODE = 8  # `--gpus N` alone means nodes of 8 GPUs (DESIGN.md).
+MAX_SECONDS = 7 * 24 * 3600.0  # the longest --time-budget / --build-timeout: a week
+DEFAULT_BUILD_TIMEOUT_S = 120.0  # building a model on the meta device takes seconds
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +51,13 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         "with its shape (gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32), or HF config JSON",
     )
     parser.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)"
+        "--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
+        help="tokens per sequence (default: the model's)",
+    )
+    parser.add_argument(
+        "--build-timeout", type=positive_float(MAX_SECONDS), default=DEFAULT_BUILD_TIMEOUT_S,
+        metavar="S", help="give up building MODEL after S seconds "
+        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}; see docs/cli.md)",
     )
 
 
@@ -53,14 +65,16 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """``--gpus | --nodes``, ``--gpu``, ``--gpu-memory``, ``--cluster``."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--gpus", type=int, help="total GPUs (8 a node; above 8 it must be a multiple of 8)"
+        "--gpus", type=int_in(1, MAX_GPUS),
+        help="total GPUs (8 a node; above 8 it must be a multiple of 8)",
     )
-    group.add_argument("--nodes", type=int, help="nodes of 8 GPUs")
+    group.add_argument("--nodes", type=int_in(1, MAX_GPUS // GPUS_PER_NODE), help="nodes of 8 GPUs")
     parser.add_argument(
         "--gpu", default=None, help=f"GPU preset (a100-80g, h100, h200, ...; default {DEFAULT_GPU})"
     )
     parser.add_argument(
-        "--gpu-memory", type=float, default=None, metavar="GB", help="override the GPU's memory"
+        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB), default=None, metavar="GB",
+        help="override the GPU's memory"
     )
     parser.add_argument("--cluster", default=None, metavar="YAML", help="cluster description file")
 
@@ -140,22 +154,27 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
     return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=args.gpu_memory)
 
 
-def load_profile(model_text: str, seq_len: int | None) -> Any:
-    """Resolve MODEL, build it on the meta device and profile it.
+def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | None = None) -> Any:
+    """Resolve MODEL, build it on the meta device and profile it, within ``timeout_s``.
 
     Args:
         model_text: the MODEL argument (model file, zoo name or spec, HF config JSON).
         seq_len: tokens per sequence (None: the model's own, from its spec or HF config).
+        timeout_s: wall-clock limit on building and profiling (None: none); see
+            ``autopar.timelimit`` for how a model file's code is stopped.
 
     Returns:
         The ModelProfile.
 
     Raises:
-        AutoparError: the model cannot be found, built or traced.
+        AutoparError: the model cannot be found, built or traced, or the limit ran out.
     """
     from autopar.graph.model_text import build_and_profile
+    from autopar.timelimit import time_limit
 
-    return build_and_profile(model_text, seq_len=seq_len)[1]
+    fix = "raise --build-timeout (and --time-budget), or fix the model's build_model()"
+    with time_limit(timeout_s, f"building and profiling {model_text}", fix):
+        return build_and_profile(model_text, seq_len=seq_len)[1]
 
 
 def load_plan_file(path: str) -> Any:
@@ -273,17 +292,68 @@ def _cluster_text(cluster: dict[str, Any]) -> str:
     return f"{cluster.get('nodes')} x {cluster.get('gpus_per_node')} {cluster.get('name')}"
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail early (before any work) when ``--out``/``--plot`` cannot be written or coincide."""
+    out, plot = getattr(args, "out", None), getattr(args, "plot", None)
+    if out and plot and Path(out).resolve() == Path(plot).resolve():
+        raise AutoparError(f"--out and --plot both name {out}; give two different files")
+    check_writable(out, force=args.force)
+    check_writable(plot, force=args.force)
+
+
 def save_outputs(plan: Any, args: argparse.Namespace) -> None:
-    """Write ``--out`` (plan JSON) and ``--plot`` (PNG) when asked; say so on stderr."""
+    """Write ``--out`` (plan JSON) and ``--plot`` (PNG) when asked; say so on stderr.
+
+    Both documents are made before either is written, and a failed second write removes the
+    first: on error nothing is left behind.
+    """
+    files: list[tuple[str, str | bytes]] = []
     if getattr(args, "out", None):
-        write_output(args.out, plan.to_json(), force=args.force)
-        print(f"autopar: wrote {args.out}", file=sys.stderr)
+        files.append((args.out, plan.to_json()))
     if getattr(args, "plot", None):
         from autopar.plotting import plot_plan
 
         png = plot_plan(plan.config, plan.estimate, title=f"{plan.model}: {plan.config.describe()}")
-        write_output(args.plot, png, force=args.force)
-        print(f"autopar: wrote {args.plot}", file=sys.stderr)
+        files.append((args.plot, png))
+    written: list[str] = []
+    try:
+        for path, data in files:
+            write_output(path, data, force=args.force)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            Path(path).unlink(missing_ok=True)
+        raise
+    for path in written:
+        print(f"autopar: wrote {path}", file=sys.stderr)
+
+
+class Budget:
+    """``--time-budget`` over the whole command: what is left for each step."""
+
+    def __init__(self, total_s: float | None) -> None:
+        self.total_s = total_s
+        self._start = time.monotonic()
+
+    def remaining_s(self) -> float | None:
+        """Seconds left (None: no budget)."""
+        if self.total_s is None:
+            return None
+        return self.total_s - (time.monotonic() - self._start)
+
+    def limit(self, other_s: float | None) -> float | None:
+        """The smaller of ``other_s`` and what is left (None when both are unbounded)."""
+        left = self.remaining_s()
+        return other_s if left is None else left if other_s is None else min(other_s, left)
+
+    def left(self, doing: str) -> float | None:
+        """Seconds left for ``doing``; ``AutoparError`` when none are."""
+        left = self.remaining_s()
+        if left is not None and left <= 0:
+            raise AutoparError(
+                f"--time-budget {self.total_s:g} s ran out before {doing}; allow more time"
+            )
+        return left
 
 
 def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tuple[Any, Any]:

@@ -21,10 +21,16 @@ from typing import Any
 
 from autopar.errors import ClusterConfigError
 
-__all__ = ["Cluster", "DeviceSpec", "LinkSpec"]
+__all__ = ["MAX_GPUS", "MAX_GPU_MEMORY_GB", "MIN_RATE_PER_S", "Cluster", "DeviceSpec", "LinkSpec"]
 
 GIB = 2**30
 MIB = 2**20
+# Bounds that keep every loop over a cluster's size short and every time finite: the largest
+# training clusters built hold ~10^5 GPUs; a FLOP/s or byte/s rate below 10^6 (a 1990s CPU) is a
+# typo, and one near 0 makes every predicted time infinite.
+MAX_GPUS = 2**20
+MIN_RATE_PER_S = 1e6
+MAX_GPU_MEMORY_GB = 2**20  # 1 PiB a device
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,8 +227,13 @@ class Cluster:
         data = json.loads(json.dumps(fields))
         data.update(name=key, nodes=nodes, gpus_per_node=gpus_per_node)
         if gpu_memory_gb is not None:
-            if not isinstance(gpu_memory_gb, (int, float)) or gpu_memory_gb <= 0:
-                raise ClusterConfigError(f"gpu_memory_gb must be positive, got {gpu_memory_gb!r}")
+            if isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)):
+                raise TypeError(f"gpu_memory_gb must be a number of GB, got {gpu_memory_gb!r}")
+            if not 0 < gpu_memory_gb <= MAX_GPU_MEMORY_GB:  # also NaN and inf
+                raise ClusterConfigError(
+                    f"gpu_memory_gb must be above 0 and at most {MAX_GPU_MEMORY_GB} GB, got "
+                    f"{gpu_memory_gb!r}"
+                )
             data["device"]["memory_bytes"] = round(gpu_memory_gb * GIB)
         return cls.from_dict(data)
 
@@ -288,12 +299,12 @@ class Cluster:
 # field -> (kind, rule); rules: "pos" > 0, "nonneg" >= 0, "frac" in [0, 1), "eff" in (0, 1].
 _DEVICE_FIELDS: dict[str, tuple[str, str]] = {
     "name": ("str", ""),
-    "peak_bf16_flops": ("float", "pos"),
-    "peak_fp16_flops": ("float", "pos"),
-    "peak_tf32_flops": ("float", "pos"),
-    "peak_fp32_flops": ("float", "pos"),
+    "peak_bf16_flops": ("float", "rate"),
+    "peak_fp16_flops": ("float", "rate"),
+    "peak_tf32_flops": ("float", "rate"),
+    "peak_fp32_flops": ("float", "rate"),
     "memory_bytes": ("int", "pos"),
-    "hbm_bytes_per_s": ("float", "pos"),
+    "hbm_bytes_per_s": ("float", "rate"),
     "matmul_efficiency_max": ("float", "eff"),
     "matmul_half_flops": ("float", "nonneg"),
     "elementwise_traffic_factor": ("float", "nonneg"),
@@ -310,7 +321,7 @@ _DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
 _DEVICE_OPTIONAL["shared_compute_processes"] = 1.0
 _DEVICE_FIELDS["shared_compute_processes"] = ("float", "atleast1")
 _LINK_FIELDS: dict[str, tuple[str, str]] = {
-    "bandwidth_bytes_per_s": ("float", "pos"),
+    "bandwidth_bytes_per_s": ("float", "rate"),
     "latency_s": ("float", "nonneg"),
 }
 _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
@@ -341,6 +352,7 @@ _RULE_TEXT = {
     "eff": "must be in (0, 1]",
     "unit": "must be in [0, 1]",
     "atleast1": "must be >= 1",
+    "rate": f"must be a finite rate of at least {MIN_RATE_PER_S:g} per second",
 }
 
 
@@ -358,7 +370,11 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
             ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ClusterConfigError(f"cluster field {path} must be a number, got {value!r}")
+    if value in (float("inf"), float("-inf")):
+        raise ClusterConfigError(f"cluster field {path} must be finite, got {value!r}")
     if kind == "int":
+        if abs(value) > 2**62:
+            raise ClusterConfigError(f"cluster field {path} is far too large: {value!r}")
         if float(value) != int(value):
             raise ClusterConfigError(f"cluster field {path} must be an integer, got {value!r}")
         value = int(value)
@@ -371,6 +387,7 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
         "eff": 0 < value <= 1,
         "unit": 0 <= value <= 1,
         "atleast1": value >= 1,
+        "rate": value >= MIN_RATE_PER_S,
     }[rule]
     if not ok or value in (float("inf"), float("-inf")):
         raise ClusterConfigError(f"cluster field {path} {_RULE_TEXT[rule]}, got {value!r}")
@@ -416,4 +433,9 @@ def _validate(data: Any) -> dict[str, Any]:
             raise ClusterConfigError(f"cluster field {key} is missing")
         optional = _DEVICE_OPTIONAL if key == "device" else {}
         out[key] = _check_section(f"{key}.", data[key], fields, optional)
+    if out["nodes"] * out["gpus_per_node"] > MAX_GPUS:
+        raise ClusterConfigError(
+            f"a cluster of {out['nodes']} x {out['gpus_per_node']} GPUs is larger than autopar "
+            f"plans for ({MAX_GPUS} GPUs); check nodes and gpus_per_node"
+        )
     return out

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.tables import CostTable
@@ -348,6 +349,20 @@ def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
     )
 
 
+def _check_inputs(global_batch: object, top_k: object, time_budget_s: object) -> None:
+    """Reject impossible search inputs before any loop over them."""
+    for name, value, high in (("global_batch", global_batch, MAX_GLOBAL_BATCH),
+                              ("top_k", top_k, 10_000)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not 1 <= value <= high:
+            raise ValueError(f"{name} must be from 1 to {high}, got {value}")
+    if time_budget_s is not None and not (
+        isinstance(time_budget_s, (int, float)) and 0 < time_budget_s < math.inf
+    ):
+        raise ValueError(f"time_budget_s must be a positive finite number, got {time_budget_s!r}")
+
+
 def plan(
     profile,
     cluster,
@@ -386,8 +401,7 @@ def plan(
     options = options or SearchOptions()
     if framework is not None:
         options = dataclasses.replace(options, framework=framework)
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    _check_inputs(global_batch, top_k, time_budget_s)
     if seq_len is not None and seq_len != profile.seq_len:
         raise ValueError(
             f"seq_len {seq_len} differs from the profile's {profile.seq_len}; profile the model "
@@ -401,8 +415,9 @@ def plan(
     if not configs:
         raise ValueError(
             f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
-            f"and the model's heads ({profile.heads}/{profile.kv_heads} kv): pick a global batch "
-            f"divisible by a factor of {cluster.num_gpus}"
+            f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "
+            f"global batch that is a multiple of {cluster.num_gpus} (one replica a GPU), or "
+            "another GPU count"
         )
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
     state = _search(cands, top_k, options, progress, deadline)

@@ -21,6 +21,7 @@ Rules (each one a constraint the runtime or torch imposes):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from autopar.config import ParallelConfig
@@ -42,8 +43,15 @@ _TWO_CHUNK_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
 
 
 def divisors(n: int) -> list[int]:
-    """Positive divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Positive divisors of n, ascending: pairs (d, n // d) for d up to sqrt(n).
+
+    O(sqrt(n)); callers bound n first (``MAX_GPUS``, ``MAX_GLOBAL_BATCH``).
+    """
+    if n < 1:
+        raise ValueError(f"divisors() needs a positive integer, got {n}")
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if d * d != n]
+    return small + large
 
 
 def mesh_shapes(

@@ -119,7 +119,7 @@ def test_show_plot_writes_a_png(tmp_path, plan_file, capfd):
 # ------------------------------------------------------------------ cluster arguments
 @pytest.mark.parametrize("argv,needle", [
     (["--gpus", "12"], "--gpus 12 does not fill nodes of 8 GPUs; use 8 or 16"),
-    (["--gpus", "0"], "--gpus must be at least 1"),
+    (["--gpus", "0"], "argument --gpus: must be from 1 to 1048576, got 0"),
     (["--gpus", "8", "--gpu", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
     ([], "say how many GPUs"),
 ])

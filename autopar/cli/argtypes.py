@@ -1,0 +1,57 @@
+"""Argument types for the command line: every number is checked here, once, before any work.
+
+Each type rejects text that is not a number, NaN and infinities, and values outside a sane range,
+with a message argparse prints as one ``autopar: error: argument --x: ...`` line. The ranges are
+the library's own bounds (``MAX_GPUS``, ``MAX_GLOBAL_BATCH``, ``MAX_SEQ_LEN``), so that no loop
+over a size (divisors, candidates) can start on an absurd value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = ["int_in", "positive_float"]
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]`` (``8``, ``8.0`` and ``1e3`` are integers)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            number = _number(text)
+            if not number.is_integer():
+                raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            value = int(number)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_float(high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``(0, high]``."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not 0 < value <= high:
+            raise argparse.ArgumentTypeError(f"must be above 0 and at most {high:g}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse

@@ -1,0 +1,64 @@
+"""Bound a block of user code (a model file's ``build_model``, tracing) by wall-clock time.
+
+How: ``SIGALRM`` from ``signal.setitimer``. Python runs the handler between bytecodes of the main
+thread, so an endless Python loop in ``build_model`` is stopped within the limit; a single C call
+that never returns to the interpreter (one huge torch op) is stopped when it returns. The timer
+re-fires every second, and the exception it raises derives from ``BaseException``, so user code
+that swallows ``except Exception`` cannot keep running. A subprocess would stop C code too, but
+the model must be built in this process to be profiled; a thread cannot be stopped at all.
+
+Outside the main thread, or where the platform has no ``setitimer`` (Windows), the block runs
+unbounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+from collections.abc import Iterator
+
+from autopar.errors import AutoparError
+
+__all__ = ["TimeLimitError", "time_limit"]
+
+_REFIRE_S = 1.0
+
+
+class TimeLimitError(AutoparError):
+    """A bounded block ran past its limit."""
+
+
+class _Expired(BaseException):
+    """Raised inside the bounded block; BaseException so ``except Exception`` cannot swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, what: str, fix: str) -> Iterator[None]:
+    """Run the block for at most ``seconds``; then raise ``TimeLimitError`` naming ``what``.
+
+    Args:
+        seconds: the limit (None or inf: no limit).
+        what: what the block does, e.g. "building my_model.py".
+        fix: the advice appended to the message, e.g. "raise --build-timeout".
+    """
+    usable = threading.current_thread() is threading.main_thread() and hasattr(
+        signal, "setitimer"
+    )
+    if seconds is None or math.isinf(seconds) or not usable:
+        yield
+        return
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), _REFIRE_S)
+    try:
+        yield
+    except _Expired:
+        raise TimeLimitError(f"{what} took longer than {seconds:.3g} s; {fix}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

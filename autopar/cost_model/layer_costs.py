@@ -35,161 +35,44 @@ by ``comm.collective_s`` at the size of its call:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
-from autopar.cost_model.collectives import grad_reductions_per_step, sp_norm_tensors, stage_split
+from autopar.cost_model.collectives import stage_split
 from autopar.cost_model.compute import (
     busy_speedup,
     framework_overheads_s,
     layer_compute,
     param_traffic_bytes_per_param,
 )
+from autopar.cost_model.dp_comm import (
+    dp_collectives,
+    dp_head_s,
+    dp_terms,
+    framework_dp_collectives,
+    fsdp_unit_params,
+    params_tp,
+)
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
-from autopar.graph.types import LayerProfile, ModelProfile
+from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
+from autopar.graph.types import ModelProfile
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = [
-    "OPTIMIZER_TRAFFIC_BYTES_PER_PARAM",
-    "build_cost_table",
-    "charged_collectives",
-    "dp_collectives",
-    "fsdp_unit_params",
-    "tp_collectives",
-    "tp_sharded",
-]
+__all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
 
 MIB = 2**20
 # torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
-DDP_BUCKET_BYTES = 25 * MIB  # DistributedDataParallel's default bucket_cap_mb
-AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost))
-_NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
-
-
-def tp_sharded(layer: LayerProfile) -> bool:
-    """Whether tensor parallelism splits this layer (column/row-parallel or vocab-parallel)."""
-    return bool(layer.tp.colwise or layer.tp.rowwise or layer.tp.vocab_parallel)
-
-
-def _tp(kind: str, size: float, calls: int, phase: str) -> tuple[comm.Collective, ...]:
-    if calls <= 0:
-        return ()
-    return (comm.Collective(kind=kind, axis="tp", size_bytes=size, calls=calls,
-                            per="microbatch", phase=phase),)
-
-
-def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
-    rowwise = len(layer.tp.rowwise)
-    parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
-    if not (rowwise and parents):
-        return _NO_TP
-    if cfg.sequence_parallel:
-        base = (_tp(AG, act_bytes, parents, "forward") + _tp(RS, act_bytes, rowwise, "forward")
-                + _tp(RS, act_bytes, parents, "backward")
-                + _tp(AG, act_bytes, rowwise + int(first_block), "backward"))
-        rerun = _tp(AG, act_bytes, parents, "backward") + _tp(RS, act_bytes, rowwise - 1,
-                                                              "backward")
-    else:
-        base = _tp(AR, act_bytes, rowwise, "forward") + _tp(AR, act_bytes, parents, "backward")
-        rerun = _tp(AR, act_bytes, rowwise - 1, "backward")
-    # Full recompute re-runs the forward's collectives except the block's last row-parallel one.
-    return base, base, base + rerun
-
-
-def tp_collectives(
-    profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
-    *, first_block: bool, loss_parallel: bool = False,
-) -> tuple[tuple[comm.Collective, ...], ...]:
-    """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
-
-    Args:
-        profile: the model profile (seq_len, hidden, vocab).
-        layer: the layer.
-        cfg: the config (tp, micro_batch, dtype, sequence_parallel).
-        dtype_ratio: training-dtype bytes over profile-dtype bytes.
-        first_block: whether this is the model's first block (its SP input cut).
-        loss_parallel: the loss runs on the vocab-parallel logits (no logits all-gather; its
-            [b, s] max and sum all-reduces are negligible).
-
-    Returns:
-        One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
-    """
-    if cfg.tp <= 1:
-        return _NO_TP
-    norms = _sp_norm_grads(layer, cfg)
-    calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block,
-                            loss_parallel=loss_parallel)
-    return tuple(c + norms for c in calls) if norms else calls
-
-
-def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Collective, ...]:
-    """All-reduces over tp of the partial gradients of sequence-parallel norm parameters
-    (``collectives.sp_norm_tensors``), fp32, at each gradient reduction."""
-    tensors = sp_norm_tensors(layer, cfg)
-    if not tensors:
-        return ()
-    reductions = grad_reductions_per_step(cfg)
-    return (comm.Collective(
-        kind=AR, axis="tp", size_bytes=memory.GRAD_BYTES * layer.tp.sequence_param_elements
-        / tensors, calls=tensors * reductions, per="step", phase="backward"),)
-
-
-def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
-                    dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False):
-    b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
-    hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
-    if layer.kind == "block":
-        rowwise = max(1, len(layer.tp.rowwise))
-        act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
-        return _block_tp(layer, cfg, act, first_block)
-    if not layer.tp.vocab_parallel:
-        return _NO_TP
-    if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
-        calls = _tp(AR, layer.tp.allreduce_fwd_bytes * b * dtype_ratio or hidden_bytes, 1,
-                    "forward")
-    elif layer.kind == "head":  # logits all-gathered over the vocabulary
-        logits = () if loss_parallel else _tp(AG, profile.seq_len * profile.vocab * b * w, 1,
-                                              "forward")
-        if cfg.sequence_parallel:
-            calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
-                     + _tp(RS, hidden_bytes, 1, "backward"))
-        else:
-            calls = logits + _tp(AR, hidden_bytes, 1, "backward")
-    else:
-        return _NO_TP
-    return calls, calls, calls  # the runtime recomputes blocks only
-
-
-def _tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
-    """Tensor-parallel modules of a layer when tp > 1 (linears, vocab-parallel, SP norms)."""
-    if cfg.tp <= 1 or not tp_sharded(layer):
-        return 0
-    t = layer.tp
-    sp = len(t.sequence) if cfg.sequence_parallel else 0
-    return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
-
-
-def _sp_gathered_inputs(layer: LayerProfile) -> int:
-    """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
-    linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
-    the MLP's input projections another), one for the vocab-parallel head."""
-    if layer.kind == "block":
-        rowwise = len(layer.tp.rowwise)
-        return len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}) if rowwise else 0
-    return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0
 
 
 def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
@@ -234,106 +117,6 @@ def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
     return busy_speedup(cluster.device, busy / (busy + bubble))
 
 
-def _params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
-    return layer.num_params / (cfg.tp if tp_sharded(layer) else 1)
-
-
-def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:
-    """Parameters (per rank, after tp) of the FSDP2 / replicate() unit charged on layer ``index``.
-
-    A block is its own unit. With one stage the root module holds every non-block layer: one
-    unit, charged on the first non-block layer with parameters (0 on the others). With several
-    stages each stage module's root holds its non-block layer (embedding or head).
-    """
-    layer = profile.layers[index]
-    if layer.kind == "block" or cfg.num_stages > 1:
-        return _params_tp(layer, cfg)
-    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
-    if not roots or index != roots[0]:
-        return 0.0
-    return sum(_params_tp(profile.layers[k], cfg) for k in roots)
-
-
-def _dp(kind: str, size: float, per: str, phase: str, calls: float = 1) -> comm.Collective:
-    return comm.Collective(kind=kind, axis="dp", size_bytes=size, calls=calls, per=per,
-                           phase=phase, counted=True)
-
-
-def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collective, ...]:
-    """The dp collectives of one FSDP2 / replicate() / DDP unit (module docstring).
-
-    Args:
-        cfg: the config (dp, zero, pp, dtype, micro-batches).
-        unit_params: the unit's parameters on this rank (``fsdp_unit_params``).
-    """
-    kind = memory.dp_mechanism(cfg)
-    if kind == "none" or unit_params <= 0:
-        return ()
-    grads = memory.GRAD_BYTES * unit_params  # reduced in fp32
-    if kind == "ddp":  # 25 MiB buckets; DDP's C++ reducer is invisible to count_collectives
-        return (dataclasses.replace(_dp(AR, DDP_BUCKET_BYTES, "step", "backward",
-                                        grads / DDP_BUCKET_BYTES), counted=False),)
-    if kind == "replicate":
-        return (_dp(AR, grads, "step", "backward"),)
-    gather_bytes = DTYPE_BYTES[cfg.dtype] * unit_params
-    if cfg.zero in (1, 2):
-        per_mb = cfg.zero == 2 and cfg.pp == 1
-        return (_dp(AG, gather_bytes, "step", "forward"),
-                _dp(RS, grads, "microbatch" if per_mb else "step", "backward"))
-    if cfg.pp == 1:
-        return (_dp(AG, gather_bytes, "microbatch", "forward"),
-                _dp(AG, gather_bytes, "microbatch", "backward"),
-                _dp(RS, grads, "microbatch", "backward"))
-    return (_dp(AG, gather_bytes, "microbatch", "forward"),
-            _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
-
-
-def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelConfig,
-                             fw: Framework) -> tuple[comm.Collective, ...]:
-    """autopar's dp collectives as ``fw`` issues them: gradients reduced at the framework's
-    dtype (``grad_reduce_bytes``), and ZeRO-3 gathers and reductions split into the framework's
-    buckets (``zero3_gather == "bucket"``: one call per bucket, each paying the ring latency)."""
-    if fw.grad_reduce_bytes == memory.GRAD_BYTES and fw.zero3_gather != GATHER_BUCKET:
-        return colls
-    out = []
-    for c in colls:
-        size = c.size_bytes
-        if c.kind != AG:
-            size *= fw.grad_reduce_bytes / memory.GRAD_BYTES
-        calls = c.calls
-        if fw.zero3_gather == GATHER_BUCKET and cfg.zero == 3 and c.kind != AR:
-            elem = DTYPE_BYTES[cfg.dtype] if c.kind == AG else fw.grad_reduce_bytes
-            bucket = elem * (fw.zero3_live_params / 2 if c.kind == AG else fw.reduce_bucket_params)
-            split = max(1, math.ceil(size / bucket))
-            size, calls = size / split, calls * split
-        out.append(dataclasses.replace(c, size_bytes=size, calls=calls, counted=False))
-    return tuple(out)
-
-
-def _dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float,
-              slowdown: float = 0.0):
-    """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
-
-    Collectives within a micro-batch overlap that micro-batch's forward or backward of the layer
-    (prefetch, eta of it usable): only the excess is exposed, plus the slowdown of the compute
-    they overlap (``overlapped_s``). A per-step forward all-gather
-    (zero 1/2) is prefetched under the first micro-batch's forward; per-step backward
-    reductions are left to assemble (overlap with the last backward); the tail is the layer's
-    last reduction, which nothing hides.
-    """
-    total = Counter()
-    tail = 0.0
-    for c in colls:
-        total[(c.per, c.phase)] += c.time_s(link)
-        if c.phase == "backward" and c.kind != AG:
-            size = min(c.size_bytes, c.calls * c.size_bytes)
-            tail = max(tail, comm.collective_s(link, c.kind, size))
-    window = {"forward": eta * fwd_s, "backward": eta * bwd_s}
-    mb = sum(overlapped_s(total[("microbatch", ph)], window[ph], slowdown) for ph in window)
-    step = overlapped_s(total[("step", "forward")], window["forward"], slowdown)
-    return step + total[("step", "backward")], mb, tail
-
-
 def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, float]:
     """(forward, backward) bytes over a layer's parameters per micro-batch (weight casts under
     autocast, gradient accumulation; ``compute.param_traffic_bytes_per_param``)."""
@@ -361,14 +144,14 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     act = memory.activation_bytes(
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
         gathered_logits=gathered_logits,
-        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else _sp_gathered_inputs(layer)
+        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
         * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
     fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
     passes_s, opt_fixed_s = framework_overheads_s(
-        cluster.device, block=layer.kind == "block", tp_modules=_tp_modules(layer, cfg),
+        cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
         fsdp_unit=fsdp_unit,
         dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
     )
@@ -394,7 +177,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     eta = cluster.dp_overlap_efficiency
     dp_calls = framework_dp_collectives(
         dp_collectives(cfg, fsdp_unit_params(profile, cfg, index)), cfg, fw)
-    step_s, mb_s, tail_s = _dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
+    step_s, mb_s, tail_s = dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
                                      eta, fw.overlap_slowdown)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
@@ -457,21 +240,6 @@ def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framew
         return values
     f = 1.0 + fw.fragmentation_fraction
     return values[0] * f, values[1] * f, values[2] * f
-
-
-def _dp_head_s(profile: ModelProfile, cfg: ParallelConfig, link: comm.GroupLink,
-               fw: Framework) -> float:
-    """The step's first parameter all-gather (ZeRO 1-3), which no compute precedes."""
-    if not fw.first_gather_exposed or memory.dp_mechanism(cfg) != "fsdp":
-        return 0.0
-    for index in range(len(profile.layers)):
-        unit = fsdp_unit_params(profile, cfg, index)
-        if unit > 0:
-            first = dp_collectives(cfg, unit)[0]  # the forward all-gather
-            gathered = min(first.size_bytes, DTYPE_BYTES[cfg.dtype] * fw.zero3_live_params) if (
-                fw.zero3_gather == GATHER_BUCKET) else first.size_bytes
-            return comm.collective_s(link, first.kind, gathered)
-    return 0.0
 
 
 def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelConfig,
@@ -537,7 +305,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         framework=fw,
         overlap_slowdown=fw.overlap_slowdown,
         step_overhead_s=fw.step_overhead_s,
-        dp_head_s=_dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp > 1 else 0.0,
+        dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp > 1 else 0.0,
     )
 
 
@@ -555,7 +323,7 @@ def _fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
     roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
     if not roots:
         return 0.0
-    params = [_params_tp(profile.layers[k], cfg) for k in roots]
+    params = [params_tp(profile.layers[k], cfg) for k in roots]
     return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
 
 

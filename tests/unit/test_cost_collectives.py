@@ -16,14 +16,10 @@ import pytest
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig
 from autopar.cost_model import comm
 from autopar.cost_model.collectives import expected_collectives, multi_stage_fsdp
+from autopar.cost_model.dp_comm import dp_collectives, fsdp_unit_params
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_costs import (
-    build_cost_table,
-    charged_collectives,
-    dp_collectives,
-    fsdp_unit_params,
-    tp_collectives,
-)
+from autopar.cost_model.layer_costs import build_cost_table, charged_collectives
+from autopar.cost_model.tp_comm import tp_collectives
 from tests.fixtures.profiles import analytic_transformer_profile
 
 PROFILE = analytic_transformer_profile(4, 64, 4, 256, 32)  # layers: embedding, 4 blocks, head

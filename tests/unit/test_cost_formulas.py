@@ -7,9 +7,9 @@ import pytest
 from autopar.config import ParallelConfig
 from autopar.cost_model.estimator import estimate
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_costs import tp_sharded
 from autopar.cost_model.memory import activation_bytes, zero_paper_model_state_bytes
 from autopar.cost_model.pipeline import bubble_ratio, in_flight_microbatches
+from autopar.cost_model.tp_comm import tp_sharded
 from tests.fixtures.profiles import analytic_transformer_profile
 
 GPT3 = dict(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048)

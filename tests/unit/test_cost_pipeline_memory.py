@@ -98,13 +98,16 @@ def test_assemble_charges_pipeline_buffers():
     profile = _llama_profile()
     cluster = Cluster.preset("cpu", gpus_per_node=4)
     cfg = ParallelConfig(pp=4, global_batch=8, micro_batch=1, dtype="fp32")
-    table = build_cost_table(profile, cluster, cfg)
-    assert table.recv_buffer_bytes == 16 * 64 * 4  # one [1, s, h] fp32 boundary tensor
     split = ((0, 1), (2, 2), (3, 3), (4, 5))
-    est = assemble(table, split, ["none"] * profile.num_layers)
-    got = [s.memory.pipeline_buffers_bytes for s in est.stages]
-    assert got == [n * table.recv_buffer_bytes for n in (8, 16, 16, 8)]
-    assert all(s.memory_bytes == s.memory.total_bytes for s in est.stages)
+    # torch's PipelineStage (torchtitan): one buffer per micro-batch and direction, all step;
+    # autopar's lean stages: one per transfer in flight (frameworks.py).
+    for framework, counts in (("torchtitan", (8, 16, 16, 8)), ("autopar", (1, 2, 2, 1))):
+        table = build_cost_table(profile, cluster, cfg, framework)
+        assert table.recv_buffer_bytes == 16 * 64 * 4  # one [1, s, h] fp32 boundary tensor
+        est = assemble(table, split, ["none"] * profile.num_layers)
+        got = [s.memory.pipeline_buffers_bytes for s in est.stages]
+        assert got == [n * table.recv_buffer_bytes for n in counts], framework
+        assert all(s.memory_bytes == s.memory.total_bytes for s in est.stages)
     single = build_cost_table(profile, cluster, ParallelConfig(dp=4, global_batch=8,
                                                               dtype="fp32"))
     assert single.recv_buffer_bytes == 0.0

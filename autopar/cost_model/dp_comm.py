@@ -1,0 +1,145 @@
+"""Data-parallel communication terms: the collectives of one FSDP2 / replicate() / DDP unit,
+as autopar's runtime issues them and as a framework issues them, and their exposed time.
+
+Charged as layer_costs.py's module docstring lists them; overlap by ``overlap.overlapped_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.cost_model import comm, memory
+from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
+from autopar.cost_model.overlap import overlapped_s
+from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
+from autopar.graph.types import LayerProfile, ModelProfile
+
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "dp_collectives",
+    "dp_head_s",
+    "dp_terms",
+    "framework_dp_collectives",
+    "fsdp_unit_params",
+    "params_tp",
+]
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
+def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
+    return layer.num_params / (cfg.tp if tp_sharded(layer) else 1)
+
+
+def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:
+    """Parameters (per rank, after tp) of the FSDP2 / replicate() unit charged on layer ``index``.
+
+    A block is its own unit. With one stage the root module holds every non-block layer: one
+    unit, charged on the first non-block layer with parameters (0 on the others). With several
+    stages each stage module's root holds its non-block layer (embedding or head).
+    """
+    layer = profile.layers[index]
+    if layer.kind == "block" or cfg.num_stages > 1:
+        return params_tp(layer, cfg)
+    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+    if not roots or index != roots[0]:
+        return 0.0
+    return sum(params_tp(profile.layers[k], cfg) for k in roots)
+
+
+def _dp(kind: str, size: float, per: str, phase: str, calls: float = 1) -> comm.Collective:
+    return comm.Collective(kind=kind, axis="dp", size_bytes=size, calls=calls, per=per,
+                           phase=phase, counted=True)
+
+
+def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collective, ...]:
+    """The dp collectives of one FSDP2 / replicate() / DDP unit (module docstring).
+
+    Args:
+        cfg: the config (dp, zero, pp, dtype, micro-batches).
+        unit_params: the unit's parameters on this rank (``fsdp_unit_params``).
+    """
+    kind = memory.dp_mechanism(cfg)
+    if kind == "none" or unit_params <= 0:
+        return ()
+    grads = memory.GRAD_BYTES * unit_params  # reduced in fp32
+    if kind == "ddp":  # 25 MiB buckets; DDP's C++ reducer is invisible to count_collectives
+        return (dataclasses.replace(_dp(AR, DDP_BUCKET_BYTES, "step", "backward",
+                                        grads / DDP_BUCKET_BYTES), counted=False),)
+    if kind == "replicate":
+        return (_dp(AR, grads, "step", "backward"),)
+    gather_bytes = DTYPE_BYTES[cfg.dtype] * unit_params
+    if cfg.zero in (1, 2):
+        per_mb = cfg.zero == 2 and cfg.pp == 1
+        return (_dp(AG, gather_bytes, "step", "forward"),
+                _dp(RS, grads, "microbatch" if per_mb else "step", "backward"))
+    if cfg.pp == 1:
+        return (_dp(AG, gather_bytes, "microbatch", "forward"),
+                _dp(AG, gather_bytes, "microbatch", "backward"),
+                _dp(RS, grads, "microbatch", "backward"))
+    return (_dp(AG, gather_bytes, "microbatch", "forward"),
+            _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
+
+
+def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelConfig,
+                             fw: Framework) -> tuple[comm.Collective, ...]:
+    """autopar's dp collectives as ``fw`` issues them: gradients reduced at the framework's
+    dtype (``grad_reduce_bytes``), and ZeRO-3 gathers and reductions split into the framework's
+    buckets (``zero3_gather == "bucket"``: one call per bucket, each paying the ring latency)."""
+    if fw.grad_reduce_bytes == memory.GRAD_BYTES and fw.zero3_gather != GATHER_BUCKET:
+        return colls
+    out = []
+    for c in colls:
+        size = c.size_bytes
+        if c.kind != AG:
+            size *= fw.grad_reduce_bytes / memory.GRAD_BYTES
+        calls = c.calls
+        if fw.zero3_gather == GATHER_BUCKET and cfg.zero == 3 and c.kind != AR:
+            elem = DTYPE_BYTES[cfg.dtype] if c.kind == AG else fw.grad_reduce_bytes
+            bucket = elem * (fw.zero3_live_params / 2 if c.kind == AG else fw.reduce_bucket_params)
+            split = max(1, math.ceil(size / bucket))
+            size, calls = size / split, calls * split
+        out.append(dataclasses.replace(c, size_bytes=size, calls=calls, counted=False))
+    return tuple(out)
+
+
+def dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float,
+              slowdown: float = 0.0):
+    """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
+
+    Collectives within a micro-batch overlap that micro-batch's forward or backward of the layer
+    (prefetch, eta of it usable): only the excess is exposed, plus the slowdown of the compute
+    they overlap (``overlapped_s``). A per-step forward all-gather
+    (zero 1/2) is prefetched under the first micro-batch's forward; per-step backward
+    reductions are left to assemble (overlap with the last backward); the tail is the layer's
+    last reduction, which nothing hides.
+    """
+    total = Counter()
+    tail = 0.0
+    for c in colls:
+        total[(c.per, c.phase)] += c.time_s(link)
+        if c.phase == "backward" and c.kind != AG:
+            size = min(c.size_bytes, c.calls * c.size_bytes)
+            tail = max(tail, comm.collective_s(link, c.kind, size))
+    window = {"forward": eta * fwd_s, "backward": eta * bwd_s}
+    mb = sum(overlapped_s(total[("microbatch", ph)], window[ph], slowdown) for ph in window)
+    step = overlapped_s(total[("step", "forward")], window["forward"], slowdown)
+    return step + total[("step", "backward")], mb, tail
+
+
+def dp_head_s(profile: ModelProfile, cfg: ParallelConfig, link: comm.GroupLink,
+               fw: Framework) -> float:
+    """The step's first parameter all-gather (ZeRO 1-3), which no compute precedes."""
+    if not fw.first_gather_exposed or memory.dp_mechanism(cfg) != "fsdp":
+        return 0.0
+    for index in range(len(profile.layers)):
+        unit = fsdp_unit_params(profile, cfg, index)
+        if unit > 0:
+            first = dp_collectives(cfg, unit)[0]  # the forward all-gather
+            gathered = min(first.size_bytes, DTYPE_BYTES[cfg.dtype] * fw.zero3_live_params) if (
+                fw.zero3_gather == GATHER_BUCKET) else first.size_bytes
+            return comm.collective_s(link, first.kind, gathered)
+    return 0.0

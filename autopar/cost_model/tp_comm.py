@@ -1,0 +1,130 @@
+"""Tensor-parallel communication terms: the tp collectives of one layer and micro-batch.
+
+Charged as the runtime issues them (layer_costs.py's module docstring lists them; ``collectives``
+counts them, tests hold the two equal), each timed by ``comm.collective_s`` at its size.
+"""
+
+from __future__ import annotations
+
+from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.cost_model import comm, memory
+from autopar.cost_model.collectives import grad_reductions_per_step, sp_norm_tensors
+from autopar.graph.types import LayerProfile, ModelProfile
+
+__all__ = ["AG", "AR", "RS", "sp_gathered_inputs", "tp_collectives", "tp_modules", "tp_sharded"]
+
+AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+_NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
+
+
+def tp_sharded(layer: LayerProfile) -> bool:
+    """Whether tensor parallelism splits this layer (column/row-parallel or vocab-parallel)."""
+    return bool(layer.tp.colwise or layer.tp.rowwise or layer.tp.vocab_parallel)
+
+
+def _tp(kind: str, size: float, calls: int, phase: str) -> tuple[comm.Collective, ...]:
+    if calls <= 0:
+        return ()
+    return (comm.Collective(kind=kind, axis="tp", size_bytes=size, calls=calls,
+                            per="microbatch", phase=phase),)
+
+
+def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
+    rowwise = len(layer.tp.rowwise)
+    parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
+    if not (rowwise and parents):
+        return _NO_TP
+    if cfg.sequence_parallel:
+        base = (_tp(AG, act_bytes, parents, "forward") + _tp(RS, act_bytes, rowwise, "forward")
+                + _tp(RS, act_bytes, parents, "backward")
+                + _tp(AG, act_bytes, rowwise + int(first_block), "backward"))
+        rerun = _tp(AG, act_bytes, parents, "backward") + _tp(RS, act_bytes, rowwise - 1,
+                                                              "backward")
+    else:
+        base = _tp(AR, act_bytes, rowwise, "forward") + _tp(AR, act_bytes, parents, "backward")
+        rerun = _tp(AR, act_bytes, rowwise - 1, "backward")
+    # Full recompute re-runs the forward's collectives except the block's last row-parallel one.
+    return base, base, base + rerun
+
+
+def tp_collectives(
+    profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
+    *, first_block: bool, loss_parallel: bool = False,
+) -> tuple[tuple[comm.Collective, ...], ...]:
+    """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
+
+    Args:
+        profile: the model profile (seq_len, hidden, vocab).
+        layer: the layer.
+        cfg: the config (tp, micro_batch, dtype, sequence_parallel).
+        dtype_ratio: training-dtype bytes over profile-dtype bytes.
+        first_block: whether this is the model's first block (its SP input cut).
+        loss_parallel: the loss runs on the vocab-parallel logits (no logits all-gather; its
+            [b, s] max and sum all-reduces are negligible).
+
+    Returns:
+        One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
+    """
+    if cfg.tp <= 1:
+        return _NO_TP
+    norms = _sp_norm_grads(layer, cfg)
+    calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block,
+                            loss_parallel=loss_parallel)
+    return tuple(c + norms for c in calls) if norms else calls
+
+
+def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Collective, ...]:
+    """All-reduces over tp of the partial gradients of sequence-parallel norm parameters
+    (``collectives.sp_norm_tensors``), fp32, at each gradient reduction."""
+    tensors = sp_norm_tensors(layer, cfg)
+    if not tensors:
+        return ()
+    reductions = grad_reductions_per_step(cfg)
+    return (comm.Collective(
+        kind=AR, axis="tp", size_bytes=memory.GRAD_BYTES * layer.tp.sequence_param_elements
+        / tensors, calls=tensors * reductions, per="step", phase="backward"),)
+
+
+def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
+                    dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False):
+    b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
+    hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
+    if layer.kind == "block":
+        rowwise = max(1, len(layer.tp.rowwise))
+        act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
+        return _block_tp(layer, cfg, act, first_block)
+    if not layer.tp.vocab_parallel:
+        return _NO_TP
+    if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
+        calls = _tp(AR, layer.tp.allreduce_fwd_bytes * b * dtype_ratio or hidden_bytes, 1,
+                    "forward")
+    elif layer.kind == "head":  # logits all-gathered over the vocabulary
+        logits = () if loss_parallel else _tp(AG, profile.seq_len * profile.vocab * b * w, 1,
+                                              "forward")
+        if cfg.sequence_parallel:
+            calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
+                     + _tp(RS, hidden_bytes, 1, "backward"))
+        else:
+            calls = logits + _tp(AR, hidden_bytes, 1, "backward")
+    else:
+        return _NO_TP
+    return calls, calls, calls  # the runtime recomputes blocks only
+
+
+def tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
+    """Tensor-parallel modules of a layer when tp > 1 (linears, vocab-parallel, SP norms)."""
+    if cfg.tp <= 1 or not tp_sharded(layer):
+        return 0
+    t = layer.tp
+    sp = len(t.sequence) if cfg.sequence_parallel else 0
+    return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
+
+
+def sp_gathered_inputs(layer: LayerProfile) -> int:
+    """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
+    linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
+    the MLP's input projections another), one for the vocab-parallel head."""
+    if layer.kind == "block":
+        rowwise = len(layer.tp.rowwise)
+        return len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}) if rowwise else 0
+    return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0

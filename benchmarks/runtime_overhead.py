@@ -17,7 +17,9 @@ Both report the global mean loss (one float all-reduced over the world). Steps a
 A B ... so drift and "who runs first" cancel; every step starts after a barrier and its time is
 the slowest rank's, measured with torch's own timer (``torch.utils.benchmark.utils.timer.timer``,
 which synchronises CUDA). The ratio is autopar's speed over the hand-composed speed, taken as the
-median over steps of the paired ``hand_ms / autopar_ms`` (target >= 0.97); the losses of the two
+median over steps of the paired ``hand_ms / autopar_ms`` (target >= 0.97). The process CPU time
+per step is reported beside it: on a shared machine it moves less with other jobs' load than wall
+time does, and Python overhead (hooks, extra calls) shows in it directly. The losses of the two
 paths must agree (else the comparison is not of the same computation).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_overhead.py`` (CPU, gloo, fp32);
@@ -305,7 +307,7 @@ def bench_split(rank: int, world_size: int, split: Split, plan_dict: dict[str, A
     runners = {"autopar": build_autopar(plan_dict, model_text, device),
                "hand": build_hand(split.config, layers, model_text, device)}
     seq_len, vocab = _seq_vocab(model_text)
-    times: dict[str, list[float]] = {"autopar": [], "hand": []}
+    times: dict[str, list[float]] = {"autopar": [], "hand": [], "autopar_cpu": [], "hand_cpu": []}
     losses: dict[str, list[float]] = {"autopar": [], "hand": []}
     for k in range(1, warmup + steps + 1):
         batch = synthetic_batch(seed=SEED, step=k, batch=GLOBAL_BATCH, seq_len=seq_len,
@@ -313,13 +315,17 @@ def bench_split(rank: int, world_size: int, split: Split, plan_dict: dict[str, A
         order = ("autopar", "hand") if k % 2 else ("hand", "autopar")
         for name in order:
             dist.barrier()
-            start = timer()
+            start, cpu = timer(), time.process_time()
             losses[name].append(runners[name](batch, k <= TRACKED_STEPS))
             times[name].append(timer() - start)
-    # The slowest rank's time of each step.
-    table = torch.tensor([times["autopar"], times["hand"]], dtype=torch.float64)
+            times[f"{name}_cpu"].append(time.process_time() - cpu)
+    # The slowest rank's time of each step (wall, and CPU time of the rank's process).
+    table = torch.tensor(list(times.values()), dtype=torch.float64)[:, warmup:]
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return summarize(split.name, table[0, warmup:].tolist(), table[1, warmup:].tolist(), losses)
+    row = summarize(split.name, table[0].tolist(), table[1].tolist(), losses)
+    cpu = summarize(split.name, table[2].tolist(), table[3].tolist(), losses)
+    row.update(autopar_cpu_ms=cpu["autopar_ms"], hand_cpu_ms=cpu["hand_ms"], cpu_ratio=cpu["ratio"])
+    return row
 
 
 def summarize(name: str, autopar_s: list[float], hand_s: list[float],
@@ -428,14 +434,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The markdown results table."""
     lines = [
         "| split | ranks | autopar ms | hand ms | ratio (hand ms / autopar ms) | ratio p25-p75 "
-        "| loss max rel diff | >= 0.97 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU ms autopar / hand (ratio) | loss max rel diff | >= 0.97 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ok = "yes" if r["ratio"] >= TARGET else "no"
         lines.append(
             f"| {r['split']} | {r['ranks']} | {r['autopar_ms']:.1f} | {r['hand_ms']:.1f} "
             f"| {r['ratio']:.3f} | {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f} "
+            f"| {r['autopar_cpu_ms']:.1f} / {r['hand_cpu_ms']:.1f} ({r['cpu_ratio']:.3f}) "
             f"| {r['loss_rel_diff']:.1e} | {ok} |"
         )
     return "\n".join(lines)
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure every split; print the table; write it to ``--out`` with the machine facts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per path")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per path")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per path")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--splits", default="", help="comma-separated split names (default all)")
     parser.add_argument("--out", default="", help="write the markdown results here")

@@ -2,9 +2,9 @@
 
 What each ``config.zero`` means in torch terms (the cost model charges exactly this):
 
-* 0, pp == 1 and tp == 1: ``DistributedDataParallel(device_mesh=mesh["dp"])``: replicated
-  parameters, gradients and optimizer state; gradients all-reduced (bucketed) in the last
-  micro-batch's backward (``no_sync`` before it).
+* 0, pp == 1 and tp == 1: ``DistributedDataParallel(process_group=mesh["dp"].get_group())``:
+  replicated parameters, gradients and optimizer state; gradients all-reduced (bucketed) in the
+  last micro-batch's backward (``no_sync`` before it).
 * 0, pp > 1 or tp > 1: ``replicate()`` (``torch.distributed._composable.replicate_with_fsdp``,
   FSDP2's replicated mode) per block and on the stage root: same memory as DDP; each unit's
   gradients are all-reduced after the last micro-batch's backward. DDP is never combined with
@@ -78,7 +78,10 @@ def apply_data_parallel(
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(part, device_mesh=dp_mesh)
+        # NOTE: the dp axis's process group, not ``device_mesh=dp_mesh``: DDP given a mesh sliced
+        # from a larger one assumes tensor parallelism and hooks every forward to swap DTensor
+        # parameters in and out (``_pre_dp_module_transform``), pure overhead with tp == 1.
+        return DistributedDataParallel(part, process_group=dp_mesh.get_group())
     if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

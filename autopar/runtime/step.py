@@ -29,8 +29,11 @@ def local_batch(pmodel: ParallelizedModel, global_tensor: torch.Tensor) -> torch
 
     Every tp and pp rank of one data-parallel replica gets the same rows.
     """
-    dp = pmodel.mesh["dp"]
-    return global_tensor.chunk(dp.size())[dp.get_local_rank()]
+    # NOTE: indexing the mesh (``mesh["dp"]``) builds a sub-mesh on every call (about 0.2 ms on
+    # CPU); the dimension's size and this rank's coordinate need none.
+    mesh = pmodel.mesh
+    dim = mesh.mesh_dim_names.index("dp")
+    return global_tensor.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
 
 
 @contextlib.contextmanager

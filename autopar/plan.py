@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -165,6 +166,8 @@ class Plan:
                 f"plan schema_version {self.schema_version} is not supported (this autopar "
                 f"reads version {SCHEMA_VERSION}); re-create the plan with `autopar plan`"
             )
+        _check_world(self.config, self.cluster)
+        _check_estimate(self.estimate)
         expected = self.config.num_stages
         if len(self.stages) != expected:
             raise PlanFormatError(
@@ -257,11 +260,48 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         """Parse ``to_json()`` output."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as e:
             raise PlanFormatError(f"plan is not valid JSON: {e}") from e
+        except RecursionError:
+            raise PlanFormatError(
+                "plan JSON is nested too deeply; it is not an autopar plan"
+            ) from None
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON (first 16 hex digits); compared across ranks."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+# Estimate fields that are plain numbers: finite and >= 0 in any plan autopar reads or writes.
+_ESTIMATE_NUMBERS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu",
+                     "mfu", "memory_per_gpu_bytes", "memory_capacity_bytes")
+
+
+def _reject_constant(name: str) -> float:
+    raise PlanFormatError(f"plan holds {name}; every number in a plan must be finite")
+
+
+def _check_estimate(estimate: Estimate) -> None:
+    """Each figure a number, finite and >= 0; ``fits`` a boolean (a NaN must never read as fits)."""
+    for name in _ESTIMATE_NUMBERS:
+        value = getattr(estimate, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanFormatError(f"plan estimate.{name} must be a number, got {value!r}")
+        if not 0 <= value < math.inf:
+            raise PlanFormatError(f"plan estimate.{name} must be finite and >= 0, got {value!r}")
+    if not isinstance(estimate.fits, bool):
+        raise PlanFormatError(f"plan estimate.fits must be true or false, got {estimate.fits!r}")
+
+
+def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
+    """dp * tp * pp must be the GPU count of the plan's recorded cluster."""
+    nodes, per_node = cluster.get("nodes"), cluster.get("gpus_per_node")
+    if not (isinstance(nodes, int) and isinstance(per_node, int)):
+        return  # no cluster recorded (a hand-made plan): nothing to check against
+    if config.world_size != nodes * per_node:
+        raise PlanFormatError(
+            f"the plan's split uses dp*tp*pp = {config.world_size} GPUs but its cluster has "
+            f"{nodes} x {per_node} = {nodes * per_node}; re-plan with `autopar plan`"
+        )

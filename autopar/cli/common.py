@@ -231,7 +231,13 @@ def make_console(*, stderr: bool) -> Any:
 
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 120
-    return Console(file=stream, width=width, highlight=False)
+    console = Console(file=stream, width=width, highlight=False)
+    console.on_broken_pipe = _broken_pipe  # rich's own handler exits 1; main() ends with 0
+    return console
+
+
+def _broken_pipe() -> None:
+    raise BrokenPipeError("stdout was closed")
 
 
 @contextlib.contextmanager

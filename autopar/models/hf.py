@@ -85,7 +85,13 @@ def load_hf_config(config: Any) -> Any:
             f"{model_type!r}.{hint} Upgrade transformers or check the config"
         )
     data["use_cache"] = False
-    return transformers.AutoConfig.for_model(model_type, **data)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as err:  # transformers' own validators: ValueError and its own classes
+        text = " ".join(str(err).split())
+        raise AutoparError(
+            f"transformers rejects the {model_type} config: {text[-300:]}; fix the config"
+        ) from None
 
 
 def from_hf_config(

@@ -70,6 +70,11 @@ class ModelFile:
             if seed is not None:
                 torch.manual_seed(seed)
             model = self.build_model()
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(
+                f"build_model() in {self.path} returned {type(model).__name__}, not a "
+                "torch.nn.Module; return the model"
+            )
         return model if dtype is None else model.to(dtype)
 
 
@@ -90,7 +95,7 @@ def _guarded(path: Path, name: str, fn: Callable[..., Any]) -> Callable[..., Any
             return fn(*args, **kwargs)
         except ModelFileError:
             raise
-        except Exception as err:
+        except (Exception, SystemExit, KeyboardInterrupt) as err:  # user code: never an exit
             raise ModelFileError(
                 f"{name}() in {path} raised {_describe(err)}{_line_in(path, err)}; "
                 f"fix {name} (run the file alone to see the traceback)"
@@ -126,7 +131,7 @@ def _execute(path: Path) -> types.ModuleType:
             f"model file {path} failed to import{_line_in(path, err)}: {_describe(err)}; "
             f"install the missing package or fix the import"
         ) from None
-    except Exception as err:
+    except (Exception, SystemExit, KeyboardInterrupt) as err:  # user code: never an exit
         sys.modules.pop(name, None)
         raise ModelFileError(
             f"model file {path} raised {_describe(err)} while loading{_line_in(path, err)}"

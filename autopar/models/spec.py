@@ -107,8 +107,9 @@ class ModelSpec:
             raise ValueError(
                 f"llama needs an even head_dim for RoPE, got hidden/heads = {self.head_dim}"
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < 1e30:
+            raise ValueError(f"rope_theta must be a positive finite number, got {theta!r}")
 
     @property
     def head_dim(self) -> int:

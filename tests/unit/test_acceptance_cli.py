@@ -169,7 +169,7 @@ def test_explain_refuses_an_edited_cluster(tmp_path, capfd):
     assert main(["explain", str(path)]) == 0
     assert "=" in capfd.readouterr().out
     doc = json.loads(path.read_text())
-    doc["cluster"]["nodes"] = 2
+    doc["cluster"]["memory_headroom_fraction"] = 0.5
     path.write_text(json.dumps(doc))
     _one_line_error(capfd, main(["explain", str(path)]), "does not match its cluster fingerprint")
 

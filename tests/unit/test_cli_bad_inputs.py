@@ -1,0 +1,159 @@
+"""Issue 13's bad inputs: each exits 2 with one ``autopar: error:`` line, no traceback, no file
+left behind, quickly. In process through ``autopar.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from autopar.config import ParallelConfig
+from autopar.cost_model.hardware import Cluster
+from autopar.search.space import divisors
+
+TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
+CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "a100_2nodes.yaml"
+PLAN = ["plan", TINY, "--gpus", "1", "--global-batch", "8"]
+
+
+def _fails(capfd, argv, needle, *, seconds=10.0):
+    start = time.monotonic()
+    code = main(argv)
+    assert time.monotonic() - start < seconds
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
+    assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["plan", TINY, "--gpus", "8000000000", "--global-batch", "8"], "--gpus: must be from 1"),
+    (["plan", TINY, "--gpus", "8", "--global-batch", str(2**62)], "--global-batch: must be"),
+    ([*PLAN, "--seq-len", "-4"], "--seq-len: must be from 1"),
+    ([*PLAN, "--gpu-memory", "inf"], "not a finite number"),
+    (["plan", TINY, "--gpus", "1", "--global-batch", "0"], "--global-batch: must be from 1"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "nan"], "--tokens: 'nan' is not a finite"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu", ","], "names no GPU preset"),
+    (["plan", TINY, "--gpus", "x"], "see `autopar plan --help`"),
+    (["run", "nothing.json"], "see `autopar run --help`"),
+    (["plan", "llama:layers=2,hidden=64,heads=4,vocab=256,seq_len=32,rope_theta=nan",
+      "--gpus", "1", "--global-batch", "2"], "rope_theta must be a positive finite"),
+])
+def test_bad_arguments(capfd, argv, needle):
+    _fails(capfd, argv, needle)
+
+
+def test_cluster_yaml_bounds(tmp_path, capfd):
+    text = CLUSTER.read_text()
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(text.replace("nodes: 2", "nodes: 1e100"))
+    _fails(capfd, ["plan", TINY, "--cluster", str(huge), "--global-batch", "8"], "nodes")
+    slow = tmp_path / "slow.yaml"
+    slow.write_text(text.replace("peak_bf16_flops: 312000000000000.0", "peak_bf16_flops: 1e-300"))
+    _fails(capfd, ["plan", TINY, "--cluster", str(slow), "--global-batch", "8"], "peak_bf16")
+
+
+def test_same_out_and_plot_refused(tmp_path, capfd):
+    path = tmp_path / "x.png"
+    _fails(capfd, [*PLAN, "--out", str(path), "--plot", str(path)], "both name")
+    assert not path.exists()
+
+
+MODELS = {
+    "exit": ("import sys\ndef build_model():\n    sys.exit(0)\n", "raised SystemExit"),
+    "interrupt": ("def build_model():\n    raise KeyboardInterrupt\n", "KeyboardInterrupt"),
+    "not-module": ("def build_model():\n    return 3\n", "not a torch.nn.Module"),
+    "endless": ("def build_model():\n    while True:\n        pass\n", "took longer than 1 s"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_model_file_code_cannot_end_the_command(tmp_path, capfd, case):
+    source, needle = MODELS[case]
+    path = tmp_path / "m.py"
+    path.write_text(source + "def example_inputs(b):\n    return None\n")
+    out = tmp_path / "p.json"
+    _fails(capfd, ["plan", str(path), "--gpus", "1", "--global-batch", "8", "--seq-len", "8",
+                   "--json", "--out", str(out), "--build-timeout", "1"], needle)
+    assert not out.exists()
+
+
+def test_time_budget_bounds_model_building(tmp_path, capfd):
+    path = tmp_path / "m.py"
+    path.write_text(MODELS["endless"][0] + "def example_inputs(b):\n    return None\n")
+    _fails(capfd, ["plan", str(path), "--gpus", "1", "--global-batch", "8", "--seq-len", "8",
+                   "--time-budget", "1"], "took longer than")
+
+
+@pytest.fixture(scope="module")
+def plan_doc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "p.json"
+    assert main(["plan", TINY, "--gpus", "4", "--global-batch", "8", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _mutate(doc, path, value):
+    doc = json.loads(json.dumps(doc))
+    *keys, last = path
+    target = doc
+    for key in keys:
+        target = target[key]
+    target[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(("path", "value", "needle"), [
+    (("estimate", "step_time_s"), "fast", "must be a number"),
+    (("estimate", "tokens_per_s"), float("inf"), "Infinity"),
+    (("estimate", "memory_per_gpu_bytes"), float("nan"), "NaN"),
+    (("config", "dp"), 32, "dp*tp*pp = 32"),
+])
+@pytest.mark.parametrize("command", ["show", "explain", "export"])
+def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, command):
+    doc = _mutate(plan_doc, path, value)
+    if path == ("config", "dp"):
+        doc["config"].update(global_batch=64, micro_batch=2)
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(doc))
+    extra = ["--to", "torchtitan"] if command == "export" else []
+    _fails(capfd, [command, str(file), *extra], needle)
+
+
+def test_deep_json_refused(tmp_path, capfd):
+    file = tmp_path / "deep.json"
+    file.write_text('{"schema_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _fails(capfd, ["show", str(file)], "nested too deeply")
+
+
+def test_api_types():
+    with pytest.raises(ValueError, match="zero"):
+        ParallelConfig(global_batch=8, zero=3.0)
+    with pytest.raises(TypeError, match="gpu_memory_gb"):
+        Cluster.preset("h100", gpu_memory_gb=True)
+    with pytest.raises(ValueError, match="global_batch"):
+        ParallelConfig(global_batch=2**62)
+
+
+def test_divisors_are_fast_and_exact():
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    start = time.monotonic()
+    assert divisors(2**24)[-1] == 2**24
+    assert time.monotonic() - start < 0.5
+
+
+def test_closed_stdout_still_writes_the_plan(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    cmd = f"{sys.executable} -m autopar.cli plan '{TINY}' --gpus 1 --global-batch 8 --out {out}"
+    result = subprocess.run(f"set -o pipefail; {cmd} | head -c 1 >/dev/null", shell=True,
+                            executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert json.loads(out.read_text())["schema_version"] >= 1

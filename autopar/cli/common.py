@@ -57,7 +57,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--build-timeout", type=positive_float(MAX_SECONDS), default=DEFAULT_BUILD_TIMEOUT_S,
         metavar="S", help="give up building MODEL after S seconds "
-        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}; see docs/cli.md)",
+        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}; bounded by --time-budget too)",
     )
 
 

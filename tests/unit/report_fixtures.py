@@ -45,7 +45,8 @@ def make_plan(**overrides: object) -> Plan:
     stages = tuple(StagePlan(index=i, layers=b, layer_names=NAMES[b[0]:b[1] + 1],
                              recompute=(config.recompute,) * (b[1] - b[0] + 1))
                    for i, b in enumerate(bounds))
-    cluster = {"name": "a100-80g", "nodes": 1, "gpus_per_node": 8}
+    world = config.world_size  # the recorded cluster holds exactly the split's GPUs
+    cluster = {"name": "a100-80g", "nodes": max(1, world // 8), "gpus_per_node": min(world, 8)}
     return Plan(config=config, stages=stages, estimate=make_estimate(config, chunks=tuple(bounds)),
                 model="gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32", cluster=cluster,
                 profile_fingerprint="abc", cluster_fingerprint="def")

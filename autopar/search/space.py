@@ -149,6 +149,8 @@ def enumerate_candidates(
         if options.micro_batch_sizes is not None:
             sizes = [b for b in sizes if b in options.micro_batch_sizes]
         sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
+        if not framework.sequence_parallel:  # the framework has none: plan without it
+            sps = [False]
         # ZeRO shards over dp: with dp == 1 every stage is the same plan as stage 0.
         zeros = sorted(set(options.zero_stages)) if dp > 1 else [0]
         for mb in sizes:

@@ -132,3 +132,13 @@ def test_a_pipelined_530b_split_fits_on_80gb(name: str) -> None:
                                  schedule="interleaved-1f1b", virtual_stages=3, dtype="fp16")
     est = autopar.estimate(model, cluster, cfg, framework=name)
     assert est.fits, est.memory_per_gpu_bytes / 2**30
+
+
+def test_a_framework_without_sequence_parallelism_still_gets_tensor_parallel_candidates() -> None:
+    from autopar.search.space import enumerate_candidates
+
+    configs = list(enumerate_candidates(
+        world_size=16, gpus_per_node=8, head_counts=(8,), num_layers=10, global_batch=32,
+        options=SearchOptions(framework="deepspeed")))
+    assert any(c.tp > 1 for c in configs)
+    assert not any(c.sequence_parallel for c in configs)

@@ -22,6 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.export_rules import (
+    DEEPSPEED_COMMIT,
+    MEGATRON_COMMIT,
+    TORCHTITAN_COMMIT,
+    TORCHTITAN_RELEASE,
+    MegatronArgs,
+    deepspeed_unknown_keys,
+    megatron_violations,
+)
 from autopar.plan import Plan
 
 __all__ = [
@@ -161,7 +170,9 @@ def to_torchtitan(plan: Plan) -> Export:
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": cfg.recompute, "selective_ac_option": "op"},
         "training": {
-            "local_batch_size": cfg.global_batch // cfg.dp,
+            # pp > 1: the local batch is split into pipeline micro-batches; pp = 1: one
+            # micro-batch a forward, train.py accumulates global // (local * dp) of them.
+            "local_batch_size": cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.micro_batch,
             "global_batch_size": cfg.global_batch,
             "seq_len": _seq_len(plan),
             "mixed_precision_param": TORCH_DTYPES["fp32" if cfg.dtype == "fp32" else "bf16"],
@@ -170,7 +181,8 @@ def to_torchtitan(plan: Plan) -> Export:
     }
     if cfg.dtype == "fp16":
         notes.append("torchtitan has no fp16 recipe; exported as bfloat16")
-    return Export(text=_toml(tables, _header(plan)), notes=tuple(notes))
+    header = f"{_header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
+    return Export(text=_toml(tables, header), notes=tuple(notes))
 
 
 def _seq_len(plan: Plan) -> int:
@@ -189,10 +201,99 @@ def _blocks_per_stage(plan: Plan) -> list[int]:
     return [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
 
 
-def to_megatron(plan: Plan) -> Export:
-    """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations."""
+def _megatron_pipeline(plan: Plan, notes: list[str]) -> dict[str, int]:
+    """The pipeline layout flags (flag -> value) Megatron accepts for the plan's stages."""
     cfg = plan.config
-    notes = []
+    blocks = _blocks_per_stage(plan)
+    total = sum(blocks)
+    if cfg.pp == 1:
+        return {}
+    if cfg.virtual_stages > 1:
+        chunks = cfg.pp * cfg.virtual_stages
+        if len(set(blocks)) > 1:
+            notes.append(f"autopar's chunks hold {blocks} blocks; Megatron interleaving splits "
+                         "the blocks evenly over the chunks")
+        if cfg.schedule != "interleaved-1f1b":
+            notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
+        if total % chunks == 0:
+            return {"--num-layers-per-virtual-pipeline-stage": total // chunks}
+        return {"--num-virtual-stages-per-pipeline-rank": cfg.virtual_stages}
+    if cfg.schedule == "gpipe":
+        notes.append("Megatron runs 1F1B; GPipe's bubble is the same, its memory is higher")
+    if len(set(blocks)) == 1:
+        return {}
+    uneven = {"--decoder-first-pipeline-num-layers": blocks[0],
+              "--decoder-last-pipeline-num-layers": blocks[-1]}
+    if not megatron_violations(_megatron_args(plan, uneven, {})):
+        if len(set(blocks[1:-1])) > 1:
+            notes.append(f"middle stages hold {blocks[1:-1]} blocks; Megatron splits them evenly")
+        return uneven
+    notes.append(f"stages hold {blocks} blocks, a split Megatron cannot set (its first/last "
+                 "stage flags need the middle blocks to divide evenly); Megatron splits evenly")
+    return {}
+
+
+def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) -> MegatronArgs:
+    """The MegatronArgs the exported flags set (``extra``: MegatronArgs fields)."""
+    cfg = plan.config
+    return MegatronArgs(
+        world_size=cfg.world_size, num_layers=sum(_blocks_per_stage(plan)), tp=cfg.tp,
+        pp=cfg.pp, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
+        layers_per_virtual=pipeline.get("--num-layers-per-virtual-pipeline-stage"),
+        virtual_per_rank=pipeline.get("--num-virtual-stages-per-pipeline-rank"),
+        first_layers=pipeline.get("--decoder-first-pipeline-num-layers"),
+        last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
+        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16", **extra)
+
+
+def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], dict[str, Any]]:
+    """Sequence parallel, recompute, optimizer sharding: flags and the MegatronArgs they set."""
+    cfg = plan.config
+    flags: list[list[str]] = []
+    extra: dict[str, Any] = {}
+    if cfg.sequence_parallel and cfg.tp > 1:
+        flags.append(["--sequence-parallel"])
+        extra["sequence_parallel"] = True
+    elif cfg.sequence_parallel:
+        notes.append("Megatron turns sequence parallelism off at tp=1; --sequence-parallel dropped")
+    if cfg.recompute != "none":
+        flags.append(["--recompute-granularity", cfg.recompute])
+        extra["recompute_granularity"] = cfg.recompute
+        if cfg.recompute == "full":
+            flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
+            extra.update(recompute_method="uniform", recompute_num_layers=1)
+    if cfg.zero in (1, 2) and cfg.dp > 1:
+        flags.append(["--use-distributed-optimizer"])
+        extra["distributed_optimizer"] = True
+    elif cfg.zero == 3 and cfg.dp > 1:
+        flags += [["--use-torch-fsdp2"], ["--no-gradient-accumulation-fusion"],
+                  ["--untie-embeddings-and-output-weights"]]
+        extra.update(torch_fsdp2=True, gradient_accumulation_fusion=False, untie_embeddings=True)
+        notes.append("Megatron's --use-torch-fsdp2 needs --no-gradient-accumulation-fusion (added; "
+                     "the weight-gradient GEMM no longer accumulates in place) and "
+                     "--untie-embeddings-and-output-weights (added; a model that ties its output "
+                     "layer to the embedding gains a vocab x hidden output matrix)")
+    return flags, extra
+
+
+def to_megatron(plan: Plan) -> Export:
+    """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations.
+
+    The flags are checked against Megatron-LM's ``validate_args`` rules (``export_rules``,
+    commit ``MEGATRON_COMMIT``); where Megatron has an equivalent the flags are rewritten (a
+    note says so), otherwise the plan is refused.
+
+    Raises:
+        ValueError: the flags break a Megatron-LM rule (each rule and its fix named).
+    """
+    cfg = plan.config
+    notes: list[str] = []
+    pipeline = _megatron_pipeline(plan, notes)
+    options, extra = _megatron_options(plan, notes)
+    broken = megatron_violations(_megatron_args(plan, pipeline, extra))
+    if broken:
+        raise ValueError(f"Megatron-LM ({MEGATRON_COMMIT[:12]}) validate_args would reject "
+                         f"this plan: {'; '.join(broken)}")
     flags: list[list[str]] = [
         ["--tensor-model-parallel-size", str(cfg.tp)],
         ["--pipeline-model-parallel-size", str(cfg.pp)],
@@ -200,36 +301,8 @@ def to_megatron(plan: Plan) -> Export:
         ["--global-batch-size", str(cfg.global_batch)],
         ["--seq-length", str(_seq_len(plan))],
     ]
-    blocks = _blocks_per_stage(plan)
-    if cfg.virtual_stages > 1 and cfg.pp > 1:
-        chunks = cfg.pp * cfg.virtual_stages
-        # Megatron splits the blocks evenly over the chunks; the nearest even split it accepts.
-        per_chunk = sum(blocks) // chunks if sum(blocks) % chunks == 0 else max(blocks)
-        flags.append(["--num-layers-per-virtual-pipeline-stage", str(per_chunk)])
-        if len(set(blocks)) > 1:
-            notes.append(
-                f"autopar's chunks hold {blocks} blocks; Megatron interleaving needs equal chunks "
-                f"({per_chunk} per chunk exported)"
-            )
-        if cfg.schedule != "interleaved-1f1b":
-            notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
-    elif cfg.pp > 1 and len(set(blocks)) > 1:
-        flags.append(["--decoder-first-pipeline-num-layers", str(blocks[0])])
-        flags.append(["--decoder-last-pipeline-num-layers", str(blocks[-1])])
-        if len(set(blocks[1:-1])) > 1:
-            notes.append(f"middle stages hold {blocks[1:-1]} blocks; Megatron splits them evenly")
-    if cfg.pp > 1 and cfg.schedule == "gpipe":
-        notes.append("Megatron runs 1F1B; GPipe's bubble is the same, its memory is higher")
-    if cfg.sequence_parallel:
-        flags.append(["--sequence-parallel"])
-    if cfg.recompute != "none":
-        flags.append(["--recompute-granularity", cfg.recompute])
-        if cfg.recompute == "full":
-            flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
-    if cfg.zero in (1, 2):
-        flags.append(["--use-distributed-optimizer"])
-    elif cfg.zero == 3:
-        flags.append(["--use-torch-fsdp2"])
+    flags += [[flag, str(value)] for flag, value in pipeline.items()]
+    flags += options
     if cfg.dtype in ("bf16", "fp16"):
         flags.append([f"--{cfg.dtype}"])
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
@@ -255,14 +328,17 @@ def to_deepspeed(plan: Plan) -> Export:
         "steps_per_print": 10,
     }
     if cfg.pp > 1:
-        # DeepSpeed's PipelineModule reads these; it runs its own 1F1B-like schedule.
-        doc["pipeline"] = {"stages": cfg.pp, "partition": "parameters"}
+        # PipelineModule takes the stage count and partition from its constructor (DeepSpeed
+        # parses but never reads pipeline.stages / .partition); its topology must name the tp
+        # ranks, or num_stages alone counts them as data parallel and the batch check fails.
         notes.append(
-            f"build a PipelineModule with num_stages={cfg.pp}; stage bounds "
-            f"{[list(s.layers) for s in plan.stages]} (profile layers)"
+            "build the PipelineModule with topology=PipeModelDataParallelTopology("
+            f"num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={cfg.dp}) and partition_method='uniform' "
+            "(stage bounds "
+            f"{[list(s.layers) for s in plan.stages]} in profile layers)"
         )
-        if cfg.zero > 1:
-            notes.append("DeepSpeed pipeline parallelism supports ZeRO stage 0 and 1 only")
+        if cfg.recompute == "full":  # the pipe engine checkpoints every interval layers
+            doc["pipeline"] = {"activation_checkpoint_interval": 1}
     if cfg.tp > 1:
         doc["tensor_parallel"] = {"autotp_size": cfg.tp}
     if cfg.recompute != "none":
@@ -273,6 +349,12 @@ def to_deepspeed(plan: Plan) -> Export:
         }
         if cfg.recompute == "selective":
             notes.append("DeepSpeed checkpoints whole layers; selective recompute needs the model")
+        elif cfg.pp == 1:
+            notes.append("full recompute: wrap each block in deepspeed.checkpointing.checkpoint "
+                         "(the activation_checkpointing section configures it)")
+    unknown = deepspeed_unknown_keys(doc)
+    if unknown:  # a bug in this exporter, not in the plan
+        raise AssertionError(f"DeepSpeed ({DEEPSPEED_COMMIT[:12]}) does not read {unknown}")
     return Export(text=json.dumps(doc, indent=2) + "\n", notes=tuple(notes))
 
 

@@ -98,7 +98,7 @@ def test_deepspeed_batch_identity_and_zero_stage(zero, pp):
         doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * cfg.dp)
     assert doc["zero_optimization"]["stage"] == zero
     assert doc["bf16"]["enabled"] is True and doc["fp16"]["enabled"] is False
-    assert doc.get("pipeline", {}).get("stages", 1) == pp
+    assert "stages" not in doc.get("pipeline", {})  # DeepSpeed ignores it (export_rules)
     assert doc["tensor_parallel"]["autotp_size"] == 2
 
 

@@ -18,6 +18,7 @@ from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.pipeline_parallel import (
+    CONTAINER_NAMES,
     ModelStructure,
     build_schedule,
     build_stages,
@@ -39,9 +40,9 @@ if TYPE_CHECKING:
     from autopar.models.spec import ModelSpec
     from autopar.plan import Plan, StagePlan
 
-__all__ = ["ParallelizedModel", "apply_plan", "check_plan_runnable"]
+__all__ = ["ParallelizedModel", "apply_plan", "check_plan_runnable", "default_loss"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,8 @@ class ParallelizedModel:
         has_last_stage: this rank runs the last stage (it takes the labels, computes the loss).
         plan: the plan applied.
         mesh: the ("pp", "dp", "tp") mesh.
-        loss_fn: ``loss_fn(logits, labels) -> scalar`` (mean token cross entropy by default).
+        loss_fn: ``loss_fn(output, labels) -> scalar``: the model's output and the batch's targets
+            (mean token cross entropy of the logits by default, or the model's own ``.loss``).
         stage_indices: the stage indices of ``model_parts``.
         autocast_dtype: dtype for ``torch.autocast`` around the forward, or None (fp32, or FSDP2
             mixed precision, which casts by itself).
@@ -139,9 +141,54 @@ def _check_schedule(plan: Plan) -> None:
             )
 
 
+def _structure_or_none(model: nn.Module) -> ModelStructure | None:
+    try:
+        return find_structure(model)
+    except AutoparError:
+        return None
+
+
+def _any_model_blocks(model: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """The repeated blocks of a model the runtime cannot split (the profile's rule)."""
+    from autopar.graph.structure import find_blocks
+
+    return find_blocks(model)
+
+
+def _check_any_model(model: nn.Module, plan: Plan) -> None:
+    # A model without a top-level block container runs under data parallelism only.
+    cfg = plan.config
+    if cfg.tp == 1 and cfg.pp == 1:
+        _container, blocks = _any_model_blocks(model)
+        if any(mode != "none" for stage in plan.stages for mode in stage.recompute) and (
+            plan.num_layers != len(blocks) + 2
+        ):
+            raise AutoparError(
+                f"the plan recomputes {plan.num_layers - 2} blocks but {type(model).__name__} "
+                f"has {len(blocks)} repeated blocks; use recompute 'none' for this model"
+            )
+        return
+    container, _blocks = _any_model_blocks(model)
+    where = (
+        f"its blocks sit at {container!r}, not in a container named one of {CONTAINER_NAMES} "
+        "directly on the model"
+        if container
+        else "it has no block container (no nn.ModuleList/ModuleDict of alike blocks)"
+    )
+    split = " and ".join(f"{name}={getattr(cfg, name)}" for name in ("tp", "pp")
+                         if getattr(cfg, name) > 1)
+    raise AutoparError(
+        f"{type(model).__name__} cannot be split with {split}: {where}; data parallelism runs "
+        f"any model: use --dp {cfg.world_size} (with --zero 3 to shard it)"
+    )
+
+
 def _check_model(model: nn.Module, plan: Plan) -> None:
     cfg = plan.config
-    structure = find_structure(model)
+    structure = _structure_or_none(model)
+    if structure is None:
+        _check_any_model(model, plan)
+        return
     if plan.num_layers != len(structure.block_keys) + 2:
         raise PlanMismatchError(
             f"the plan covers {plan.num_layers} layers but the model has "
@@ -213,10 +260,31 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
         _check_model(model_or_spec, plan)
 
 
-def _default_loss() -> LossFn:
+def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The LM default: the model's own ``output.loss`` when it returns one, else the mean token
+    cross entropy of its logits (a tensor output, or ``output.logits``) against ``labels``."""
     from autopar.models.transformer import cross_entropy_loss
 
-    return cross_entropy_loss
+    if isinstance(output, torch.Tensor):
+        return cross_entropy_loss(output, labels)
+    own = getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise AutoparError(
+            f"the model returned {type(output).__name__}, with neither a loss nor logits; "
+            "define loss_fn(output, batch) in the model file"
+        )
+    return cross_entropy_loss(logits, labels)
+
+
+def _default_loss() -> LossFn:
+    return default_loss
 
 
 def _owned_block_fqns(stage: StagePlan, structure: ModelStructure) -> dict[str, str]:
@@ -268,7 +336,9 @@ def apply_plan(
     check_plan_runnable(model, plan)
     cfg = plan.config
     loss = loss_fn or _default_loss()
-    structure = find_structure(model)
+    structure = _structure_or_none(model)
+    if structure is None:
+        return _apply_any_model(model, plan, mesh, loss)
     pp_rank = mesh["pp"].get_local_rank()
     stage_plans = plan.stages_for_rank(pp_rank)
     # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
@@ -310,5 +380,42 @@ def apply_plan(
         mesh=mesh,
         loss_fn=loss,
         stage_indices=indices,
+        autocast_dtype=_autocast_dtype(plan),
+    )
+
+
+def _apply_any_model(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh, loss: LossFn
+) -> ParallelizedModel:
+    """Data parallelism (tp == pp == 1, checked) for a model without a top-level block container.
+
+    The FSDP2 / replicate() units are the profile's repeated blocks (the largest ModuleList or
+    ModuleDict of alike children, wherever it sits: ``transformer.h``, ``model.layers``,
+    ``encoder.layer``, ``blocks``) plus the root; zero 0 is DDP over the whole model.
+    """
+    cfg = plan.config
+    _container, block_fqns = _any_model_blocks(model)
+    blocks = {fqn: model.get_submodule(fqn) for fqn in block_fqns}
+    if plan.num_layers == len(block_fqns) + 2:
+        # [AC] profile layer i (1..L) is block i-1, as for the zoo's models.
+        choices = {}
+        for stage in plan.stages:
+            for offset, mode in enumerate(stage.recompute):
+                layer = stage.layers[0] + offset
+                if 1 <= layer <= len(block_fqns):
+                    choices[block_fqns[layer - 1]] = mode
+        apply_recompute(blocks, choices)
+    # [DP] by ZeRO stage.
+    wrapped = apply_data_parallel(model, list(blocks.values()), mesh["dp"], cfg)
+    return ParallelizedModel(
+        model_parts=(wrapped,),
+        schedule=None,
+        stages=(),
+        has_first_stage=True,
+        has_last_stage=True,
+        plan=plan,
+        mesh=mesh,
+        loss_fn=loss,
+        stage_indices=(0,),
         autocast_dtype=_autocast_dtype(plan),
     )

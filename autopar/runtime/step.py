@@ -21,19 +21,60 @@ from torch import nn
 if TYPE_CHECKING:
     from autopar.runtime.apply import ParallelizedModel
 
-__all__ = ["gathered_grads", "local_batch", "one_process_reference", "train_step"]
+__all__ = [
+    "call_model", "gathered_grads", "local_batch", "one_process_reference", "split_batch",
+    "train_step",
+]
 
 
-def local_batch(pmodel: ParallelizedModel, global_tensor: torch.Tensor) -> torch.Tensor:
+def local_batch(pmodel: ParallelizedModel, global_tensor: Any) -> Any:
     """This rank's share of a global batch: the dp-rank's contiguous ``global_batch / dp`` rows.
 
-    Every tp and pp rank of one data-parallel replica gets the same rows.
+    Every tp and pp rank of one data-parallel replica gets the same rows. ``global_tensor`` may
+    also be a model file's batch (a tuple, list or dict of tensors): every tensor whose first
+    dimension is the batch's is cut the same way.
     """
     # NOTE: indexing the mesh (``mesh["dp"]``) builds a sub-mesh on every call (about 0.2 ms on
     # CPU); the dimension's size and this rank's coordinate need none.
     mesh = pmodel.mesh
     dim = mesh.mesh_dim_names.index("dp")
-    return global_tensor.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
+    if isinstance(global_tensor, torch.Tensor):
+        return global_tensor.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
+    return split_batch(global_tensor, mesh.size(dim))[mesh.get_local_rank(dim)]
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """``batch`` (a tensor, or a tuple / list / dict of them) cut into ``parts`` equal row blocks.
+
+    Tensors whose first dimension is the batch's (that of the first tensor with one) are cut
+    along it; anything else is given whole to every part.
+    """
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    rows = leaves[0].shape[0] if leaves else None
+
+    def part(i: int) -> Any:
+        def cut(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+                return t.chunk(parts)[i]
+            return t
+
+        return tree_map(cut, batch)
+
+    return [part(i) for i in range(parts)]
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list, ``model(**inputs)``
+    for a dict: how a model file's ``example_inputs`` batch is fed (as the profiler does)."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
 
 
 @contextlib.contextmanager
@@ -64,11 +105,11 @@ def _accumulate(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.T
     model = pmodel.model_parts[0]
     n_mb = pmodel.plan.config.num_microbatches
     total = torch.zeros((), dtype=torch.float64)
-    for i, (x, y) in enumerate(zip(tokens.chunk(n_mb), labels.chunk(n_mb))):
+    for i, (x, y) in enumerate(zip(split_batch(tokens, n_mb), split_batch(labels, n_mb))):
         with _grad_sync(model, pmodel.plan.config.zero, last=i == n_mb - 1):
             with _autocast(pmodel):
-                logits = model(x)
-            loss = pmodel.loss_fn(logits, y)
+                output = call_model(model, x)
+            loss = pmodel.loss_fn(output, y)
             (loss / n_mb).backward()
         total += loss.detach().double().cpu()
     return float(total) / n_mb
@@ -113,8 +154,10 @@ def train_step(
     Args:
         pmodel: ``apply_plan``'s result.
         tokens: ``LongTensor[global_batch / dp, s]``: this rank's share (``local_batch``); ranks
-            without the first pipeline stage may pass anything (it is not read).
-        labels: the matching targets (read only on ranks with the last stage).
+            without the first pipeline stage may pass anything (it is not read). With pp == 1
+            also a model file's batch (tuple / list / dict of tensors, see ``call_model``).
+        labels: the matching targets (read only on ranks with the last stage), given to
+            ``pmodel.loss_fn(output, labels)``: a model file's loss gets the batch itself.
         optimizer: the optimizer over ``pmodel.parameters()``; None to only compute gradients
             (they are zeroed first either way).
 

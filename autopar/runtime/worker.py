@@ -28,11 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.errors import AutoparError
 from autopar.runtime import checkpoint
-from autopar.runtime.data import TokenBatch, synthetic_batch
+from autopar.runtime.data import synthetic_batch
 
 __all__ = [
     "LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "NoUsableCheckpointError", "WorkerArgs",
@@ -181,7 +181,7 @@ class _Job:
     """The parallelized model of this rank and how to train it one step."""
 
     model_parts: list[torch.nn.Module]
-    step: Callable[[TokenBatch, _Optimizers], float]
+    step: Callable[[int, _Optimizers], float]
     global_batch: int
     seq_len: int
     vocab: int
@@ -196,15 +196,74 @@ def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
 
     plan = Plan.from_dict(args.plan)
     model = build_model(args.model, device=device, seed=args.seed)
-    pmodel = apply_plan(model, plan, build_mesh(plan, device.type))
+    file_batch = _model_file_batches(args.model)
+    loss_fn = file_batch.loss_fn if file_batch is not None else None
+    pmodel = apply_plan(model, plan, build_mesh(plan, device.type), loss_fn=loss_fn)
 
-    def step(batch: TokenBatch, optimizers: _Optimizers) -> float:
+    def step(index: int, optimizers: _Optimizers) -> float:
+        if file_batch is not None:
+            # The model file's own batch: its inputs and what its loss_fn reads.
+            raw = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                           file_batch.make(seed=args.seed, step=index,
+                                           batch=plan.config.global_batch))
+            local = local_batch(pmodel, raw)
+            return train_step(pmodel, local, local, optimizers)
+        batch = synthetic_batch(seed=args.seed, step=index, batch=plan.config.global_batch,
+                                seq_len=args.seq_len, vocab=args.vocab)
         tokens = local_batch(pmodel, batch.tokens.to(device))
         labels = local_batch(pmodel, batch.labels.to(device))
         return train_step(pmodel, tokens, labels, optimizers)
 
     return _Job(model_parts=list(pmodel.model_parts), step=step,
                 global_batch=plan.config.global_batch, seq_len=args.seq_len, vocab=args.vocab)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _FileBatches:
+    """A model file's data: seeded ``example_inputs(global_batch)`` and the loss that reads it."""
+
+    example_inputs: Callable[[int], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+
+    def make(self, *, seed: int, step: int, batch: int) -> Any:
+        """The global batch of ``step``: a pure function of (seed, step), like synthetic data."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + step)
+            return self.example_inputs(batch)
+
+
+def _model_file_batches(model_text: str) -> _FileBatches | None:
+    """How a model file trains, or None for synthetic tokens and the LM default loss.
+
+    A file with ``loss_fn(output, batch)`` trains on its own ``example_inputs`` batches; so does a
+    file without one whose inputs are not token ids (one 2-D integer tensor), with the model's
+    own ``output.loss`` (or the LM default on its logits). A token model without ``loss_fn``
+    trains on the synthetic tokens.
+    """
+    if not model_text.endswith(".py"):
+        return None
+    from autopar.models import load_model_file
+
+    mf = load_model_file(model_text)
+    if mf.loss_fn is not None:
+        return _FileBatches(example_inputs=mf.example_inputs, loss_fn=mf.loss_fn)
+    sample = mf.example_inputs(1)
+    if isinstance(sample, torch.Tensor) and sample.dim() == 2 and not sample.is_floating_point():
+        return None
+    return _FileBatches(example_inputs=mf.example_inputs, loss_fn=_own_loss)
+
+
+def _own_loss(output: Any, _batch: Any) -> torch.Tensor:
+    # A model file without loss_fn whose inputs are not tokens: the model's own ``output.loss``.
+    own = getattr(output, "loss", None)
+    if own is None and isinstance(output, dict):
+        own = output.get("loss")
+    if not isinstance(own, torch.Tensor):
+        raise AutoparError(
+            f"the model returned {type(output).__name__} without a loss and its inputs are not "
+            "token ids; define loss_fn(output, batch) in the model file"
+        )
+    return own
 
 
 def build_model(model_text: str, *, device: str | torch.device, seed: int | None = None
@@ -293,12 +352,8 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
             print(f"[autopar] training steps {start + 1}..{args.steps}", file=sys.stderr)
         for step in range(start + 1, args.steps + 1):
             _maybe_fail(step)
-            batch = synthetic_batch(
-                seed=args.seed, step=step, batch=job.global_batch, seq_len=job.seq_len,
-                vocab=job.vocab,
-            )
             t0 = time.perf_counter()
-            loss = job.step(batch, optimizers)
+            loss = job.step(step, optimizers)
             step_time_s = time.perf_counter() - t0
             if tracking and step >= start + TRACKED_STEPS:
                 tracker.__exit__(None, None, None)

@@ -66,9 +66,11 @@ def test_plan_for_another_model_is_a_mismatch() -> None:
 
 
 def test_model_without_block_container_is_rejected() -> None:
+    # Data parallelism runs any module; tensor and pipeline splits need a block container.
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
-    with pytest.raises(AutoparError, match="block container"):
-        check_plan_runnable(model, _plan(num_blocks=0, pp=1))
+    check_plan_runnable(model, _plan(num_blocks=0, dp=2))
+    with pytest.raises(AutoparError, match=r"block container.*--dp 2"):
+        check_plan_runnable(model, _plan(num_blocks=0, tp=2))
 
 
 def test_bad_layout_style_is_rejected() -> None:

@@ -1,7 +1,8 @@
 """``autopar run`` of models the runtime cannot split (no top-level block container): data
 parallelism runs them all. DDP (zero 0) and FSDP2 per repeated block (zero 3) over 2 processes give
 the one-process losses for a model-file CNN (images, its own loss_fn), a model-file
-encoder-decoder (keyword inputs), and a tiny Hugging Face Llama built from its config (blocks at
+encoder-decoder (keyword inputs), a model file without ``loss_fn`` whose model returns its own
+``loss``, and a tiny Hugging Face Llama built from its config (blocks at
 ``model.layers``, the LM default loss on its ``.logits``). TP and PP stay refused, naming the part
 that blocks them and the split that works.
 """
@@ -67,7 +68,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("zero", ["0", "3"])
-@pytest.mark.parametrize("name", ["tiny_cnn.py", "tiny_seq2seq.py", "hf-llama"])
+@pytest.mark.parametrize("name", ["tiny_cnn.py", "tiny_seq2seq.py", "tiny_own_loss.py",
+                                  "hf-llama"])
 def test_dp_and_fsdp_equal_one_process(name: str, zero: str, one_process) -> None:
     model, reference = one_process(name)
     assert len(reference) == 2 and reference[0] != reference[1]

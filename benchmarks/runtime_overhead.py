@@ -105,19 +105,22 @@ def build_autopar(plan_dict: dict[str, Any], model_text: str, device: Any) -> Ca
     """``autopar run``'s job for this rank: returns ``step(batch, tracked) -> loss``."""
     from autopar.runtime import worker
 
+    seq_len, vocab = _seq_vocab(model_text)
     args = worker.WorkerArgs(
         plan=plan_dict, model=model_text, steps=0, seed=SEED, checkpoint_dir="",
-        checkpoint_every=0, seq_len=0, vocab=0, result_path="", device_type=device.type,
-        pg_timeout_s=0.0,
+        checkpoint_every=0, seq_len=seq_len, vocab=vocab, result_path="",
+        device_type=device.type, pg_timeout_s=0.0,
     )
     tracker = worker.LiveTensorBytes() if device.type == "cpu" else None
     with tracker if tracker is not None else contextlib.nullcontext():
         job = worker._build_job(args, device)
         optimizers = worker._Optimizers(job.model_parts)
 
-    def step(batch: Any, tracked: bool) -> float:
+    def step(batch: Any, index: int, tracked: bool) -> float:
+        # The worker draws step ``index``'s batch itself (the same synthetic_batch(SEED, index)
+        # the hand path is given).
         with tracker if tracker is not None and tracked else contextlib.nullcontext():
-            return job.step(batch, optimizers)
+            return job.step(index, optimizers)
 
     return step
 
@@ -240,7 +243,14 @@ def build_hand(cfg: dict[str, Any], stage_layers: list[tuple[int, int]], model_t
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     dp_rank = rank // tp % dp if pp == 1 else 0
 
-    def step(batch: Any, tracked: bool) -> float:
+    from autopar.runtime.data import synthetic_batch
+
+    seq_len, vocab = _seq_vocab(model_text)
+
+    def step(batch: Any, index: int, tracked: bool) -> float:
+        # Drawn inside the timed step, as autopar's worker draws it (``batch`` is the same one).
+        batch = synthetic_batch(seed=SEED, step=index, batch=GLOBAL_BATCH, seq_len=seq_len,
+                                vocab=vocab)
         for p in params:
             p.grad = None
         tokens = batch.tokens.to(device).chunk(dp)[dp_rank]
@@ -316,7 +326,7 @@ def bench_split(rank: int, world_size: int, split: Split, plan_dict: dict[str, A
         for name in order:
             dist.barrier()
             start, cpu = timer(), time.process_time()
-            losses[name].append(runners[name](batch, k <= TRACKED_STEPS))
+            losses[name].append(runners[name](batch, k, k <= TRACKED_STEPS))
             times[name].append(timer() - start)
             times[f"{name}_cpu"].append(time.process_time() - cpu)
     # The slowest rank's time of each step (wall, and CPU time of the rank's process).

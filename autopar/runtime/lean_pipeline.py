@@ -242,6 +242,7 @@ class _LeanSends:
         self._lean_pending: list[tuple[int | None, list[Any]]] = []
         self._lean_release: dict[Any, int | None] = {}
         self._lean_positions: dict[Any, int] = {}
+        self._lean_order: Any = None
         # NOTE: register_custom_function admits compute actions only, but the runtime looks every
         # action up in this map first; SEND_F / SEND_B handlers replace its own deferred sends.
         self._comp_type_to_function_map[SEND_F] = _lean_send
@@ -250,10 +251,13 @@ class _LeanSends:
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
         """torch's step, then wait for the sends not yet proven complete (as torch does)."""
         order = self.pipeline_order_with_comms
-        self._lean_positions = {a: pos for pos, a in enumerate(order[self.rank]) if a is not None}
-        self._lean_release = send_release_positions(
-            order, self.rank, lambda s: self.stage_index_to_group_rank[s]
-        )
+        if getattr(self, "_lean_order", None) is not order:  # once per action list, not per step
+            self._lean_order = order
+            self._lean_positions = {
+                a: pos for pos, a in enumerate(order[self.rank]) if a is not None}
+            self._lean_release = send_release_positions(
+                order, self.rank, lambda s: self.stage_index_to_group_rank[s]
+            )
         self._lean_pending = []
         try:
             result = super()._step_microbatches(*args, **kwargs)

@@ -50,20 +50,22 @@ def _slope(points: list[tuple[float, float]]) -> float:
 
 def fit(records: list[dict]) -> dict[str, float]:
     """The three scaling constants from their series (see the module docstring)."""
-    tree = []
-    for prefix in ("gtc24-nvlstree-h100", "arxiv2411.13055-h100"):
-        for size in (4 * 2**30, 16 * 2**30):
-            pts = [(r["nodes"], r["busbw_GBps"]) for r in records
-                   if r["id"].startswith(prefix) and r["message_bytes"] == size and r["nodes"] >= 4]
-            if len(pts) >= 4:
-                tree.append(_slope(pts))
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    for r in records:  # one series per source and size: H100 all-reduce, >= 4 GiB, >= 4 nodes
+        if r["gpu"] == "h100" and r["collective"] == "all_reduce" and r["nodes"] >= 4 and (
+                (r["message_bytes"] or 0) >= 4 * 2**30):
+            series.setdefault((r["source"], r["message_bytes"]), []).append(
+                (r["nodes"], r["busbw_GBps"]))
+    tree = [_slope(pts) for _, pts in sorted(series.items()) if len(pts) >= 4]
+    node = Cluster.preset("h100", nodes=2)  # the bus bandwidth of one node's 8 NICs
+    busbw = min(node.intra_node.bandwidth_bytes_per_s, 8 * node.inter_node.bandwidth_bytes_per_s)
     latency = []
     for r in records:
         if r["gpu"] == "h100" and r["collective"] == "all_reduce" and r["nodes"] >= 4 and (
                 r["message_bytes"] == 16 * 2**20):
             n = 8 * r["nodes"]
             measured = 2 * (n - 1) / n * r["message_bytes"] / (r["busbw_GBps"] * 1e9)
-            bandwidth = 2 * (n - 1) / n * r["message_bytes"] / 370e9
+            bandwidth = 2 * (n - 1) / n * r["message_bytes"] / busbw
             latency.append((measured - bandwidth) / math.log2(r["nodes"]))
     ring = [r for r in records if r["collective"] in ("reduce_scatter", "all_gather")
             and r["gpu"] == "h100" and r["nodes"] >= 4]

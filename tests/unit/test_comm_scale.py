@@ -29,12 +29,12 @@ RECORDS = json.loads((ROOT / "benchmarks" / "data" / "nccl_busbw.json").read_tex
 
 
 def _series() -> dict[tuple, list[dict]]:
-    """Records of one source prefix, GPU, kind and size over >= 4 node counts (4 nodes and up:
+    """Records of one source, GPU, kind and size over >= 4 node counts (4 nodes and up:
     NCCL's 2-node tree reports more than the network carries)."""
     out: dict[tuple, list[dict]] = defaultdict(list)
     for r in RECORDS:
         if r["nodes"] >= 4 and SCRIPT.modelled_busbw(r):
-            out[(r["id"].split("-")[0], r["gpu"], r["collective"], r["message_bytes"])].append(r)
+            out[(r["source"], r["gpu"], r["collective"], r["message_bytes"])].append(r)
     return {k: sorted(v, key=lambda r: r["nodes"]) for k, v in out.items() if len(v) >= 4}
 
 

@@ -23,7 +23,7 @@ from autopar.graph.types import ModelProfile
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["default_split", "estimate"]
+__all__ = ["checked_table", "default_split", "estimate"]
 
 
 def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
@@ -34,6 +34,19 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
     return balanced_partition(costs, cfg.num_stages), recompute
+
+
+def checked_table(
+    profile: ModelProfile, cluster: Cluster, config: ParallelConfig, framework: str | Framework
+) -> CostTable:
+    """The CostTable of ``config`` after checking it against the model, the cluster and what
+    ``framework`` runs (ValueError naming the broken constraint)."""
+    fw = get_framework(framework)
+    check_config(profile, cluster, config)
+    reason = framework_supports(fw, config)
+    if reason:
+        raise ValueError(reason)
+    return build_cost_table(profile, cluster, config, fw)
 
 
 def estimate(
@@ -68,12 +81,7 @@ def estimate(
         cfg, plan = config_or_plan.config, config_or_plan
     if framework is None:
         framework = plan.framework if plan is not None else "autopar"
-    fw = get_framework(framework)
-    check_config(profile, cluster, cfg)
-    reason = framework_supports(fw, cfg)
-    if reason:
-        raise ValueError(reason)
-    table = build_cost_table(profile, cluster, cfg, fw)
+    table = checked_table(profile, cluster, cfg, framework)
     if plan is None:
         stage_layers, recompute = default_split(table)
     else:

@@ -459,15 +459,9 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
 
     Its estimate equals ``autopar.estimate(profile, cluster, config, framework)``.
     """
-    from autopar.cost_model.estimator import default_split
-    from autopar.cost_model.frameworks import framework_supports, get_framework
-    from autopar.cost_model.validate import check_config
+    from autopar.cost_model.estimator import checked_table, default_split
 
-    check_config(profile, cluster, config)
-    reason = framework_supports(get_framework(framework), config)
-    if reason:
-        raise ValueError(reason)
-    table = _cost_table(profile, cluster, config, SearchOptions(framework=framework))
+    table = checked_table(profile, cluster, config, framework)
     split, recompute = default_split(table)
     return Plan(
         config=config,

@@ -16,6 +16,7 @@ __all__ = [
     "DTYPE_BYTES",
     "MAX_GLOBAL_BATCH",
     "MAX_SEQ_LEN",
+    "OFFLOADS",
     "RECOMPUTE",
     "SCHEDULES",
     "ParallelConfig",
@@ -38,8 +39,14 @@ MULTI_CHUNK_SCHEDULES: frozenset[str] = frozenset(
     {"interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"}
 )
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# fp8: fp8 matmuls (torchao float8 / Transformer Engine) with bf16 everywhere else, so its
+# stored tensors (parameters, gradients, activations) are 2 bytes like bf16.
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+# What lives in host memory: nothing, the optimizer (fp32 master weights and Adam moments, with
+# the optimizer step on the CPU as in ZeRO-Offload and FSDP2's CPUOffloadPolicy), or the
+# parameters and gradients too (ZeRO-Infinity / CPUOffloadPolicy with fully_shard).
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
 # The largest global batch autopar plans for, in sequences: published runs use at most ~10^4
 # (16M tokens of 2k); the bound keeps the search's loops over its divisors short.
 MAX_GLOBAL_BATCH = 2**24
@@ -49,12 +56,18 @@ MAX_SEQ_LEN = 2**24
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """A split of one training step over ``dp * tp * pp`` devices.
+    """A split of one training step over ``dp * cp * tp * pp`` devices.
 
     Attributes:
         dp: data-parallel degree (replicas, or shards under ZeRO/FSDP).
+        cp: context-parallel degree: each sequence sharded over cp ranks (ring attention).
         tp: tensor-parallel degree (innermost mesh axis).
         pp: pipeline-parallel degree (number of pipeline ranks).
+        ep: expert-parallel degree of mixture-of-experts layers; divides ``dp * cp`` (experts
+            sharded over ranks that hold data/context replicas of the dense layers).
+        dp_replicate: HSDP replicas: ``dp = dp_replicate * shard``; divides dp, needs zero >= 1.
+        offload: none | optimizer | params: what lives in host memory (needs zero >= 1;
+            params needs zero 3).
         micro_batch: sequences per micro-batch per data-parallel replica.
         global_batch: sequences per optimizer step for the whole job.
         schedule: pipeline schedule name (see ``SCHEDULES``); ignored when pp == 1.
@@ -63,12 +76,16 @@ class ParallelConfig:
         sequence_parallel: shard norms/dropout activations along the sequence over tp.
         zero: 0 replicated (DDP / replicate()), 1 and 2 (FSDP2 keeping parameters unsharded
             between forward and backward), 3 (FSDP2 fully_shard).
-        dtype: training precision: bf16 (default), fp16, fp32.
+        dtype: training precision: bf16 (default), fp16, fp32, fp8 (fp8 matmuls, bf16 elsewhere).
     """
 
     dp: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    offload: str = "none"
     micro_batch: int = 1
     global_batch: int
     schedule: str = "1f1b"
@@ -79,7 +96,8 @@ class ParallelConfig:
     dtype: str = "bf16"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "global_batch", "virtual_stages"):
+        for name in ("dp", "cp", "tp", "pp", "ep", "dp_replicate", "micro_batch",
+                     "global_batch", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -102,6 +120,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError("ParallelConfig.sequence_parallel must be true or false")
+        self._check_new_dimensions()
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global_batch {self.global_batch} is not divisible by dp * micro_batch = "
@@ -118,10 +137,40 @@ class ParallelConfig:
                 "or use an interleaved schedule"
             )
 
+    def _check_new_dimensions(self) -> None:
+        """The rules of ep, dp_replicate and offload (DESIGN: dimensions beyond dp x tp x pp)."""
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ParallelConfig.ep {self.ep} does not divide dp * cp = {self.dp * self.cp}: "
+                "experts are sharded over the data/context-parallel ranks; pick ep dividing dp * cp"
+            )
+        if self.dp % self.dp_replicate:
+            raise ValueError(
+                f"ParallelConfig.dp_replicate {self.dp_replicate} does not divide dp {self.dp}; "
+                "HSDP is dp_replicate replicas of a dp / dp_replicate-way shard"
+            )
+        if self.dp_replicate > 1 and self.zero == 0:
+            raise ValueError(
+                "ParallelConfig.dp_replicate > 1 (HSDP) needs zero >= 1 (a shard group)"
+            )
+        if self.offload not in OFFLOADS:
+            raise ValueError(
+                f"ParallelConfig.offload {self.offload!r} is unknown; use one of {OFFLOADS}"
+            )
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError("ParallelConfig.offload needs zero >= 1 (offload moves sharded state)")
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError("ParallelConfig.offload='params' needs zero=3 (parameters sharded)")
+
     @property
     def world_size(self) -> int:
-        """Devices the config occupies: dp * tp * pp."""
-        return self.dp * self.tp * self.pp
+        """Devices the config occupies: dp * cp * tp * pp."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks a ZeRO/FSDP shard group spans: dp / dp_replicate (dp itself without HSDP)."""
+        return self.dp // self.dp_replicate
 
     @property
     def num_microbatches(self) -> int:
@@ -148,7 +197,15 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """A one-line summary, e.g. ``dp=8 tp=8 pp=16 mb=1 1f1b zero=1 recompute=full``."""
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"mb={self.micro_batch}"]
+        parts = [f"dp={self.dp}"]
+        if self.dp_replicate > 1:
+            parts.append(f"(hsdp {self.dp_replicate}x{self.dp_shard})")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        parts += [f"tp={self.tp}", f"pp={self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts.append(f"mb={self.micro_batch}")
         if self.pp > 1:
             sched = self.schedule
             if self.virtual_stages > 1:
@@ -158,6 +215,8 @@ class ParallelConfig:
         parts.append(f"recompute={self.recompute}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         parts.append(self.dtype)
         return " ".join(parts)
 

@@ -55,6 +55,18 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches
         )
 
 
+def _check_uncosted(cfg: ParallelConfig) -> None:
+    """Refuse the dimensions the cost model does not charge yet, rather than mis-cost them."""
+    for name, default in (("cp", 1), ("ep", 1), ("dp_replicate", 1), ("offload", "none")):
+        if getattr(cfg, name) != default:
+            raise ValueError(
+                f"{name} = {getattr(cfg, name)!r} is not costed by this autopar version; "
+                f"use {name}={default!r}"
+            )
+    if cfg.dtype == "fp8":
+        raise ValueError("dtype fp8 is not costed by this autopar version; use bf16")
+
+
 def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig) -> None:
     """Raise ValueError naming the first constraint the config breaks on this model and cluster.
 
@@ -69,9 +81,10 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
     cfg = config
     if cfg.world_size != cluster.num_gpus:
         raise ValueError(
-            f"world size dp * tp * pp = {cfg.dp} * {cfg.tp} * {cfg.pp} = {cfg.world_size} "
-            f"does not equal the cluster's {cluster.num_gpus} GPUs"
+            f"world size dp * cp * tp * pp = {cfg.dp} * {cfg.cp} * {cfg.tp} * {cfg.pp} = "
+            f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs"
         )
+    _check_uncosted(cfg)
     if cfg.tp > 1:
         for name, count in (("heads", profile.heads), ("kv_heads", profile.kv_heads)):
             if count and count % cfg.tp:

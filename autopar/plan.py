@@ -18,7 +18,7 @@ from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
-from autopar.cost_model.frameworks import FRAMEWORKS
+from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 from autopar.cost_model.pipeline import rank_of_stage
 
 __all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
@@ -157,9 +157,14 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if self.framework not in FRAMEWORKS:
+        try:
+            known = isinstance(self.framework, str) and get_framework(self.framework).spec
+        except ValueError:
+            known = False
+        if known != self.framework:
             raise PlanFormatError(
                 f"plan framework {self.framework!r} is unknown; use one of {', '.join(FRAMEWORKS)}"
+                " (with its settings as name+setting+..., sorted)"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise PlanFormatError(

@@ -62,7 +62,7 @@ DEFAULTS = {
 # step_overhead_s: at most half a second per step (data loading, clipping, logging), so that a
 # fit cannot turn it into a stand-in for what the layers' terms miss.
 BOUNDS = {"kernel_efficiency": (0.5, 1.6), "step_overhead_s": (0.0, 0.5),
-          "overlap_slowdown": (0.0, 0.9), "tp_comm_overlap": (0.0, 0.95),
+          "overlap_slowdown": (0.0, 0.9),
           "dp_comm_efficiency": (0.02, 1.0), "zero3_comm_efficiency": (0.02, 1.0)}
 
 
@@ -165,9 +165,16 @@ def _every_other_plan(profile, cluster, config, framework, every: int):
     return dataclasses.replace(plan, stages=stages)
 
 
+def record_framework(rec: dict, framework: Framework | None = None) -> Framework:
+    """The record's framework with the settings its source states (``framework_settings``:
+    e.g. Megatron-LM's --tp-comm-overlap); none stated: the framework's defaults."""
+    fw = framework or get_framework(rec["framework"])
+    return fw.with_settings(tuple(rec.get("framework_settings") or ()))
+
+
 def record_inputs(rec: dict, framework: Framework | None = None):
     """(profile, cluster, config-or-plan, framework) exactly as a user would pass them."""
-    fw = framework or get_framework(rec["framework"])
+    fw = record_framework(rec, framework)
     profile, cluster, chosen = _record_split(rec["id"])
     return profile, cluster, chosen, fw
 
@@ -208,7 +215,7 @@ def cli_args(rec: dict) -> list[str] | None:
             "--micro-batch", str(config.micro_batch), "--global-batch", str(config.global_batch),
             "--schedule", config.schedule, "--virtual-stages", str(config.virtual_stages),
             "--recompute", config.recompute, "--zero", str(config.zero), "--dtype", config.dtype,
-            "--framework", fw.name, "--json"]
+            "--framework", fw.spec, "--json"]
     if rec["cluster"].get("memory_GB"):
         args += ["--gpu-memory", str(rec["cluster"]["memory_GB"])]
     if config.sequence_parallel:
@@ -390,8 +397,12 @@ def main(argv: list[str] | None = None) -> int:
             fw = fit([r for r in records if r["framework"] == name], get_framework(name))
             print(name, {k: round(getattr(fw, k), 4) for k in FITTED_FIELDS[name]})
     rows = [predict(r) for r in records]
-    if args.json:
+    if args.json and not args.loso:
         print(json.dumps(rows, indent=2, default=list))
+        return 0
+    if args.json:  # the leave-one-source-out rows
+        loso = [row for name in frameworks for row in leave_one_source_out(records, name)]
+        print(json.dumps(loso, indent=2, default=list))
         return 0
     _print_rows(rows, "In sample (the committed framework records):")
     print()

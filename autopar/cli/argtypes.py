@@ -12,7 +12,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["int_in", "positive_float"]
+__all__ = ["framework_spec", "int_in", "positive_float"]
 
 
 def _number(text: str) -> float:
@@ -55,3 +55,17 @@ def positive_float(high: float) -> Callable[[str], float]:
 
     parse.__name__ = "number"
     return parse
+
+
+def framework_spec(text: str) -> str:
+    """An argparse type: a framework name with optional settings (``megatron-lm+tp-comm-overlap``),
+    returned in its canonical form (settings sorted)."""
+    from autopar.cost_model.frameworks import get_framework
+
+    try:
+        return get_framework(text).spec
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+framework_spec.__name__ = "framework"

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``autopar verify`` on ``parser``."""
-    from autopar.cost_model.frameworks import FRAMEWORKS
+    from autopar.cli.argtypes import framework_spec
 
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file (autopar plan --out)")
     parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6)")
@@ -37,7 +37,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --refit: where to write the refitted cluster")
     parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--framework", default="autopar", choices=FRAMEWORKS,
+    parser.add_argument("--framework", default="autopar", type=framework_spec,
+                        metavar="NAME[+SETTING...]",
                         help="predict as this framework would run the plan (default autopar: "
                         "the runtime verify runs)")
 

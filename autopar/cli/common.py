@@ -81,12 +81,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_framework_argument(parser: argparse.ArgumentParser) -> None:
     """``--framework``: the training framework a prediction is for."""
-    from autopar.cost_model.frameworks import FRAMEWORKS
+    from autopar.cli.argtypes import framework_spec
 
     parser.add_argument(
-        "--framework", default="autopar", choices=FRAMEWORKS,
-        help="training framework that runs the split (default autopar, this project's runtime; "
-        "docs/frameworks.md)",
+        "--framework", default="autopar", type=framework_spec, metavar="NAME[+SETTING...]",
+        help="training framework that runs the split: autopar (default, this project's "
+        "runtime), torchtitan, megatron-lm, deepspeed, with the settings you turn on, e.g. "
+        "megatron-lm+tp-comm-overlap+overlap-grad-reduce (docs/frameworks.md)",
     )
 
 

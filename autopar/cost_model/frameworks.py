@@ -10,7 +10,9 @@ overlap, its fused kernels, its per-step cost, what it can run) and where that c
   (benchmarks/data/), reported with leave-one-source-out error (docs/frameworks.md);
 - measured: measured here (``autopar calibrate``, ``benchmarks/accuracy.py``, the H200 runs).
 
-``estimate(..., framework=)`` and ``plan(..., framework=)`` take a name from ``FRAMEWORKS`` or a
+``estimate(..., framework=)`` and ``plan(..., framework=)`` take a name from ``FRAMEWORKS``, a
+name with the settings its user switched on (``"megatron-lm+tp-comm-overlap+overlap-grad-reduce"``:
+``SETTINGS`` lists each framework's, all off by default as in the framework itself), or a
 ``Framework`` record (``dataclasses.replace`` of one, which is how the calibration fits them
 through the public API).
 """
@@ -25,9 +27,40 @@ from types import MappingProxyType
 from autopar.config import SCHEDULES
 from autopar.cost_model.hardware import Cluster
 
-__all__ = ["FRAMEWORKS", "Framework", "framework_cluster", "framework_supports", "get_framework"]
+__all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
+           "get_framework"]
 
 FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
+
+# The switches a framework's user turns on, each off by default as in the framework itself;
+# what each one changes is in ``_SETTING_EFFECTS``.
+_MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
+SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "autopar": MappingProxyType({}),
+    "torchtitan": MappingProxyType({
+        "async-tp": "sourced: torchtitan parallelism.enable_async_tensor_parallel (default "
+                    "False): tensor-parallel collectives decomposed and overlapped with the "
+                    "matmuls (torch micro-pipelined TP, with torch.compile)",
+    }),
+    "megatron-lm": MappingProxyType({
+        "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
+                           "overlap the tensor-parallel all-gathers and reduce-scatters with "
+                           "the GEMMs",
+        "overlap-grad-reduce": _MEGATRON_ARGS + "--overlap-grad-reduce: gradient reductions "
+                               "bucketed under the backward (off: after it)",
+        "overlap-param-gather": _MEGATRON_ARGS + "--overlap-param-gather: the distributed "
+                                "optimizer's parameter all-gather under the forward (off: "
+                                "before it)",
+    }),
+    "deepspeed": MappingProxyType({}),
+})
+# setting -> the Framework fields it sets.
+_SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    "async-tp": {"tp_comm_overlapped": True},
+    "tp-comm-overlap": {"tp_comm_overlapped": True},
+    "overlap-grad-reduce": {"dp_reduce_overlapped": True},
+    "overlap-param-gather": {"param_gather_overlapped": True},
+})
 
 # Receive-buffer policies of a pipeline runtime.
 PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
@@ -62,8 +95,13 @@ class Framework:
             saved input stays sequence-sharded: Korthikanti et al. 2022's 34/t).
         grad_reduce_bytes: bytes per element of the data-parallel gradient reductions (4: fp32
             reduce dtype; 2: reduced at the 16-bit training dtype).
-        tp_comm_overlap: fraction of the tensor-parallel collectives hidden under GEMMs (fitted
-            where the framework overlaps them, e.g. Transformer Engine's userbuffers).
+        settings: the switches of ``SETTINGS[name]`` the user turned on (sorted).
+        tp_comm_overlapped: tensor-parallel collectives run under the layer's GEMMs (hidden up
+            to the layer's compute, slowing it by ``overlap_slowdown``); else they wait.
+        dp_reduce_overlapped: data-parallel gradient reductions run under the backward (within
+            ``dp_overlap_efficiency`` of it); else after it.
+        param_gather_overlapped: per-step ZeRO parameter all-gathers run under the forward;
+            else before it.
         dp_comm_efficiency: achieved over modelled bus bandwidth of the framework's
             data-parallel collectives (fitted; 1 = the nccl-tests figures).
         zero3_comm_efficiency: the same, further, for ZeRO-3 parameter gathers and gradient
@@ -108,7 +146,9 @@ class Framework:
     loss_parallel: bool
     sp_regathers_inputs: bool
     grad_reduce_bytes: int
-    tp_comm_overlap: float
+    tp_comm_overlapped: bool
+    dp_reduce_overlapped: bool
+    param_gather_overlapped: bool
     dp_comm_efficiency: float
     zero3_comm_efficiency: float
     param_traffic_factor: float | None
@@ -127,6 +167,7 @@ class Framework:
     memory_band: float
     step_time_band: tuple[float, float]
     sources: Mapping[str, str]
+    settings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pipeline_recv_buffers not in (PER_MICROBATCH, IN_FLIGHT):
@@ -137,9 +178,6 @@ class Framework:
                      "zero3_comm_efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Framework.{name} must be > 0")
-        if not 0 <= self.tp_comm_overlap < 1:
-            raise ValueError(f"Framework.tp_comm_overlap must be in [0, 1), got "
-                             f"{self.tp_comm_overlap!r}")
         for name in ("fragmentation_fraction", "overlap_slowdown", "step_overhead_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
@@ -156,6 +194,24 @@ class Framework:
         """The record with some fitted fields replaced (what calibration tries)."""
         return dataclasses.replace(self, **values)
 
+    @property
+    def spec(self) -> str:
+        """The name with its settings, as ``get_framework`` reads it and a Plan records it."""
+        return "+".join((self.name, *self.settings))
+
+    def with_settings(self, settings: tuple[str, ...]) -> Framework:
+        """The record with ``settings`` (switches of ``SETTINGS[name]``) turned on."""
+        known = SETTINGS.get(self.name, {})
+        unknown = [x for x in settings if x not in known]
+        if unknown:
+            choices = ", ".join(known) or "none"
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)} of framework "
+                             f"{self.name}; its settings: {choices}")
+        changes: dict[str, object] = {"settings": tuple(sorted(set(settings)))}
+        for setting in settings:
+            changes.update(_SETTING_EFFECTS[setting])
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
 
 _TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's names
 
@@ -166,7 +222,7 @@ _TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's nam
 # arXiv:2507.03114, 2025: GPT and Llama on 4 A100 / H100 / MI250 / MI210; at most 40%).
 OVERLAP_SLOWDOWN = 0.19
 NEUTRAL_FIT = _NEUTRAL = {"kernel_efficiency": 1.0, "step_overhead_s": 0.0,
-                          "overlap_slowdown": OVERLAP_SLOWDOWN, "tp_comm_overlap": 0.0,
+                          "overlap_slowdown": OVERLAP_SLOWDOWN,
                           "dp_comm_efficiency": 1.0, "zero3_comm_efficiency": 1.0}
 _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
@@ -174,8 +230,8 @@ _FIT: dict[str, dict[str, object]] = {
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.994, "step_overhead_s": 0.142,
                    "dp_comm_efficiency": 0.895, "step_time_band": (0.77, 1.11)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.883, "step_overhead_s": 0.0,
-                    "tp_comm_overlap": 0.95, "step_time_band": (0.80, 1.23)},
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.976, "step_overhead_s": 0.006,
+                    "step_time_band": (0.80, 1.23)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.765, "step_overhead_s": 0.5,
                   "zero3_comm_efficiency": 0.157, "step_time_band": (0.87, 1.74)},
 }
@@ -183,7 +239,7 @@ _FIT: dict[str, dict[str, object]] = {
 FITTED_FIELDS: dict[str, tuple[str, ...]] = {
     "autopar": (),
     "torchtitan": ("kernel_efficiency", "step_overhead_s", "dp_comm_efficiency"),
-    "megatron-lm": ("kernel_efficiency", "step_overhead_s", "tp_comm_overlap"),
+    "megatron-lm": ("kernel_efficiency", "step_overhead_s"),
     "deepspeed": ("kernel_efficiency", "step_overhead_s", "zero3_comm_efficiency"),
 }
 
@@ -204,6 +260,7 @@ _NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable se
 _RECORDS: dict[str, dict[str, object]] = {
     "autopar": dict(
         runtime="autopar's runtime (torch 2.13: FSDP2, DTensor, torch.distributed.pipelining)",
+        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
@@ -241,6 +298,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "torchtitan": dict(
         runtime="torchtitan 0.1-0.2 (FSDP2 per block, torch pipelining, eager or compiled)",
+        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
@@ -271,6 +329,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "megatron-lm": dict(
         runtime="Megatron-LM / Megatron-Core (NeMo) with Transformer Engine kernels",
+        tp_comm_overlapped=False, dp_reduce_overlapped=False, param_gather_overlapped=False,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=4e7,
         fragmentation_fraction=0.07, param_traffic_factor=0.0, elementwise_traffic_scale=1.0,
@@ -303,6 +362,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "deepspeed": dict(
         runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
+        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
@@ -337,6 +397,36 @@ _RECORDS: dict[str, dict[str, object]] = {
 }
 
 
+_SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
+_OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
+    "autopar": {
+        "tp_comm_overlapped": "sourced: autopar/runtime/tensor_parallel.py (DTensor's "
+                              "tensor-parallel collectives run before the matmul that needs "
+                              "them)",
+        "dp_reduce_overlapped": _FSDP2_UNIT + "; DDP / replicate() reduce buckets under the "
+                                "backward",
+        "param_gather_overlapped": _FSDP2_UNIT,
+    },
+    "torchtitan": {
+        "tp_comm_overlapped": _SETTING_OFF.format("async-tp"),
+        "dp_reduce_overlapped": _FSDP2_UNIT,
+        "param_gather_overlapped": _FSDP2_UNIT,
+    },
+    "megatron-lm": {
+        "tp_comm_overlapped": _SETTING_OFF.format("tp-comm-overlap"),
+        "dp_reduce_overlapped": _SETTING_OFF.format("overlap-grad-reduce"),
+        "param_gather_overlapped": _SETTING_OFF.format("overlap-param-gather"),
+    },
+    "deepspeed": {
+        "tp_comm_overlapped": "sourced: Megatron-DeepSpeed's tensor-parallel layers "
+                              "(synchronous all-reduces)",
+        "dp_reduce_overlapped": "sourced: DeepSpeed zero_optimization.overlap_comm",
+        "param_gather_overlapped": "sourced: DeepSpeed ZeRO-3 parameter prefetch "
+                                   "(stage3_prefetch_bucket_size)",
+    },
+}
+
+
 def _build(name: str) -> Framework:
     fields = {**_RECORDS[name], **_FIT[name]}
     sources = dict(fields.pop("sources"))  # type: ignore[arg-type]
@@ -347,7 +437,10 @@ def _build(name: str) -> Framework:
                                       "no published memory figure of this framework fitted yet)")
     sources.setdefault("overlap_slowdown", "sourced: arXiv:2507.03114 (18.9% average compute "
                                           "slowdown under overlapped NCCL collectives)")
-    for key in ("kernel_efficiency", "step_overhead_s", "tp_comm_overlap",
+    for key, text in _OVERLAP_SOURCES[name].items():
+        sources.setdefault(key, text)
+    sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
+    for key in ("kernel_efficiency", "step_overhead_s",
                 "dp_comm_efficiency", "zero3_comm_efficiency"):
         sources.setdefault(key, "sourced: no such mechanism charged for this framework "
                                 "(neutral value)")
@@ -363,16 +456,20 @@ _BY_NAME: Mapping[str, Framework] = MappingProxyType({n: _build(n) for n in FRAM
 
 
 def get_framework(framework: str | Framework) -> Framework:
-    """The record of ``framework`` (a name from ``FRAMEWORKS`` or a Framework itself).
+    """The record of ``framework``: a name from ``FRAMEWORKS``, optionally with the settings
+    its user turned on (``"megatron-lm+tp-comm-overlap"``), or a Framework itself.
 
     Raises:
         ValueError: an unknown name, naming the known ones.
     """
     if isinstance(framework, Framework):
         return framework
-    if isinstance(framework, str) and framework.lower() in _BY_NAME:
-        return _BY_NAME[framework.lower()]
-    raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(FRAMEWORKS)}")
+    if isinstance(framework, str):
+        name, *settings = framework.lower().split("+")
+        if name in _BY_NAME:
+            return _BY_NAME[name].with_settings(tuple(settings)) if settings else _BY_NAME[name]
+    raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(FRAMEWORKS)} "
+                     "(with settings: name+setting+..., see autopar.SETTINGS)")
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -388,6 +485,18 @@ def framework_supports(framework: Framework, config) -> str | None:
                 f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
     if config.sequence_parallel and not fw.sequence_parallel:
         return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
+    return _settings_support(fw, config)
+
+
+def _settings_support(fw: Framework, config) -> str | None:
+    """What the framework's settings require of a split (Megatron-LM validate_args)."""
+    if "tp-comm-overlap" in fw.settings and config.tp > 1 and not config.sequence_parallel:
+        return ("megatron-lm's --tp-comm-overlap needs sequence parallelism (validate_args); "
+                "use sequence_parallel=True")
+    if "overlap-param-gather" in fw.settings and config.dp > 1 and (
+            config.zero == 0 or "overlap-grad-reduce" not in fw.settings):
+        return ("megatron-lm's --overlap-param-gather needs the distributed optimizer (zero=1) "
+                "and --overlap-grad-reduce (validate_args)")
     return None
 
 

@@ -57,6 +57,7 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
@@ -177,8 +178,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     eta = cluster.dp_overlap_efficiency
     dp_calls = framework_dp_collectives(
         dp_collectives(cfg, fsdp_unit_params(profile, cfg, index)), cfg, fw)
-    step_s, mb_s, tail_s = dp_terms(dp_calls, groups["dp"], times.forward_s, times.backward_s,
-                                     eta, fw.overlap_slowdown)
+    # A framework that waits for its gathers / reductions gives them no compute window.
+    step_s, mb_s, tail_s = dp_terms(
+        dp_calls, groups["dp"], times.forward_s if fw.param_gather_overlapped else 0.0,
+        times.backward_s if fw.dp_reduce_overlapped else 0.0, eta, fw.overlap_slowdown)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
@@ -188,7 +191,6 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         w + memory.GRAD_BYTES)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
-    tp_exposed = 1.0 - fw.tp_comm_overlap
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
     gathered_bytes = 2 * w * params_tp if gathered else 0.0
     unsharded_grad_bytes = fresh_grad * params_tp if fsdp else 0.0
@@ -214,9 +216,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=tuple(tp_exposed * sum(c.time_s(groups["tp"]) / (
-            cfg.num_microbatches if c.per == "step" else 1) for c in calls)
-                        for calls in tp_calls),
+        tp_comm_s=tuple(_tp_exposed_s(fw, sum(c.time_s(groups["tp"]) / (
+            cfg.num_microbatches if c.per == "step" else 1) for c in calls),
+            times.forward_s + times.backward_s) for calls in tp_calls),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, params_tp),
                               cluster, fw),
@@ -230,6 +232,13 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         / cluster.device.hbm_bytes_per_s + (opt_fixed_s if layer.num_params > 0 else 0.0),
     )
     return cost, tail_s
+
+
+def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
+    """Tensor-parallel time a micro-batch waits for: all of it, or (a framework overlapping
+    it with the layer's GEMMs) what the layer's compute cannot hide plus the slowdown."""
+    return overlapped_s(comm_s, gemm_window_s, fw.overlap_slowdown) if (
+        fw.tp_comm_overlapped) else comm_s
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):
@@ -295,7 +304,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
         dp_tail_s=max(tails) if cfg.dp > 1 else 0.0,
-        overlap_efficiency=cluster.dp_overlap_efficiency,
+        overlap_efficiency=cluster.dp_overlap_efficiency if fw.dp_reduce_overlapped else 0.0,
         buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(cfg.dtype),

@@ -86,6 +86,7 @@ class SearchOptions:
             raise ValueError("SearchOptions.sequence_parallel must list at least one setting")
         from autopar.cost_model.frameworks import get_framework
 
-        get_framework(self.framework)  # raises ValueError naming the known ones
+        # raises ValueError naming the known ones; kept in canonical form (settings sorted)
+        object.__setattr__(self, "framework", get_framework(self.framework).spec)
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError("SearchOptions.micro_batch_sizes must be positive")

@@ -473,5 +473,5 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
         model=model,
         seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
-        framework=framework,
+        framework=table.framework.spec,
     )

@@ -18,6 +18,7 @@ from autopar.plan import Plan
 
 __all__ = [
     "FRAMEWORKS",
+    "SETTINGS",
     "AutoparError",
     "Cluster",
     "Estimate",
@@ -41,6 +42,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Estimate": ("autopar.cost_model.estimate", "Estimate"),
     "FRAMEWORKS": ("autopar.cost_model.frameworks", "FRAMEWORKS"),
     "Framework": ("autopar.cost_model.frameworks", "Framework"),
+    "SETTINGS": ("autopar.cost_model.frameworks", "SETTINGS"),
     "estimate": ("autopar.cost_model", "estimate"),
     "ModelProfile": ("autopar.graph.types", "ModelProfile"),
     "profile": ("autopar.graph", "profile"),

@@ -82,6 +82,10 @@ def out_of_space(rec: dict) -> str | None:
         return "fp8 matmuls (not in autopar's precision space yet)"
     if (rec["plan"].get("cp") or 1) > 1:
         return "context parallelism (not in autopar's space yet)"
+    if rec["plan"].get("activation_partitioning") or rec["plan"].get(
+            "activation_cpu_checkpointing"):
+        return "activation checkpoints partitioned over tp or kept in host memory (DeepSpeed " \
+               "activation checkpointing; not in autopar's space)"
     return None
 
 

@@ -37,11 +37,9 @@ FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspee
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
 SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "autopar": MappingProxyType({}),
-    "torchtitan": MappingProxyType({
-        "async-tp": "sourced: torchtitan parallelism.enable_async_tensor_parallel (default "
-                    "False): tensor-parallel collectives decomposed and overlapped with the "
-                    "matmuls (torch micro-pipelined TP, with torch.compile)",
-    }),
+    # torchtitan's enable_async_tensor_parallel is not offered: charged as a full overlap it
+    # predicted twice the gain torchtitan's async-TP table measured (9-10%; docs/frameworks.md).
+    "torchtitan": MappingProxyType({}),
     "megatron-lm": MappingProxyType({
         "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
                            "overlap the tensor-parallel all-gathers and reduce-scatters with "
@@ -52,13 +50,17 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                                 "optimizer's parameter all-gather under the forward (off: "
                                 "before it)",
     }),
-    "deepspeed": MappingProxyType({}),
+    "deepspeed": MappingProxyType({
+        "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
+                        "stage 3 only, deepspeed/runtime/zero/config.py overlap_comm_valid): "
+                        "gradient reductions under the backward",
+    }),
 })
 # setting -> the Framework fields it sets.
 _SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    "async-tp": {"tp_comm_overlapped": True},
     "tp-comm-overlap": {"tp_comm_overlapped": True},
-    "overlap-grad-reduce": {"dp_reduce_overlapped": True},
+    "overlap-grad-reduce": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
+    "overlap-comm": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
     "overlap-param-gather": {"param_gather_overlapped": True},
 })
 
@@ -98,8 +100,8 @@ class Framework:
         settings: the switches of ``SETTINGS[name]`` the user turned on (sorted).
         tp_comm_overlapped: tensor-parallel collectives run under the layer's GEMMs (hidden up
             to the layer's compute, slowing it by ``overlap_slowdown``); else they wait.
-        dp_reduce_overlapped: data-parallel gradient reductions run under the backward (within
-            ``dp_overlap_efficiency`` of it); else after it.
+        dp_reduce_overlap_stages: the ZeRO stages (0-3) whose data-parallel gradient reductions
+            run under the backward (within ``dp_overlap_efficiency`` of it); the others after it.
         param_gather_overlapped: per-step ZeRO parameter all-gathers run under the forward;
             else before it.
         dp_comm_efficiency: achieved over modelled bus bandwidth of the framework's
@@ -147,7 +149,7 @@ class Framework:
     sp_regathers_inputs: bool
     grad_reduce_bytes: int
     tp_comm_overlapped: bool
-    dp_reduce_overlapped: bool
+    dp_reduce_overlap_stages: tuple[int, ...]
     param_gather_overlapped: bool
     dp_comm_efficiency: float
     zero3_comm_efficiency: float
@@ -228,11 +230,11 @@ _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
     # (benchmarks/results/accuracy_cpu_202612.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
-    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.994, "step_overhead_s": 0.142,
-                   "dp_comm_efficiency": 0.895, "step_time_band": (0.77, 1.11)},
+    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.986, "step_overhead_s": 0.171,
+                   "dp_comm_efficiency": 0.865, "step_time_band": (0.79, 1.13)},
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.976, "step_overhead_s": 0.006,
-                    "step_time_band": (0.80, 1.23)},
-    "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.765, "step_overhead_s": 0.5,
+                    "step_time_band": (0.88, 1.18)},
+    "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.768, "step_overhead_s": 0.5,
                   "zero3_comm_efficiency": 0.157, "step_time_band": (0.87, 1.74)},
 }
 # The fields each framework's calibration fits (the rest are sourced or measured).
@@ -260,7 +262,8 @@ _NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable se
 _RECORDS: dict[str, dict[str, object]] = {
     "autopar": dict(
         runtime="autopar's runtime (torch 2.13: FSDP2, DTensor, torch.distributed.pipelining)",
-        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
+        tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
+        param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
@@ -298,7 +301,8 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "torchtitan": dict(
         runtime="torchtitan 0.1-0.2 (FSDP2 per block, torch pipelining, eager or compiled)",
-        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
+        tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
+        param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
         fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
@@ -329,7 +333,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "megatron-lm": dict(
         runtime="Megatron-LM / Megatron-Core (NeMo) with Transformer Engine kernels",
-        tp_comm_overlapped=False, dp_reduce_overlapped=False, param_gather_overlapped=False,
+        tp_comm_overlapped=False, dp_reduce_overlap_stages=(), param_gather_overlapped=False,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=4e7,
         fragmentation_fraction=0.07, param_traffic_factor=0.0, elementwise_traffic_scale=1.0,
@@ -362,7 +366,8 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "deepspeed": dict(
         runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
-        tp_comm_overlapped=False, dp_reduce_overlapped=True, param_gather_overlapped=True,
+        tp_comm_overlapped=False, dp_reduce_overlap_stages=(3,),
+        param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
@@ -403,24 +408,26 @@ _OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
         "tp_comm_overlapped": "sourced: autopar/runtime/tensor_parallel.py (DTensor's "
                               "tensor-parallel collectives run before the matmul that needs "
                               "them)",
-        "dp_reduce_overlapped": _FSDP2_UNIT + "; DDP / replicate() reduce buckets under the "
+        "dp_reduce_overlap_stages": _FSDP2_UNIT + "; DDP / replicate() reduce buckets under the "
                                 "backward",
         "param_gather_overlapped": _FSDP2_UNIT,
     },
     "torchtitan": {
-        "tp_comm_overlapped": _SETTING_OFF.format("async-tp"),
-        "dp_reduce_overlapped": _FSDP2_UNIT,
+        "tp_comm_overlapped": "sourced: torchtitan's tensor parallelism is DTensor's "
+                              "(synchronous collectives; async TP not modelled)",
+        "dp_reduce_overlap_stages": _FSDP2_UNIT,
         "param_gather_overlapped": _FSDP2_UNIT,
     },
     "megatron-lm": {
         "tp_comm_overlapped": _SETTING_OFF.format("tp-comm-overlap"),
-        "dp_reduce_overlapped": _SETTING_OFF.format("overlap-grad-reduce"),
+        "dp_reduce_overlap_stages": _SETTING_OFF.format("overlap-grad-reduce"),
         "param_gather_overlapped": _SETTING_OFF.format("overlap-param-gather"),
     },
     "deepspeed": {
         "tp_comm_overlapped": "sourced: Megatron-DeepSpeed's tensor-parallel layers "
                               "(synchronous all-reduces)",
-        "dp_reduce_overlapped": "sourced: DeepSpeed zero_optimization.overlap_comm",
+        "dp_reduce_overlap_stages": "sourced: DeepSpeed zero_optimization.overlap_comm, "
+                                    "default on for stage 3 only (overlap_comm_valid)",
         "param_gather_overlapped": "sourced: DeepSpeed ZeRO-3 parameter prefetch "
                                    "(stage3_prefetch_bucket_size)",
     },

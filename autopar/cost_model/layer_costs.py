@@ -181,7 +181,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     # A framework that waits for its gathers / reductions gives them no compute window.
     step_s, mb_s, tail_s = dp_terms(
         dp_calls, groups["dp"], times.forward_s if fw.param_gather_overlapped else 0.0,
-        times.backward_s if fw.dp_reduce_overlapped else 0.0, eta, fw.overlap_slowdown)
+        times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0, eta,
+        fw.overlap_slowdown)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
@@ -304,7 +305,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
         dp_tail_s=max(tails) if cfg.dp > 1 else 0.0,
-        overlap_efficiency=cluster.dp_overlap_efficiency if fw.dp_reduce_overlapped else 0.0,
+        overlap_efficiency=cluster.dp_overlap_efficiency
+        if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(cfg.dtype),

@@ -142,3 +142,56 @@ def test_a_framework_without_sequence_parallelism_still_gets_tensor_parallel_can
         options=SearchOptions(framework="deepspeed")))
     assert any(c.tp > 1 for c in configs)
     assert not any(c.sequence_parallel for c in configs)
+
+
+def test_settings_are_part_of_the_framework_name() -> None:
+    fw = get_framework("Megatron-LM+tp-comm-overlap+overlap-grad-reduce")
+    assert fw.spec == "megatron-lm+overlap-grad-reduce+tp-comm-overlap"
+    assert fw.tp_comm_overlapped and fw.dp_reduce_overlap_stages == (0, 1, 2, 3)
+    assert not get_framework("megatron-lm").tp_comm_overlapped  # Megatron's default: off
+    with pytest.raises(ValueError, match="unknown setting"):
+        get_framework("megatron-lm+overlap-everything")
+    assert set(autopar.SETTINGS) == set(FRAMEWORKS)
+
+
+def _step(framework: str, **cfg) -> autopar.Estimate:
+    config = autopar.ParallelConfig(global_batch=64, **cfg)
+    return autopar.estimate(TINY, CLUSTER, config, framework=framework)
+
+
+def test_tp_comm_overlap_hides_tensor_parallel_time() -> None:
+    cfg = dict(dp=2, tp=8, micro_batch=2, sequence_parallel=True, zero=1)
+    off = _step("megatron-lm", **cfg)
+    on = _step("megatron-lm+tp-comm-overlap", **cfg)
+    assert 0 < on.time_breakdown.tp_comm_s < off.time_breakdown.tp_comm_s
+    assert on.step_time_s < off.step_time_s
+    # Megatron's validate_args: tp-comm-overlap needs sequence parallelism.
+    config = autopar.ParallelConfig(global_batch=64, dp=2, tp=8, micro_batch=2, zero=1)
+    assert "sequence parallelism" in framework_supports(
+        get_framework("megatron-lm+tp-comm-overlap"), config)
+
+
+def test_gradient_reductions_wait_unless_the_framework_overlaps_them() -> None:
+    cfg = dict(dp=16, micro_batch=2, zero=1)
+    waits = _step("megatron-lm", **cfg).time_breakdown.dp_comm_s
+    hidden = _step("megatron-lm+overlap-grad-reduce+overlap-param-gather",
+                   **cfg).time_breakdown.dp_comm_s
+    assert hidden < waits
+    # DeepSpeed's overlap_comm defaults on for stage 3 only; the setting turns it on for 1-2.
+    z1 = _step("deepspeed", **cfg).time_breakdown.dp_comm_s
+    z1_on = _step("deepspeed+overlap-comm", **cfg).time_breakdown.dp_comm_s
+    assert z1_on < z1
+    z3 = dict(cfg, zero=3)
+    assert _step("deepspeed", **z3).step_time_s == _step("deepspeed+overlap-comm",
+                                                         **z3).step_time_s
+
+
+def test_a_plan_records_its_framework_settings_and_megatron_export_writes_them() -> None:
+    cfg = autopar.ParallelConfig(dp=2, tp=8, micro_batch=2, global_batch=64,
+                                 sequence_parallel=True, zero=1)
+    plan = plan_from_config(TINY, CLUSTER, cfg, framework="megatron-lm+tp-comm-overlap")
+    doc = json.loads(plan.to_json())
+    assert doc["framework"] == "megatron-lm+tp-comm-overlap"
+    again = autopar.Plan.from_json(plan.to_json())
+    assert autopar.estimate(TINY, CLUSTER, again).step_time_s == plan.estimate.step_time_s
+    assert "--tp-comm-overlap" in export_plan(plan, "megatron").text

@@ -52,10 +52,9 @@ DEFAULTS = {
     "zero_stage": {"megatron-lm": 1, "torchtitan": 3, "deepspeed": 1},  # distributed optimizer /
     # FSDP2 / ZeRO-1: each framework's default for data parallelism at scale
     "recompute": "the least of none, selective, full that fits",
-    # torchtitan's "selective" is its op-level SAC (every other matmul output saved): half the
-    # forward matmuls re-run and about half the activations kept, whose nearest autopar form
-    # is full recomputation of every second block (the same FLOPs and memory to first order).
-    "torchtitan selective": "full recompute of every second block",
+    # torchtitan's "selective" is its per-op checkpointing, which the torchtitan framework
+    # record costs as such (Framework.selective_policy "op"); a record whose selective
+    # checkpointing wraps every n-th block says so with plan.recompute_every.
     "gpus_per_node": 8,
     "memory_GB": "the preset's",
 }
@@ -193,8 +192,6 @@ def _record_split(record_id: str):
     fw = get_framework(rec["framework"])
     configs = record_configs(rec, profile.num_layers)
     every = rec["plan"].get("recompute_every")
-    if rec["framework"] == "torchtitan" and rec["plan"].get("recompute") == "selective":
-        every = 2  # DEFAULTS["torchtitan selective"]
     if every:
         return profile, cluster, _every_other_plan(profile, cluster, configs[0], fw.name, every)
     chosen = configs[0]

@@ -202,7 +202,7 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) 
         memory_breakdown=largest.memory,
         stages=tuple(per_rank),
         binding=_binding(table, breakdown, step_s, largest, bottleneck),
-        framework=table.framework.name,
+        framework=table.framework.spec,
         step_time_interval_s=step_time_interval_s(table, step_s, breakdown),
     )
 

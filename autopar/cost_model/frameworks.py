@@ -97,6 +97,9 @@ class Framework:
             saved input stays sequence-sharded: Korthikanti et al. 2022's 34/t).
         grad_reduce_bytes: bytes per element of the data-parallel gradient reductions (4: fp32
             reduce dtype; 2: reduced at the 16-bit training dtype).
+        selective_policy: what recompute mode ``selective`` runs: ``attention`` (the attention
+            core re-runs, Megatron's) or ``op`` (per-op checkpointing: a block keeps its input
+            and its save list's outputs, the rest re-runs; ``LayerProfile.op_sac``).
         settings: the switches of ``SETTINGS[name]`` the user turned on (sorted).
         tp_comm_overlapped: tensor-parallel collectives run under the layer's GEMMs (hidden up
             to the layer's compute, slowing it by ``overlap_slowdown``); else they wait.
@@ -148,6 +151,7 @@ class Framework:
     loss_parallel: bool
     sp_regathers_inputs: bool
     grad_reduce_bytes: int
+    selective_policy: str
     tp_comm_overlapped: bool
     dp_reduce_overlap_stages: tuple[int, ...]
     param_gather_overlapped: bool
@@ -172,6 +176,8 @@ class Framework:
     settings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.selective_policy not in ("attention", "op"):
+            raise ValueError(f"selective_policy {self.selective_policy!r} unknown")
         if self.pipeline_recv_buffers not in (PER_MICROBATCH, IN_FLIGHT):
             raise ValueError(f"pipeline_recv_buffers {self.pipeline_recv_buffers!r} unknown")
         if self.zero3_gather not in (GATHER_BLOCK, GATHER_BUCKET):
@@ -230,8 +236,8 @@ _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
     # (benchmarks/results/accuracy_cpu_202612.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
-    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.986, "step_overhead_s": 0.171,
-                   "dp_comm_efficiency": 0.865, "step_time_band": (0.79, 1.13)},
+    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.979, "step_overhead_s": 0.18,
+                   "dp_comm_efficiency": 0.857, "step_time_band": (0.76, 1.17)},
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.976, "step_overhead_s": 0.006,
                     "step_time_band": (0.88, 1.18)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.768, "step_overhead_s": 0.5,
@@ -262,6 +268,7 @@ _NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable se
 _RECORDS: dict[str, dict[str, object]] = {
     "autopar": dict(
         runtime="autopar's runtime (torch 2.13: FSDP2, DTensor, torch.distributed.pipelining)",
+        selective_policy="attention",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
@@ -301,6 +308,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "torchtitan": dict(
         runtime="torchtitan 0.1-0.2 (FSDP2 per block, torch pipelining, eager or compiled)",
+        selective_policy="op",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
@@ -313,6 +321,10 @@ _RECORDS: dict[str, dict[str, object]] = {
         sources={
             "pipeline_recv_buffers": _TORCH_STAGE,
             "zero3_gather": _FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
+            "selective_policy": "sourced: torchtitan activation_checkpoint mode 'selective' with "
+                                "selective_ac_option 'op' (what autopar's torchtitan export "
+                                "writes): _save_list (mm, SDPA kernels) minus every second mm "
+                                "(torchtitan/models/llama3/infra/parallelize.py _apply_ac)",
             "sp_regathers_inputs": "sourced: torchtitan's SP is DTensor's (the gathered input "
                                    "is kept, as in autopar's runtime)",
             "loss_parallel": "sourced: torchtitan parallelism.disable_loss_parallel=False "
@@ -333,6 +345,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "megatron-lm": dict(
         runtime="Megatron-LM / Megatron-Core (NeMo) with Transformer Engine kernels",
+        selective_policy="attention",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(), param_gather_overlapped=False,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=4e7,
@@ -366,6 +379,7 @@ _RECORDS: dict[str, dict[str, object]] = {
     ),
     "deepspeed": dict(
         runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
+        selective_policy="attention",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(3,),
         param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
@@ -447,6 +461,8 @@ def _build(name: str) -> Framework:
     for key, text in _OVERLAP_SOURCES[name].items():
         sources.setdefault(key, text)
     sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
+    sources.setdefault("selective_policy", "sourced: the framework's selective recomputation "
+                                           "re-runs the attention core (Korthikanti et al. 2022)")
     for key in ("kernel_efficiency", "step_overhead_s",
                 "dp_comm_efficiency", "zero3_comm_efficiency"):
         sources.setdefault(key, "sourced: no such mechanism charged for this framework "

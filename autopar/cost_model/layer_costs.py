@@ -61,7 +61,7 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
-from autopar.graph.types import ModelProfile
+from autopar.graph.types import LayerProfile, ModelProfile
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -147,6 +147,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         gathered_logits=gathered_logits,
         sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
         * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
+        selective_keeps_gathered=fw.selective_policy != "op",
     )
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
@@ -235,6 +236,23 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     return cost, tail_s
 
 
+def op_selective_profile(profile: ModelProfile) -> ModelProfile:
+    """``profile`` with each measured block's ``selective`` entries replaced by its per-op
+    checkpointing counts (``LayerProfile.op_sac``), for a framework whose ``selective`` is that."""
+    def swap(layer: LayerProfile) -> LayerProfile:
+        op = layer.op_sac
+        if op is None:
+            return layer
+        return dataclasses.replace(
+            layer,
+            saved_bytes={**layer.saved_bytes, "selective": op.saved_bytes},
+            saved_bytes_replicated={**layer.saved_bytes_replicated,
+                                    "selective": op.saved_bytes_replicated},
+            recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
+
+    return dataclasses.replace(profile, layers=tuple(swap(x) for x in profile.layers))
+
+
 def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
     """Tensor-parallel time a micro-batch waits for: all of it, or (a framework overlapping
     it with the layer's GEMMs) what the layer's compute cannot hide plus the slowdown."""
@@ -268,6 +286,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cfg = config
     fw = get_framework(framework)
     cluster = framework_cluster(cluster, fw)
+    if fw.selective_policy == "op":
+        profile = op_selective_profile(profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     dp_link = groups["dp"]

@@ -167,6 +167,7 @@ def activation_bytes(
     logprob_elements: float,
     gathered_logits: bool = False,
     sp_gathered_bytes: float = 0.0,
+    selective_keeps_gathered: bool = True,
 ) -> tuple[float, float, float]:
     """Bytes one rank saves for backward for one micro-batch, by recompute mode.
 
@@ -186,6 +187,9 @@ def activation_bytes(
             gradient (no re-gather in the backward), so under SP that part of the replicated
             bytes stays whole instead of shrinking by tp (Korthikanti's 34/t assumes a
             re-gather; autopar's runtime does not re-gather).
+        selective_keeps_gathered: whether the ``selective`` mode keeps those gathered inputs
+            (False for per-op checkpointing, whose save list holds no all-gather: they are
+            gathered again in the backward).
     """
     b, tp = config.micro_batch, config.tp
     out = []
@@ -194,7 +198,8 @@ def activation_bytes(
         rep = layer.saved_bytes_replicated.get(mode, 0) * b * dtype_ratio
         if tp_sharded and tp > 1:
             saved = (saved - rep) / tp + (rep / tp if config.sequence_parallel else rep)
-            if config.sequence_parallel and mode != "full":
+            keeps = mode == "none" or (mode == "selective" and selective_keeps_gathered)
+            if config.sequence_parallel and keeps:
                 saved += sp_gathered_bytes * b * dtype_ratio * (1.0 - 1.0 / tp)
             if gathered_logits and mode != "full":  # the log-softmax is whole: undo its 1/tp
                 whole = DTYPE_BYTES[config.dtype] * logprob_elements * b

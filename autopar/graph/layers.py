@@ -25,7 +25,7 @@ from autopar.graph.measure import Measured, ModelRun
 from autopar.graph.recorder import SavedTotals
 from autopar.graph.structure import Structure
 from autopar.graph.tp import block_tp, embedding_tp, head_tp
-from autopar.graph.types import LayerProfile, TPStructure
+from autopar.graph.types import LayerProfile, OpSacCounts, TPStructure
 
 __all__ = ["build_layers", "per_sample"]
 
@@ -42,10 +42,13 @@ def per_sample(one: Measured, two: Measured) -> Measured:
             replicated_bytes=s2.replicated_bytes - s1.replicated_bytes,
             core_bytes=s2.core_bytes - s1.core_bytes,
             core_replicated_bytes=s2.core_replicated_bytes - s1.core_replicated_bytes,
+            op_sac_bytes=s2.op_sac_bytes - s1.op_sac_bytes,
+            op_sac_replicated_bytes=s2.op_sac_replicated_bytes - s1.op_sac_replicated_bytes,
         ),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
         attention=one.attention,
+        op_sac_recompute_flops=two.op_sac_recompute_flops - one.op_sac_recompute_flops,
     )
 
 
@@ -105,7 +108,17 @@ def _record(
         output_bytes=m.output_bytes,
         tp=tp,
         repeat_of=repeat_of,
+        op_sac=_op_sac(kind, m),
     )
+
+
+def _op_sac(kind: str, m: Measured) -> OpSacCounts | None:
+    """A block's counts under per-op selective checkpointing (recorder.py); None elsewhere."""
+    if kind != "block":
+        return None
+    return OpSacCounts(saved_bytes=m.input_bytes + m.saved.op_sac_bytes,
+                       saved_bytes_replicated=m.input_bytes + m.saved.op_sac_replicated_bytes,
+                       recompute_flops=float(m.op_sac_recompute_flops))
 
 
 def _blocks(

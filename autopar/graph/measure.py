@@ -64,6 +64,7 @@ class Measured:
     input_bytes: int
     output_bytes: int
     attention: tuple[AttentionCall, ...] = ()
+    op_sac_recompute_flops: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,6 +207,7 @@ def measure_block(
         input_bytes=_nbytes(main_in),
         output_bytes=_nbytes(main_out),
         attention=tuple(attention),
+        op_sac_recompute_flops=recorder.op_sac_recompute_flops.get("block", 0),
     )
 
 

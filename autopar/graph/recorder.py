@@ -13,6 +13,12 @@ as a ``TorchDispatchMode``, follows two properties of every tensor through the o
   dropout mask on the scores) are what selective recomputation drops; the core's inputs q, k, v
   are kept. The fused SDPA stand-in marks what its kernel saves (output, log-sum-exp) the same way.
 
+Per-op selective checkpointing (torchtitan's ``selective_ac_option = "op"``) keeps, of a
+checkpointed block, its input and the outputs of the ops in its save list: the fused attention
+kernel's and every odd-numbered ``aten.mm`` (torchtitan's policy recomputes every second one);
+everything else runs again in the backward. The recorder sums those outputs (``op_sac``) and the
+FLOPs the policy re-runs (the even-numbered matmuls and any activation x activation matmul).
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -69,12 +75,17 @@ class SavedTotals:
         replicated_bytes: the part tensor parallelism does not shard.
         core_bytes: the part saved only by the attention core (dropped by selective recompute).
         core_replicated_bytes: the replicated part of ``core_bytes``.
+        op_sac_bytes: outputs per-op selective checkpointing keeps (module docstring), the
+            layer's input not included.
+        op_sac_replicated_bytes: the replicated part of ``op_sac_bytes``.
     """
 
     total_bytes: int
     replicated_bytes: int
     core_bytes: int
     core_replicated_bytes: int
+    op_sac_bytes: int = 0
+    op_sac_replicated_bytes: int = 0
 
 
 class SavedRecorder(TorchDispatchMode):
@@ -107,6 +118,10 @@ class SavedRecorder(TorchDispatchMode):
         self.tag = ""
         self.forward_active = True
         self.core_fwd_flops: dict[str, int] = {}
+        # Per-op selective checkpointing: tag -> storage -> bytes kept; FLOPs re-run; mm count.
+        self._op_kept: dict[str, dict[int, int]] = {}
+        self.op_sac_recompute_flops: dict[str, int] = {}
+        self._mm_count: dict[str, int] = {}
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
@@ -122,6 +137,8 @@ class SavedRecorder(TorchDispatchMode):
             return tensor
         in_core = self._core_inputs is not None and key not in self._core_inputs
         is_core = in_core or key in self._core
+        if in_core and self.forward_active:  # the fused attention kernel's own outputs
+            self._op_kept.setdefault(self.tag, {})[key] = _storage_nbytes(tensor)
         entry = self._saved.get(key)
         if entry is None:
             self._alive.append(tensor)
@@ -159,11 +176,14 @@ class SavedRecorder(TorchDispatchMode):
     def totals(self, tag: str) -> SavedTotals:
         """Sum the storages first saved under ``tag``."""
         entries = [e for e in self._saved.values() if e.tag == tag]
+        kept = self._op_kept.get(tag, {})
         return SavedTotals(
             total_bytes=sum(e.nbytes for e in entries),
             replicated_bytes=sum(e.nbytes for e in entries if not e.sharded),
             core_bytes=sum(e.nbytes for e in entries if e.only_core),
             core_replicated_bytes=sum(e.nbytes for e in entries if e.only_core and not e.sharded),
+            op_sac_bytes=sum(kept.values()),
+            op_sac_replicated_bytes=sum(n for k, n in kept.items() if k not in self._sharded),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -178,10 +198,12 @@ class SavedRecorder(TorchDispatchMode):
         core = any(k in self._core for k in keys)
         if self.forward_active and self._is_activation_matmul(func, args):
             # q k^T starts the core; probs @ v (one operand already core) ends it.
-            self.core_fwd_flops[self.tag] = self.core_fwd_flops.get(self.tag, 0) + int(
-                flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
-            )
+            flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            self.core_fwd_flops[self.tag] = self.core_fwd_flops.get(self.tag, 0) + flops
+            self._op_recompute(flops)
             core = not core
+        elif self.forward_active and func is _aten.mm.default:
+            self._op_policy_mm(args, kwargs, out, keys)
         if sharded or core:
             for leaf in tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):
@@ -192,6 +214,21 @@ class SavedRecorder(TorchDispatchMode):
                     if core:
                         self._core.add(key)
         return out
+
+    def _op_recompute(self, flops: int) -> None:
+        self.op_sac_recompute_flops[self.tag] = self.op_sac_recompute_flops.get(self.tag, 0) + flops
+
+    def _op_policy_mm(self, args: tuple, kwargs: dict, out: Any, keys: list[int]) -> None:
+        """torchtitan's per-op policy on a weight matmul: keep the odd-numbered outputs."""
+        if not any(k in self._excluded for k in keys):
+            return
+        count = self._mm_count.get(self.tag, 0) + 1
+        self._mm_count[self.tag] = count
+        if count % 2:
+            self._alive.append(out)
+            self._op_kept.setdefault(self.tag, {})[storage_key(out)] = _storage_nbytes(out)
+        else:
+            self._op_recompute(int(flop_registry[_aten.mm](*args, **kwargs, out_val=out)))
 
     def _is_activation_matmul(self, func: Any, args: tuple) -> bool:
         operands = _MATMULS.get(func.overloadpacket)

@@ -49,6 +49,23 @@ class TPStructure:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OpSacCounts:
+    """A block under per-op selective checkpointing (torchtitan's ``selective_ac_option="op"``:
+    the block's input and the outputs of its save list are kept, the rest re-runs; see
+    graph/recorder.py), per sample.
+
+    Attributes:
+        saved_bytes: bytes kept for backward.
+        saved_bytes_replicated: the part tensor parallelism does not shard.
+        recompute_flops: forward FLOPs the backward re-runs.
+    """
+
+    saved_bytes: int
+    saved_bytes_replicated: int
+    recompute_flops: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LayerProfile:
     """One pipeline-placeable layer: the embedding, a transformer block, or the norm + head + loss.
 
@@ -70,6 +87,8 @@ class LayerProfile:
         output_bytes: bytes of the layer's output per sample (what a pipeline stage sends).
         tp: the tensor-parallel structure.
         repeat_of: name of the layer whose measurements this one shares (repeated blocks), or "".
+        op_sac: the block's counts under per-op selective checkpointing (None: not measured,
+            e.g. an analytic profile or a non-block layer).
     """
 
     name: str
@@ -85,6 +104,7 @@ class LayerProfile:
     output_bytes: int
     tp: TPStructure = field(default_factory=TPStructure)
     repeat_of: str = ""
+    op_sac: OpSacCounts | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record."""
@@ -97,7 +117,8 @@ class LayerProfile:
         tp = data.pop("tp", {}) or {}
         tp = TPStructure(**{k: tuple(v) if isinstance(v, list) else v for k, v in tp.items()})
         data["module_fqns"] = tuple(data["module_fqns"])
-        return cls(tp=tp, **data)
+        op_sac = data.pop("op_sac", None)
+        return cls(tp=tp, op_sac=OpSacCounts(**op_sac) if op_sac else None, **data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -195,3 +195,18 @@ def test_a_plan_records_its_framework_settings_and_megatron_export_writes_them()
     again = autopar.Plan.from_json(plan.to_json())
     assert autopar.estimate(TINY, CLUSTER, again).step_time_s == plan.estimate.step_time_s
     assert "--tp-comm-overlap" in export_plan(plan, "megatron").text
+
+
+def test_torchtitan_selective_is_its_per_op_checkpointing() -> None:
+    from autopar.models import build
+
+    prof = autopar.profile(build("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=256,
+                                 seq_len=64), seq_len=64)
+    cfg = autopar.ParallelConfig(dp=16, micro_batch=2, global_batch=64, zero=3,
+                                 recompute="selective")
+    act = {fw: autopar.estimate(prof, CLUSTER, cfg, framework=fw).memory_breakdown
+           .activations_bytes for fw in ("autopar", "torchtitan")}
+    block = next(x for x in prof.layers if x.kind == "block")
+    assert block.op_sac.saved_bytes < block.saved_bytes["selective"]
+    assert act["torchtitan"] < act["autopar"]
+    assert get_framework("torchtitan").selective_policy == "op"

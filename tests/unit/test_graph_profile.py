@@ -263,3 +263,25 @@ def test_model_file_with_loss_fn(tmp_path) -> None:
     assert prof.seq_len == 10 and prof.num_blocks == 2
     assert prof.num_params == _count(model)
     assert prof.layers[1].fwd_flops == 2 * 2 * 10 * 16 * 64
+
+
+@settings(max_examples=6, deadline=None)
+@given(hidden=st.sampled_from([32, 64, 96]), heads=st.sampled_from([2, 4]),
+       kv_div=st.sampled_from([1, 2]), ffn=st.sampled_from([48, 128, 160]),
+       seq=st.sampled_from([16, 24]))
+def test_per_op_checkpointing_keeps_the_save_list_outputs(hidden, heads, kv_div, ffn, seq) -> None:
+    """torchtitan's per-op policy on a Llama block keeps its input, the fused attention's output
+    and log-sum-exp, and the outputs of the 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2);
+    it re-runs wk, wo and w3."""
+    kv = heads // kv_div
+    model = build("llama", layers=2, hidden=hidden, heads=heads, kv_heads=kv, vocab=64,
+                  seq_len=seq, ffn_hidden=ffn)
+    prof = autopar.profile(model, seq_len=seq)
+    block = next(x for x in prof.layers if x.kind == "block")
+    w, head_dim = 2, hidden // heads  # bf16 profile
+    kept = seq * (hidden + hidden + kv * head_dim + ffn + hidden + hidden) * w + heads * seq * 4
+    assert block.op_sac.saved_bytes == kept
+    rerun = 2 * seq * hidden * (kv * head_dim + hidden + ffn)
+    assert block.op_sac.recompute_flops == rerun
+    assert block.op_sac.saved_bytes < block.saved_bytes["none"]
+    assert LayerProfile.from_dict(block.to_dict()) == block

@@ -9,6 +9,7 @@ formats live in ``autopar/exporters.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 from autopar.cost_model.pipeline import rank_of_stage
+from autopar.errors import PlanMismatchError
 
 __all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
 
@@ -214,6 +216,48 @@ class Plan:
         """The stages a pipeline rank runs, in model order."""
         return tuple(s for s in self.stages if self.rank_of_stage(s.index) == pp_rank)
 
+    # ----------------------------------------------------------------------------- cluster
+    def cluster_mismatch(self, cluster: Any) -> str | None:
+        """Why ``cluster`` is not the one the plan was made for (None when it is, or when the
+        plan records no cluster fingerprint: a hand-made plan).
+
+        Args:
+            cluster: a ``Cluster`` (anything with ``fingerprint()`` and ``to_dict()``).
+        """
+        if not self.cluster_fingerprint or cluster.fingerprint() == self.cluster_fingerprint:
+            return None
+        other = cluster.to_dict()
+        changed = _changed_fields(self.cluster, other) if self.cluster else []
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more"
+                                           if len(changed) > 4 else "")
+        return (f"the plan was made for cluster {self.cluster.get('name', '?')!s} (fingerprint "
+                f"{self.cluster_fingerprint}) but is estimated on cluster "
+                f"{other.get('name', '?')!s} (fingerprint {cluster.fingerprint()})"
+                + (f", which differs in {shown}" if changed else "")
+                + "; re-plan for that cluster with `autopar plan`, or estimate this split there "
+                "with plan.for_cluster(cluster)")
+
+    def check_cluster(self, cluster: Any) -> None:
+        """Raise ``PlanMismatchError`` (a ValueError) when ``cluster`` is not the plan's own."""
+        reason = self.cluster_mismatch(cluster)
+        if reason:
+            raise PlanMismatchError(reason)
+
+    def for_cluster(self, cluster: Any) -> Plan:
+        """The same split, re-targeted at ``cluster`` (its dict and fingerprint recorded), so
+        that ``estimate`` predicts it there; ``estimate`` is left as the plan's own.
+
+        Raises:
+            PlanMismatchError: ``cluster`` does not have the plan's dp*tp*pp GPUs.
+        """
+        data = cluster.to_dict()
+        world = int(data.get("nodes", 0)) * int(data.get("gpus_per_node", 0))
+        if world != self.config.world_size:
+            raise PlanMismatchError(
+                f"the plan's split uses dp*tp*pp = {self.config.world_size} GPUs but cluster "
+                f"{data.get('name', '?')!s} has {world}; re-plan for it with `autopar plan`")
+        return dataclasses.replace(self, cluster=data, cluster_fingerprint=cluster.fingerprint())
+
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict in schema order."""
@@ -282,6 +326,18 @@ class Plan:
 # Estimate fields that are plain numbers: finite and >= 0 in any plan autopar reads or writes.
 _ESTIMATE_NUMBERS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu",
                      "mfu", "memory_per_gpu_bytes", "memory_capacity_bytes")
+
+
+def _changed_fields(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ between two cluster dicts, sorted."""
+    out = []
+    for key in sorted(set(ours) | set(theirs), key=str):
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 def _reject_constant(name: str) -> float:

@@ -52,7 +52,7 @@ def main() -> int:
         # Today's preset (the plan carries the preset as it was when planned).
         cluster = Cluster.preset(plan.cluster["name"], nodes=plan.cluster["nodes"],
                                  gpus_per_node=plan.cluster["gpus_per_node"])
-        est = autopar.estimate(profile, cluster, plan)
+        est = autopar.estimate(profile, cluster, plan.for_cluster(cluster))
         meas = measured(run)
         t_pred, t_meas = est.step_time_s, meas["step time"]
         m_pred, m_meas = est.memory_per_gpu_bytes, meas["peak memory"]

@@ -69,7 +69,8 @@ def estimate(
 
     Raises:
         ValueError: naming the constraint an impossible config breaks, or what the framework
-            cannot run.
+            cannot run; for a Plan, ``cluster`` not being the one it was made for (its cluster
+            fingerprint; ``plan.for_cluster(cluster)`` re-targets it on purpose).
 
     Example:
         >>> cluster = Cluster.preset("a100-80g")
@@ -79,6 +80,7 @@ def estimate(
         cfg, plan = config_or_plan, None
     else:
         cfg, plan = config_or_plan.config, config_or_plan
+        plan.check_cluster(cluster)
     if framework is None:
         framework = plan.framework if plan is not None else "autopar"
     table = checked_table(profile, cluster, cfg, framework)

@@ -325,7 +325,8 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
         # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
         profile = model_profile(model_text, dtype, kernels="cpu")
-    return autopar.estimate(profile, cluster, plan)
+    # --cluster predicts the plan's split on another cluster of the same size on purpose.
+    return autopar.estimate(profile, cluster, plan.for_cluster(cluster))
 
 
 def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6,

@@ -18,7 +18,10 @@ partition_method=...)`` does), so autopar does not write them.
 torchtitan: the export targets v0.2.2 (commit 73a0e6979dd10b6b1904098eb3c8f62c18ab87ce,
 ``torchtitan/config/job_config.py``, ``torchtitan/train.py``): gradient accumulation has no key;
 ``train.py`` derives it as ``global_batch_size // (local_batch_size * dp)``, and with pp > 1
-``local_batch_size`` is split into ``pipeline_parallel_microbatch_size`` micro-batches.
+``local_batch_size`` is split into ``pipeline_parallel_microbatch_size`` micro-batches. Stages
+are given as ``parallelism.module_fqns_per_model_part`` (``distributed/pipeline_parallel.py``; the
+release has no split-points key). The tests load the export with that release's own
+``ConfigManager`` and ``ParallelDims``.
 """
 
 from __future__ import annotations

@@ -73,13 +73,29 @@ class Export:
     notes: tuple[str, ...] = ()
 
 
-def _split_points(plan: Plan) -> list[str]:
-    """Module where every stage after the first begins (torchtitan's split points).
+# autopar profile layer -> the torchtitan module FQNs it covers (torchtitan's Llama 3 model:
+# ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``; sourced: torchtitan v0.2.2
+# ``distributed/pipeline_parallel.py`` ``generate_llm_fqn_per_model_part``). Zoo layer names are
+# module names, except "embedding" and "head" (the final norm and the output projection;
+# docs/model-structure.md).
+_TORCHTITAN_FQNS = {"embedding": ("tok_embeddings",), "head": ("norm", "output")}
 
-    Zoo layer names are module names ("layers.3"), except "head", which begins at the final
-    norm (docs/model-structure.md).
-    """
-    return ["norm" if s.layer_names[0] == "head" else s.layer_names[0] for s in plan.stages[1:]]
+
+def _module_fqns_per_model_part(plan: Plan) -> list[list[str]] | None:
+    """torchtitan's ``module_fqns_per_model_part``: each stage's module FQNs, in stage order
+    (None when a stage holds a layer that is not an embedding, a block or the head)."""
+    parts = []
+    for stage in plan.stages:
+        names: list[str] = []
+        for layer in stage.layer_names:
+            if layer in _TORCHTITAN_FQNS:
+                names += _TORCHTITAN_FQNS[layer]
+            elif layer.startswith("layers.") and layer[len("layers."):].isdigit():
+                names.append(layer)
+            else:
+                return None
+        parts.append(names)
+    return parts
 
 
 # TOML basic-string escapes (TOML 1.0, "String"); other control characters become \uXXXX.
@@ -137,7 +153,12 @@ def _toml(tables: dict[str, dict[str, Any]], header: str) -> str:
 
 
 def to_torchtitan(plan: Plan) -> Export:
-    """torchtitan job TOML: ``[parallelism]``, ``[activation_checkpoint]``, ``[training]``."""
+    """torchtitan job TOML: ``[parallelism]``, ``[activation_checkpoint]``, ``[training]``.
+
+    pp > 1: ``module_fqns_per_model_part`` lists every stage's modules (the plan's own split;
+    torchtitan runs stage ``i`` on pipeline rank ``i % pp``, V-shaped for ZBV and DualPipeV, as
+    autopar places them).
+    """
     cfg = plan.config
     notes = []
     sharded = cfg.zero > 0 and cfg.dp > 1
@@ -153,11 +174,13 @@ def to_torchtitan(plan: Plan) -> Export:
         "context_parallel_degree": 1,
     }
     if cfg.pp > 1:
-        starts = _split_points(plan)
-        if all(name.startswith("layers.") or name == "norm" for name in starts):
-            parallelism["pipeline_parallel_split_points"] = starts
+        parts = _module_fqns_per_model_part(plan)
+        if parts is not None:
+            parallelism["module_fqns_per_model_part"] = parts
         else:
-            notes.append(f"stage starts {starts} are not all blocks; set the split by hand")
+            names = [list(s.layer_names) for s in plan.stages]
+            notes.append(f"stages {names} are not all embedding, blocks and head; set "
+                         "module_fqns_per_model_part by hand")
     if cfg.tp > 1 and not cfg.sequence_parallel:
         notes.append("torchtitan always runs sequence parallelism with tp > 1")
     if len(set(plan.recompute_per_layer)) > 1:

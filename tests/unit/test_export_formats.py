@@ -39,8 +39,11 @@ def test_torchtitan_parallelism_keys_and_schedule_names(schedule, virtual):
     assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == 2
     assert par["pipeline_parallel_microbatch_size"] == 1
     assert par["enable_async_tensor_parallel"] is False
-    # one split point per stage boundary, at the module where the next stage starts
-    assert len(par["pipeline_parallel_split_points"]) == 2 * virtual - 1
+    # every stage's torchtitan modules, in stage order: the plan's own split
+    parts = par["module_fqns_per_model_part"]
+    assert len(parts) == 2 * virtual
+    assert [m for part in parts for m in part] == [
+        "tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]
     assert doc["activation_checkpoint"]["mode"] == "selective"
     train = doc["training"]
     assert train["global_batch_size"] == 16 and train["local_batch_size"] == 8
@@ -58,7 +61,7 @@ def test_torchtitan_zero_stages_map_to_ddp_or_fsdp(zero, replicate, shard, resha
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (
         replicate, shard)
     assert par["fsdp_reshard_after_forward"] == reshard
-    assert "pipeline_parallel_split_points" not in par
+    assert "module_fqns_per_model_part" not in par
     assert doc["activation_checkpoint"]["mode"] == "full"
 
 

@@ -75,7 +75,7 @@ def test_every_export_survives_odd_model_names(value):
     assert len(slurm.splitlines()) == len(export_plan(_evil_plan("m"), "slurm").text.splitlines())
 
 
-def test_split_points_from_the_plan_are_quoted():
+def test_stage_modules_from_the_plan_never_reach_the_toml():
     plan = make_plan(schedule="1f1b", virtual_stages=1, zero=0)
     odd = 'layers.1"\n[evil]\nx = 1'
     second = plan.stages[1]
@@ -84,4 +84,6 @@ def test_split_points_from_the_plan_are_quoted():
     text = export_plan(dataclasses.replace(plan, stages=stages), "torchtitan").text
     doc = tomllib.loads(text)
     assert "evil" not in doc
-    assert doc["parallelism"]["pipeline_parallel_split_points"] == [odd]
+    assert "module_fqns_per_model_part" not in doc["parallelism"]
+    notes = export_plan(dataclasses.replace(plan, stages=stages), "torchtitan").notes
+    assert any("module_fqns_per_model_part by hand" in note for note in notes)

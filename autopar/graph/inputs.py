@@ -1,9 +1,14 @@
 """Example inputs at a given batch size, on the meta device, and the loss the profile runs.
 
 Zoo and HF models get token ids ``[b, s]``; a model file's ``example_inputs(batch_size)`` (or a
-batch given directly, re-sized along dim 0) is moved to the meta device. The loss is the model
-file's ``loss_fn`` when there is one; otherwise logits get the token cross entropy with the logits
-upcast to fp32 (what the zoo and HF losses do), and any other output a plain fp32 sum.
+batch given directly, re-sized along dim 0) is moved to the meta device, its floating-point
+tensors at the profile dtype: training at bf16 feeds the model bf16 inputs (FSDP2's
+``MixedPrecisionPolicy`` casts forward inputs to ``param_dtype``; autocast casts them at the first
+matmul or convolution), so an fp32 image batch is saved for backward at bf16, not fp32.
+
+The loss is the model file's ``loss_fn`` when there is one; otherwise logits get the token cross
+entropy with the logits upcast to fp32 (what the zoo and HF losses do), and any other output a
+plain fp32 sum.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Batch", "compute_loss", "make_batch", "seq_len_of"]
+__all__ = ["Batch", "compute_loss", "logit_positions_short", "make_batch", "seq_len_of"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,8 +42,16 @@ class Batch:
     labels: torch.Tensor | None = None
 
 
-def _to_meta(value: Any) -> Any:
-    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+def _to_meta(value: Any, dtype: torch.dtype | None = None) -> Any:
+    """Tensors of ``value`` on the meta device; floating-point ones at ``dtype`` if given."""
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.to(device="meta", dtype=cast)
+
+    return tree_map(one, value)
 
 
 def _resize(value: Any, batch_size: int) -> Any:
@@ -69,6 +82,7 @@ def make_batch(
     batch_size: int,
     seq_len: int,
     example_inputs: Any,
+    dtype: torch.dtype | None = None,
 ) -> Batch:
     """Build the meta-device inputs of one run.
 
@@ -77,6 +91,8 @@ def make_batch(
         batch_size: sequences in the batch.
         seq_len: tokens per sequence (used when ``example_inputs`` is None).
         example_inputs: None (token ids), ``example_inputs(batch_size)`` callable, or a batch.
+        dtype: the training dtype the model's floating-point inputs are cast to (None: as
+            given); ``raw``, which ``loss_fn`` reads, keeps the batch's own dtypes.
 
     Returns:
         The Batch.
@@ -86,11 +102,11 @@ def make_batch(
         tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
         labels = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
         return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=labels)
-    if callable(example_inputs):
-        raw = _to_meta(example_inputs(batch_size))
-    else:
-        raw = _resize(_to_meta(example_inputs), batch_size)
-    args, kwargs = _as_call(raw)
+    given = example_inputs(batch_size) if callable(example_inputs) else example_inputs
+    raw = _to_meta(given)
+    if not callable(example_inputs):
+        raw = _resize(raw, batch_size)
+    args, kwargs = _as_call(_to_meta(raw, dtype))
     first = next((t for t in tree_flatten(raw)[0] if isinstance(t, torch.Tensor)), None)
     labels = None
     if first is not None and first.dim() == 2 and not first.is_floating_point():
@@ -117,6 +133,23 @@ def _logits(output: Any) -> torch.Tensor | None:
         return output["logits"]
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     return leaves[0] if leaves else None
+
+
+def logit_positions_short(output: Any, batch: Batch, vocab: int) -> int | None:
+    """1 when the output's logits cover one position of several input tokens, else None.
+
+    A nanoGPT-style ``forward(idx, targets=None)`` returns the logits of the last position only
+    when it is given no targets (generation), so a profile of that call misses the head's and
+    the loss's work on every other position. (Other lengths are left alone: a decoder's logits
+    may rightly cover fewer positions than the encoder's tokens.)
+    """
+    if batch.labels is None or batch.labels.dim() != 2 or vocab <= 0:
+        return None
+    logits = _logits(output)
+    if logits is None or logits.dim() != 3 or logits.shape[-1] != vocab:
+        return None
+    positions, tokens = int(logits.shape[1]), int(batch.labels.shape[1])
+    return positions if positions == 1 < tokens else None
 
 
 def compute_loss(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, TraceError
 from autopar.graph.facts import ModelFacts, default_seq_len, model_facts
-from autopar.graph.inputs import Batch, compute_loss, make_batch, seq_len_of
+from autopar.graph.inputs import (
+    Batch,
+    compute_loss,
+    logit_positions_short,
+    make_batch,
+    seq_len_of,
+)
 from autopar.graph.layers import build_layers, per_sample
 from autopar.graph.measure import (
     Measured,
@@ -134,7 +141,10 @@ def _run_all(
     loss_fn: Callable[..., Any] | None,
     fake_mode: FakeTensorMode | None,
     fused_rms_norm: bool,
+    short: list[int],
 ) -> dict[int, ModelRun]:
+    """Run the model at every batch size; append to ``short`` the logit positions of a run
+    whose logits cover fewer positions than its tokens (``logit_positions_short``)."""
     signatures = {b: module_signature(work.get_submodule(b)) for b in blocks}
     embeddings, heads = _vocab_modules(work, blocks, vocab)
     sharded = [p for m in (*embeddings, *heads) for p in m.parameters()]
@@ -142,7 +152,11 @@ def _run_all(
     for size, batch in batches.items():
 
         def forward_and_loss(batch: Batch = batch) -> torch.Tensor:
-            return compute_loss(work(*batch.args, **batch.kwargs), batch, vocab, loss_fn)
+            output = work(*batch.args, **batch.kwargs)
+            positions = logit_positions_short(output, batch, vocab)
+            if positions is not None:
+                short.append(positions)
+            return compute_loss(output, batch, vocab, loss_fn)
 
         tokens = batch.args[0] if batch.args else None
         runs[size] = run_model(
@@ -220,10 +234,19 @@ def _run_with_fallback(
     trace: CallOrder,
     fused_rms_norm: bool,
 ) -> tuple[dict[int, ModelRun], FakeTensorMode | None]:
-    """Run on plain meta tensors; if the model fails there, on fake tensors; else TraceError."""
+    """Run on plain meta tensors; if the model fails there, on fake tensors; else TraceError.
+
+    A forward that returns logits for one position of many is said on stderr, once.
+    """
     prelim = model_facts(work, hidden_seen=0, heads_seen=0, kv_heads_seen=0, block=None)
+    short: list[int] = []
+    tokens = batches[1].labels.shape[1] if batches[1].labels is not None else 0
     try:
-        return _run_all(work, batches, blocks, prelim.vocab, loss_fn, None, fused_rms_norm), None
+        runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, None, fused_rms_norm,
+                        short)
+        if short:
+            _warn_short_logits(prelim.name, short[0], int(tokens))
+        return runs, None
     except RunFailure as on_meta:
         # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
         # make such models skip them. Slower, so only when needed. The meta failure is the
@@ -231,7 +254,9 @@ def _run_with_fallback(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
             runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode,
-                            fused_rms_norm)
+                            fused_rms_norm, short)
+            if short:
+                _warn_short_logits(prelim.name, short[0], int(tokens))
             return runs, fake_mode
         except RunFailure:
             raise _trace_error(work, on_meta, trace, prelim.name) from on_meta.error
@@ -282,7 +307,7 @@ def profile(
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
     work = _meta_copy(model, torch_dtype)
     container, blocks = find_blocks(work)
-    batches = {b: make_batch(work, b, seq_len, example_inputs) for b in _BATCH_SIZES}
+    batches = {b: make_batch(work, b, seq_len, example_inputs, torch_dtype) for b in _BATCH_SIZES}
     trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
     if kernels not in KERNELS:
         raise AutoparError(f"profile kernels must be one of {KERNELS}, got {kernels!r}")
@@ -317,6 +342,15 @@ def profile(
         trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head),
     )
+
+
+def _warn_short_logits(name: str, positions: int, seq_len: int) -> None:
+    """One stderr line: the profiled forward computed logits for too few positions."""
+    print(f"autopar: warning: {name}'s forward returned logits for {positions} of {seq_len} "
+          "positions (a nanoGPT-style forward given no targets keeps only the last), so the "
+          "profile misses the output layer and the loss on the others; make "
+          "example_inputs(batch_size) return (idx, targets) so forward computes every "
+          "position, and loss_fn(output, batch) return the model's own loss", file=sys.stderr)
 
 
 def _facts(

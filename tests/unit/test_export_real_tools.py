@@ -1,5 +1,6 @@
 """Exports of four plans loaded by the real tools: torchtitan's ConfigManager and ParallelDims,
-DeepSpeed's DeepSpeedConfig with the plan's topology, and Megatron-LM's encoded validate_args.
+DeepSpeed's DeepSpeedConfig with the plan's topology, Megatron-LM's encoded validate_args, and
+the slurm script through ``bash -n``.
 
 The plans: pp = 1 (dp 8, ZeRO 1), pp > 1 interleaved (dp 2 x pp 4, 2 chunks a rank), ZeRO 3
 (dp 8, full recompute) and tp > 1 pp > 1 (dp 2 x tp 2 x pp 2). A tool that cannot run a plan
@@ -253,3 +254,13 @@ def test_encoded_deepspeed_zero_keys_are_deepspeeds_own(deepspeed_read):
     from autopar.export_rules import DEEPSPEED_KEYS
 
     assert set(DEEPSPEED_KEYS["zero_optimization"]) <= set(deepspeed_read["zero_keys"])
+
+
+# ------------------------------------------------------------------------------------ slurm
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_slurm_script_parses_and_launches_the_plans_world(name):
+    cfg = CONFIGS[name]
+    text = export_plan(_plan(name), "slurm").text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True, timeout=30)
+    assert "#SBATCH --nodes=1\n" in text and "#SBATCH --gpus-per-node=8\n" in text
+    assert "--nproc-per-node 8" in text and cfg.world_size == 8

@@ -22,10 +22,11 @@ from torch import nn
 
 from autopar.graph.facts import ModelFacts
 from autopar.graph.measure import Measured, ModelRun
+from autopar.graph.moe import block_moe
 from autopar.graph.recorder import SavedTotals
 from autopar.graph.structure import Structure
 from autopar.graph.tp import block_tp, embedding_tp, head_tp
-from autopar.graph.types import LayerProfile, OpSacCounts, TPStructure
+from autopar.graph.types import LayerProfile, MoEStructure, OpSacCounts, TPStructure
 
 __all__ = ["build_layers", "per_sample"]
 
@@ -80,6 +81,7 @@ def _record(
     m: Measured,
     tp: TPStructure,
     repeat_of: str = "",
+    moe: MoEStructure | None = None,
 ) -> LayerProfile:
     saved = m.saved
     return LayerProfile(
@@ -109,6 +111,7 @@ def _record(
         tp=tp,
         repeat_of=repeat_of,
         op_sac=_op_sac(kind, m),
+        moe=moe,
     )
 
 
@@ -151,6 +154,7 @@ def _blocks(
                 m=measured[rep],
                 tp=tp,
                 repeat_of="" if rep == fqn else rep,
+                moe=block_moe(model.get_submodule(fqn)),
             )
         )
     return layers

@@ -3,8 +3,9 @@
 Steps: copy the model onto the meta device at the profile dtype (the caller's model is left
 untouched); find the repeated blocks; trace the module order (fx, else torch.export, else module
 hooks); run the model with the blocks relayed to measure the embedding and the head, then each
-distinct block alone; do both at batch 1 and 2 and keep the difference (per sample). Counts are
-per sample of ``seq_len`` tokens (see ``autopar.graph.types``).
+distinct block alone; do both at batch 1 and 2 and keep the difference (per sample). Routed
+experts of mixture-of-experts layers run as a value-independent stand-in (``graph/moe.py``).
+Counts are per sample of ``seq_len`` tokens (see ``autopar.graph.types``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from autopar.graph.measure import (
     measure_block,
     run_model,
 )
+from autopar.graph.moe import install_expert_standins
 from autopar.graph.recorder import SavedRecorder
 from autopar.graph.structure import find_blocks, group_outside, module_signature
 from autopar.graph.tp import block_tp
@@ -306,6 +308,7 @@ def profile(
     if not seq_len:
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
     work = _meta_copy(model, torch_dtype)
+    install_expert_standins(work)  # routed experts by formula (graph/moe.py), like SDPA
     container, blocks = find_blocks(work)
     batches = {b: make_batch(work, b, seq_len, example_inputs, torch_dtype) for b in _BATCH_SIZES}
     trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LayerProfile", "ModelProfile", "TPStructure"]
+__all__ = ["LayerProfile", "MoEStructure", "ModelProfile", "TPStructure"]
 
 LAYER_KINDS = ("embedding", "block", "head", "other")
 
@@ -66,6 +66,46 @@ class OpSacCounts:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MoEStructure:
+    """The mixture of experts of one layer (what the cost model needs for expert parallelism).
+
+    Attributes:
+        experts: routed experts E.
+        top_k: experts per token k.
+        shared_experts: shared experts (every token; dense, replicated over ep), counted in
+            units of ``expert_hidden``.
+        hidden: model width h (the width of a dispatched token).
+        expert_hidden: inner width f_e of one routed expert.
+        expert_params: parameters of one routed expert (SwiGLU: 3 h f_e).
+        capacity_factor: c (0: dropless).
+    """
+
+    experts: int
+    top_k: int
+    shared_experts: int = 0
+    hidden: int
+    expert_hidden: int
+    expert_params: int
+    capacity_factor: float = 0.0
+
+    @property
+    def routed_params(self) -> int:
+        """Parameters of all routed experts (the ones expert parallelism shards): E * P_e."""
+        return self.experts * self.expert_params
+
+    def routed_rows_per_token(self) -> float:
+        """Dispatched rows per token: k, or E ceil(c T k / E) / T ~ c k with a capacity factor
+        (the limit of large T, which is how the profile's per-sample difference counts it)."""
+        if self.capacity_factor > 0:
+            return self.capacity_factor * self.top_k
+        return float(self.top_k)
+
+    def routed_fwd_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the routed experts on ``tokens`` tokens: 2 * rows * P_e."""
+        return 2.0 * tokens * self.routed_rows_per_token() * self.expert_params
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LayerProfile:
     """One pipeline-placeable layer: the embedding, a transformer block, or the norm + head + loss.
 
@@ -89,6 +129,8 @@ class LayerProfile:
         repeat_of: name of the layer whose measurements this one shares (repeated blocks), or "".
         op_sac: the block's counts under per-op selective checkpointing (None: not measured,
             e.g. an analytic profile or a non-block layer).
+        moe: the layer's mixture of experts (None for a dense layer); its routed experts are
+            counted in ``fwd_flops`` / ``num_params`` like everything else (graph/moe.py).
     """
 
     name: str
@@ -105,10 +147,14 @@ class LayerProfile:
     tp: TPStructure = field(default_factory=TPStructure)
     repeat_of: str = ""
     op_sac: OpSacCounts | None = None
+    moe: MoEStructure | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the record."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""
+        data = dataclasses.asdict(self)
+        if data["moe"] is None:
+            del data["moe"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerProfile:
@@ -118,7 +164,9 @@ class LayerProfile:
         tp = TPStructure(**{k: tuple(v) if isinstance(v, list) else v for k, v in tp.items()})
         data["module_fqns"] = tuple(data["module_fqns"])
         op_sac = data.pop("op_sac", None)
-        return cls(tp=tp, op_sac=OpSacCounts(**op_sac) if op_sac else None, **data)
+        moe = data.pop("moe", None)
+        return cls(tp=tp, op_sac=OpSacCounts(**op_sac) if op_sac else None,
+                   moe=MoEStructure(**moe) if moe else None, **data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,6 +207,11 @@ class ModelProfile:
     def num_params(self) -> int:
         """Total parameters (tied weights once)."""
         return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(layer.moe is not None for layer in self.layers)
 
     @property
     def num_layers(self) -> int:

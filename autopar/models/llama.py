@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.attention import Attention
+from autopar.models.moe import MoE
 from autopar.models.norms import RMSNorm
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import Transformer
@@ -55,12 +56,19 @@ class LlamaBlock(nn.Module):
             rope_theta=spec.rope_theta,
         )
         self.ffn_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
-        self.feed_forward = SwiGLU(spec.hidden, spec.ffn_hidden)
+        # A mixture of experts (``moe``, models/moe.py) in place of the dense ``feed_forward``
+        # when the spec has experts (torchtitan's naming).
+        self.feed_forward = None if spec.is_moe else SwiGLU(spec.hidden, spec.ffn_hidden)
+        self.moe = MoE(
+            spec.hidden, spec.expert_hidden, spec.experts, spec.top_k, spec.shared_experts,
+            spec.capacity_factor,
+        ) if spec.is_moe else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``[b, s, h]``."""
         x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        ffn = self.moe if self.feed_forward is None else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
 
 
 def build_llama(spec: ModelSpec) -> Transformer:

@@ -15,6 +15,17 @@ Sources:
   32000, SwiGLU widths 11008 / 13824 / 28672, GQA with 8 kv heads for 70B only); untied head.
 - Llama 3 / 3.1: Llama Team 2024, "The Llama 3 Herd of Models", Table 3 (layers, width, FFN width,
   heads, 8 kv heads, vocabulary 128256, RoPE base 500000); context 8192 (the pre-training length).
+- Mixtral 8x7B / 8x22B: the released configs (huggingface.co/mistralai/Mixtral-8x7B-v0.1 and
+  Mixtral-8x22B-v0.1, config.json: hidden_size, intermediate_size, num_hidden_layers,
+  num_attention_heads, num_key_value_heads, num_local_experts 8, num_experts_per_tok 2,
+  vocab_size 32000, rope_theta 1e6) and Jiang et al. 2024 ("Mixtral of Experts", Table 1).
+  Context 4096 for planning (the configs allow 32768 / 65536; pass ``seq_len=`` for more).
+- DeepSeek-V3-shaped: huggingface.co/deepseek-ai/DeepSeek-V3 config.json (hidden_size 7168, 61
+  layers, 128 heads, n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1,
+  moe_intermediate_size 2048, vocab_size 129280) and DeepSeek-AI 2024 (arXiv 2412.19437, section
+  4.2: 4K pre-training sequence length). "Shaped": the zoo's llama block has multi-head attention
+  where V3 has multi-head latent attention, and every block is MoE where V3's first three are
+  dense (first_k_dense_replace 3); parameters come to ~0.70T against V3's 671B.
 """
 
 from __future__ import annotations
@@ -54,10 +65,19 @@ def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _moe(layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, **moe: Any):
+    return dict(
+        kind="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+        vocab=vocab, seq_len=4096, **moe,
+    )  # fmt: skip
+
+
 _GPT3 = "GPT-3 (Brown et al. 2020, Table 2.1)"
 _GPT2 = "GPT-2 (Radford et al. 2019)"
 _LLAMA2 = "Llama 2 (Touvron et al. 2023)"
 _LLAMA3 = "Llama 3 (Llama Team 2024, Table 3)"
+_MIXTRAL = "Mixtral (mistralai config.json; Jiang et al. 2024)"
+_DSV3 = "DeepSeek-V3-shaped (deepseek-ai/DeepSeek-V3 config.json; MHA, all blocks MoE)"
 
 # name -> (shape keyword arguments for build, source)
 PRESETS: Mapping[str, tuple[Mapping[str, Any], str]] = MappingProxyType(
@@ -80,6 +100,12 @@ PRESETS: Mapping[str, tuple[Mapping[str, Any], str]] = MappingProxyType(
         "llama3-8b": (_llama3(32, 4096, 32, 14336), _LLAMA3),
         "llama3-70b": (_llama3(80, 8192, 64, 28672), _LLAMA3),
         "llama3-405b": (_llama3(126, 16384, 128, 53248), _LLAMA3),
+        "mixtral-8x7b": (_moe(32, 4096, 32, 8, 32000, ffn_hidden=14336, experts=8, top_k=2,
+                              rope_theta=1e6), _MIXTRAL),
+        "mixtral-8x22b": (_moe(56, 6144, 48, 8, 32000, ffn_hidden=16384, experts=8, top_k=2,
+                               rope_theta=1e6), _MIXTRAL),
+        "deepseek-v3": (_moe(61, 7168, 128, 128, 129280, ffn_hidden=18432, experts=256,
+                             top_k=8, shared_experts=1, expert_hidden=2048), _DSV3),
     }
 )
 

@@ -51,6 +51,12 @@ class ModelSpec:
         tie_embeddings: whether the lm head shares the token embedding's weight.
         name: preset name, or the kind for a model built from explicit sizes.
         rope_theta: RoPE base frequency (llama only; 10000 for Llama 2, 500000 for Llama 3).
+        experts: routed experts per block (llama only; 0: a dense SwiGLU feed-forward).
+        top_k: experts each token is routed to (1 <= top_k <= experts).
+        shared_experts: experts every token passes through (DeepSeekMoE), of width
+            ``shared_experts * expert_hidden`` together.
+        expert_hidden: inner width of one expert (0: ``ffn_hidden``).
+        capacity_factor: per-expert token capacity factor (0: dropless), see models/moe.py.
     """
 
     kind: str
@@ -66,6 +72,11 @@ class ModelSpec:
     tie_embeddings: bool = False
     name: str = ""
     rope_theta: float = 10000.0
+    experts: int = 0
+    top_k: int = 0
+    shared_experts: int = 0
+    expert_hidden: int = 0
+    capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         """Check the sizes fit together; raise ValueError naming the first that does not."""
@@ -86,6 +97,33 @@ class ModelSpec:
                 raise ValueError("an mlp model has no attention: heads and kv_heads must be 0")
             return
         self._check_heads()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for field_name in ("experts", "top_k", "shared_experts", "expert_hidden"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field_name} must be a non-negative integer, got {value!r}")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 <= cf < 1e6:
+            raise ValueError(f"capacity_factor must be >= 0 (0: dropless), got {cf!r}")
+        if not self.experts:
+            if self.top_k or self.shared_experts or self.expert_hidden or cf:
+                raise ValueError(
+                    "top_k, shared_experts, expert_hidden and capacity_factor need experts > 0"
+                )
+            return
+        if self.kind != "llama":
+            raise ValueError("experts (mixture of experts) are a llama option")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"top_k must be between 1 and experts = {self.experts}, got {self.top_k}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the blocks' feed-forward is a mixture of experts."""
+        return self.experts > 0
 
     def _check_heads(self) -> None:
         for field_name in ("heads", "kv_heads"):

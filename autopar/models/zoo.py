@@ -36,7 +36,8 @@ _REQUIRED = {
 }
 _OPTIONAL = {
     "gpt": ("ffn_hidden", "kv_heads", "attention", "dropout", "tie_embeddings"),
-    "llama": ("ffn_hidden", "kv_heads", "attention", "tie_embeddings", "rope_theta"),
+    "llama": ("ffn_hidden", "kv_heads", "attention", "tie_embeddings", "rope_theta", "experts",
+              "top_k", "shared_experts", "expert_hidden", "capacity_factor"),
     "mlp": ("ffn_hidden", "tie_embeddings"),
 }
 # Every keyword a kind accepts, by kind.
@@ -100,6 +101,8 @@ def _with_defaults(kind: str, shape: dict[str, Any]) -> dict[str, Any]:
     hidden = out["hidden"]
     if out.get("ffn_hidden") is None and isinstance(hidden, int) and hidden > 0:
         out["ffn_hidden"] = llama_default_ffn_hidden(hidden) if kind == "llama" else 4 * hidden
+    if out.get("experts") and not out.get("expert_hidden"):
+        out["expert_hidden"] = out["ffn_hidden"]
     if kind == "mlp":
         out["heads"] = out["kv_heads"] = 0
     elif out.get("kv_heads") is None:
@@ -154,7 +157,9 @@ def num_params(spec: ModelSpec) -> int:
     gpt (Megatron-LM SC'21 eq. 2 generalised to any ffn width f, plus the final LayerNorm):
     ``l (4h^2 + 4h + 2hf + f + h + 4h) + (V + s) h + 2h`` (+ ``V h`` untied).
     llama: ``l (2h^2 + 2h k + 3h f + 2h) + V h + h`` (+ ``V h`` untied), with k = kv_heads *
-    head_dim. mlp: ``l (2hf + f + h) + V h + 2h`` (+ ``V h`` untied).
+    head_dim; with E experts of width f_e (s_e shared) the ``3 h f`` becomes
+    ``E h + 3 h f_e (E + s_e)`` (router, routed and shared experts).
+    mlp: ``l (2hf + f + h) + V h + 2h`` (+ ``V h`` untied).
     """
     h, f, v, n = spec.hidden, spec.ffn_hidden, spec.vocab, spec.layers
     head = 0 if spec.tie_embeddings else v * h
@@ -163,7 +168,11 @@ def num_params(spec: ModelSpec) -> int:
         return n * block + (v + spec.seq_len) * h + 2 * h + head
     if spec.kind == "llama":
         kv = spec.kv_heads * spec.head_dim
-        block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+        ffn = 3 * h * f
+        if spec.experts:
+            ffn = spec.experts * h + 3 * h * spec.expert_hidden * (
+                spec.experts + spec.shared_experts)
+        block = 2 * h * h + 2 * h * kv + ffn + 2 * h
         return n * block + v * h + h + head
     return n * (2 * h * f + f + h) + v * h + 2 * h + head
 
@@ -174,6 +183,10 @@ def list_presets() -> dict[str, str]:
     for name, (_, source) in PRESETS.items():
         spec = make_spec(name)
         kv = f", {spec.kv_heads} kv heads" if spec.kv_heads != spec.heads else ""
+        if spec.experts:
+            shared = f" + {spec.shared_experts} shared" if spec.shared_experts else ""
+            kv += (f", {spec.experts} experts{shared} of width {spec.expert_hidden}, "
+                   f"top-{spec.top_k}")
         out[name] = (
             f"{spec.kind}: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads{kv}, "
             f"ffn {spec.ffn_hidden}, vocab {spec.vocab}, seq {spec.seq_len}, "

@@ -88,7 +88,7 @@ def test_preset_param_counts(name, billions):
 
 def test_list_presets():
     presets = list_presets()
-    assert len(presets) == 18
+    assert len(presets) == 21  # 18 dense, 3 mixture-of-experts
     for name, line in presets.items():
         spec = make_spec(name)
         assert f"{num_params(spec) / 1e9:.2f}B params" in line, name

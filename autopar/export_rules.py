@@ -75,6 +75,8 @@ class MegatronArgs:
     untie_embeddings: bool = False
     fp16: bool = False
     bf16: bool = False
+    num_experts: int | None = None
+    ep: int = 1
 
 
 def _vpp(a: MegatronArgs) -> int | None:
@@ -199,10 +201,28 @@ def _fsdp2_rules(a: MegatronArgs) -> list[str]:
     return out
 
 
+def _moe_rules(a: MegatronArgs) -> list[str]:
+    """validate_args' MoE and expert-parallel checks."""
+    out = []
+    if a.num_experts is not None and a.tp > 1 and not a.sequence_parallel:
+        out.append("a MoE model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                   "(arguments.py: 'When using MoE and tensor parallelism, sequence parallelism "
+                   "must be used'); plan with sequence_parallel=True")
+    if a.ep > 1:
+        if a.num_experts is None:
+            out.append("--expert-model-parallel-size > 1 needs --num-experts")
+        elif a.num_experts % a.ep:
+            out.append(f"--num-experts {a.num_experts} is not a multiple of "
+                       f"--expert-model-parallel-size {a.ep}")
+        if a.fp16:
+            out.append("expert parallelism is not supported with --fp16; use --bf16")
+    return out
+
+
 def megatron_violations(args: MegatronArgs) -> list[str]:
     """Every Megatron-LM rule ``args`` breaks (empty when validate_args accepts them)."""
     return (_parallel_rules(args) + _pipeline_rules(args) + _recompute_rules(args)
-            + _fsdp2_rules(args))
+            + _fsdp2_rules(args) + _moe_rules(args))
 
 
 # DeepSpeedConfig: section -> the keys it reads there (None: a top-level scalar).

@@ -173,6 +173,11 @@ def to_torchtitan(plan: Plan) -> Export:
         "pipeline_parallel_microbatch_size": cfg.micro_batch,
         "context_parallel_degree": 1,
     }
+    if cfg.ep > 1:
+        # torchtitan's "partial dp -> ep" layout: experts over ep of the dp_shard (x cp)
+        # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
+        parallelism["expert_parallel_degree"] = cfg.ep
+        parallelism["expert_tensor_parallel_degree"] = cfg.tp
     if cfg.pp > 1:
         parts = _module_fqns_per_model_part(plan)
         if parts is not None:
@@ -266,7 +271,8 @@ def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) 
         virtual_per_rank=pipeline.get("--num-virtual-stages-per-pipeline-rank"),
         first_layers=pipeline.get("--decoder-first-pipeline-num-layers"),
         last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
-        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16", **extra)
+        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
+        num_experts=plan.moe.experts if plan.moe is not None else None, ep=cfg.ep, **extra)
 
 
 def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], dict[str, Any]]:
@@ -302,6 +308,23 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
     return flags, extra
 
 
+def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
+    """Megatron-Core MoE flags for a mixture-of-experts plan (none for a dense one)."""
+    moe, cfg = plan.moe, plan.config
+    if moe is None:
+        return []
+    flags = [["--num-experts", str(moe.experts)], ["--moe-router-topk", str(moe.top_k)],
+             ["--moe-ffn-hidden-size", str(moe.expert_hidden)],
+             ["--expert-model-parallel-size", str(cfg.ep)],
+             ["--moe-token-dispatcher-type", "alltoall"], ["--moe-grouped-gemm"]]
+    if moe.shared_experts:
+        flags.append(["--moe-shared-expert-intermediate-size",
+                      str(moe.shared_experts * moe.expert_hidden)])
+    if moe.capacity_factor > 0:
+        flags.append(["--moe-expert-capacity-factor", f"{moe.capacity_factor:g}"])
+    return flags
+
+
 def to_megatron(plan: Plan) -> Export:
     """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations.
 
@@ -329,6 +352,7 @@ def to_megatron(plan: Plan) -> Export:
     ]
     flags += [[flag, str(value)] for flag, value in pipeline.items()]
     flags += options
+    flags += _megatron_moe_flags(plan)
     if cfg.dtype in ("bf16", "fp16"):
         flags.append([f"--{cfg.dtype}"])
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
@@ -339,6 +363,16 @@ def to_deepspeed(plan: Plan) -> Export:
     """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
     cfg = plan.config
     notes = []
+    if cfg.ep > 1:
+        raise ValueError(
+            f"DeepSpeed's JSON config cannot express expert parallelism (ep={cfg.ep}): its "
+            "degree is set in model code (deepspeed.moe.layer.MoE(ep_size=...)); export to "
+            "megatron or torchtitan, or re-plan with ep=1"
+        )
+    if plan.moe is not None:
+        notes.append("the model is a mixture of experts: build its MoE layers with "
+                     f"deepspeed.moe.layer.MoE(num_experts={plan.moe.experts}, ep_size=1, "
+                     f"k={plan.moe.top_k})")
     doc: dict[str, Any] = {
         "train_batch_size": cfg.global_batch,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,

@@ -22,6 +22,7 @@ from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 from autopar.cost_model.pipeline import rank_of_stage
 from autopar.errors import PlanMismatchError
+from autopar.graph.types import MoEStructure
 
 __all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
 
@@ -142,6 +143,8 @@ class Plan:
         cluster: the cluster as a dict (Cluster.to_dict()), so a plan is self-contained.
         search: how the search found the plan.
         framework: the training framework the plan is made for (``FRAMEWORKS``).
+        moe: the model's mixture of experts (its first MoE layer's record), None for a dense
+            model; the exports need it (experts, top-k). JSON key ``moe``, absent when None.
         schema_version: the plan JSON schema version.
     """
 
@@ -157,6 +160,7 @@ class Plan:
     search: SearchInfo = field(default_factory=SearchInfo)
     framework: str = "autopar"
     schema_version: int = SCHEMA_VERSION
+    moe: MoEStructure | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -261,7 +265,7 @@ class Plan:
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict in schema order."""
-        return {
+        data = {
             "schema_version": self.schema_version,
             "model": self.model,
             "framework": self.framework,
@@ -275,6 +279,9 @@ class Plan:
             "cluster": self.cluster,
             "search": self.search.to_dict(),
         }
+        if self.moe is not None:
+            data["moe"] = self.moe.to_dict()
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys, 2-space indent, trailing newline)."""
@@ -299,6 +306,7 @@ class Plan:
                 cluster_fingerprint=data.get("cluster_fingerprint", ""),
                 cluster=dict(data.get("cluster", {})),
                 search=SearchInfo(**data.get("search", {})),
+                moe=MoEStructure(**data["moe"]) if data.get("moe") else None,
             )
         except PlanFormatError:
             raise

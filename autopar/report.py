@@ -31,6 +31,7 @@ TIME_TERMS: tuple[tuple[str, str], ...] = (
     ("tp_comm_s", "TP communication (exposed)"),
     ("dp_comm_s", "DP communication (exposed)"),
     ("pp_comm_s", "PP communication (exposed)"),
+    ("ep_comm_s", "EP all-to-all (exposed)"),
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
     ("overhead_s", "framework overhead"),
@@ -238,6 +239,8 @@ def time_table(est: Estimate) -> Any:
     step = max(est.step_time_s, 1e-30)
     for field, name in TIME_TERMS:
         value = getattr(est.time_breakdown, field)
+        if field == "ep_comm_s" and not value:  # a dense model or ep == 1
+            continue
         table.add_row(name, format_time(value), f"{value / step * 100:.1f}%")
     table.add_row("[bold]step[/bold]", format_time(est.step_time_s), "100.0%")
     return table

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         split.add_argument(
             f"--{name}", type=int_in(1, MAX_GPUS), default=1, help=f"{name} degree (default 1)"
         )
+    split.add_argument("--ep", type=int_in(1, MAX_GPUS), default=1,
+                       help="expert-parallel degree of a mixture-of-experts model (divides dp; "
+                       "default 1)")
     split.add_argument("--micro-batch", type=int_in(1, MAX_GLOBAL_BATCH), default=1,
                        help="sequences per micro-batch")
     split.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
@@ -53,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
         schedule=args.schedule,

@@ -155,6 +155,7 @@ def assemble(
         compute_s=m * sum(table.layers[i].compute_s for i in blayers),
         recompute_s=m * sum(table.layers[i].recompute_s[idx[i]] for i in blayers),
         tp_comm_s=m * sum(table.layers[i].tp_comm_s[idx[i]] for i in blayers),
+        ep_comm_s=m * sum(table.layers[i].ep_comm_s[idx[i]] for i in blayers),
         pp_comm_s=m * p2p * len(stages_of[bottleneck]),
         dp_comm_s=m * sum(table.layers[i].dp_microbatch_s for i in blayers) + extras[tail][0]
         + table.dp_head_s,
@@ -212,7 +213,8 @@ def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdo
     widened at the high end by ``comm.COMM_SPREAD`` per second of exposed communication (one
     collective in ten runs that much slower than modelled on published clusters)."""
     low, high = table.framework.step_time_band
-    exposed = breakdown.tp_comm_s + breakdown.dp_comm_s + breakdown.pp_comm_s
+    exposed = (breakdown.tp_comm_s + breakdown.dp_comm_s + breakdown.pp_comm_s
+               + breakdown.ep_comm_s)
     return step_s * low, step_s * high + COMM_SPREAD * exposed
 
 

@@ -13,6 +13,7 @@ from collections import Counter
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
+from autopar.cost_model.moe import routed_params_off_rank
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
@@ -31,7 +32,9 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
-    return layer.num_params / (cfg.tp if tp_sharded(layer) else 1)
+    """Parameters of ``layer`` one rank holds after tp (and ep: its E / ep routed experts)."""
+    off_rank = routed_params_off_rank(layer, cfg)
+    return (layer.num_params - off_rank) / (cfg.tp if tp_sharded(layer) else 1)
 
 
 def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:

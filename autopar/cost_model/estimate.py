@@ -28,6 +28,7 @@ class TimeBreakdown:
         optimizer_s: optimizer step.
         overhead_s: the framework's fixed per-step cost outside the layers (data loading,
             gradient clipping, optimizer launch, logging).
+        ep_comm_s: exposed expert-parallel all-to-all (token dispatch and combine).
     """
 
     compute_s: float = 0.0
@@ -38,6 +39,7 @@ class TimeBreakdown:
     bubble_s: float = 0.0
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -45,11 +47,15 @@ class TimeBreakdown:
         return (
             self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
             + self.dp_comm_s + self.bubble_s + self.optimizer_s + self.overhead_s
+            + self.ep_comm_s
         )
 
     def to_dict(self) -> dict[str, float]:
-        """JSON-ready dict."""
-        return dataclasses.asdict(self)
+        """JSON-ready dict (no ``ep_comm_s`` key without expert parallelism)."""
+        data = dataclasses.asdict(self)
+        if not data["ep_comm_s"]:
+            del data["ep_comm_s"]
+        return data
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -139,6 +139,9 @@ class Framework:
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
+        expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
+        ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
+            dimension (zero >= 1), not a replicated one.
     """
 
     name: str
@@ -174,6 +177,8 @@ class Framework:
     step_time_band: tuple[float, float]
     sources: Mapping[str, str]
     settings: tuple[str, ...] = ()
+    expert_parallel: bool = False
+    ep_needs_sharded_dp: bool = False
 
     def __post_init__(self) -> None:
         if self.selective_policy not in ("attention", "op"):
@@ -279,7 +284,10 @@ _RECORDS: dict[str, dict[str, object]] = {
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
+        expert_parallel=False,
         sources={
+            "expert_parallel": "sourced: autopar's runtime does not shard experts yet "
+                               "(autopar/runtime has no all-to-all dispatch)",
             "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "
                                      "a tensor per transfer and drops it with its micro-batch "
                                      "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
@@ -318,7 +326,14 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True, exports=("torchtitan", "slurm"),
+        expert_parallel=True, ep_needs_sharded_dp=True,
         sources={
+            "ep_needs_sharded_dp": "sourced: torchtitan job_config.py Parallelism."
+                                   "expert_parallel_degree: with etp = tp, ep divides "
+                                   "dp_shard * cp (data_parallel_replicate cannot hold it)",
+            "expert_parallel": "sourced: torchtitan parallelism.expert_parallel_degree "
+                               "(torchtitan/distributed/expert_parallel.py: all-to-all "
+                               "token dispatch, experts sharded over dp_shard x cp)",
             "pipeline_recv_buffers": _TORCH_STAGE,
             "zero3_gather": _FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
             "selective_policy": "sourced: torchtitan activation_checkpoint mode 'selective' with "
@@ -354,7 +369,10 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
+        expert_parallel=True,
         sources={
+            "expert_parallel": "sourced: Megatron-Core MoE --expert-model-parallel-size "
+                               "(megatron/core/transformer/moe, alltoall token dispatcher)",
             "pipeline_recv_buffers": _MEGATRON_P2P,
             "loss_parallel": "sourced: megatron/core/tensor_parallel/cross_entropy.py "
                              "(vocab_parallel_cross_entropy)",
@@ -389,7 +407,11 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
         sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),
+        expert_parallel=True,
         sources={
+            "expert_parallel": "sourced: deepspeed.moe.layer.MoE(ep_size=...) (DeepSpeed-MoE, "
+                               "Rajbhandari et al. 2022); set in model code, not in the "
+                               "JSON config",
             "pipeline_recv_buffers": "sourced: deepspeed/runtime/pipe/engine.py "
                                      "(num_pipe_buffers = min(stages - stage_id, micro_batches))",
             "zero3_gather": _DS_BUCKETS,
@@ -470,7 +492,8 @@ def _build(name: str) -> Framework:
     for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
                 "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
-                "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor"):
+                "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
+                "ep_needs_sharded_dp"):
         sources.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
     return Framework(name=name, sources=MappingProxyType(sources), **fields)  # type: ignore[arg-type]
 
@@ -508,6 +531,12 @@ def framework_supports(framework: Framework, config) -> str | None:
                 f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
     if config.sequence_parallel and not fw.sequence_parallel:
         return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
+    if config.ep > 1 and not fw.expert_parallel:
+        return (f"{fw.name} does not run expert parallelism ({fw.sources['expert_parallel']}); "
+                "use ep=1")
+    if config.ep > 1 and fw.ep_needs_sharded_dp and config.zero == 0:
+        return (f"{fw.name} shards experts over its sharded data-parallel ranks only; use "
+                "zero >= 1 with ep > 1")
     return _settings_support(fw, config)
 
 

@@ -57,6 +57,7 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.moe import ep_layer_state, ep_terms
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
@@ -149,6 +150,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
         selective_keeps_gathered=fw.selective_policy != "op",
     )
+    ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard)
+    act = tuple(a + x for a, x in zip(act, ep.extra_act_bytes))
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
     fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
@@ -160,8 +163,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     times = layer_compute(
         cluster.device,
         cluster.device.peak_flops(cfg.dtype),
-        fwd_flops=layer.fwd_flops * b / shard,
-        bwd_flops=layer.bwd_flops * b / shard,
+        fwd_flops=layer.fwd_flops * b / shard + ep.extra_fwd_flops,
+        bwd_flops=layer.bwd_flops * b / shard + ep.extra_bwd_flops,
         recompute_flops=tuple(f * b / shard for f in rec_flops),
         elementwise_bytes=act[0],
         overhead_s=passes_s,
@@ -172,10 +175,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         if layer.kind == "block" else 0.0,
         floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
         param_traffic_bytes=tuple(cluster.param_traffic_factor * x
-                                  for x in _param_traffic_bytes(cfg, layer.num_params / shard)),
+                                  for x in _param_traffic_bytes(cfg, params_tp(layer, cfg))),
     )
-    params_tp = layer.num_params / shard
-    state = memory.layer_state(params_tp, cfg)
+    state = ep_layer_state(layer, cfg, shard)
+    held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     eta = cluster.dp_overlap_efficiency
     dp_calls = framework_dp_collectives(
         dp_collectives(cfg, fsdp_unit_params(profile, cfg, index)), cfg, fw)
@@ -194,8 +197,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
     sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
-    gathered_bytes = 2 * w * params_tp if gathered else 0.0
-    unsharded_grad_bytes = fresh_grad * params_tp if fsdp else 0.0
+    gathered_bytes = 2 * w * held if gathered else 0.0
+    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
     if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
         gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
         unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
@@ -209,6 +212,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
         / (shard if fw.loss_parallel else 1),
     )
+    transient = tuple(x + ep.buffer_bytes for x in transient)
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,
@@ -222,7 +226,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
             cfg.num_microbatches if c.per == "step" else 1) for c in calls),
             times.forward_s + times.backward_s) for calls in tp_calls),
         dp_microbatch_s=mb_s,
-        act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, params_tp),
+        act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, held),
                               cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
@@ -230,6 +234,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
+        ep_comm_s=ep.comm_s,
         optimizer_s=OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * state.local_params
         / cluster.device.hbm_bytes_per_s + (opt_fixed_s if layer.num_params > 0 else 0.0),
     )

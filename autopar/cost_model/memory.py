@@ -129,11 +129,17 @@ def fsdp_keeps_params_unsharded(config: ParallelConfig) -> bool:
     return config.zero in (1, 2) or (config.pp > 1 and config.num_microbatches > 1)
 
 
-def layer_state(params_per_rank: float, config: ParallelConfig) -> LayerState:
-    """Model state of ``params_per_rank`` parameters (after tp sharding) under the config."""
+def layer_state(
+    params_per_rank: float, config: ParallelConfig, shard_ranks: int | None = None
+) -> LayerState:
+    """Model state of ``params_per_rank`` parameters (after tp sharding) under the config.
+
+    ``shard_ranks``: the ranks ZeRO shards them over (default dp; routed experts under expert
+    parallelism: dp / ep, cost_model/moe.py).
+    """
     w = DTYPE_BYTES[config.dtype]
     copy = w if config.dtype != "fp32" else 0  # autocast / replicate() 16-bit compute copy
-    p, n = params_per_rank, config.dp
+    p, n = params_per_rank, shard_ranks or config.dp
     kind = dp_mechanism(config)
     if kind in ("none", "replicate", "ddp"):
         buckets = GRAD_BYTES if kind == "ddp" else 0

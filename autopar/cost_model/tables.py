@@ -47,6 +47,8 @@ class LayerCost:
         optimizer_bytes: optimizer-state bytes per rank (fp32 master weights and Adam moments).
         dp_step_s: data-parallel gradient reduction time per step for this layer, before overlap.
         optimizer_s: optimizer step time for this layer's local state.
+        ep_comm_s: exposed expert-parallel all-to-all time per micro-batch, by recompute mode
+            (cost_model/moe.py; 0 for a dense layer or ep == 1).
     """
 
     name: str
@@ -65,11 +67,13 @@ class LayerCost:
     optimizer_bytes: float
     dp_step_s: float
     optimizer_s: float
+    ep_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def time_per_microbatch_s(self, recompute: str) -> float:
-        """t_i(r) = compute + recompute(r) + tp_comm(r) + dp per micro-batch."""
+        """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + dp per micro-batch."""
         k = RECOMPUTE_INDEX[recompute]
-        return self.compute_s + self.recompute_s[k] + self.tp_comm_s[k] + self.dp_microbatch_s
+        return (self.compute_s + self.recompute_s[k] + self.tp_comm_s[k] + self.ep_comm_s[k]
+                + self.dp_microbatch_s)
 
     @property
     def static_bytes(self) -> float:

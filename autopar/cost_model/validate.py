@@ -17,7 +17,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import ModelProfile
 
-__all__ = ["check_config", "check_schedule"]
+__all__ = ["check_config", "check_ep", "check_schedule"]
 
 
 def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -57,7 +57,7 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches
 
 def _check_uncosted(cfg: ParallelConfig) -> None:
     """Refuse the dimensions the cost model does not charge yet, rather than mis-cost them."""
-    for name, default in (("cp", 1), ("ep", 1), ("dp_replicate", 1), ("offload", "none")):
+    for name, default in (("cp", 1), ("dp_replicate", 1), ("offload", "none")):
         if getattr(cfg, name) != default:
             raise ValueError(
                 f"{name} = {getattr(cfg, name)!r} is not costed by this autopar version; "
@@ -65,6 +65,30 @@ def _check_uncosted(cfg: ParallelConfig) -> None:
             )
     if cfg.dtype == "fp8":
         raise ValueError("dtype fp8 is not costed by this autopar version; use bf16")
+
+
+def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
+    """Raise ValueError unless expert parallelism fits: a mixture-of-experts model, ep dividing
+    dp * cp (experts shard over data/context-parallel ranks) and every layer's expert count."""
+    if cfg.ep == 1:
+        return
+    experts = sorted({layer.moe.experts for layer in profile.layers if layer.moe is not None})
+    if not experts:
+        raise ValueError(
+            f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has no experts "
+            "(use ep=1)"
+        )
+    if (cfg.dp * cfg.cp) % cfg.ep:
+        raise ValueError(
+            f"ep = {cfg.ep} must divide dp * cp = {cfg.dp * cfg.cp} (experts are sharded over "
+            "data-parallel ranks)"
+        )
+    for count in experts:
+        if count % cfg.ep:
+            raise ValueError(
+                f"ep = {cfg.ep} must divide the number of experts ({count}); pick an ep that "
+                f"divides {count}"
+            )
 
 
 def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig) -> None:
@@ -85,6 +109,7 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
             f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs"
         )
     _check_uncosted(cfg)
+    check_ep(profile, cfg)
     if cfg.tp > 1:
         for name, count in (("heads", profile.heads), ("kv_heads", profile.kv_heads)):
             if count and count % cfg.tp:

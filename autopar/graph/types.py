@@ -88,6 +88,10 @@ class MoEStructure:
     expert_params: int
     capacity_factor: float = 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the record."""
+        return dataclasses.asdict(self)
+
     @property
     def routed_params(self) -> int:
         """Parameters of all routed experts (the ones expert parallelism shards): E * P_e."""

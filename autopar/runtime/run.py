@@ -40,6 +40,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     split = parser.add_argument_group("split (with a model; a plan brings its own)")
     for name in ("dp", "tp", "pp"):
         split.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default 1)")
+    split.add_argument("--ep", type=int, default=None,
+                       help="expert-parallel degree of a mixture-of-experts model (divides dp; "
+                       "default 1)")
     split.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b)")
     split.add_argument("--virtual-stages", type=int, default=None,
                        help="model chunks per pipeline rank (default 2 for interleaved schedules)")
@@ -138,7 +141,7 @@ class _Job:
     vocab: int
 
 
-_SPLIT_FLAGS = ("dp", "tp", "pp", "schedule", "virtual_stages", "micro_batch", "zero",
+_SPLIT_FLAGS = ("dp", "tp", "pp", "ep", "schedule", "virtual_stages", "micro_batch", "zero",
                 "recompute", "sequence_parallel", "dtype", "global_batch")
 
 
@@ -239,7 +242,7 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     if virtual is None:
         virtual = 2 if schedule in MULTI_CHUNK_SCHEDULES and (args.pp or 1) > 1 else 1
     return ParallelConfig(
-        dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1,
+        dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
         micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
         schedule=schedule, virtual_stages=virtual, recompute=args.recompute or "none",
         sequence_parallel=bool(args.sequence_parallel), zero=args.zero or 0,

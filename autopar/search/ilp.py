@@ -77,6 +77,7 @@ def cost_signature(layer: LayerCost) -> tuple:
         layer.backward_s,
         layer.recompute_s,
         layer.tp_comm_s,
+        layer.ep_comm_s,
         layer.dp_microbatch_s,
         layer.act_bytes,
         layer.transient_bytes,

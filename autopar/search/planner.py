@@ -213,6 +213,7 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
             num_layers=profile.num_layers,
             global_batch=global_batch,
             options=options,
+            expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
         )
     )
 
@@ -331,7 +332,13 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
         cluster=cluster.to_dict(),
         search=info,
         framework=options.framework,
+        moe=_first_moe(profile),
     )
+
+
+def _first_moe(profile):
+    """The profile's first mixture-of-experts record (None for a dense model)."""
+    return next((layer.moe for layer in profile.layers if layer.moe is not None), None)
 
 
 def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
@@ -474,4 +481,5 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
         seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
         framework=table.framework.spec,
+        moe=_first_moe(profile),
     )

@@ -15,12 +15,15 @@ Rules (each one a constraint the runtime or torch imposes):
   run exactly 2 chunks per rank, and DualPipeV needs m >= 2 pp; GPipe takes any m;
 - sequence parallelism only when tp > 1; ZeRO stages > 0 only when dp > 1 (nothing to shard:
   they are the same plan as stage 0);
+- expert parallelism only for mixture-of-experts models: ep divides dp (* cp) and every layer's
+  number of experts (``expert_degrees``);
 - only what the framework runs (``frameworks.framework_supports``: its schedules, ZeRO stages,
   ZeRO with pipelines, sequence parallelism).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -33,6 +36,7 @@ __all__ = [
     "ZERO_BUBBLE",
     "divisors",
     "enumerate_candidates",
+    "expert_degrees",
     "mesh_shapes",
     "schedule_accepts",
     "schedule_variants",
@@ -89,6 +93,14 @@ def mesh_shapes(
     return shapes
 
 
+def expert_degrees(dp: int, cp: int, expert_counts: tuple[int, ...]) -> list[int]:
+    """Expert-parallel degrees to consider: divisors of dp * cp that divide every count in
+    ``expert_counts`` (the routed experts of each MoE layer); [1] for a dense model."""
+    if not expert_counts:
+        return [1]
+    return [e for e in divisors(dp * cp) if all(n % e == 0 for n in expert_counts)]
+
+
 def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> bool:
     """Whether torch 2.13's schedule class accepts m micro-batches on pp ranks x v chunks.
 
@@ -130,8 +142,10 @@ def enumerate_candidates(
     num_layers: int,
     global_batch: int,
     options: SearchOptions,
+    expert_counts: tuple[int, ...] = (),
 ) -> Iterator[ParallelConfig]:
-    """Every outer candidate, in a deterministic order (pp, tp, micro-batch, schedule, ZeRO, SP)."""
+    """Every outer candidate, in a deterministic order (pp, tp, micro-batch, schedule, ZeRO, SP,
+    ep). ``expert_counts``: routed experts of each MoE layer (empty for a dense model)."""
     shapes = mesh_shapes(
         world_size,
         head_counts=head_counts,
@@ -153,24 +167,25 @@ def enumerate_candidates(
             sps = [False]
         # ZeRO shards over dp: with dp == 1 every stage is the same plan as stage 0.
         zeros = sorted(set(options.zero_stages)) if dp > 1 else [0]
+        eps = expert_degrees(dp, 1, expert_counts)
         for mb in sizes:
             m = per_replica // mb
             for schedule, v in schedule_variants(pp, num_layers, options):
                 if pp > 1 and not schedule_accepts(schedule, pp, v, m):
                     continue
-                for zero in zeros:
-                    for sp in sps:
-                        config = ParallelConfig(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            micro_batch=mb,
-                            global_batch=global_batch,
-                            schedule=schedule,
-                            virtual_stages=v,
-                            sequence_parallel=sp,
-                            zero=zero,
-                            dtype=options.dtype,
-                        )
-                        if framework_supports(framework, config) is None:
-                            yield config
+                for zero, sp, ep in itertools.product(zeros, sps, eps):
+                    config = ParallelConfig(
+                        dp=dp,
+                        tp=tp,
+                        pp=pp,
+                        ep=ep,
+                        micro_batch=mb,
+                        global_batch=global_batch,
+                        schedule=schedule,
+                        virtual_stages=v,
+                        sequence_parallel=sp,
+                        zero=zero,
+                        dtype=options.dtype,
+                    )
+                    if framework_supports(framework, config) is None:
+                        yield config

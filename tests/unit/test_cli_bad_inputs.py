@@ -17,6 +17,7 @@ from autopar.search.space import divisors
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "a100_2nodes.yaml"
 PLAN = ["plan", TINY, "--gpus", "1", "--global-batch", "8"]
+MOE = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32,experts=4"
 
 
 def _fails(capfd, argv, needle, *, seconds=10.0):
@@ -43,6 +44,13 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["run", "nothing.json"], "see `autopar run --help`"),
     (["plan", "llama:layers=2,hidden=64,heads=4,vocab=256,seq_len=32,rope_theta=nan",
       "--gpus", "1", "--global-batch", "2"], "rope_theta must be a positive finite"),
+    (["estimate", TINY, "--dp", "4", "--ep", "2", "--global-batch", "8", "--gpu", "h100",
+      "--framework", "megatron-lm"], "needs a mixture-of-experts model"),
+    (["estimate", f"{MOE},top_k=2", "--dp", "4", "--ep", "3", "--global-batch", "8"],
+     "does not divide dp"),
+    (["estimate", f"{MOE},top_k=5", "--dp", "4", "--global-batch", "8"], "top_k must be"),
+    (["run", f"{MOE},top_k=2", "--dp", "2", "--ep", "2", "--global-batch", "4", "--steps", "1"],
+     "autopar does not run expert parallelism"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

@@ -44,6 +44,7 @@ def random_layer(draw, name: str) -> LayerCost:
         optimizer_bytes=f(1, 100) * 1e8,
         dp_step_s=f(0, 30),
         optimizer_s=f(0, 5),
+        ep_comm_s=(f(0, 3), f(0, 3), f(0, 6)),
     )
 
 

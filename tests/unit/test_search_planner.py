@@ -13,7 +13,7 @@ import autopar
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.hardware import Cluster, LinkSpec
 from autopar.errors import InfeasiblePlanError
-from autopar.graph.types import LayerProfile, ModelProfile, TPStructure
+from autopar.graph.types import LayerProfile, ModelProfile, MoEStructure, TPStructure
 from autopar.search import SearchOptions, plan, plan_from_config
 from autopar.search.planner import _candidates
 
@@ -224,3 +224,57 @@ def test_warm_bound_solves_single_stage_candidates_exactly() -> None:
     best = plan(model, cluster, global_batch=32, options=TIGHT_OPTS)
     assert best.estimate.step_time_s <= warm and best.search.optimal
     assert best.recompute_per_layer == outcome.recompute
+
+
+def moe_profile(layers: int, h: int, experts: int, *, s: int = 512) -> ModelProfile:
+    """``gpt_profile`` whose blocks' MLPs are mixtures of ``experts`` experts of width 4h, top-2
+    (the routed experts' parameters and the second expert's FLOPs added)."""
+    dense = gpt_profile(layers, h, 8, s=s, vocab=4096)
+    moe = MoEStructure(experts=experts, top_k=2, hidden=h, expert_hidden=4 * h,
+                       expert_params=8 * h * h)
+    out = []
+    for layer in dense.layers:
+        if layer.kind == "block":
+            extra = moe.routed_params - moe.expert_params
+            layer = dataclasses.replace(
+                layer, moe=moe, num_params=layer.num_params + extra,
+                param_bytes=layer.param_bytes + 2 * extra,
+                fwd_flops=layer.fwd_flops + 16.0 * s * h * h,
+                bwd_flops=layer.bwd_flops + 32.0 * s * h * h)
+        out.append(layer)
+    return dataclasses.replace(dense, layers=tuple(out))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    layers=st.integers(1, 3),
+    h=st.sampled_from([256, 1024]),
+    gpus=st.sampled_from([2, 4]),
+    mem_gb=st.sampled_from([4, 80]),
+)
+def test_planner_with_ep_never_worse_than_uniform_partitions(layers, h, gpus, mem_gb) -> None:
+    model = moe_profile(layers, h, 4)
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=gpus, gpu_memory_gb=mem_gb)
+    opts = SearchOptions(max_virtual_stages=2, zero_stages=(0, 3), framework="torchtitan")
+    cands = _candidates(model, cluster, 8, opts)
+    assert {c.ep for c in cands} > {1}  # ep is in the space for a MoE model
+    uniform = []
+    for cfg in cands:
+        for r in RECOMPUTE:
+            cfg_r = dataclasses.replace(cfg, recompute=r)
+            est = autopar.estimate(model, cluster, cfg_r, framework="torchtitan")
+            if est.fits:
+                uniform.append(est.step_time_s)
+    if not uniform:
+        return
+    best = plan(model, cluster, global_batch=8, options=opts)
+    assert best.estimate.step_time_s <= min(uniform) * (1 + 1e-3)
+
+
+def test_ep_only_for_moe_models() -> None:
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    opts = SearchOptions(framework="torchtitan")
+    assert {c.ep for c in _candidates(TINY, cluster, 8, opts)} == {1}
+    cands = _candidates(moe_profile(2, 256, 2), cluster, 8, opts)
+    assert {c.ep for c in cands} == {1, 2}
+    assert all((c.dp % c.ep) == 0 for c in cands)

@@ -1,0 +1,156 @@
+"""Expert parallelism (ep): the cost terms of mixture-of-experts layers sharded over ep ranks.
+
+Placement (torchtitan and Megatron-Core): the ep ranks of a group are ep consecutive ranks of the
+data-parallel axis (``ep`` divides ``dp * cp``), so an ep group has stride tp in the global rank
+order (comm.py). Each rank holds E / ep routed experts; the dense part of a layer (attention,
+router, shared experts) stays replicated over dp as before. Routed experts are tensor-parallel
+sharded like the rest of the layer (expert tensor parallelism = tp, Megatron-Core's default).
+
+Per MoE layer and micro-batch, with T = b s tokens a rank routes (T / tp with sequence
+parallelism), k' = the dispatched rows per token (k, or c k with a capacity factor c), h the
+width and w the bytes of the training dtype:
+
+- parameters: ``P_dense + E P_e / ep`` per rank (before tp); the routed experts' model state is
+  sharded by ZeRO over the expert-data-parallel group of ``dp / ep`` ranks (their gradients are
+  reduced there), the dense part over dp as before.
+- all-to-all: a dispatch and a combine in the forward, their transposes in the backward: 4 calls
+  of ``S = T k' h w`` bytes per rank (2 more when full recompute re-runs the forward). Each rank
+  keeps 1/ep of S and sends ``S / ep`` to each other member; members in its node go over the
+  intra-node link, the others through its own NIC (inter-node link):
+
+      all_to_all(S) = max(S (g - 1) / ep / B_intra, S (ep - g) / ep / B_inter) + (ep - 1) alpha
+
+  with g the members per node (NCCL runs all-to-all as concurrent send/recv pairs to every peer;
+  nccl-tests' doc/PERFORMANCE.md: busbw = algbw (n - 1) / n). Not overlapped with compute (the
+  experts wait for their tokens): charged as exposed.
+- load imbalance: a dropless router gives some ranks more tokens than T k' / ep; the busiest
+  rank sets the pace. Its routed-expert compute and activations are scaled by
+  ``DROPLESS_IMBALANCE``. With a capacity factor every expert runs exactly its padded capacity
+  (already counted in the profile's FLOPs): no further imbalance.
+- activations: the routed experts keep per dispatched row its input, the gate and up outputs,
+  the activated product and the output (2 h + 4 f_e elements, what graph/moe.py's stand-in
+  keeps); the busiest rank keeps ``DROPLESS_IMBALANCE`` times the average. The all-to-all send
+  and receive buffers (2 S) are transient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.cost_model import memory
+from autopar.cost_model.hardware import Cluster
+from autopar.graph.types import LayerProfile, MoEStructure
+
+__all__ = [
+    "DROPLESS_IMBALANCE",
+    "EpTerms",
+    "all_to_all_s",
+    "ep_layer_state",
+    "ep_terms",
+    "expert_dp",
+    "routed_params_off_rank",
+]
+
+# sourced: Switch Transformer (Fedus et al., JMLR 2022, section 2.2 and Table 1) trains with a
+# capacity factor of 1.25: the headroom over a perfectly balanced share that kept dropped
+# tokens small with a load-balancing loss. autopar takes the busiest expert-parallel rank of a
+# dropless router to carry that much over the average (tokens and their activations).
+DROPLESS_IMBALANCE = 1.25
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpTerms:
+    """The ep-specific terms of one layer per micro-batch on one rank.
+
+    Attributes:
+        extra_fwd_flops: forward FLOPs the busiest rank runs beyond the balanced share.
+        extra_bwd_flops: backward FLOPs likewise.
+        comm_s: exposed all-to-all time by recompute mode (none, selective, full).
+        extra_act_bytes: activations beyond the balanced share, by recompute mode.
+        buffer_bytes: the all-to-all send and receive buffers (transient).
+    """
+
+    extra_fwd_flops: float = 0.0
+    extra_bwd_flops: float = 0.0
+    comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    extra_act_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    buffer_bytes: float = 0.0
+
+
+def expert_dp(config: ParallelConfig) -> int:
+    """Ranks the routed experts' state is sharded / reduced over: ``dp * cp / ep``."""
+    return max(1, config.dp * config.cp // config.ep)
+
+
+def routed_params_off_rank(layer: LayerProfile, config: ParallelConfig) -> float:
+    """Routed-expert parameters of ``layer`` a rank does not hold under ep (before tp)."""
+    if layer.moe is None or config.ep <= 1:
+        return 0.0
+    return layer.moe.routed_params * (1.0 - 1.0 / config.ep)
+
+
+def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> memory.LayerState:
+    """Model state of ``layer`` on one rank: the dense part ZeRO-sharded over dp, the rank's
+    E / ep routed experts over the ``expert_dp`` ranks (both after tp sharding by ``shard``)."""
+    routed = layer.moe.routed_params / shard if layer.moe is not None and config.ep > 1 else 0.0
+    dense = memory.layer_state(layer.num_params / shard - routed, config)
+    if not routed:
+        return dense
+    experts = memory.layer_state(routed / config.ep, config, shard_ranks=expert_dp(config))
+    return memory.LayerState(
+        param_bytes=dense.param_bytes + experts.param_bytes,
+        grad_bytes=dense.grad_bytes + experts.grad_bytes,
+        optimizer_bytes=dense.optimizer_bytes + experts.optimizer_bytes,
+        local_params=dense.local_params + experts.local_params,
+    )
+
+
+def all_to_all_s(cluster: Cluster, ep: int, stride: int, size_bytes: float) -> float:
+    """One all-to-all of ``size_bytes`` per rank over ep ranks spaced ``stride`` apart."""
+    if ep <= 1 or size_bytes <= 0:
+        return 0.0
+    gpn = cluster.gpus_per_node
+    per_node = ep if cluster.nodes == 1 or ep * stride <= gpn else max(1, gpn // stride)
+    per_node = min(per_node, ep)
+    intra, inter = cluster.intra_node, cluster.inter_node
+    intra_s = size_bytes * (per_node - 1) / ep / intra.bandwidth_bytes_per_s
+    inter_s = size_bytes * (ep - per_node) / ep / inter.bandwidth_bytes_per_s
+    latency = intra.latency_s if per_node == ep else inter.latency_s
+    return max(intra_s, inter_s) + (ep - 1) * latency
+
+
+def _imbalance(moe: MoEStructure) -> float:
+    return 1.0 if moe.capacity_factor > 0 else DROPLESS_IMBALANCE
+
+
+def ep_terms(
+    layer: LayerProfile, config: ParallelConfig, cluster: Cluster, *, seq_len: int, shard: int
+) -> EpTerms:
+    """The ep terms of ``layer`` (zero for a dense layer or ep == 1).
+
+    Args:
+        layer: the profile layer.
+        config: the configuration (ep, tp, micro_batch, dtype, sequence_parallel).
+        cluster: the cluster (its link tiers).
+        seq_len: tokens per sample.
+        shard: the tp degree the layer's compute is divided by (1 if not tp-sharded).
+    """
+    moe = layer.moe
+    if moe is None or config.ep <= 1:
+        return EpTerms()
+    b, w = config.micro_batch, DTYPE_BYTES[config.dtype]
+    rows = b * seq_len * moe.routed_rows_per_token()
+    extra = _imbalance(moe) - 1.0
+    fwd = moe.routed_fwd_flops(b * seq_len) / shard
+    tokens_div = config.tp if config.sequence_parallel else 1
+    size = rows / tokens_div * moe.hidden * w
+    one = all_to_all_s(cluster, config.ep, config.tp, size)
+    act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
+    return EpTerms(
+        extra_fwd_flops=extra * fwd,
+        extra_bwd_flops=2.0 * extra * fwd,
+        comm_s=(4 * one, 4 * one, 6 * one),
+        extra_act_bytes=(act, act, 0.0),
+        buffer_bytes=2 * size,
+    )

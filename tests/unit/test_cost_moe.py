@@ -1,0 +1,115 @@
+"""Expert parallelism in the cost model: sharded experts, all-to-all by link tier, imbalance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.moe import DROPLESS_IMBALANCE, all_to_all_s
+from autopar.graph.types import MoEStructure
+from tests.unit.test_search_planner import moe_profile
+
+H = 1024
+PROFILE = moe_profile(2, H, 8, s=512)
+MOE = PROFILE.layers[1].moe
+CLUSTER = Cluster.preset("h100", nodes=2)  # 16 GPUs, 8 a node
+
+
+def _cfg(**kw) -> ParallelConfig:
+    base = dict(dp=16, global_batch=32, micro_batch=1, zero=0)
+    return ParallelConfig(**{**base, **kw})
+
+
+def _block(cfg: ParallelConfig, profile=PROFILE, cluster=CLUSTER):
+    return build_cost_table(profile, cluster, cfg, "torchtitan").layers[1]
+
+
+def test_all_to_all_charged_by_link_tier():
+    c = CLUSTER
+    size = 64 * 2**20
+    intra, inter = c.intra_node, c.inter_node
+    # 8 ranks in one node: 7/8 of the buffer over NVLink.
+    assert all_to_all_s(c, 8, 1, size) == pytest.approx(
+        size * 7 / 8 / intra.bandwidth_bytes_per_s + 7 * intra.latency_s)
+    # 16 ranks over 2 nodes: half the buffer leaves the node through each GPU's NIC.
+    assert all_to_all_s(c, 16, 1, size) == pytest.approx(max(
+        size * 7 / 16 / intra.bandwidth_bytes_per_s,
+        size * 8 / 16 / inter.bandwidth_bytes_per_s) + 15 * inter.latency_s)
+    assert all_to_all_s(c, 16, 1, size) > all_to_all_s(c, 8, 1, size)
+    assert all_to_all_s(c, 1, 1, size) == 0.0
+
+
+def test_ep_shards_routed_expert_state():
+    w = 2  # bf16
+    dense, sharded = _block(_cfg(ep=1)), _block(_cfg(ep=8))
+    off = MOE.routed_params * (1 - 1 / 8)
+    # zero 0: fp32 master + 16-bit copy, fp32 grads (+ DDP bucket copy absent: replicate / DDP)
+    assert dense.param_bytes - sharded.param_bytes == pytest.approx((4 + w) * off)
+    assert dense.optimizer_bytes - sharded.optimizer_bytes == pytest.approx(8 * off)
+    # zero 3 shards the routed experts over dp / ep ranks instead: the same share per rank.
+    z3, z3_ep = _block(_cfg(ep=1, zero=3)), _block(_cfg(ep=8, zero=3))
+    assert z3_ep.optimizer_bytes == pytest.approx(z3.optimizer_bytes)
+
+
+def test_all_to_all_time_and_imbalance_in_the_layer():
+    base, ep = _block(_cfg(ep=1)), _block(_cfg(ep=8))
+    size = 512 * MOE.top_k * H * 2  # one micro-batch's dispatched rows, bf16
+    one = all_to_all_s(CLUSTER, 8, 1, size)
+    assert ep.ep_comm_s == pytest.approx((4 * one, 4 * one, 6 * one))
+    assert base.ep_comm_s == (0.0, 0.0, 0.0)
+    extra_act = (DROPLESS_IMBALANCE - 1) * 512 * MOE.top_k * (2 * H + 4 * MOE.expert_hidden) * 2
+    extra_act *= 1 + get_framework("torchtitan").fragmentation_fraction
+    assert ep.act_bytes[0] - base.act_bytes[0] == pytest.approx(extra_act, rel=1e-6)
+    # A capacity factor pads every expert to its capacity (counted in the profile's FLOPs): no
+    # imbalance beyond it; dropless, the busiest rank runs DROPLESS_IMBALANCE x its routed share.
+    capped = dataclasses.replace(MOE, capacity_factor=1.25)
+    prof = dataclasses.replace(PROFILE, layers=tuple(
+        dataclasses.replace(x, moe=capped) if x.moe else x for x in PROFILE.layers))
+    balanced = _block(_cfg(ep=8), prof)
+    assert balanced.compute_s <= ep.compute_s
+    # (big enough micro-batches that the matmuls, not the dispatch floor, set the time)
+    big = dict(ep=8, micro_batch=16, global_batch=512)
+    assert _block(_cfg(**big), prof).compute_s < _block(_cfg(**big)).compute_s
+    assert balanced.act_bytes[0] == pytest.approx(base.act_bytes[0])
+
+
+def test_estimate_reports_ep_and_checks_it():
+    est = autopar.estimate(PROFILE, CLUSTER, _cfg(ep=8), framework="megatron-lm")
+    assert est.time_breakdown.ep_comm_s > 0
+    assert "ep_comm_s" in est.time_breakdown.to_dict()
+    dense_est = autopar.estimate(PROFILE, CLUSTER, _cfg(ep=1), framework="megatron-lm")
+    assert "ep_comm_s" not in dense_est.time_breakdown.to_dict()
+    with pytest.raises(ValueError, match="must divide the number of experts"):
+        autopar.estimate(PROFILE, CLUSTER, _cfg(ep=16), framework="megatron-lm")
+    with pytest.raises(ValueError, match="does not divide dp"):
+        autopar.estimate(PROFILE, CLUSTER, _cfg(dp=8, tp=2, ep=16), framework="megatron-lm")
+    dense = moe_profile(2, H, 8)
+    dense = dataclasses.replace(dense, layers=tuple(
+        dataclasses.replace(x, moe=None) for x in dense.layers))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        autopar.estimate(dense, CLUSTER, _cfg(ep=2), framework="megatron-lm")
+
+
+def test_frameworks_declare_ep():
+    from autopar.cost_model.frameworks import framework_supports, get_framework
+
+    cfg = _cfg(ep=2)
+    for name in ("torchtitan", "megatron-lm", "deepspeed"):
+        sharded = dataclasses.replace(cfg, zero=1)
+        assert framework_supports(get_framework(name), sharded) is None
+        assert get_framework(name).sources["expert_parallel"].startswith("sourced:")
+    # torchtitan takes ep from its sharded data-parallel dimension only.
+    assert "zero >= 1" in framework_supports(get_framework("torchtitan"), cfg)
+    assert "does not run expert parallelism" in framework_supports(get_framework("autopar"), cfg)
+
+
+def test_routed_flops_closed_form():
+    moe = MoEStructure(experts=8, top_k=2, hidden=64, expert_hidden=32, expert_params=3 * 64 * 32)
+    assert moe.routed_fwd_flops(10) == 2 * 10 * 2 * 3 * 64 * 32
+    assert moe.routed_params == 8 * 3 * 64 * 32

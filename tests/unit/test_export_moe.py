@@ -1,0 +1,54 @@
+"""Mixture-of-experts plans: the Plan records its experts; exports set ep or refuse clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.hardware import Cluster
+from autopar.exporters import export_plan
+from autopar.plan import Plan
+from autopar.search import plan_from_config
+from tests.unit.test_search_planner import moe_profile
+
+PROFILE = moe_profile(2, 256, 8, s=128)
+CLUSTER = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+
+
+def _plan(framework: str, **kw) -> Plan:
+    cfg = ParallelConfig(**{"dp": 4, "ep": 2, "zero": 1, "global_batch": 8, **kw})
+    return plan_from_config(PROFILE, CLUSTER, cfg, model="moe", framework=framework)
+
+
+def test_plan_json_keeps_the_experts():
+    plan = _plan("megatron-lm")
+    assert plan.moe == PROFILE.layers[1].moe
+    again = Plan.from_json(plan.to_json())
+    assert again.moe == plan.moe and again.config.ep == 2
+
+
+def test_megatron_flags_for_ep():
+    text = export_plan(_plan("megatron-lm"), "megatron").text
+    for flag in ("--num-experts 8", "--moe-router-topk 2", "--expert-model-parallel-size 2",
+                 "--moe-ffn-hidden-size 1024", "--moe-token-dispatcher-type alltoall"):
+        assert flag in text
+    with pytest.raises(ValueError, match="sequence parallelism must be used"):
+        export_plan(_plan("megatron-lm", dp=2, tp=2), "megatron")
+
+
+def test_torchtitan_sets_expert_parallel_degree():
+    text = export_plan(_plan("torchtitan"), "torchtitan").text
+    assert "expert_parallel_degree = 2" in text
+    assert "expert_tensor_parallel_degree = 1" in text
+
+
+def test_deepspeed_refuses_ep_clearly():
+    with pytest.raises(ValueError, match="cannot express expert parallelism"):
+        export_plan(_plan("deepspeed"), "deepspeed")
+    one = export_plan(_plan("deepspeed", ep=1), "deepspeed")
+    assert any("deepspeed.moe.layer.MoE(num_experts=8" in n for n in one.notes)
+
+
+def test_autopar_plan_with_ep_refused_for_slurm():
+    with pytest.raises(ValueError, match="does not run expert parallelism"):
+        export_plan(_plan("megatron-lm"), "slurm")

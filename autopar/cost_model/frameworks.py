@@ -142,6 +142,9 @@ class Framework:
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
             dimension (zero >= 1), not a replicated one.
+        ep_with_tp: whether it runs ep together with tp > 1.
+        ep_zero_sharded_experts: whether ZeRO (zero >= 1) shards the routed experts over the
+            dp / ep ranks that hold them; False: ep with zero >= 1 only at ep == dp.
     """
 
     name: str
@@ -179,6 +182,8 @@ class Framework:
     settings: tuple[str, ...] = ()
     expert_parallel: bool = False
     ep_needs_sharded_dp: bool = False
+    ep_with_tp: bool = True
+    ep_zero_sharded_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.selective_policy not in ("attention", "op"):
@@ -284,10 +289,15 @@ _RECORDS: dict[str, dict[str, object]] = {
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
-        expert_parallel=False,
+        expert_parallel=True, ep_with_tp=False, ep_zero_sharded_experts=False,
         sources={
-            "expert_parallel": "sourced: autopar's runtime does not shard experts yet "
-                               "(autopar/runtime has no all-to-all dispatch)",
+            "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's experts "
+                               "over ep ranks, all_to_all_single dispatch and combine; "
+                               "tests/distributed/test_runtime_moe.py)",
+            "ep_with_tp": "sourced: autopar/runtime/apply.py _check_ep (experts are not "
+                          "tensor-parallel in autopar's runtime)",
+            "ep_zero_sharded_experts": "sourced: autopar/runtime/expert_parallel.py (experts "
+                                       "are left out of FSDP2; no ZeRO sharding of them)",
             "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "
                                      "a tensor per transfer and drops it with its micro-batch "
                                      "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
@@ -493,7 +503,7 @@ def _build(name: str) -> Framework:
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
                 "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
                 "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
-                "ep_needs_sharded_dp"):
+                "ep_needs_sharded_dp", "ep_with_tp", "ep_zero_sharded_experts"):
         sources.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
     return Framework(name=name, sources=MappingProxyType(sources), **fields)  # type: ignore[arg-type]
 
@@ -534,10 +544,24 @@ def framework_supports(framework: Framework, config) -> str | None:
     if config.ep > 1 and not fw.expert_parallel:
         return (f"{fw.name} does not run expert parallelism ({fw.sources['expert_parallel']}); "
                 "use ep=1")
-    if config.ep > 1 and fw.ep_needs_sharded_dp and config.zero == 0:
+    if config.ep > 1:
+        reason = _ep_support(fw, config)
+        if reason:
+            return reason
+    return _settings_support(fw, config)
+
+
+def _ep_support(fw: Framework, config) -> str | None:
+    """Why ``fw`` cannot run ``config``'s expert parallelism (ep > 1), or None."""
+    if fw.ep_needs_sharded_dp and config.zero == 0:
         return (f"{fw.name} shards experts over its sharded data-parallel ranks only; use "
                 "zero >= 1 with ep > 1")
-    return _settings_support(fw, config)
+    if not fw.ep_with_tp and config.tp > 1:
+        return f"{fw.name} runs expert parallelism with tp=1 only"
+    if not fw.ep_zero_sharded_experts and config.zero >= 1 and config.ep != config.dp:
+        return (f"{fw.name} runs expert parallelism under zero >= 1 only with ep == dp "
+                f"({config.dp})")
+    return None
 
 
 def _settings_support(fw: Framework, config) -> str | None:

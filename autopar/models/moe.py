@@ -72,8 +72,8 @@ class Experts(nn.Module):
 
     def expert_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` (of this module's local experts) on tokens ``x[n, h]``."""
-        gate, up = F.linear(x, self.gate_up_proj[index]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[index])
+        gate, up = F.linear(x, self.gate_up_proj[index].to(x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[index].to(x.dtype))
 
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -1,7 +1,7 @@
 """apply_plan: turn a Plan into this rank's sharded modules and pipeline schedule.
 
-Order (STYLE.md section 6): PP split -> TP -> recompute (AC) -> DP, one ``apply_<axis>`` per mesh
-axis, each a no-op at degree 1. ``check_plan_runnable`` raises every error it can before any
+Order (STYLE.md section 6): PP split -> TP -> EP -> recompute (AC) -> DP, one ``apply_<axis>`` per
+mesh axis, each a no-op at degree 1. ``check_plan_runnable`` raises every error it can before any
 process group exists, so the launcher calls it first.
 """
 
@@ -17,6 +17,7 @@ from torch import nn
 from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
+from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
 from autopar.runtime.pipeline_parallel import (
     CONTAINER_NAMES,
     ModelStructure,
@@ -120,6 +121,30 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
                 f"sequence parallelism with tp={cfg.tp} needs seq_len divisible by tp "
                 f"(seq_len={spec.seq_len}); change tp or the sequence length"
             )
+
+
+def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
+    """Expert parallelism runs the zoo's dropless experts, with tp == 1, and under ZeRO >= 1
+    only at ep == dp (the routed experts are not ZeRO-sharded: runtime/expert_parallel.py)."""
+    cfg = plan.config
+    if cfg.ep == 1:
+        return
+    spec = _spec_of(model_or_spec)
+    if spec is None or not spec.experts:
+        raise AutoparError(
+            f"ep={cfg.ep} needs a zoo mixture-of-experts model (llama:...,experts=E,top_k=K); "
+            "autopar's runtime shards only the zoo's experts: use ep=1"
+        )
+    if spec.experts % cfg.ep:
+        raise AutoparError(f"ep={cfg.ep} must divide the model's {spec.experts} experts")
+    if spec.capacity_factor:
+        raise AutoparError("expert parallelism runs dropless experts only; build the model "
+                           "with capacity_factor=0 or use ep=1")
+    if cfg.tp > 1:
+        raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
+    if cfg.zero >= 1 and cfg.dp > 1 and cfg.ep != cfg.dp:
+        raise AutoparError(f"with zero >= 1 autopar's runtime needs ep == dp ({cfg.dp}), got "
+                           f"ep={cfg.ep}; use ep={cfg.dp} or zero=0")
 
 
 def _check_schedule(plan: Plan) -> None:
@@ -256,6 +281,7 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
                 "over pp > 1 or tp > 1; build it with tie_embeddings=False or use dp only"
             )
     _check_schedule(plan)
+    _check_ep(model_or_spec, plan)
     if isinstance(model_or_spec, nn.Module):
         _check_model(model_or_spec, plan)
 
@@ -345,6 +371,7 @@ def apply_plan(
     parts = [split_stage(model, s, structure) for s in stage_plans] if cfg.pp > 1 else [model]
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     wrapped: list[nn.Module] = []
+    experts_groups = ep_groups(cfg) if cfg.ep > 1 else None
     for part, stage_plan in zip(parts, stage_plans):
         # [TP] parallelize_module by the plan's layout.
         apply_tensor_parallel(
@@ -355,12 +382,16 @@ def apply_plan(
             sequence_parallel=cfg.sequence_parallel,
             first_block=structure.first_block,
         )
+        # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
+        # the all-to-alls; before DP: the wrappers leave the experts out).
+        local_experts = apply_expert_parallel(part, experts_groups, cfg)
         # [AC] per-block recomputation.
         choices = _owned_block_fqns(stage_plan, structure)
         blocks = {fqn: part.get_submodule(fqn) for fqn in choices}
         apply_recompute(blocks, choices)
         # [DP] by ZeRO stage.
-        wrapped.append(apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg))
+        wrapped.append(apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg,
+                                           ignored_params=local_experts))
     indices = tuple(s.index for s in stage_plans)
     schedule, stages = None, ()
     if cfg.pp > 1:

@@ -58,7 +58,8 @@ def _mp_policy(cfg: ParallelConfig) -> Any:
 
 
 def apply_data_parallel(
-    part: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, cfg: ParallelConfig
+    part: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, cfg: ParallelConfig,
+    ignored_params: set | None = None,
 ) -> nn.Module:
     """Wrap one stage module for data parallelism over the "dp" mesh axis.
 
@@ -67,6 +68,8 @@ def apply_data_parallel(
         blocks: the blocks inside ``part`` (each becomes its own FSDP2 unit).
         dp_mesh: the 1-D "dp" sub-mesh.
         cfg: the plan's config (dp, pp, zero, dtype).
+        ignored_params: parameters left out (expert-parallel experts, which differ per rank and
+            synchronise their own gradients: runtime/expert_parallel.py).
 
     Returns:
         The module to run and optimize: ``part`` itself (FSDP2 / replicate act in place) or a
@@ -78,20 +81,26 @@ def apply_data_parallel(
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if ignored_params:
+            names = [n for n, p in part.named_parameters() if p in ignored_params]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, names)
         # NOTE: the dp axis's process group, not ``device_mesh=dp_mesh``: DDP given a mesh sliced
         # from a larger one assumes tensor parallelism and hooks every forward to swap DTensor
         # parameters in and out (``_pre_dp_module_transform``), pure overhead with tp == 1.
         return DistributedDataParallel(part, process_group=dp_mesh.get_group())
+    ignored = set(ignored_params) if ignored_params else None
     if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for block in blocks:
-            replicate(block, mesh=dp_mesh, mp_policy=_mp_policy(cfg))
-        return replicate(part, mesh=dp_mesh, mp_policy=_mp_policy(cfg))
+            replicate(block, mesh=dp_mesh, mp_policy=_mp_policy(cfg), ignored_params=ignored)
+        return replicate(part, mesh=dp_mesh, mp_policy=_mp_policy(cfg), ignored_params=ignored)
     from torch.distributed.fsdp import fully_shard
 
     reshard = cfg.zero == 3
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg))
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg))
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg),
+                    ignored_params=ignored)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg),
+                ignored_params=ignored)
     return part

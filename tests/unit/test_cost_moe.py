@@ -106,7 +106,10 @@ def test_frameworks_declare_ep():
         assert get_framework(name).sources["expert_parallel"].startswith("sourced:")
     # torchtitan takes ep from its sharded data-parallel dimension only.
     assert "zero >= 1" in framework_supports(get_framework("torchtitan"), cfg)
-    assert "does not run expert parallelism" in framework_supports(get_framework("autopar"), cfg)
+    autopar = get_framework("autopar")
+    assert framework_supports(autopar, cfg) is None  # zero 0: experts replicated over edp
+    assert "only with ep == dp" in framework_supports(autopar, dataclasses.replace(cfg, zero=3))
+    assert "tp=1 only" in framework_supports(autopar, dataclasses.replace(cfg, dp=8, tp=2))
 
 
 def test_routed_flops_closed_form():

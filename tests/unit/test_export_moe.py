@@ -49,6 +49,8 @@ def test_deepspeed_refuses_ep_clearly():
     assert any("deepspeed.moe.layer.MoE(num_experts=8" in n for n in one.notes)
 
 
-def test_autopar_plan_with_ep_refused_for_slurm():
-    with pytest.raises(ValueError, match="does not run expert parallelism"):
+def test_slurm_runs_what_autopars_runtime_runs():
+    # autopar's runtime leaves the experts out of ZeRO: under zero >= 1 it needs ep == dp.
+    with pytest.raises(ValueError, match="only with ep == dp"):
         export_plan(_plan("megatron-lm"), "slurm")
+    assert "autopar run" in export_plan(_plan("megatron-lm", ep=4), "slurm").text

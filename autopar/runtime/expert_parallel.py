@@ -1,0 +1,159 @@
+"""Expert parallelism: the routed experts of mixture-of-experts layers sharded over ep ranks.
+
+Layout (torchtitan's "dp -> ep"): the dp axis of the ("pp", "dp", "tp") mesh is viewed as
+(dp / ep, ep) (``ep_groups``); the ep consecutive dp ranks of an ``ep`` group each hold E / ep of
+every layer's experts (rank j of the group: experts j E/ep .. (j+1) E/ep - 1, sliced from the
+full model built from the same seed everywhere), and the dp / ep ranks of an ``edp`` group hold
+the same experts.
+
+Forward of an experts module (``models/moe.py::Experts``) on ``x[T, h]`` routed to ``top_k``:
+the T k (token, expert) assignments are sorted by expert, hence by the rank that holds it; their
+counts are exchanged (``all_to_all_single``); the token rows go to their experts' ranks
+(``all_to_all_single_autograd``: the dispatch; its backward sends the gradients back), each
+rank runs its local experts on what it received, and the results come back the same way (the
+combine), are weighted by the router and summed per token, exactly as the one-process module.
+
+Gradients: the routed experts are left out of the data-parallel wrappers (``ignored_params``;
+they differ per ep rank). A rank's expert gradient already sums the contributions of its ep
+group's tokens (the dispatch's backward); a hook on each expert parameter all-reduces it over
+the ``edp`` group and divides by dp, which is the data-parallel mean the wrappers take of the
+dense parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+if TYPE_CHECKING:
+    from autopar.config import ParallelConfig
+
+__all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "experts_modules"]
+
+
+def experts_modules(part: nn.Module) -> list[nn.Module]:
+    """The zoo's grouped-experts modules inside ``part``."""
+    from autopar.models.moe import Experts
+
+    return [m for m in part.modules() if isinstance(m, Experts)]
+
+
+@dataclass(frozen=True, slots=True)
+class EpGroups:
+    """This rank's expert-parallel process groups and its index in its ep group."""
+
+    ep: Any
+    edp: Any
+    ep_rank: int
+
+
+def ep_groups(cfg: ParallelConfig) -> EpGroups:
+    """New process groups for every ep and edp group (every rank creates all, in one order).
+
+    Rank r = pp_i (dp tp) + dp_i tp + tp_i (``build_mesh``), dp_i = b ep + j: the ep group of
+    (pp_i, tp_i, b) holds j = 0 .. ep - 1, the edp group of (pp_i, tp_i, j) holds b = 0 ..
+    dp / ep - 1. Always new groups, never the default one: the data-parallel wrappers' own
+    collectives run on the dp group meanwhile, and sharing a group with them would interleave
+    the two streams differently on different ranks.
+    """
+    rank = dist.get_rank()
+    blocks = cfg.dp // cfg.ep
+    mine: dict[str, Any] = {}
+    ep_rank = 0
+    for p in range(cfg.pp):
+        for t in range(cfg.tp):
+            def at(b: int, j: int, p: int = p, t: int = t) -> int:
+                return p * cfg.dp * cfg.tp + (b * cfg.ep + j) * cfg.tp + t
+
+            for b in range(blocks):
+                ranks = [at(b, j) for j in range(cfg.ep)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine["ep"], ep_rank = group, ranks.index(rank)
+            for j in range(cfg.ep):
+                ranks = [at(b, j) for b in range(blocks)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine["edp"] = group
+    return EpGroups(ep=mine["ep"], edp=mine["edp"], ep_rank=ep_rank)
+
+
+def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received.tolist()
+
+
+def _ep_forward(module: nn.Module, group: Any, ep: int):
+    local = module.gate_up_proj.shape[0]
+
+    def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        top_k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // top_k
+        send_splits = torch.bincount(flat // local, minlength=ep)
+        in_splits = send_splits.tolist()
+        out_splits = _exchange_counts(send_splits, group)
+        expert = (flat[order] % local).contiguous()
+        recv_expert = torch.empty(sum(out_splits), dtype=expert.dtype, device=expert.device)
+        dist.all_to_all_single(recv_expert, expert, out_splits, in_splits, group=group)
+        recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(
+            x.index_select(0, token), out_splits, in_splits, group))
+        # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
+        # experts received no rows, or autograd would skip both all-to-alls' backward there
+        # while the other ranks of the group wait in theirs.
+        y = recv * 0
+        for e in range(local):
+            rows = torch.nonzero(recv_expert == e).flatten()
+            if rows.numel():
+                y = y.index_add(0, rows, module.expert_forward(e, recv.index_select(0, rows)))
+        back = funcol.wait_tensor(
+            funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
+        weights = top_k_weights.reshape(-1).index_select(0, order)
+        return torch.zeros_like(x).index_add(0, token, (back * weights[:, None]).to(x.dtype))
+
+    return forward
+
+
+def _grad_hook(edp_group: Any, edp: int, dp: int):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        if edp > 1:
+            dist.all_reduce(grad, group=edp_group)
+        return grad / dp
+
+    return hook
+
+
+def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: ParallelConfig) -> set:
+    """Shard ``part``'s routed experts over the ep group (in place); no-op when ep == 1.
+
+    Args:
+        part: the model or one pipeline stage module (full weights, same on every rank).
+        groups: ``ep_groups(cfg)`` (None when ep == 1).
+        cfg: the plan's config (dp, ep).
+
+    Returns:
+        The expert parameters now local to this rank (for the dp wrappers to ignore).
+    """
+    if cfg.ep <= 1 or groups is None:
+        return set()
+    ep_group, edp_group, rank = groups.ep, groups.edp, groups.ep_rank
+    local_params: set = set()
+    for module in experts_modules(part):
+        local = module.num_experts // cfg.ep
+        lo, hi = rank * local, (rank + 1) * local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            param = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+            param.register_hook(_grad_hook(edp_group, cfg.dp // cfg.ep, cfg.dp))
+            setattr(module, name, param)
+            local_params.add(param)
+        module.forward = _ep_forward(module, ep_group, cfg.ep)
+    return local_params

@@ -45,6 +45,7 @@ from autopar.cost_model.compute import (
     busy_speedup,
     framework_overheads_s,
     layer_compute,
+    matmul_efficiency,
     param_traffic_bytes_per_param,
 )
 from autopar.cost_model.dp_comm import (
@@ -163,8 +164,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     times = layer_compute(
         cluster.device,
         cluster.device.peak_flops(cfg.dtype),
-        fwd_flops=layer.fwd_flops * b / shard + ep.extra_fwd_flops,
-        bwd_flops=layer.bwd_flops * b / shard + ep.extra_bwd_flops,
+        fwd_flops=layer.fwd_flops * b / shard,
+        bwd_flops=layer.bwd_flops * b / shard,
         recompute_flops=tuple(f * b / shard for f in rec_flops),
         elementwise_bytes=act[0],
         overhead_s=passes_s,
@@ -177,6 +178,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         param_traffic_bytes=tuple(cluster.param_traffic_factor * x
                                   for x in _param_traffic_bytes(cfg, params_tp(layer, cfg))),
     )
+    times = _with_imbalance(times, ep, cluster, cfg, layer.fwd_flops * b / shard)
     state = ep_layer_state(layer, cfg, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     eta = cluster.dp_overlap_efficiency
@@ -263,6 +265,20 @@ def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
     it with the layer's GEMMs) what the layer's compute cannot hide plus the slowdown."""
     return overlapped_s(comm_s, gemm_window_s, fw.overlap_slowdown) if (
         fw.tp_comm_overlapped) else comm_s
+
+
+def _with_imbalance(times, ep, cluster: Cluster, cfg: ParallelConfig, fwd_flops: float):
+    """The busiest ep rank's extra routed-expert FLOPs (cost_model/moe.py), at the rate the
+    layer's own matmuls run (forward, backward, and the re-run forward of full recompute)."""
+    if not ep.extra_fwd_flops:
+        return times
+    rate = cluster.device.peak_flops(cfg.dtype) * matmul_efficiency(cluster.device, fwd_flops)
+    rate *= _pipeline_speedup(cluster, cfg)
+    fwd_s, bwd_s = ep.extra_fwd_flops / rate, ep.extra_bwd_flops / rate
+    rec = times.recompute_s
+    return dataclasses.replace(times, forward_s=times.forward_s + fwd_s,
+                               backward_s=times.backward_s + bwd_s,
+                               recompute_s=(rec[0], rec[1], rec[2] + fwd_s))
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):

@@ -143,8 +143,6 @@ class Framework:
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
             dimension (zero >= 1), not a replicated one.
         ep_with_tp: whether it runs ep together with tp > 1.
-        ep_zero_sharded_experts: whether ZeRO (zero >= 1) shards the routed experts over the
-            dp / ep ranks that hold them; False: ep with zero >= 1 only at ep == dp.
     """
 
     name: str
@@ -183,7 +181,6 @@ class Framework:
     expert_parallel: bool = False
     ep_needs_sharded_dp: bool = False
     ep_with_tp: bool = True
-    ep_zero_sharded_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.selective_policy not in ("attention", "op"):
@@ -289,15 +286,13 @@ _RECORDS: dict[str, dict[str, object]] = {
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
-        expert_parallel=True, ep_with_tp=False, ep_zero_sharded_experts=False,
+        expert_parallel=True, ep_with_tp=False,
         sources={
             "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's experts "
                                "over ep ranks, all_to_all_single dispatch and combine; "
                                "tests/distributed/test_runtime_moe.py)",
             "ep_with_tp": "sourced: autopar/runtime/apply.py _check_ep (experts are not "
                           "tensor-parallel in autopar's runtime)",
-            "ep_zero_sharded_experts": "sourced: autopar/runtime/expert_parallel.py (experts "
-                                       "are left out of FSDP2; no ZeRO sharding of them)",
             "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "
                                      "a tensor per transfer and drops it with its micro-batch "
                                      "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
@@ -503,7 +498,7 @@ def _build(name: str) -> Framework:
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
                 "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
                 "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
-                "ep_needs_sharded_dp", "ep_with_tp", "ep_zero_sharded_experts"):
+                "ep_needs_sharded_dp", "ep_with_tp"):
         sources.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
     return Framework(name=name, sources=MappingProxyType(sources), **fields)  # type: ignore[arg-type]
 
@@ -558,9 +553,6 @@ def _ep_support(fw: Framework, config) -> str | None:
                 "zero >= 1 with ep > 1")
     if not fw.ep_with_tp and config.tp > 1:
         return f"{fw.name} runs expert parallelism with tp=1 only"
-    if not fw.ep_zero_sharded_experts and config.zero >= 1 and config.ep != config.dp:
-        return (f"{fw.name} runs expert parallelism under zero >= 1 only with ep == dp "
-                f"({config.dp})")
     return None
 
 

@@ -124,8 +124,7 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
 
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
-    """Expert parallelism runs the zoo's dropless experts, with tp == 1, and under ZeRO >= 1
-    only at ep == dp (the routed experts are not ZeRO-sharded: runtime/expert_parallel.py)."""
+    """Expert parallelism runs the zoo's dropless experts, with tp == 1."""
     cfg = plan.config
     if cfg.ep == 1:
         return
@@ -142,9 +141,6 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
                            "with capacity_factor=0 or use ep=1")
     if cfg.tp > 1:
         raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
-    if cfg.zero >= 1 and cfg.dp > 1 and cfg.ep != cfg.dp:
-        raise AutoparError(f"with zero >= 1 autopar's runtime needs ep == dp ({cfg.dp}), got "
-                           f"ep={cfg.ep}; use ep={cfg.dp} or zero=0")
 
 
 def _check_schedule(plan: Plan) -> None:
@@ -371,7 +367,7 @@ def apply_plan(
     parts = [split_stage(model, s, structure) for s in stage_plans] if cfg.pp > 1 else [model]
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     wrapped: list[nn.Module] = []
-    experts_groups = ep_groups(cfg) if cfg.ep > 1 else None
+    experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
     for part, stage_plan in zip(parts, stage_plans):
         # [TP] parallelize_module by the plan's layout.
         apply_tensor_parallel(

@@ -40,13 +40,18 @@ if TYPE_CHECKING:
 
     from autopar.config import ParallelConfig
 
-__all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_mechanism"]
+__all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_mechanism", "mp_policy"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+
+
+def mp_policy(cfg: ParallelConfig) -> Any:
+    """FSDP2's MixedPrecisionPolicy for the config's dtype (see the module docstring)."""
+    return _mp_policy(cfg)
 
 
 def _mp_policy(cfg: ParallelConfig) -> Any:

@@ -13,11 +13,13 @@ counts are exchanged (``all_to_all_single``); the token rows go to their experts
 rank runs its local experts on what it received, and the results come back the same way (the
 combine), are weighted by the router and summed per token, exactly as the one-process module.
 
-Gradients: the routed experts are left out of the data-parallel wrappers (``ignored_params``;
-they differ per ep rank). A rank's expert gradient already sums the contributions of its ep
-group's tokens (the dispatch's backward); a hook on each expert parameter all-reduces it over
-the ``edp`` group and divides by dp, which is the data-parallel mean the wrappers take of the
-dense parameters.
+Gradients: the routed experts are left out of the dense layers' data-parallel wrappers
+(``ignored_params``; they differ per ep rank). A rank's expert gradient already sums the
+contributions of its ep group's tokens (the dispatch's backward); it is then summed over the
+``edp`` group and divided by dp, the data-parallel mean the wrappers take of the dense
+parameters: zero 0 (or ep == dp) by a hook on each expert parameter (all-reduce), zero >= 1 by
+FSDP2 over the edp ranks (``fully_shard`` of the experts module, gradient divide factor dp),
+which also shards their state over those ranks as ZeRO does.
 """
 
 from __future__ import annotations
@@ -45,14 +47,16 @@ def experts_modules(part: nn.Module) -> list[nn.Module]:
 
 @dataclass(frozen=True, slots=True)
 class EpGroups:
-    """This rank's expert-parallel process groups and its index in its ep group."""
+    """This rank's expert-parallel process groups, its index in its ep group, and the edp
+    group as a 1-D DeviceMesh (for FSDP2)."""
 
     ep: Any
     edp: Any
     ep_rank: int
+    edp_mesh: Any
 
 
-def ep_groups(cfg: ParallelConfig) -> EpGroups:
+def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
     """New process groups for every ep and edp group (every rank creates all, in one order).
 
     Rank r = pp_i (dp tp) + dp_i tp + tp_i (``build_mesh``), dp_i = b ep + j: the ep group of
@@ -80,7 +84,10 @@ def ep_groups(cfg: ParallelConfig) -> EpGroups:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine["edp"] = group
-    return EpGroups(ep=mine["ep"], edp=mine["edp"], ep_rank=ep_rank)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    edp_mesh = DeviceMesh.from_group(mine["edp"], device_type, mesh_dim_names=("edp",))
+    return EpGroups(ep=mine["ep"], edp=mine["edp"], ep_rank=ep_rank, edp_mesh=edp_mesh)
 
 
 def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
@@ -144,16 +151,33 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
     """
     if cfg.ep <= 1 or groups is None:
         return set()
-    ep_group, edp_group, rank = groups.ep, groups.edp, groups.ep_rank
-    local_params: set = set()
-    for module in experts_modules(part):
+    modules = experts_modules(part)
+    # ZeRO over the edp ranks when there are several (with one, nothing to shard).
+    sharded = cfg.zero >= 1 and cfg.dp > cfg.ep
+    for module in modules:
         local = module.num_experts // cfg.ep
-        lo, hi = rank * local, (rank + 1) * local
+        lo, hi = groups.ep_rank * local, (groups.ep_rank + 1) * local
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
             param = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
-            param.register_hook(_grad_hook(edp_group, cfg.dp // cfg.ep, cfg.dp))
+            if not sharded:
+                param.register_hook(_grad_hook(groups.edp, cfg.dp // cfg.ep, cfg.dp))
             setattr(module, name, param)
-            local_params.add(param)
-        module.forward = _ep_forward(module, ep_group, cfg.ep)
-    return local_params
+        module.forward = _ep_forward(module, groups.ep, cfg.ep)
+        if sharded:
+            _shard_experts(module, groups, cfg)
+    return {p for module in modules for p in module.parameters()}
+
+
+def _shard_experts(module: nn.Module, groups: EpGroups, cfg: ParallelConfig) -> None:
+    """ZeRO >= 1: FSDP2 over the edp ranks (the dp / ep ranks holding these experts), summing
+    their gradients and dividing by dp (the dense parameters' data-parallel mean)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.runtime.data_parallel import mp_policy
+
+    fully_shard(module, mesh=groups.edp_mesh, reshard_after_forward=cfg.zero == 3,
+                mp_policy=mp_policy(cfg))
+    module.set_gradient_divide_factor(float(cfg.dp))
+    # A sum then a division (not NCCL's PREMUL_SUM, which gloo lacks): the same result.
+    module.set_force_sum_reduction_for_comms(True)

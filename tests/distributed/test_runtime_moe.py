@@ -103,9 +103,11 @@ def check_results(results: list[dict], cases: dict[str, dict[str, Any]]) -> None
 
 
 CASES_4 = {
-    # ep 2 of dp 4: the experts' gradients are all-reduced over the 2 ranks holding each half.
+    # ep 2 of dp 4: the experts' gradients are all-reduced over the 2 ranks holding each half
+    # (zero 0), or FSDP2 shards and reduces them over those 2 ranks (zero >= 1).
     "dp4-ep2-ddp": {"dp": 4, "ep": 2},
-    "dp4-ep4-zero3-recompute": {"dp": 4, "ep": 4, "zero": 3, "recompute": "full"},
+    "dp4-ep2-zero3-recompute": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
+    "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
     "pp2xdp2-ep2-1f1b": {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b", "micro_batch": 2},
 }
 

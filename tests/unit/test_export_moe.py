@@ -50,7 +50,7 @@ def test_deepspeed_refuses_ep_clearly():
 
 
 def test_slurm_runs_what_autopars_runtime_runs():
-    # autopar's runtime leaves the experts out of ZeRO: under zero >= 1 it needs ep == dp.
-    with pytest.raises(ValueError, match="only with ep == dp"):
-        export_plan(_plan("megatron-lm"), "slurm")
-    assert "autopar run" in export_plan(_plan("megatron-lm", ep=4), "slurm").text
+    # autopar's runtime runs ep with tp = 1 only.
+    with pytest.raises(ValueError, match="tp=1 only"):
+        export_plan(_plan("megatron-lm", dp=2, tp=2, sequence_parallel=True), "slurm")
+    assert "autopar run" in export_plan(_plan("megatron-lm"), "slurm").text

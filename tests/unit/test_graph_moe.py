@@ -20,7 +20,7 @@ def _block(**shape) -> LayerProfile:
     return autopar.profile(model, seq_len=SEQ).layers[1]
 
 
-@settings(max_examples=3, deadline=None, derandomize=True)
+@settings(max_examples=2, deadline=None, derandomize=True)
 @given(
     hidden=st.sampled_from([32, 48]),
     expert_hidden=st.sampled_from([24, 40]),

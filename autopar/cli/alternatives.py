@@ -1,4 +1,6 @@
-"""Reference splits to compare the chosen plan with (pure DP, pure FSDP, tp doubled).
+"""Reference splits to compare the chosen plan with (pure DP, pure FSDP, tp doubled; for a
+mixture-of-experts model the chosen split with the other ep choice, and FSDP with experts
+sharded over the largest ep).
 
 The planner's own runners-up say how close the race was; these references say why the obvious
 splits lose (memory, communication). Each is estimated with ``autopar.estimate``.
@@ -16,14 +18,35 @@ from autopar.report import Alternative, config_label
 __all__ = ["alternatives_for"]
 
 
-def _references(best: ParallelConfig, world: int) -> list[tuple[str, dict[str, Any]]]:
+def _references(best: ParallelConfig, world: int,
+                experts: tuple[int, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
     flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False}
     refs = [
-        (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "zero": 0}),
-        (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "zero": 3}),
+        (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "ep": 1, "zero": 0}),
+        (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "ep": 1, "zero": 3}),
     ]
     if best.dp % 2 == 0:
-        refs.append(("", {"tp": best.tp * 2, "dp": best.dp // 2}))
+        refs.append(("", {"tp": best.tp * 2, "dp": best.dp // 2, "ep": 1}))
+    if experts:
+        refs += _ep_references(best, world, experts, flat)
+    return refs
+
+
+def _largest_ep(dp: int, experts: tuple[int, ...]) -> int:
+    return max(e for e in range(1, dp + 1) if dp % e == 0 and all(n % e == 0 for n in experts))
+
+
+def _ep_references(best: ParallelConfig, world: int, experts: tuple[int, ...],
+                   flat: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The chosen split with ep toggled, and FSDP with the largest ep (MoE models)."""
+    refs = []
+    ep = 1 if best.ep > 1 else _largest_ep(best.dp, experts)
+    if ep != best.ep:
+        refs.append(("", {"ep": ep}))
+    big = _largest_ep(world, experts)
+    if big > 1:
+        refs.append((f"FSDP + ep (dp={world}, zero=3, ep={big}, micro-batch 1)",
+                     {**flat, "dp": world, "zero": 3, "ep": big, "micro_batch": 1}))
     return refs
 
 
@@ -52,7 +75,8 @@ def alternatives_for(
     import autopar
 
     refs: list[tuple[str, dict[str, Any], ParallelConfig | None, str]] = []
-    for label, fields in _references(best.config, cluster.num_gpus):
+    experts = tuple(sorted({x.moe.experts for x in profile.layers if x.moe is not None}))
+    for label, fields in _references(best.config, cluster.num_gpus, experts):
         try:
             refs.append((label, fields, _with_batch(best.config, fields), ""))
         except ValueError as e:

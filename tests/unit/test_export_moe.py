@@ -54,3 +54,21 @@ def test_slurm_runs_what_autopars_runtime_runs():
     with pytest.raises(ValueError, match="tp=1 only"):
         export_plan(_plan("megatron-lm", dp=2, tp=2, sequence_parallel=True), "slurm")
     assert "autopar run" in export_plan(_plan("megatron-lm"), "slurm").text
+
+
+def test_alternatives_show_the_ep_choice():
+    from autopar.cli.alternatives import alternatives_for
+
+    best = _plan("megatron-lm", ep=1)
+    labels = [a.label for a in alternatives_for(PROFILE, CLUSTER, best)]
+    assert "ep=4" in labels  # the chosen split with its experts over the largest ep
+    assert any(label.startswith("FSDP + ep (dp=4, zero=3, ep=4") for label in labels)
+    dense = [a.label for a in alternatives_for(_dense(), CLUSTER, best)]
+    assert not any("ep" in label for label in dense)
+
+
+def _dense():
+    import dataclasses
+
+    return dataclasses.replace(PROFILE, layers=tuple(
+        dataclasses.replace(x, moe=None) for x in PROFILE.layers))

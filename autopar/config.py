@@ -230,11 +230,13 @@ def uses_autocast(config: ParallelConfig) -> bool:
 def dp_mechanism(config: ParallelConfig) -> str:
     """The data-parallel mechanism a config runs with: none | ddp | replicate | fsdp.
 
-    dp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
+    Gradients are reduced over the dp * cp ranks that hold the same parameters (context
+    parallel ranks hold whole layers, as torchtitan's ``dp_shard_cp`` mesh does).
+    dp * cp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
     tensor-parallel weights or pipeline stages is wrong on torch 2.13; see docs/runtime.md).
     zero >= 1: FSDP2. The runtime applies exactly this and the cost model charges it.
     """
-    if config.dp == 1:
+    if config.dp * config.cp == 1:
         return "none"
     if config.zero == 0:
         return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"

@@ -77,6 +77,11 @@ class MegatronArgs:
     bf16: bool = False
     num_experts: int | None = None
     ep: int = 1
+    cp: int = 1
+    seq_length: int | None = None
+    fp8: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_instances: int = 1
 
 
 def _vpp(a: MegatronArgs) -> int | None:
@@ -92,12 +97,13 @@ def _vpp(a: MegatronArgs) -> int | None:
 
 def _parallel_rules(a: MegatronArgs) -> list[str]:
     out = []
-    model = a.tp * a.pp
+    model = a.tp * a.pp * a.cp
     if a.world_size % model:
-        out.append(f"world size {a.world_size} is not divisible by tp*pp = {model} "
+        out.append(f"world size {a.world_size} is not divisible by tp*pp*cp = {model} "
                    "(arguments.py: 'world size is not divisible by total_model_size')")
         return out
     dp = a.world_size // model
+    out += _dimension_rules(a, dp)
     if a.global_batch % (a.micro_batch * dp):
         out.append(f"--global-batch-size {a.global_batch} is not divisible by "
                    f"--micro-batch-size {a.micro_batch} x data-parallel size {dp} "
@@ -108,6 +114,24 @@ def _parallel_rules(a: MegatronArgs) -> list[str]:
                    "(validate_args turns it off); drop --sequence-parallel")
     if a.fp16 and a.bf16:
         out.append("--fp16 and --bf16 are exclusive; keep one")
+    return out
+
+
+def _dimension_rules(a: MegatronArgs, dp: int) -> list[str]:
+    """Context parallelism, fp8, optimizer offload and optimizer instances (arguments.py)."""
+    out = []
+    if a.cp > 1 and a.seq_length is not None and a.seq_length % (2 * a.cp):
+        out.append(f"--seq-length {a.seq_length} is not a multiple of 2 * "
+                   f"--context-parallel-size = {2 * a.cp} (validate_args)")
+    if a.fp8 and not a.bf16:
+        out.append("--fp8-format runs with --bf16 (Transformer Engine's fp8 linears, bf16 "
+                   "elsewhere)")
+    if a.optimizer_cpu_offload and not a.distributed_optimizer:
+        out.append("--optimizer-cpu-offload needs --use-distributed-optimizer (zero 1)")
+    if a.optimizer_instances > 1 and (not a.distributed_optimizer
+                                      or (dp * a.cp) % a.optimizer_instances):
+        out.append(f"--num-distributed-optimizer-instances {a.optimizer_instances} needs "
+                   f"--use-distributed-optimizer and to divide the data-parallel size {dp * a.cp}")
     return out
 
 

@@ -161,23 +161,28 @@ def to_torchtitan(plan: Plan) -> Export:
     """
     cfg = plan.config
     notes = []
-    sharded = cfg.zero > 0 and cfg.dp > 1
+    sharded = cfg.zero > 0 and cfg.dp * cfg.cp > 1
     parallelism: dict[str, Any] = {
-        "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
-        "data_parallel_shard_degree": cfg.dp if sharded else 1,
+        "data_parallel_replicate_degree": cfg.dp_replicate if sharded else cfg.dp,
+        "data_parallel_shard_degree": cfg.dp_shard if sharded else 1,
         "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
         "tensor_parallel_degree": cfg.tp,
         "enable_async_tensor_parallel": False,
         "pipeline_parallel_degree": cfg.pp,
         "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[cfg.schedule],
         "pipeline_parallel_microbatch_size": cfg.micro_batch,
-        "context_parallel_degree": 1,
+        "context_parallel_degree": cfg.cp,
     }
     if cfg.ep > 1:
         # torchtitan's "partial dp -> ep" layout: experts over ep of the dp_shard (x cp)
         # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
         parallelism["expert_parallel_degree"] = cfg.ep
         parallelism["expert_tensor_parallel_degree"] = cfg.tp
+    if cfg.cp > 1:  # K/V shards passed around the ring (what the cost model charges)
+        parallelism["context_parallel_rotate_method"] = "alltoall"
+        if cfg.zero == 0:
+            notes.append("torchtitan shards parameters (FSDP) over dp_shard * cp whenever cp > 1; "
+                         "the plan's zero=0 runs as FSDP there")
     if cfg.pp > 1:
         parts = _module_fqns_per_model_part(plan)
         if parts is not None:
@@ -209,6 +214,14 @@ def to_torchtitan(plan: Plan) -> Export:
     }
     if cfg.dtype == "fp16":
         notes.append("torchtitan has no fp16 recipe; exported as bfloat16")
+    if cfg.offload == "params":  # FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer
+        tables["training"]["enable_cpu_offload"] = True
+    if cfg.dtype == "fp8":
+        tables["model"] = {"converters": ["quantize.linear.float8"]}
+        tables["quantize.linear.float8"] = {"recipe_name": "tensorwise",
+                                            "filter_fqns": ["output"]}
+        notes.append("fp8 (torchao float8, tensorwise) casts fastest under torch.compile: "
+                     "consider [compile] enable = true")
     header = f"{_header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
     return Export(text=_toml(tables, header), notes=tuple(notes))
 
@@ -271,7 +284,8 @@ def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) 
         virtual_per_rank=pipeline.get("--num-virtual-stages-per-pipeline-rank"),
         first_layers=pipeline.get("--decoder-first-pipeline-num-layers"),
         last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
-        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
+        bf16=cfg.dtype in ("bf16", "fp8"), fp16=cfg.dtype == "fp16", cp=cfg.cp,
+        seq_length=_seq_len(plan), fp8=cfg.dtype == "fp8",
         num_experts=plan.moe.experts if plan.moe is not None else None, ep=cfg.ep, **extra)
 
 
@@ -294,10 +308,13 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
     name, *settings = plan.framework.split("+")
     if name == "megatron-lm":  # the switches the plan's prediction assumed
         flags += [["--" + setting] for setting in settings]
-    if cfg.zero in (1, 2) and cfg.dp > 1:
+    if cfg.zero in (1, 2) and cfg.dp * cfg.cp > 1:
         flags.append(["--use-distributed-optimizer"])
         extra["distributed_optimizer"] = True
-    elif cfg.zero == 3 and cfg.dp > 1:
+        if cfg.dp_replicate > 1:  # HSDP of the optimizer: instances, all-reduced across
+            flags.append(["--num-distributed-optimizer-instances", str(cfg.dp_replicate)])
+            extra["optimizer_instances"] = cfg.dp_replicate
+    elif cfg.zero == 3 and cfg.dp * cfg.cp > 1:
         flags += [["--use-torch-fsdp2"], ["--no-gradient-accumulation-fusion"],
                   ["--untie-embeddings-and-output-weights"]]
         extra.update(torch_fsdp2=True, gradient_accumulation_fusion=False, untie_embeddings=True)
@@ -305,6 +322,9 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
                      "the weight-gradient GEMM no longer accumulates in place) and "
                      "--untie-embeddings-and-output-weights (added; a model that ties its output "
                      "layer to the embedding gains a vocab x hidden output matrix)")
+    if cfg.offload == "optimizer":
+        flags += [["--optimizer-cpu-offload"], ["--use-precision-aware-optimizer"]]
+        extra["optimizer_cpu_offload"] = True
     return flags, extra
 
 
@@ -346,6 +366,7 @@ def to_megatron(plan: Plan) -> Export:
     flags: list[list[str]] = [
         ["--tensor-model-parallel-size", str(cfg.tp)],
         ["--pipeline-model-parallel-size", str(cfg.pp)],
+        *([["--context-parallel-size", str(cfg.cp)]] if cfg.cp > 1 else []),
         ["--micro-batch-size", str(cfg.micro_batch)],
         ["--global-batch-size", str(cfg.global_batch)],
         ["--seq-length", str(_seq_len(plan))],
@@ -355,6 +376,8 @@ def to_megatron(plan: Plan) -> Export:
     flags += _megatron_moe_flags(plan)
     if cfg.dtype in ("bf16", "fp16"):
         flags.append([f"--{cfg.dtype}"])
+    if cfg.dtype == "fp8":  # Transformer Engine fp8 linears, bf16 elsewhere
+        flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", "tensorwise"]]
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
     return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))
 
@@ -401,6 +424,10 @@ def to_deepspeed(plan: Plan) -> Export:
             doc["pipeline"] = {"activation_checkpoint_interval": 1}
     if cfg.tp > 1:
         doc["tensor_parallel"] = {"autotp_size": cfg.tp}
+    if cfg.offload != "none":  # ZeRO-Offload / ZeRO-Infinity to CPU memory
+        doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload == "params":
+        doc["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if cfg.recompute != "none":
         doc["activation_checkpointing"] = {
             "partition_activations": cfg.tp > 1,

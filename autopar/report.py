@@ -29,6 +29,7 @@ TIME_TERMS: tuple[tuple[str, str], ...] = (
     ("compute_s", "compute"),
     ("recompute_s", "recompute"),
     ("tp_comm_s", "TP communication (exposed)"),
+    ("cp_comm_s", "CP ring attention K/V (exposed)"),
     ("dp_comm_s", "DP communication (exposed)"),
     ("pp_comm_s", "PP communication (exposed)"),
     ("ep_comm_s", "EP all-to-all (exposed)"),
@@ -179,7 +180,8 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
     return [
         f"[bold]Split[/bold]  {split}",
         f"  global batch {config.global_batch} = dp {config.dp} x micro-batch "
-        f"{config.micro_batch} x {config.num_microbatches} micro-batches",
+        f"{config.micro_batch} x {config.num_microbatches} micro-batches"
+        + (f"; each sequence over cp {config.cp} ranks" if config.cp > 1 else ""),
         f"[bold]Step[/bold] {format_time(est.step_time_s)}{interval_text(est)}   "
         f"[bold]tokens/s[/bold] {format_count(est.tokens_per_s)}   "
         f"[bold]TFLOP/s per GPU[/bold] {est.tflops_per_gpu:.1f} "
@@ -187,8 +189,20 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
         f"[bold]Memory[/bold] {format_bytes(est.memory_per_gpu_bytes)} of "
         f"{format_bytes(est.memory_capacity_bytes)} per GPU "
         f"({'fits' if est.fits else '[red]does not fit[/red]'})",
+        *_host_lines(est),
+        f"[bold]Precision[/bold] {est.precision or config.dtype}",
         f"[bold]Binding[/bold] {est.binding or 'n/a'}",
     ]
+
+
+def _host_lines(est: Estimate) -> list[str]:
+    """The offloaded state's host memory, when the plan offloads."""
+    if est.host_memory_per_gpu_bytes <= 0:
+        return []
+    fits = est.host_memory_per_gpu_bytes <= est.host_memory_capacity_bytes
+    return [f"[bold]Host memory[/bold] {format_bytes(est.host_memory_per_gpu_bytes)} of "
+            f"{format_bytes(est.host_memory_capacity_bytes)} per GPU (offloaded state; "
+            f"{'fits' if fits else '[red]does not fit[/red]'})"]
 
 
 def _layer_text(ranges: Sequence[Sequence[int]]) -> str:

@@ -19,36 +19,51 @@ CASES = [
 ]
 
 
-def run_case(preset: str, gpu: str, gpus: int, global_batch: int) -> dict:
-    """Profile the model, then plan it; timings and the search counters."""
+# Llama 3 405B's long-context case (131,072 tokens) for torchtitan, whose cp, HSDP and fp8 the
+# search then covers (--long-context). Llama 3 trained this phase at cp=16 tp=8 pp=16
+# (arXiv:2407.21783, section 3.3.4).
+LONG_CONTEXT = ("llama3-405b", "h100", 16384, 2048, 30.0, 131072, "torchtitan")
+
+
+def run_case(preset: str, gpu: str, gpus: int, global_batch: int, seq_len: int | None = None,
+             framework: str = "autopar") -> dict:
+    """Profile the model, then plan it; timings (wall and this process's CPU) and counters."""
     t0 = time.perf_counter()
-    profile = autopar.profile(autopar.models.build(preset))
+    model = autopar.models.build(preset, seq_len=seq_len) if seq_len else (
+        autopar.models.build(preset))
+    profile = autopar.profile(model)
     profile_s = time.perf_counter() - t0
     cluster = autopar.Cluster.preset(gpu, nodes=gpus // 8)
-    t0 = time.perf_counter()
-    plan = autopar.plan(profile, cluster, global_batch=global_batch, model=preset)
-    plan_s = time.perf_counter() - t0
-    return {"profile_s": profile_s, "plan_s": plan_s, "plan": plan}
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = autopar.plan(profile, cluster, global_batch=global_batch, model=preset,
+                        framework=framework)
+    plan_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    return {"profile_s": profile_s, "plan_s": plan_s, "cpu_s": cpu_s, "plan": plan}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="only the first case")
     parser.add_argument("--only", default=None, help="only this model preset")
+    parser.add_argument("--long-context", action="store_true",
+                        help="also llama3-405b at 131,072 tokens for torchtitan (cp, fp8)")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
-    cases = [c for c in cases if args.only in (None, c[0])]
+    cases = [(*c, None, "autopar") for c in cases if args.only in (None, c[0])]
+    if args.long_context:
+        cases.append(LONG_CONTEXT)
     header = (
-        f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'goal':>5s} "
+        f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'cpu s':>6s} {'goal':>5s} "
         f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s} {'gap':>6s}  best split (MFU)"
     )
     print(header)
     print("-" * len(header))
-    for preset, gpu, gpus, batch, goal in cases:
-        r = run_case(preset, gpu, gpus, batch)
+    for preset, gpu, gpus, batch, goal, seq_len, framework in cases:
+        r = run_case(preset, gpu, gpus, batch, seq_len, framework)
         info, est = r["plan"].search, r["plan"].estimate
         print(
             f"{preset:12s} {f'{gpus} x {gpu}':16s} {batch:5d} {r['plan_s']:7.2f} "
+            f"{r['cpu_s']:6.2f} "
             f"{goal or '-':>5} {info.candidates_considered:6d} {info.candidates_pruned:6d} "
             f"{info.ilps_solved:4d} {info.optimal and info.mip_gap <= 1e-4!s:>6s} "
             f"{100 * info.mip_gap:5.2f}%  "

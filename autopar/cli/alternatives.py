@@ -20,12 +20,13 @@ __all__ = ["alternatives_for"]
 
 def _references(best: ParallelConfig, world: int,
                 experts: tuple[int, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
-    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False}
+    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False,
+            "cp": 1, "dp_replicate": 1, "offload": "none"}
     refs = [
         (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "ep": 1, "zero": 0}),
         (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "ep": 1, "zero": 3}),
     ]
-    if best.dp % 2 == 0:
+    if best.dp % 2 == 0 and (best.dp // 2) % best.dp_replicate == 0:
         refs.append(("", {"tp": best.tp * 2, "dp": best.dp // 2, "ep": 1}))
     if experts:
         refs += _ep_references(best, world, experts, flat)

@@ -1,4 +1,5 @@
-"""``autopar estimate MODEL --dp D --tp T --pp P``: one split's prediction, as a report."""
+"""``autopar estimate MODEL --dp D --tp T --pp P [--cp C --dp-replicate R --offload O --dtype T]``:
+one split's prediction, as a report."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from typing import Any
 
 from autopar.cli import common
 from autopar.cli.argtypes import int_in
-from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
+from autopar.config import (
+    DTYPES,
+    MAX_GLOBAL_BATCH,
+    MULTI_CHUNK_SCHEDULES,
+    OFFLOADS,
+    RECOMPUTE,
+    SCHEDULES,
+)
 from autopar.cost_model.hardware import MAX_GPUS
 
 NAME = "estimate"
@@ -21,13 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_argument(parser)
     common.add_cluster_arguments(parser)
     split = parser.add_argument_group("split")
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "cp", "tp", "pp"):
         split.add_argument(
             f"--{name}", type=int_in(1, MAX_GPUS), default=1, help=f"{name} degree (default 1)"
         )
     split.add_argument("--ep", type=int_in(1, MAX_GPUS), default=1,
                        help="expert-parallel degree of a mixture-of-experts model (divides dp; "
                        "default 1)")
+    split.add_argument("--dp-replicate", type=int_in(1, MAX_GPUS), default=1,
+                       help="HSDP replicas of a dp / dp_replicate shard group (needs --zero >= 1)")
+    split.add_argument("--offload", default="none", choices=OFFLOADS,
+                       help="optimizer state (and parameters) in host memory (needs --zero >= 1)")
     split.add_argument("--micro-batch", type=int_in(1, MAX_GLOBAL_BATCH), default=1,
                        help="sequences per micro-batch")
     split.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
@@ -54,6 +66,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         virtual = 2 if args.schedule in MULTI_CHUNK_SCHEDULES and args.pp > 1 else 1
     return ParallelConfig(
         dp=args.dp,
+        cp=args.cp,
+        dp_replicate=args.dp_replicate,
+        offload=args.offload,
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,

@@ -8,7 +8,8 @@ from typing import Any
 
 from autopar.cli import common
 from autopar.cli.argtypes import int_in, positive_float
-from autopar.config import MAX_GLOBAL_BATCH
+from autopar.config import DTYPES, MAX_GLOBAL_BATCH, OFFLOADS
+from autopar.cost_model.hardware import MAX_GPUS
 
 NAME = "plan"
 HELP = "find the best split of MODEL over a cluster"
@@ -28,6 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time limit of the whole command (model building included), seconds",
     )
     common.add_framework_argument(parser)
+    space = parser.add_argument_group("search space (default: every dimension the framework runs)")
+    space.add_argument("--dtype", default=None, choices=DTYPES,
+                       help="train in this dtype (default: bf16, fp16 on V100, fp8 where the GPU "
+                       "and the framework run it and it is faster)")
+    space.add_argument("--no-cp", action="store_true", help="no context parallelism")
+    space.add_argument("--max-cp", type=int_in(1, MAX_GPUS), default=None,
+                       help="largest context-parallel degree")
+    space.add_argument("--no-hsdp", action="store_true", help="no HSDP (dp_replicate = 1)")
+    space.add_argument("--no-offload", action="store_true",
+                       help="never offload optimizer state or parameters to host memory")
     parser.add_argument(
         "--robust", action="store_true",
         help="pick the plan with the best pessimistic step time (high end of its interval) "
@@ -54,7 +65,11 @@ def search(
             progress=progress,
             time_budget_s=time_budget_s,
             model=args.model,
-            options=SearchOptions(framework=args.framework, robust=args.robust),
+            options=SearchOptions(
+                framework=args.framework, robust=args.robust, dtype=args.dtype,
+                context_parallel=not args.no_cp, max_cp=args.max_cp, hsdp=not args.no_hsdp,
+                offloads=("none",) if args.no_offload else OFFLOADS,
+            ),
         )
     return list(result) if isinstance(result, (list, tuple)) else [result]
 

@@ -109,7 +109,7 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBre
 def _rank_extra_s(table: CostTable, layers: list[int]) -> tuple[float, float]:
     """(exposed DP reduction, optimizer) of one pipeline rank per step."""
     opt = sum(table.layers[i].optimizer_s for i in layers)
-    if table.config.dp == 1:
+    if table.config.dp * table.config.cp == 1:
         return 0.0, opt
     reduce_s = sum(table.layers[i].dp_step_s for i in layers)
     window_s = table.overlap_efficiency * sum(table.layers[i].backward_s for i in layers)
@@ -156,6 +156,7 @@ def assemble(
         recompute_s=m * sum(table.layers[i].recompute_s[idx[i]] for i in blayers),
         tp_comm_s=m * sum(table.layers[i].tp_comm_s[idx[i]] for i in blayers),
         ep_comm_s=m * sum(table.layers[i].ep_comm_s[idx[i]] for i in blayers),
+        cp_comm_s=m * sum(table.layers[i].cp_comm_s[idx[i]] for i in blayers),
         pp_comm_s=m * p2p * len(stages_of[bottleneck]),
         dp_comm_s=m * sum(table.layers[i].dp_microbatch_s for i in blayers) + extras[tail][0]
         + table.dp_head_s,
@@ -175,10 +176,12 @@ def assemble(
         for k in ranks
     ]
     largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
-    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck)
+    host = max(sum(table.layers[i].host_bytes for i in layers_of[k]) for k in ranks)
+    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host)
 
 
-def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) -> Estimate:
+def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
+            host: float) -> Estimate:
     cfg = table.config
     batch = cfg.global_batch
     model_flops = batch * sum(layer.model_flops_per_sample for layer in table.layers)
@@ -189,7 +192,7 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) 
     per_gpu = model_flops / table.world_size / step_s
     hw_per_gpu = (model_flops + extra_flops) / table.world_size / step_s
     mem = largest.memory_bytes
-    fits = mem <= table.capacity_bytes
+    fits = mem <= table.capacity_bytes and host <= table.host_capacity_bytes
     return Estimate(
         step_time_s=step_s,
         tokens_per_s=table.tokens_per_step / step_s,
@@ -202,9 +205,12 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck) 
         time_breakdown=breakdown,
         memory_breakdown=largest.memory,
         stages=tuple(per_rank),
-        binding=_binding(table, breakdown, step_s, largest, bottleneck),
+        binding=_binding(table, breakdown, step_s, largest, bottleneck, host),
         framework=table.framework.spec,
         step_time_interval_s=step_time_interval_s(table, step_s, breakdown),
+        host_memory_per_gpu_bytes=host,
+        host_memory_capacity_bytes=table.host_capacity_bytes,
+        precision=table.dtype_reason,
     )
 
 
@@ -214,14 +220,18 @@ def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdo
     collective in ten runs that much slower than modelled on published clusters)."""
     low, high = table.framework.step_time_band
     exposed = (breakdown.tp_comm_s + breakdown.dp_comm_s + breakdown.pp_comm_s
-               + breakdown.ep_comm_s)
+               + breakdown.ep_comm_s + breakdown.cp_comm_s)
     return step_s * low, step_s * high + COMM_SPREAD * exposed
 
 
-def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int) -> str:
+def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int,
+             host: float = 0.0) -> str:
     """What limits the split most, in words."""
     gib = 2**30
     mem, cap = largest.memory_bytes, table.capacity_bytes
+    if host > table.host_capacity_bytes:
+        return (f"host memory: offloaded state needs {host / gib:.1f} GiB per GPU of "
+                f"{table.host_capacity_bytes / gib:.1f} GiB")
     if mem > cap:
         return (
             f"memory: pipeline rank {largest.rank} needs {mem / gib:.1f} GiB of "

@@ -8,12 +8,16 @@ all-reduce buffer). With n ranks, per-GPU bus bandwidth B and per-step latency a
     all_reduce(S)     = reduce_scatter(S) + all_gather(S) = 2 (n - 1) / n * S / B + 2 (n - 1) alpha
     p2p(S)            = S / B + alpha
 
-Rank placement (the runtime's mesh ("pp", "dp", "tp")): tensor parallel innermost, then data
-parallel, then pipeline parallel:
+Rank placement (the mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"), torchtitan's order):
+tensor parallel innermost, then context parallel, then the data-parallel shard group, then its
+replicas (HSDP), then pipeline parallel:
 
-    global_rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    global_rank = pp_index * (dp cp tp) + dp_index * (cp tp) + cp_index * tp + tp_index
 
-so a tp group has stride 1, a dp group stride tp and a pp group stride tp * dp. A group whose
+with dp_index = replica * dp_shard + shard_index. A tp group has stride 1, a cp group stride tp;
+gradients are reduced (and ZeRO state sharded) over the dp_shard * cp ranks of stride tp ("dp"
+below: the whole dp * cp without HSDP), HSDP replicas all-reduce over dp_replicate ranks of
+stride dp_shard cp tp ("dp_replicate"), and a pp group has stride dp cp tp. A group whose
 members all sit in one node uses the intra-node link. A group spanning nodes is bound by the
 inter-node link: with g members per node the ring's node crossings share those g GPUs' NICs, so
 B = min(intra, g * inter_per_gpu) (8 GPUs of a DGX-A100 in one group: 8 x 24 = 192 GB/s busbw,
@@ -58,6 +62,7 @@ __all__ = [
     "all_reduce_s",
     "collective_s",
     "group_link",
+    "host_copy_s",
     "p2p_s",
     "parallel_groups",
     "reduce_scatter_s",
@@ -131,13 +136,23 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
 
 
 def parallel_groups(cluster: Cluster, config: ParallelConfig) -> dict[str, GroupLink]:
-    """The tp, dp and pp groups' links under TP-innermost, then DP, then PP placement."""
-    tp, dp, pp = config.tp, config.dp, config.pp
+    """The tp, cp, dp (shard group), dp_replicate and pp groups' links (module docstring)."""
+    tp, cp, dp, pp = config.tp, config.cp, config.dp, config.pp
+    shard = config.dp_shard * cp
     return {
         "tp": group_link(cluster, tp, 1),
-        "dp": group_link(cluster, dp, tp),
-        "pp": group_link(cluster, pp, tp * dp),
+        "cp": group_link(cluster, cp, tp),
+        "dp": group_link(cluster, shard, tp),
+        "dp_replicate": group_link(cluster, config.dp_replicate, tp * shard),
+        "pp": group_link(cluster, pp, tp * cp * dp),
     }
+
+
+def host_copy_s(link: GroupLink, size_bytes: float) -> float:
+    """One host-device copy over the link of a device's PCIe: S / B + alpha."""
+    if size_bytes <= 0:
+        return 0.0
+    return size_bytes / link.bandwidth_bytes_per_s + link.latency_s
 
 
 def reduce_scatter_s(link: GroupLink, size_bytes: float) -> float:
@@ -172,7 +187,8 @@ def collective_s(link: GroupLink, kind: str, size_bytes: float) -> float:
     except KeyError:
         known = sorted(COLLECTIVE_KINDS)
         raise ValueError(f"unknown collective kind {kind!r}; known: {known}") from None
-    return fn(link, size_bytes) * link.time_factors[_FACTOR_INDEX[kind]]
+    return fn(link, size_bytes) * (link.time_factors[_FACTOR_INDEX[kind]]
+                                   if kind in _FACTOR_INDEX else 1.0)
 
 
 def p2p_s(link: GroupLink, size_bytes: float) -> float:
@@ -188,6 +204,9 @@ COLLECTIVE_KINDS = {
     "all_reduce": all_reduce_s,
     "all_gather_into_tensor": all_gather_s,
     "reduce_scatter_tensor": reduce_scatter_s,
+    # Offload's copies between a device and its host (offload.py), on the "pcie" axis.
+    "host_to_device": host_copy_s,
+    "device_to_host": host_copy_s,
 }
 
 
@@ -198,7 +217,7 @@ class Collective:
     Attributes:
         kind: the functional-collective kind (``all_reduce``, ``all_gather_into_tensor``,
             ``reduce_scatter_tensor``), as ``autopar.runtime.count_collectives`` names it.
-        axis: the mesh axis: "tp" or "dp".
+        axis: the mesh axis: "tp", "dp", "dp_replicate" (HSDP) or "pcie" (offload's copies).
         size_bytes: bytes of one call (NCCL convention: the whole buffer).
         calls: number of calls (fractional for DDP's buckets, see layer_costs).
         per: "microbatch" (repeated every micro-batch) or "step" (once per optimizer step).

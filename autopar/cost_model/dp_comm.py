@@ -77,14 +77,22 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
     gather_bytes = DTYPE_BYTES[cfg.dtype] * unit_params
     if cfg.zero in (1, 2):
         per_mb = cfg.zero == 2 and cfg.pp == 1
-        return (_dp(AG, gather_bytes, "step", "forward"),
-                _dp(RS, grads, "microbatch" if per_mb else "step", "backward"))
-    if cfg.pp == 1:
-        return (_dp(AG, gather_bytes, "microbatch", "forward"),
-                _dp(AG, gather_bytes, "microbatch", "backward"),
-                _dp(RS, grads, "microbatch", "backward"))
-    return (_dp(AG, gather_bytes, "microbatch", "forward"),
-            _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
+        calls = (_dp(AG, gather_bytes, "step", "forward"),
+                 _dp(RS, grads, "microbatch" if per_mb else "step", "backward"))
+    elif cfg.pp == 1:
+        calls = (_dp(AG, gather_bytes, "microbatch", "forward"),
+                 _dp(AG, gather_bytes, "microbatch", "backward"),
+                 _dp(RS, grads, "microbatch", "backward"))
+    else:
+        calls = (_dp(AG, gather_bytes, "microbatch", "forward"),
+                 _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
+    if cfg.dp_replicate == 1:
+        return calls
+    # HSDP: each reduce-scatter's shard is all-reduced over the replicas (FSDP2 HSDP).
+    rs = calls[-1]
+    shard = dataclasses.replace(rs, kind=AR, axis="dp_replicate",
+                                size_bytes=grads / (cfg.dp_shard * cfg.cp))
+    return (*calls, shard)
 
 
 def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelConfig,
@@ -109,9 +117,10 @@ def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelCo
     return tuple(out)
 
 
-def dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float,
-              slowdown: float = 0.0):
-    """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives.
+def dp_terms(colls, links: dict[str, comm.GroupLink], fwd_s: float, bwd_s: float, eta: float,
+             slowdown: float = 0.0):
+    """(dp_step_s, dp_microbatch_s, tail_s) of one layer's dp collectives (each timed on the
+    link of its axis in ``links``: "dp", "dp_replicate", "pcie").
 
     Collectives within a micro-batch overlap that micro-batch's forward or backward of the layer
     (prefetch, eta of it usable): only the excess is exposed, plus the slowdown of the compute
@@ -123,10 +132,12 @@ def dp_terms(colls, link: comm.GroupLink, fwd_s: float, bwd_s: float, eta: float
     total = Counter()
     tail = 0.0
     for c in colls:
+        link = links[c.axis]
         total[(c.per, c.phase)] += c.time_s(link)
-        if c.phase == "backward" and c.kind != AG:
+        # The last unit's reductions (and its gradient's copy to the host) wait for nothing.
+        if c.phase == "backward" and c.kind in (RS, AR, "device_to_host"):
             size = min(c.size_bytes, c.calls * c.size_bytes)
-            tail = max(tail, comm.collective_s(link, c.kind, size))
+            tail += comm.collective_s(link, c.kind, size)
     window = {"forward": eta * fwd_s, "backward": eta * bwd_s}
     mb = sum(overlapped_s(total[("microbatch", ph)], window[ph], slowdown) for ph in window)
     step = overlapped_s(total[("step", "forward")], window["forward"], slowdown)

@@ -29,6 +29,7 @@ class TimeBreakdown:
         overhead_s: the framework's fixed per-step cost outside the layers (data loading,
             gradient clipping, optimizer launch, logging).
         ep_comm_s: exposed expert-parallel all-to-all (token dispatch and combine).
+        cp_comm_s: exposed ring-attention K/V exchange of context parallelism.
     """
 
     compute_s: float = 0.0
@@ -40,6 +41,7 @@ class TimeBreakdown:
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
     ep_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -47,7 +49,7 @@ class TimeBreakdown:
         return (
             self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
             + self.dp_comm_s + self.bubble_s + self.optimizer_s + self.overhead_s
-            + self.ep_comm_s
+            + self.ep_comm_s + self.cp_comm_s
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -163,6 +165,10 @@ class Estimate:
         framework: the training framework the prediction is for.
         step_time_interval_s: (low, high) step time that holds 80% of the framework's
             cross-validated outcomes (``Framework.step_time_band`` around ``step_time_s``).
+        host_memory_per_gpu_bytes: host memory the largest rank's offloaded state needs.
+        host_memory_capacity_bytes: host memory per GPU of the cluster; ``fits`` needs both
+            the device and the host memory to fit.
+        precision: the training precision and why, in words.
     """
 
     step_time_s: float
@@ -179,6 +185,9 @@ class Estimate:
     binding: str = ""
     framework: str = "autopar"
     step_time_interval_s: tuple[float, float] = (0.0, 0.0)
+    host_memory_per_gpu_bytes: float = 0.0
+    host_memory_capacity_bytes: float = 0.0
+    precision: str = ""
 
     @property
     def tokens_per_s_interval(self) -> tuple[float, float]:
@@ -204,6 +213,9 @@ class Estimate:
             "binding": self.binding,
             "framework": self.framework,
             "step_time_interval_s": list(self.step_time_interval_s),
+            "host_memory_per_gpu_bytes": self.host_memory_per_gpu_bytes,
+            "host_memory_capacity_bytes": self.host_memory_capacity_bytes,
+            "precision": self.precision,
         }
 
     @classmethod

@@ -83,6 +83,8 @@ class DeviceSpec:
             them run (CPU workers over cores: workers / cores; a GPU: 1). The throughputs above
             are per process with all running; a process whose neighbours idle (a pipeline
             bubble) runs up to this many times faster.
+        peak_fp8_flops: dense fp8 tensor-core peak FLOP/s; 0 for parts without fp8 tensor
+            cores (fp8 training is then refused).
     """
 
     name: str
@@ -104,9 +106,13 @@ class DeviceSpec:
     recompute_layer_overhead_s: float = 0.0
     shared_compute_processes: float = 1.0
     dispatch_floor_s: float = 0.0
+    peak_fp8_flops: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s of the training dtype ("bf16", "fp16", "fp32" or "tf32")."""
+        """Peak FLOP/s of a dtype ("bf16", "fp16", "fp32", "tf32" or "fp8": the fp8 matmul rate,
+        0 where the part has no fp8 tensor cores)."""
+        if dtype == "fp8":
+            return self.peak_fp8_flops
         if dtype == "bf16":
             return self.peak_bf16_flops
         if dtype == "fp16":
@@ -115,7 +121,7 @@ class DeviceSpec:
             return self.peak_fp32_flops
         if dtype == "tf32":
             return self.peak_tf32_flops
-        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, tf32 or fp32")
+        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, tf32, fp32 or fp8")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +167,11 @@ class Cluster:
             runs its collectives with their own algorithms).
         all_gather_time_factor: the same for all-gather.
         reduce_scatter_time_factor: the same for reduce-scatter (gloo: about 2).
+        host_memory_bytes_per_gpu: host (CPU) memory per device that offloaded optimizer state
+            or parameters may use (node memory / GPUs per node); 0: none described, offload is
+            refused.
+        pcie_bytes_per_s: host-device bandwidth per device per direction (PCIe); 0: none
+            described, offload is refused.
     """
 
     name: str
@@ -177,6 +188,8 @@ class Cluster:
     all_reduce_time_factor: float = 1.0
     all_gather_time_factor: float = 1.0
     reduce_scatter_time_factor: float = 1.0
+    host_memory_bytes_per_gpu: float = 0.0
+    pcie_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self.to_dict())
@@ -290,8 +303,16 @@ class Cluster:
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
-        """Stable short hash (sha256 of the canonical JSON, first 16 hex digits)."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable short hash (sha256 of the canonical JSON, first 16 hex digits). Fields added
+        since plans were first saved (host memory, PCIe, fp8 peak) count only when set, so a
+        plan saved before them still matches its cluster."""
+        data = self.to_dict()
+        for key in ("host_memory_bytes_per_gpu", "pcie_bytes_per_s"):
+            if not data[key]:
+                del data[key]
+        if not data["device"]["peak_fp8_flops"]:
+            del data["device"]["peak_fp8_flops"]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -315,7 +336,7 @@ _DEVICE_OPTIONAL: dict[str, Any] = {
     for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
                  "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
                  "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s",
-                 "dispatch_floor_s")
+                 "dispatch_floor_s", "peak_fp8_flops")
 }
 _DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
 _DEVICE_OPTIONAL["shared_compute_processes"] = 1.0
@@ -336,6 +357,8 @@ _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
     "all_reduce_time_factor": ("float", "pos"),
     "all_gather_time_factor": ("float", "pos"),
     "reduce_scatter_time_factor": ("float", "pos"),
+    "host_memory_bytes_per_gpu": ("float", "nonneg"),
+    "pcie_bytes_per_s": ("float", "nonneg"),
 }
 _OPTIONAL: dict[str, Any] = {
     "memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8,
@@ -344,6 +367,8 @@ _OPTIONAL: dict[str, Any] = {
     "all_reduce_time_factor": 1.0,
     "all_gather_time_factor": 1.0,
     "reduce_scatter_time_factor": 1.0,
+    "host_memory_bytes_per_gpu": 0.0,
+    "pcie_bytes_per_s": 0.0,
 }
 _RULE_TEXT = {
     "pos": "must be > 0",

@@ -48,6 +48,7 @@ from autopar.cost_model.compute import (
     matmul_efficiency,
     param_traffic_bytes_per_param,
 )
+from autopar.cost_model.cp_comm import cp_link, kv_bytes, local_profile, ring_exchange_s
 from autopar.cost_model.dp_comm import (
     dp_collectives,
     dp_head_s,
@@ -59,8 +60,15 @@ from autopar.cost_model.dp_comm import (
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.moe import ep_layer_state, ep_terms
+from autopar.cost_model.offload import cpu_adam_s, host_copies, offload_state, pcie_link
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
+from autopar.cost_model.precision import (
+    FP8_CAST_BYTES_PER_ACT_BYTE,
+    FP8_CAST_BYTES_PER_PARAM,
+    dtype_reason,
+    fp8_peak_flops,
+)
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
@@ -129,11 +137,12 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
     # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
     # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
     if memory.dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
-        return fwd * params_tp, bwd * params_tp / cfg.dp
+        return fwd * params_tp, bwd * params_tp / (cfg.dp_shard * cfg.cp)
     return fwd * params_tp, bwd * params_tp
 
 
-def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) -> tuple:
+def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
+                attention_flops: float) -> tuple:
     layer = profile.layers[index]
     b, tp = cfg.micro_batch, cfg.tp
     w = DTYPE_BYTES[cfg.dtype]
@@ -156,14 +165,18 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     kind = memory.dp_mechanism(cfg)
     fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
+    attn_flops = attention_flops * b / shard  # the attention core, this rank's
+    fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
     passes_s, opt_fixed_s = framework_overheads_s(
         cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
         fsdp_unit=fsdp_unit,
         dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
     )
+    held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
+    casts = _fp8_cast_bytes(fp8, act[0], held)
     times = layer_compute(
         cluster.device,
-        cluster.device.peak_flops(cfg.dtype),
+        peak,
         fwd_flops=layer.fwd_flops * b / shard,
         bwd_flops=layer.bwd_flops * b / shard,
         recompute_flops=tuple(f * b / shard for f in rec_flops),
@@ -175,20 +188,19 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
                               - cluster.device.layer_overhead_s / 3.0)
         if layer.kind == "block" else 0.0,
         floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
-        param_traffic_bytes=tuple(cluster.param_traffic_factor * x
-                                  for x in _param_traffic_bytes(cfg, params_tp(layer, cfg))),
+        param_traffic_bytes=tuple(cluster.param_traffic_factor * x + c for x, c in zip(
+            _param_traffic_bytes(cfg, held), casts)),
     )
     times = _with_imbalance(times, ep, cluster, cfg, layer.fwd_flops * b / shard)
-    state = ep_layer_state(layer, cfg, shard)
-    held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
+    state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held)
     eta = cluster.dp_overlap_efficiency
-    dp_calls = framework_dp_collectives(
-        dp_collectives(cfg, fsdp_unit_params(profile, cfg, index)), cfg, fw)
     # A framework that waits for its gathers / reductions gives them no compute window.
     step_s, mb_s, tail_s = dp_terms(
-        dp_calls, groups["dp"], times.forward_s if fw.param_gather_overlapped else 0.0,
+        _unit_calls(profile, cfg, index, fw), groups,
+        times.forward_s if fw.param_gather_overlapped else 0.0,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0, eta,
         fw.overlap_slowdown)
+    cp_s = _ring_s(profile, layer, cfg, cluster, groups["cp_ring"], attn_flops, shard, fw)
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
@@ -218,8 +230,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,
-        model_flops_per_sample=layer.fwd_flops + layer.bwd_flops,
-        recompute_flops_per_sample=(rec_flops[0], rec_flops[1], rec_flops[2]),
+        # Per whole sample: a rank's share of it (the local profile's) times cp.
+        model_flops_per_sample=(layer.fwd_flops + layer.bwd_flops) * cfg.cp,
+        recompute_flops_per_sample=(rec_flops[0] * cfg.cp, rec_flops[1] * cfg.cp,
+                                    rec_flops[2] * cfg.cp),
         compute_s=times.forward_s + times.backward_s,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
@@ -237,8 +251,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw) ->
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
-        optimizer_s=OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * state.local_params
-        / cluster.device.hbm_bytes_per_s + (opt_fixed_s if layer.num_params > 0 else 0.0),
+        optimizer_s=_optimizer_s(cluster, cfg, state.local_params)
+        + (opt_fixed_s if layer.num_params > 0 else 0.0),
+        cp_comm_s=cp_s,
+        host_bytes=host_bytes,
     )
     return cost, tail_s
 
@@ -281,6 +297,53 @@ def _with_imbalance(times, ep, cluster: Cluster, cfg: ParallelConfig, fwd_flops:
                                recompute_s=(rec[0], rec[1], rec[2] + fwd_s))
 
 
+def _peak_flops(cluster: Cluster, cfg: ParallelConfig, layer, fwd_flops: float,
+                attn_flops: float) -> tuple[bool, float]:
+    """(fp8 linears?, the rate of the layer's FLOPs): fp8 on the blocks' linears only
+    (precision.fp8_peak_flops), else the training dtype's (bf16 for fp8 runs)."""
+    fp8 = cfg.dtype == "fp8" and layer.kind == "block"
+    if fp8:
+        return True, fp8_peak_flops(cluster.device, fwd_flops - attn_flops, attn_flops)
+    return False, cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+
+
+def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
+    """The dp collectives of layer ``index``'s FSDP unit as ``fw`` issues them, and offload's
+    host copies."""
+    unit = fsdp_unit_params(profile, cfg, index)
+    own = dp_collectives(cfg, unit)
+    return framework_dp_collectives(own, cfg, fw) + host_copies(cfg, own, unit)
+
+
+def _ring_s(profile, layer, cfg, cluster, link, attn_flops, shard, fw):
+    """Context parallelism's exposed K/V ring of one layer (cp_comm.ring_exchange_s), its
+    window the attention core at the 16-bit rate and the layer's matmul efficiency."""
+    if cfg.cp == 1:
+        return 0.0, 0.0, 0.0
+    rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
+    rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+    attn_fwd_s = attn_flops / rate
+    bwd_ratio = layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0
+    return ring_exchange_s(kv_bytes(profile, layer, cfg, shard), attn_fwd_s,
+                           bwd_ratio * attn_fwd_s, cfg, link, fw.overlap_slowdown)
+
+
+def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float) -> float:
+    """The optimizer step over ``local_params``: AdamW's HBM traffic on the device, or the
+    offloaded CPU step (offload.cpu_adam_s)."""
+    if cfg.offload != "none":
+        return cpu_adam_s(cluster, cfg, local_params)
+    return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * local_params / cluster.device.hbm_bytes_per_s
+
+
+def _fp8_cast_bytes(fp8: bool, act_bytes: float, params_tp: float):
+    """(forward, backward) bytes fp8's dynamic scaling moves (precision.py); 0 otherwise."""
+    if not fp8:
+        return 0.0, 0.0
+    half = FP8_CAST_BYTES_PER_ACT_BYTE / 2 * act_bytes
+    return half + FP8_CAST_BYTES_PER_PARAM * params_tp, half
+
+
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):
     """Memory that churns over a step, with the caching allocator's unusable share
     (``Framework.fragmentation_fraction``). The CPU preset has no caching allocator (its
@@ -307,14 +370,21 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cfg = config
     fw = get_framework(framework)
     cluster = framework_cluster(cluster, fw)
+    whole, profile = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
+    # The attention core's FLOPs (what "selective" re-runs in the traced profile), before a
+    # framework's own selective policy replaces that entry: the cp ring's window, fp8's split.
+    attention = [x.recompute_flops.get("selective", 0.0) for x in profile.layers]
     if fw.selective_policy == "op":
         profile = op_selective_profile(profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
-    dp_link = groups["dp"]
     dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)
-    groups["dp"] = dataclasses.replace(dp_link, bandwidth_bytes_per_s=dp_link.bandwidth_bytes_per_s
-                                       * dp_efficiency)
+    for axis in ("dp", "dp_replicate"):
+        link = groups[axis]
+        groups[axis] = dataclasses.replace(
+            link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * dp_efficiency)
+    groups["cp_ring"] = cp_link(cluster, cfg)
+    groups["pcie"] = pcie_link(cluster)
     layers: list[LayerCost] = []
     tails: list[float] = []
     done: dict[tuple[str, bool], tuple[dict, float]] = {}
@@ -329,7 +399,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
             cost = LayerCost(**fields)
         else:
             cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
-                                     fw)
+                                     fw, attention[index])
             done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
         layers.append(cost)
         tails.append(tail)
@@ -345,19 +415,21 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         layers=tuple(layers),
         num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
-        dp_tail_s=max(tails) if cfg.dp > 1 else 0.0,
+        dp_tail_s=max(tails) if cfg.dp * cfg.cp > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency
         if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
-        peak_flops=cluster.device.peak_flops(cfg.dtype),
-        tokens_per_step=cfg.global_batch * profile.seq_len,
+        peak_flops=cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype),
+        tokens_per_step=cfg.global_batch * whole.seq_len,
         world_size=cfg.world_size,
         recv_buffer_bytes=recv_bytes,
         framework=fw,
         overlap_slowdown=fw.overlap_slowdown,
         step_overhead_s=fw.step_overhead_s,
-        dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp > 1 else 0.0,
+        dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp * cfg.cp > 1 else 0.0,
+        host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
+        dtype_reason=dtype_reason(cluster.device, cfg.dtype),
     )
 
 

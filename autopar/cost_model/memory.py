@@ -3,7 +3,8 @@
 Units: bytes. Model state follows what the runtime does for each ``zero`` stage
 (autopar/runtime/data_parallel.py, docs/runtime.md), per parameter held by the rank after
 tensor-parallel and pipeline sharding (w = bytes of the training dtype, 2 for bf16/fp16, 4 for
-fp32; n = dp; m = micro-batches per step):
+fp32; n = dp_shard * cp, the ranks a ZeRO shard spans: dp without HSDP and context parallelism;
+m = micro-batches per step; offload moves state to the host: offload.py):
 
 | mechanism (dp > 1 unless noted)             | parameters  | gradients          | optimizer |
 |---------------------------------------------|-------------|--------------------|-----------|
@@ -139,7 +140,8 @@ def layer_state(
     """
     w = DTYPE_BYTES[config.dtype]
     copy = w if config.dtype != "fp32" else 0  # autocast / replicate() 16-bit compute copy
-    p, n = params_per_rank, shard_ranks or config.dp
+    # the ZeRO shard group: dp_shard * cp (HSDP, cp), or the caller's (ep's routed experts)
+    p, n = params_per_rank, shard_ranks or config.dp_shard * config.cp
     kind = dp_mechanism(config)
     if kind in ("none", "replicate", "ddp"):
         buckets = GRAD_BYTES if kind == "ddp" else 0
@@ -249,5 +251,6 @@ def buffers_bytes(config: ParallelConfig, cluster: Cluster | None = None) -> flo
     per_group = COMM_BUFFER_BYTES_PER_GROUP if cluster is None else (
         cluster.comm_buffer_bytes_per_group)
     reserve = ALLOCATOR_RESERVE_BYTES if cluster is None else cluster.allocator_reserve_bytes
-    groups = sum(1 for d in (config.tp, config.dp, config.pp) if d > 1)
+    groups = sum(1 for d in (config.tp, config.cp, config.dp_shard * config.cp,
+                             config.dp_replicate, config.pp) if d > 1)
     return groups * per_group + reserve

@@ -57,6 +57,7 @@ def _gpu(
     hbm: float,
     eff: float,
     half_flops: float | None = None,
+    fp8: float = 0.0,
 ) -> dict[str, Any]:
     return {
         "name": name,
@@ -70,7 +71,13 @@ def _gpu(
         "matmul_half_flops": half_flops or MATMUL_HALF_S * max(bf16, fp16),
         "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
         "dispatch_floor_s": DISPATCH_FLOOR_S,
+        "peak_fp8_flops": fp8,
     }
+
+
+def _host(memory_bytes_per_node: float, gpus_per_node: int, pcie: float) -> dict[str, float]:
+    return {"host_memory_bytes_per_gpu": memory_bytes_per_node / gpus_per_node,
+            "pcie_bytes_per_s": pcie}
 
 
 def _link(bw: float, latency: float) -> dict[str, float]:
@@ -98,6 +105,18 @@ _NDR_IB = _link(47e9, 10e-6)
 # = 6.25 GB/s per GPU (Rajbhandari et al. 2020, section 10).
 _V100_NVLINK = _link(120e9, 5e-6)
 _V100_IB = _link(6.25e9, 10e-6)
+# fp8: H100 SXM and H200 SXM 1,979 TFLOP/s dense fp8 tensor cores (H100 and H200 datasheets:
+# 3,958 with sparsity); A100 and V100 have none.
+# Host memory and PCIe per GPU, from the DGX system the presets' nodes are (spec sheets): DGX
+# A100 1 TB system memory for 8 GPUs (DGX A100 datasheet: 1 TB, 2 TB on the 640 GB model), PCIe
+# Gen4 x16 per GPU, 32 GB/s per direction (A100 datasheet: "PCIe Gen4 64 GB/s", both
+# directions); DGX H100 and DGX H200 2 TB for 8 GPUs (datasheets), PCIe Gen5 x16, 64 GB/s per
+# direction (H100 / H200 datasheets: "PCIe Gen5 128 GB/s"); DGX-2 (V100 SXM3 32 GB, the ZeRO
+# papers' node) 1.5 TB for 16 GPUs (DGX-2 datasheet), PCIe Gen3 x16, 16 GB/s per direction
+# (V100 datasheet: "PCIe 32 GB/s"). Line rates: what a pinned-memory copy approaches.
+_A100_HOST = _host(1e12, 8, 32e9)
+_H100_HOST = _host(2e12, 8, 64e9)
+_V100_HOST = _host(1.5e12, 16, 16e9)
 
 # Fields every GPU preset shares.
 _GPU_CLUSTER_DEFAULTS: dict[str, Any] = {
@@ -113,6 +132,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _A100_NVLINK,
         "inter_node": _HDR_IB,
+        **_A100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
     "a100-80g": {
@@ -122,16 +142,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _A100_NVLINK,
         "inter_node": _HDR_IB,
+        **_A100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
     "h100": {
         # H100 SXM5 80GB: nvidia-smi reports 81,559 MiB.
         "device": _gpu(
             "H100-SXM5-80GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
-            memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX,
+            memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX, fp8=1979e12,
         ),
         "intra_node": _H100_NVLINK,
         "inter_node": _NDR_IB,
+        **_H100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
     "h200": {
@@ -140,10 +162,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "device": _gpu(
             "H200-SXM-141GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
             memory_bytes=143771 * MIB, hbm=4.8e12, eff=H200_EFFICIENCY_MAX,
-            half_flops=H200_HALF_FLOPS,
+            half_flops=H200_HALF_FLOPS, fp8=1979e12,
         ),
         "intra_node": _H100_NVLINK,
         "inter_node": _NDR_IB,
+        **_H100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
     "v100-32g": {
@@ -154,6 +177,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         "intra_node": _V100_NVLINK,
         "inter_node": _V100_IB,
+        **_V100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
 }

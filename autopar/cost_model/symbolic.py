@@ -122,7 +122,7 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     kind = dp_mechanism(cfg)
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
     psi = largest.num_params / cfg.tp
-    values = {Psi: psi, d: cfg.dp, w: DTYPE_BYTES[cfg.dtype]}
+    values = {Psi: psi, d: cfg.dp_shard * cfg.cp, w: DTYPE_BYTES[cfg.dtype]}  # the shard group
     state = model_state_expr_for(cfg)
     names = ("parameters", "gradients", "optimizer")
     lines = [

@@ -46,9 +46,13 @@ class LayerCost:
         grad_bytes: gradient bytes held per rank.
         optimizer_bytes: optimizer-state bytes per rank (fp32 master weights and Adam moments).
         dp_step_s: data-parallel gradient reduction time per step for this layer, before overlap.
-        optimizer_s: optimizer step time for this layer's local state.
+        optimizer_s: optimizer step time for this layer's local state (with offload: the CPU
+            step and the parameters' copy back).
         ep_comm_s: exposed expert-parallel all-to-all time per micro-batch, by recompute mode
             (cost_model/moe.py; 0 for a dense layer or ep == 1).
+        cp_comm_s: exposed ring-attention K/V exchange per micro-batch, by recompute mode
+            (context parallelism, cp_comm.py; recompute repeats the forward ring).
+        host_bytes: host memory this rank holds for the layer (offload.py).
     """
 
     name: str
@@ -68,11 +72,15 @@ class LayerCost:
     dp_step_s: float
     optimizer_s: float
     ep_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    cp_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    host_bytes: float = 0.0
 
     def time_per_microbatch_s(self, recompute: str) -> float:
-        """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + dp per micro-batch."""
+        """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + cp_comm(r) + dp per
+        micro-batch."""
         k = RECOMPUTE_INDEX[recompute]
         return (self.compute_s + self.recompute_s[k] + self.tp_comm_s[k] + self.ep_comm_s[k]
+                + self.cp_comm_s[k]
                 + self.dp_microbatch_s)
 
     @property
@@ -98,8 +106,8 @@ class CostTable:
         buffers_bytes: per-rank constant memory: communication buffers, allocator reserve.
         capacity_bytes: usable device memory: device memory minus the cluster's headroom.
         peak_flops: the device's peak FLOP/s at the training dtype (for MFU).
-        tokens_per_step: global_batch * seq_len.
-        world_size: dp * tp * pp.
+        tokens_per_step: global_batch * seq_len (the whole sequence, whatever cp).
+        world_size: dp * cp * tp * pp.
         recv_buffer_bytes: bytes of one micro-batch's stage-boundary activation on a rank (what
             torch's PipelineStage allocates per micro-batch to receive an input or an output
             gradient; ``pipeline.pipeline_buffer_microbatches`` counts them); 0 when pp == 1.
@@ -109,6 +117,8 @@ class CostTable:
         step_overhead_s: the framework's fixed seconds per step outside the layers.
         dp_head_s: the step's first parameter gather, which nothing before it can hide
             (ZeRO 1-3 with ``first_gather_exposed``); 0 otherwise.
+        host_capacity_bytes: host memory per device for offloaded state (the cluster's).
+        dtype_reason: why the config's precision, in words (precision.dtype_reason).
     """
 
     config: ParallelConfig
@@ -127,6 +137,8 @@ class CostTable:
     overlap_slowdown: float = 0.0
     step_overhead_s: float = 0.0
     dp_head_s: float = 0.0
+    host_capacity_bytes: float = 0.0
+    dtype_reason: str = ""
 
     @property
     def step_fixed_s(self) -> float:

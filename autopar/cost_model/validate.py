@@ -17,7 +17,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import ModelProfile
 
-__all__ = ["check_config", "check_ep", "check_schedule"]
+__all__ = ["check_config", "check_dimensions", "check_ep", "check_schedule"]
 
 
 def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> None:
@@ -55,16 +55,24 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches
         )
 
 
-def _check_uncosted(cfg: ParallelConfig) -> None:
-    """Refuse the dimensions the cost model does not charge yet, rather than mis-cost them."""
-    for name, default in (("cp", 1), ("dp_replicate", 1), ("offload", "none")):
-        if getattr(cfg, name) != default:
-            raise ValueError(
-                f"{name} = {getattr(cfg, name)!r} is not costed by this autopar version; "
-                f"use {name}={default!r}"
-            )
-    if cfg.dtype == "fp8":
-        raise ValueError("dtype fp8 is not costed by this autopar version; use bf16")
+def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> None:
+    """Raise ValueError unless cp, offload and the dtype can run on this model and cluster."""
+    if cfg.cp > 1 and profile.seq_len % (2 * cfg.cp):
+        raise ValueError(
+            f"cp = {cfg.cp} needs the sequence length ({profile.seq_len}) to be a multiple of "
+            f"2 * cp = {2 * cfg.cp} (load-balanced ring attention: two chunks per rank)"
+        )
+    if cfg.offload != "none" and (cluster.host_memory_bytes_per_gpu <= 0
+                                  or cluster.pcie_bytes_per_s <= 0):
+        raise ValueError(
+            f"offload {cfg.offload!r} needs the cluster's host_memory_bytes_per_gpu and "
+            "pcie_bytes_per_s (the GPU presets have them); use offload='none'"
+        )
+    if cfg.dtype == "fp8" and cluster.device.peak_flops("fp8") <= 0:
+        raise ValueError(
+            f"dtype fp8 needs fp8 tensor cores; {cluster.device.name} has none (H100 and H200 "
+            "do); use bf16"
+        )
 
 
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
@@ -108,8 +116,8 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
             f"world size dp * cp * tp * pp = {cfg.dp} * {cfg.cp} * {cfg.tp} * {cfg.pp} = "
             f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs"
         )
-    _check_uncosted(cfg)
     check_ep(profile, cfg)
+    check_dimensions(profile, cluster, cfg)
     if cfg.tp > 1:
         for name, count in (("heads", profile.heads), ("kv_heads", profile.kv_heads)):
             if count and count % cfg.tp:

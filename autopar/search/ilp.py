@@ -86,6 +86,8 @@ def cost_signature(layer: LayerCost) -> tuple:
         layer.optimizer_bytes,
         layer.dp_step_s,
         layer.optimizer_s,
+        layer.cp_comm_s,
+        layer.host_bytes,
     )
 
 
@@ -296,7 +298,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
             )
 
         opt = on_k(lambda lay: lay.optimizer_s)
-        if cfg.dp > 1:
+        if cfg.dp * cfg.cp > 1:
             d = _var(prob, f"dp_exposed[rank{k}]", 0)
             # [Constraint] tail: exposed DP reduction is at least the last bucket
             prob += d >= table.dp_tail_s, f"dp_tail[rank{k}]"

@@ -56,7 +56,20 @@ def infeasible_error(
         f"no split of {profile.name or 'the model'} ({profile.num_params / 1e9:.2f}B params) "
         f"fits {cap / GIB:.1f} GiB usable per GPU on {cluster.num_gpus} GPUs at global batch "
         f"{global_batch}; the closest, {desc}, needs {mem / GIB:.1f} GiB per GPU: use more GPUs, "
-        "GPUs with more memory, or a smaller micro-batch",
+        f"GPUs with more memory, or a smaller micro-batch{_cp_hint(profile, options)}",
         min_memory_bytes=mem,
         closest=desc,
     )
+
+
+def _cp_hint(profile, options: SearchOptions) -> str:
+    """Where the framework runs no context parallelism and the sequence is long enough for it,
+    say which frameworks would shard each sequence."""
+    from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
+
+    if get_framework(options.framework).context_parallel or (
+            profile.seq_len < 2 * options.min_cp_tokens):
+        return ""
+    runs = [name for name in FRAMEWORKS if get_framework(name).context_parallel]
+    return (f", or shard each {profile.seq_len}-token sequence with context parallelism "
+            f"(--framework {' or '.join(runs)})")

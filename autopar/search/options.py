@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.config import SCHEDULES
+from autopar.config import DTYPES, OFFLOADS, SCHEDULES
 
 __all__ = ["SOLVERS", "SearchOptions"]
 
 SOLVERS: tuple[str, ...] = ("highs", "cbc")
+# sourced: Llama 3 (arXiv:2407.21783, section 3.3.4) trained its 131,072-token context with
+# cp = 16, 8,192 tokens per rank; Megatron-Core's context-parallel guide suggests cp for
+# sequences of 8K tokens and longer. The search stops at this many tokens per rank.
+MIN_CP_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,7 +42,15 @@ class SearchOptions:
         micro_batch_sizes: micro-batch sizes to consider (None: every divisor of the
             per-replica batch).
         solver: "highs" (HiGHS through highspy, default) or "cbc" (pulp's bundled CBC).
-        dtype: training precision of every candidate.
+        dtype: training precision of every candidate; None: the dtypes the GPU runs fast
+            (``precision.supported_dtypes``: fp16 on V100, bf16 elsewhere, and fp8 on
+            H100/H200) that the framework runs.
+        context_parallel: consider context parallelism (cp > 1, powers of two).
+        max_cp: largest context-parallel degree (None: any that divides the sequence).
+        min_cp_tokens: fewest tokens per context-parallel rank (s / cp) to consider.
+        hsdp: consider HSDP (dp_replicate > 1, the shard group filling one node).
+        offloads: offload settings to consider, when nothing fits without offload
+            (``dimensions.py``).
         framework: the training framework that will run the plan (``FRAMEWORKS``): the search
             proposes only what it can run and costs it as it runs.
         robust: pick, among the best plans, the one with the best pessimistic step time (the
@@ -58,9 +70,14 @@ class SearchOptions:
     sequence_parallel: tuple[bool, ...] = (True,)
     micro_batch_sizes: tuple[int, ...] | None = None
     solver: str = "highs"
-    dtype: str = "bf16"
+    dtype: str | None = None
     framework: str = "autopar"
     robust: bool = False
+    context_parallel: bool = True
+    max_cp: int | None = None
+    min_cp_tokens: int = MIN_CP_TOKENS
+    hsdp: bool = True
+    offloads: tuple[str, ...] = OFFLOADS
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
@@ -90,3 +107,11 @@ class SearchOptions:
         object.__setattr__(self, "framework", get_framework(self.framework).spec)
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError("SearchOptions.micro_batch_sizes must be positive")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"SearchOptions.dtype {self.dtype!r}: use one of {DTYPES} or None")
+        if self.min_cp_tokens < 1:
+            raise ValueError(f"SearchOptions.min_cp_tokens must be >= 1, got {self.min_cp_tokens}")
+        if self.max_cp is not None and self.max_cp < 1:
+            raise ValueError(f"SearchOptions.max_cp must be >= 1, got {self.max_cp}")
+        if not self.offloads or any(o not in OFFLOADS for o in self.offloads):
+            raise ValueError(f"SearchOptions.offloads {self.offloads!r}: use names in {OFFLOADS}")

@@ -35,6 +35,7 @@ from autopar.search.bounds import (
     summarize,
     time_lower_bound,
 )
+from autopar.search.dimensions import dominant_dtypes, dtype_choices, offload_variants
 from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
 from autopar.search.infeasible import infeasible_error
 from autopar.search.layout import tp_layout
@@ -100,7 +101,9 @@ def _best_uniform(table: CostTable) -> _Outcome | None:
         split = balanced_split(table, mode)
         est = assemble(table, split, (mode,) * len(table.layers))
         room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
-        if est.memory_per_gpu_bytes <= room and (best is None or est.step_time_s < best.step_s):
+        host_ok = est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
+        if est.memory_per_gpu_bytes <= room and host_ok and (
+                best is None or est.step_time_s < best.step_s):
             best = _Outcome(split=split, recompute=(mode,) * len(table.layers),
                             step_s=est.step_time_s, optimal=False)  # fmt: skip
     return best
@@ -134,6 +137,8 @@ def _warm_bound(
             singles += 1
             outcome = _solve(cand.table, options, min(options.time_limit_s, remaining))
             ilps += outcome.used_ilp
+            if not _fits_host(cand.table, outcome):
+                outcome = _Outcome()
             if outcome.split and outcome.optimal and not outcome.time_limit_hit:
                 seeded.setdefault(ilp_key(cand.table), outcome)
         elif uniform < count:
@@ -145,6 +150,14 @@ def _warm_bound(
     steps.sort()
     bound = steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
     return bound, seeded, ilps
+
+
+def _fits_host(table: CostTable, outcome: _Outcome) -> bool:
+    """Whether an outcome's offloaded state fits the host memory (the ILP bounds the device's)."""
+    if table.config.offload == "none" or not outcome.split:
+        return True
+    est = assemble(table, outcome.split, outcome.recompute)
+    return est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
 
 
 def _solve(
@@ -213,12 +226,16 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
             num_layers=profile.num_layers,
             global_batch=global_batch,
             options=options,
+            seq_len=profile.seq_len,
+            dtypes=dominant_dtypes(profile, cluster, dtype_choices(cluster.device, options),
+                                   options),
             expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
         )
     )
 
 
-def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Candidate]:
+def _bounded(profile, cluster, configs, options, progress, deadline,
+             start: int = 0) -> list[_Candidate]:
     """Cost every candidate and bound it.
 
     The cost terms do not depend on the schedule or the virtual stages (only the assembly does),
@@ -227,7 +244,7 @@ def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Ca
     """
     out: list[_Candidate] = []
     shared: dict[ParallelConfig, tuple[CostTable, TableSummary]] = {}
-    for i, cfg in enumerate(configs):
+    for i, cfg in enumerate(configs, start):
         base = dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1)
         if base not in shared:
             table = _cost_table(profile, cluster, base, options)
@@ -236,14 +253,8 @@ def _bounded(profile, cluster, configs, options, progress, deadline) -> list[_Ca
                 break
         table, summary = shared[base]
         table = dataclasses.replace(table, config=cfg)
-        out.append(
-            _Candidate(
-                index=i,
-                table=table,
-                time_lb_s=time_lower_bound(table, summary),
-                memory_lb_bytes=memory_lower_bound(table, summary),
-            )
-        )
+        out.append(_Candidate(index=i, table=table, time_lb_s=time_lower_bound(table, summary),
+                              memory_lb_bytes=memory_lower_bound(table, summary)))
         if progress is not None and i % 1024 == 1023:
             progress(0, len(configs), f"costing candidates ({i + 1}/{len(configs)})")
     return out
@@ -288,7 +299,9 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
             state.time_limit_hit |= outcome.time_limit_hit
             if outcome.time_limit_hit:  # not proven: its bound limits the whole search's claim
                 state.remaining_lb_s = min(state.remaining_lb_s, outcome.bound_s)
-        if outcome.split:
+        if outcome.split and not _fits_host(cand.table, outcome):
+            state.pruned += 1
+        elif outcome.split:
             step = assemble(cand.table, outcome.split, outcome.recompute).step_time_s
             state.best.append((step, cand.index, outcome, cand))
             state.best.sort(key=lambda b: (b[0], b[1]))
@@ -427,8 +440,17 @@ def plan(
             "another GPU count"
         )
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
+    truncated = len(cands) < len(configs)
     state = _search(cands, top_k, options, progress, deadline)
-    if len(cands) < len(configs):
+    if not state.best and not state.time_limit_hit and not truncated:  # try offloading
+        extra = offload_variants([c.table.config for c in cands if c.memory_lb_bytes
+                                  > c.table.capacity_bytes], cluster, options)
+        more = _bounded(profile, cluster, extra, options, progress, deadline, len(cands))
+        truncated = len(more) < len(extra)
+        if more:
+            cands += more
+            state = _search(cands, top_k, options, progress, deadline)
+    if truncated:
         state.time_limit_hit = True
         state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
     if not state.best and state.time_limit_hit:

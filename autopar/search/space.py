@@ -18,7 +18,9 @@ Rules (each one a constraint the runtime or torch imposes):
 - expert parallelism only for mixture-of-experts models: ep divides dp (* cp) and every layer's
   number of experts (``expert_degrees``);
 - only what the framework runs (``frameworks.framework_supports``: its schedules, ZeRO stages,
-  ZeRO with pipelines, sequence parallelism).
+  ZeRO with pipelines, sequence parallelism, cp, HSDP, offload, dtypes);
+- cp, HSDP (dp_replicate) and the dtype as ``dimensions.py`` chooses them; offloaded variants
+  are added by the planner where a candidate fits no split without (``offload_variants``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from collections.abc import Iterator
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.frameworks import framework_supports, get_framework
+from autopar.cost_model.hardware import DeviceSpec
 from autopar.cost_model.validate import check_schedule
+from autopar.search.dimensions import cp_choices, dtype_choices, replicate_choices
 from autopar.search.options import SearchOptions
 
 __all__ = [
@@ -142,10 +146,15 @@ def enumerate_candidates(
     num_layers: int,
     global_batch: int,
     options: SearchOptions,
+    seq_len: int | None = None,
+    device: DeviceSpec | None = None,
+    dtypes: list[str] | None = None,
     expert_counts: tuple[int, ...] = (),
 ) -> Iterator[ParallelConfig]:
-    """Every outer candidate, in a deterministic order (pp, tp, micro-batch, schedule, ZeRO, SP,
-    ep). ``expert_counts``: routed experts of each MoE layer (empty for a dense model)."""
+    """Every outer candidate, in a deterministic order (pp, tp, cp, micro-batch, schedule, ZeRO,
+    HSDP, SP, ep, dtype). Without ``seq_len`` no cp > 1 is tried; the dtypes are ``dtypes``,
+    else ``dimensions.dtype_choices`` of ``device``; ``expert_counts``: routed experts of each
+    MoE layer (empty for a dense model)."""
     shapes = mesh_shapes(
         world_size,
         head_counts=head_counts,
@@ -155,37 +164,42 @@ def enumerate_candidates(
         allow_tp_across_nodes=options.allow_tp_across_nodes,
     )
     framework = get_framework(options.framework)
-    for dp, tp, pp in shapes:
-        if global_batch % dp:
-            continue
-        per_replica = global_batch // dp
-        sizes = divisors(per_replica)
-        if options.micro_batch_sizes is not None:
-            sizes = [b for b in sizes if b in options.micro_batch_sizes]
-        sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
-        if not framework.sequence_parallel:  # the framework has none: plan without it
-            sps = [False]
-        # ZeRO shards over dp: with dp == 1 every stage is the same plan as stage 0.
-        zeros = sorted(set(options.zero_stages)) if dp > 1 else [0]
-        eps = expert_degrees(dp, 1, expert_counts)
-        for mb in sizes:
-            m = per_replica // mb
-            for schedule, v in schedule_variants(pp, num_layers, options):
-                if pp > 1 and not schedule_accepts(schedule, pp, v, m):
-                    continue
-                for zero, sp, ep in itertools.product(zeros, sps, eps):
-                    config = ParallelConfig(
-                        dp=dp,
-                        tp=tp,
-                        pp=pp,
-                        ep=ep,
-                        micro_batch=mb,
-                        global_batch=global_batch,
-                        schedule=schedule,
-                        virtual_stages=v,
-                        sequence_parallel=sp,
-                        zero=zero,
-                        dtype=options.dtype,
-                    )
-                    if framework_supports(framework, config) is None:
-                        yield config
+    dtypes = dtypes or dtype_choices(device, options)
+    for data_ranks, tp, pp in shapes:
+        for cp in cp_choices(data_ranks, seq_len, options, framework):
+            yield from _shape_candidates(data_ranks // cp, cp, tp, pp, gpus_per_node,
+                                         num_layers, global_batch, options, dtypes,
+                                         expert_counts)
+
+
+def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, options,
+                      dtypes, expert_counts) -> Iterator[ParallelConfig]:
+    framework = get_framework(options.framework)
+    if global_batch % dp:
+        return
+    per_replica = global_batch // dp
+    sizes = divisors(per_replica)
+    if options.micro_batch_sizes is not None:
+        sizes = [b for b in sizes if b in options.micro_batch_sizes]
+    sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
+    if not framework.sequence_parallel:  # the framework has none: plan without it
+        sps = [False]
+    # ZeRO shards over dp * cp: with one such rank every stage is the same plan as stage 0.
+    zeros = sorted(set(options.zero_stages)) if dp * cp > 1 else [0]
+    eps = expert_degrees(dp, cp, expert_counts)
+    for mb in sizes:
+        m = per_replica // mb
+        for schedule, v in schedule_variants(pp, num_layers, options):
+            if pp > 1 and not schedule_accepts(schedule, pp, v, m):
+                continue
+            for zero in zeros:
+                for rep in replicate_choices(dp, cp, tp, zero, gpus_per_node, options,
+                                             framework):
+                    for sp, ep, dtype in itertools.product(sps, eps, dtypes):
+                        config = ParallelConfig(
+                            dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, dp_replicate=rep,
+                            micro_batch=mb, global_batch=global_batch, schedule=schedule,
+                            virtual_stages=v, sequence_parallel=sp, zero=zero, dtype=dtype,
+                        )
+                        if framework_supports(framework, config) is None:
+                            yield config

@@ -45,6 +45,7 @@ def random_layer(draw, name: str) -> LayerCost:
         dp_step_s=f(0, 30),
         optimizer_s=f(0, 5),
         ep_comm_s=(f(0, 3), f(0, 3), f(0, 6)),
+        cp_comm_s=(f(0, 2), f(0, 3), f(0, 3)),  # context parallelism's exposed ring
     )
 
 

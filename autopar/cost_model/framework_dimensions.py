@@ -1,0 +1,91 @@
+"""Which dimensions beyond dp x tp x pp each training framework runs: cp, HSDP, offload, dtypes.
+
+One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framework`` record
+(fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``), each with its source;
+``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DIMENSIONS", "DIMENSION_SOURCES", "supports_dimensions"]
+
+DIMENSIONS: dict[str, dict[str, Any]] = {
+    "autopar": dict(
+        context_parallel=False, hsdp=True, offloads=("none", "optimizer", "params"),
+        dtypes=("bf16", "fp16", "fp32"),
+    ),
+    "torchtitan": dict(
+        context_parallel=True, hsdp=True, offloads=("none", "params"),
+        dtypes=("bf16", "fp16", "fp32", "fp8"),
+    ),
+    "megatron-lm": dict(
+        context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
+        dtypes=("bf16", "fp16", "fp32", "fp8"),
+    ),
+    "deepspeed": dict(
+        context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
+        dtypes=("bf16", "fp16", "fp32"),
+    ),
+}
+
+DIMENSION_SOURCES: dict[str, dict[str, str]] = {
+    "autopar": {
+        "context_parallel": "sourced: autopar's runtime on main runs no context "
+                            "parallelism yet (autopar/runtime/apply.py)",
+        "hsdp": "sourced: autopar's runtime applies FSDP2 over a 2-D (replicate, shard) "
+                "mesh (the runtime's HSDP work)",
+        "offloads": "sourced: FSDP2 CPUOffloadPolicy (params) and the runtime's CPU "
+                    "optimizer step (optimizer)",
+        "dtypes": "sourced: autopar/runtime/step.py autocast / MixedPrecisionPolicy in "
+                  "bf16, fp16 or fp32; no fp8 linears",
+    },
+    "torchtitan": {
+        "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
+                            "(torch context_parallel, ring attention; FSDP over dp_shard_cp)",
+        "hsdp": "sourced: torchtitan v0.2.2 parallelism.data_parallel_replicate_degree with "
+                "data_parallel_shard_degree > 1 is HSDP (config/job_config.py)",
+        "offloads": "sourced: torchtitan v0.2.2 training.enable_cpu_offload (FSDP2 "
+                    "CPUOffloadPolicy: parameters, gradients and optimizer state)",
+        "dtypes": "sourced: torchtitan v0.2.2 training.mixed_precision_param bfloat16 / "
+                  "float32 and the quantize.linear.float8 converter (torchao); fp16 has no "
+                  "recipe there and runs as bfloat16 at the same tensor-core rate (the "
+                  "exporter says so)",
+    },
+    "megatron-lm": {
+        "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
+                            "--cp-comm-type p2p (the default: ring attention in TE)",
+        "hsdp": "sourced: Megatron-LM --num-distributed-optimizer-instances (the "
+                "distributed optimizer sharded within an instance, gradients all-reduced "
+                "across instances): HSDP of zero 1",
+        "offloads": "sourced: Megatron-LM --optimizer-cpu-offload (optimizer state on the "
+                    "CPU); parameters stay on the GPU",
+        "dtypes": "sourced: Megatron-LM --bf16 / --fp16 and --fp8-format (Transformer "
+                  "Engine fp8 linears)",
+    },
+    "deepspeed": {
+        "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
+                            "(DeepSpeed-Ulysses shards heads with all-to-all instead)",
+        "hsdp": "sourced: DeepSpeed ZeRO shards over the whole data-parallel group (ZeRO++ "
+                "hpZ keeps a secondary copy, not replicas of a shard group)",
+        "offloads": "sourced: deepspeed.ai config-json zero_optimization.offload_optimizer "
+                    "and offload_param (stage 3)",
+        "dtypes": "sourced: deepspeed.ai config-json bf16 / fp16 sections; no fp8 training",
+    },
+}
+
+
+def supports_dimensions(fw: Any, config: Any) -> str | None:
+    """Why framework ``fw`` cannot run the config's cp, HSDP, offload or dtype (None: it can)."""
+    if config.cp > 1 and not fw.context_parallel:
+        return f"{fw.name} runs no context parallelism; use cp=1"
+    if config.dp_replicate > 1 and not fw.hsdp:
+        return f"{fw.name} runs no HSDP; use dp_replicate=1"
+    if config.dp_replicate > 1 and config.zero not in fw.zero_stages:
+        return f"{fw.name} runs ZeRO stages {fw.zero_stages}, not zero={config.zero}"
+    if config.offload not in fw.offloads:
+        return f"{fw.name} offloads {', '.join(fw.offloads)}, not {config.offload!r}"
+    if config.dtype not in fw.dtypes:
+        return f"{fw.name} trains in {', '.join(fw.dtypes)}, not {config.dtype}"
+    return None

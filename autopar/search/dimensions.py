@@ -1,0 +1,121 @@
+"""The search's choices of the dimensions beyond dp x tp x pp: cp, HSDP, offload, precision.
+
+- cp: powers of two dividing the data/context ranks, at most ``max_cp``, with the sequence a
+  multiple of 2 cp (load-balanced ring attention: two chunks per rank) and at least
+  ``min_cp_tokens`` tokens per rank (options.py: 8,192, Llama 3's long-context layout), when
+  the framework runs context parallelism. The bounds and the ILP decide, per candidate,
+  whether the ring's traffic is worth the smaller per-rank sequence.
+- dp_replicate (HSDP): 1, and the replica count whose shard group of dp_shard * cp * tp ranks
+  fills exactly one node (the shard's all-gathers and reduce-scatters on NVLink, only the
+  replicas' all-reduce across nodes), when the framework runs HSDP, at its fullest sharding
+  (zero 3; zero 1 for Megatron-LM's distributed optimizer), where the per-micro-batch
+  gathers make the shard group's link matter most.
+- dtype: ``options.dtype``, or every dtype the GPU runs fast that the framework runs
+  (``precision.supported_dtypes``), less bf16 where fp8 dominates it: fp8 stores and
+  communicates what bf16 does (2-byte parameters, gradients, activations), so it differs only
+  in compute; when every layer computes faster in fp8 at the smallest matmuls the search
+  considers (the widest tp, one sequence a micro-batch), bf16 cannot win and is not costed.
+- offload: when no candidate fits without it, the offloaded variants of those whose memory
+  lower bound exceeds the capacity, with the settings the framework and ``options.offloads``
+  allow (planner.plan's second pass). The cost model charges offload only extra time (copies,
+  the CPU step), so an offloaded plan can beat a fitting one only through a cheaper
+  recomputation or split; that case is not searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
+from autopar.cost_model.hardware import Cluster, DeviceSpec
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.precision import supported_dtypes
+from autopar.graph.types import ModelProfile
+from autopar.search.options import SearchOptions
+
+__all__ = [
+    "cp_choices",
+    "dominant_dtypes",
+    "dtype_choices",
+    "offload_variants",
+    "replicate_choices",
+]
+
+
+def cp_choices(data_ranks: int, seq_len: int | None, options: SearchOptions,
+               framework: Framework) -> list[int]:
+    """Context-parallel degrees for ``data_ranks`` = dp * cp ranks (module docstring)."""
+    if seq_len is None or not options.context_parallel or not framework.context_parallel:
+        return [1]
+    out, cp = [1], 2
+    while data_ranks % cp == 0 and seq_len % (2 * cp) == 0 and (
+            seq_len // cp >= options.min_cp_tokens):
+        if options.max_cp is not None and cp > options.max_cp:
+            break
+        out.append(cp)
+        cp *= 2
+    return out
+
+
+def replicate_choices(dp: int, cp: int, tp: int, zero: int, gpus_per_node: int,
+                      options: SearchOptions, framework: Framework) -> list[int]:
+    """HSDP replica counts: 1, and the one whose shard group fills one node (at the
+    framework's fullest sharding only: zero 3, or Megatron's zero 1)."""
+    if zero != max(framework.zero_stages) or not options.hsdp or not framework.hsdp:
+        return [1]
+    ranks_per_shard = cp * tp
+    if gpus_per_node % ranks_per_shard:
+        return [1]
+    shard = gpus_per_node // ranks_per_shard
+    if shard >= dp or dp % shard:
+        return [1]
+    return [1, dp // shard]
+
+
+def dtype_choices(device: DeviceSpec | None, options: SearchOptions) -> list[str]:
+    """The dtypes to try: ``options.dtype``, or the device's fast ones the framework runs."""
+    framework = get_framework(options.framework)
+    if options.dtype is not None:
+        return [options.dtype]
+    if device is None:
+        return ["bf16"]
+    wanted = [d for d in supported_dtypes(device) if d in framework.dtypes]
+    return wanted or [next(d for d in ("bf16", "fp16", "fp32") if d in framework.dtypes)]
+
+
+def dominant_dtypes(profile: ModelProfile, cluster: Cluster, dtypes: list[str],
+                    options: SearchOptions) -> list[str]:
+    """``dtypes`` less bf16 when fp8 computes every layer faster (module docstring)."""
+    if "fp8" not in dtypes or "bf16" not in dtypes:
+        return dtypes
+    heads = [h for h in (profile.heads, profile.kv_heads) if h]
+    limit = options.max_tp or cluster.gpus_per_node
+    tp = max(t for t in range(1, limit + 1) if all(h % t == 0 for h in heads))
+    times = {}
+    for dtype in ("bf16", "fp8"):
+        cfg = ParallelConfig(tp=tp, global_batch=1, sequence_parallel=tp > 1, dtype=dtype)
+        table = build_cost_table(profile, cluster, cfg, options.framework)
+        times[dtype] = [layer.compute_s + layer.recompute_s[2] for layer in table.layers]
+    if all(f <= b for f, b in zip(times["fp8"], times["bf16"])):
+        return [d for d in dtypes if d != "bf16"]
+    return dtypes
+
+
+def offload_variants(configs: list[ParallelConfig], cluster: Cluster,
+                     options: SearchOptions) -> list[ParallelConfig]:
+    """The offloaded variants of candidates that fit no split without offload."""
+    framework = get_framework(options.framework)
+    if cluster.host_memory_bytes_per_gpu <= 0 or cluster.pcie_bytes_per_s <= 0:
+        return []
+    out = []
+    for config in configs:
+        if config.offload != "none" or config.zero == 0:
+            continue
+        for offload in ("optimizer", "params"):
+            if offload not in options.offloads or (offload == "params" and config.zero != 3):
+                continue
+            variant = dataclasses.replace(config, offload=offload)
+            if framework_supports(framework, variant) is None:
+                out.append(variant)
+    return out

@@ -1,0 +1,138 @@
+"""CLI flags and exports of cp, HSDP, offload and precision (in process, tiny models)."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+
+from autopar.cli import main
+from autopar.config import ParallelConfig
+from autopar.cost_model.hardware import Cluster
+from autopar.exporters import export_plan
+from autopar.search import plan_from_config
+from tests.fixtures.profiles import analytic_transformer_profile
+
+TINY = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=64"
+PROFILE = analytic_transformer_profile(2, 256, 4, 512, 1024, kv_heads=2, gated_mlp=True,
+                                       ffn_hidden=512, dropout=False, bias=False,
+                                       position_embeddings=False, tied_embeddings=False)
+
+
+def _json(capfd, argv) -> dict:
+    assert main(argv) == 0
+    out, _ = capfd.readouterr()
+    return json.loads(out)
+
+
+def test_estimate_takes_the_new_dimensions(capfd) -> None:
+    doc = _json(capfd, ["estimate", TINY, "--gpu", "h100", "--gpus", "8", "--dp", "4", "--cp",
+                        "2", "--zero", "3", "--dp-replicate", "2", "--offload", "params",
+                        "--global-batch", "8", "--framework", "torchtitan", "--dtype", "fp8",
+                        "--json"])
+    cfg = doc["config"]
+    assert (cfg["cp"], cfg["dp_replicate"], cfg["offload"], cfg["dtype"]) == (2, 2, "params",
+                                                                             "fp8")
+    assert doc["estimate"]["host_memory_per_gpu_bytes"] > 0
+    assert "fp8" in doc["estimate"]["precision"]
+
+
+def test_plan_switches_restrict_the_space(capfd) -> None:
+    doc = _json(capfd, ["plan", TINY, "--gpu", "v100-32g", "--gpus", "8", "--global-batch", "8",
+                        "--no-cp", "--no-hsdp", "--no-offload", "--json"])
+    cfg = doc["config"]
+    assert (cfg["cp"], cfg["dp_replicate"], cfg["offload"], cfg["dtype"]) == (1, 1, "none",
+                                                                             "fp16")
+    doc = _json(capfd, ["plan", TINY, "--gpu", "v100-32g", "--gpus", "8", "--global-batch", "8",
+                        "--dtype", "fp32", "--json"])
+    assert doc["config"]["dtype"] == "fp32"
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--cp", "3", "--dp", "2", "--gpus", "6", "--zero", "3"], "multiple of 2 * cp"),
+    (["--dp", "8", "--dtype", "fp8", "--gpu", "a100-80g"], "needs fp8 tensor cores"),
+    (["--dp", "8", "--dtype", "fp8", "--gpu", "h100"], "autopar trains in bf16"),
+    (["--dp", "8", "--zero", "3", "--offload", "params", "--gpu", "cpu"], "host_memory"),
+])
+def test_bad_dimension_inputs_are_one_line(capfd, extra, needle) -> None:
+    argv = ["estimate", TINY, "--global-batch", "8", *extra]
+    if "--gpus" not in extra:
+        argv += ["--gpus", "8"]
+    code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and needle in lines[0], err
+
+
+def _plan(framework: str, **fields):
+    cfg = ParallelConfig(global_batch=16, **fields)
+    return plan_from_config(PROFILE, Cluster.preset("h100", nodes=2), cfg, framework=framework)
+
+
+def test_torchtitan_export_carries_cp_hsdp_offload_and_fp8() -> None:
+    text = export_plan(_plan("torchtitan", dp=4, cp=2, tp=2, zero=3, dp_replicate=2,
+                             dtype="fp8", offload="params"), "torchtitan").text
+    for line in ("context_parallel_degree = 2", "data_parallel_replicate_degree = 2",
+                 "data_parallel_shard_degree = 2", "enable_cpu_offload = true",
+                 'converters = ["quantize.linear.float8"]', "[quantize.linear.float8]",
+                 'recipe_name = "tensorwise"', 'context_parallel_rotate_method = "alltoall"'):
+        assert line in text, line
+
+
+def test_megatron_and_deepspeed_exports() -> None:
+    flags = export_plan(_plan("megatron-lm", dp=4, cp=2, tp=2, zero=1, dp_replicate=2,
+                              dtype="fp8", offload="optimizer"), "megatron").text
+    for flag in ("--context-parallel-size 2", "--fp8-format hybrid", "--bf16",
+                 "--num-distributed-optimizer-instances 2", "--optimizer-cpu-offload",
+                 "--use-precision-aware-optimizer", "--use-distributed-optimizer"):
+        assert flag in flags, flag
+    doc = json.loads(export_plan(_plan("deepspeed", dp=16, zero=3, offload="params"),
+                                 "deepspeed").text)
+    assert doc["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert doc["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(("to", "fields", "needle"), [
+    ("deepspeed", {"dp": 8, "cp": 2, "zero": 3}, "no context parallelism"),
+    ("deepspeed", {"dp": 16, "zero": 3, "dp_replicate": 2}, "no HSDP"),
+    ("torchtitan", {"dp": 16, "zero": 3, "offload": "optimizer"}, "not 'optimizer'"),
+    ("megatron", {"dp": 16, "zero": 1, "dtype": "fp8", "offload": "none"}, None),
+    ("deepspeed", {"dp": 16, "zero": 1, "dtype": "fp8"}, "not fp8"),
+])
+def test_exports_refuse_what_the_tool_cannot_run(to, fields, needle) -> None:
+    plan = _plan("torchtitan" if fields.get("cp", 1) > 1 or fields.get("dtype") == "fp8"
+                 or fields.get("dp_replicate", 1) > 1 else "autopar", **fields)
+    if needle is None:  # Megatron runs this one
+        assert "--fp8-format hybrid" in export_plan(plan, to).text
+        return
+    with pytest.raises(ValueError, match=needle):
+        export_plan(plan, to)
+
+
+def test_torchtitan_loads_the_new_dimensions(tmp_path) -> None:
+    """torchtitan 0.2.2's ConfigManager reads every key of the export at its declared type,
+    and its ParallelDims accepts the degrees (dp_replicate x dp_shard x cp x tp)."""
+    from tests.unit.test_export_real_tools import _fits_type, _require, _torchtitan_job
+
+    plan = _plan("torchtitan", dp=4, cp=2, tp=2, zero=3, dp_replicate=2, dtype="fp8",
+                 offload="params")
+    job, doc = _torchtitan_job(plan, tmp_path)
+
+    def read_back(obj, table: dict) -> None:  # nested tables ([quantize.linear.float8]) too
+        hints = typing.get_type_hints(type(obj))
+        for key, value in table.items():
+            if isinstance(value, dict):
+                read_back(getattr(obj, key), value)
+            else:
+                assert getattr(obj, key) == value and _fits_type(value, hints[key]), key
+
+    read_back(job, doc)
+    par = job.parallelism
+    dims = _require("torchtitan.distributed.parallel_dims").ParallelDims(
+        dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+        pp=par.pipeline_parallel_degree, ep=1, etp=1, world_size=16)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 2, 2, 2)
+    assert job.training.enable_cpu_offload and job.model.converters == ["quantize.linear.float8"]

@@ -1,0 +1,91 @@
+"""The search over cp, HSDP, offload and dtype: what it proposes, and that it misses nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.errors import InfeasiblePlanError
+from autopar.search import SearchOptions, plan
+from autopar.search.planner import _best_uniform, _candidates
+from tests.fixtures.profiles import analytic_transformer_profile
+
+
+def llama(seq_len: int, layers: int = 4):
+    return analytic_transformer_profile(layers, 1024, 16, 4096, seq_len, kv_heads=4,
+                                        gated_mlp=True, ffn_hidden=2816, dropout=False,
+                                        bias=False, position_embeddings=False,
+                                        tied_embeddings=False)
+
+
+NODE = Cluster.preset("h100")
+
+
+def test_long_sequences_use_context_parallelism() -> None:
+    """Two sequences of 65,536 tokens on 8 GPUs: dp stops at 2, cp shards each sequence."""
+    best = plan(llama(65536), NODE, 2, framework="torchtitan")
+    assert best.config.cp > 1 and best.config.dp * best.config.cp * best.config.tp == 8
+    assert best.estimate.time_breakdown.cp_comm_s > 0
+    assert autopar.estimate(llama(65536), NODE, best.config, framework="torchtitan").to_dict() \
+        == best.estimate.to_dict()
+    short = plan(llama(65536), NODE, 2, framework="torchtitan",
+                 options=SearchOptions(context_parallel=False))
+    assert short.config.cp == 1 and short.estimate.step_time_s >= best.estimate.step_time_s
+
+
+def test_frameworks_get_only_their_dimensions() -> None:
+    for cfg in _candidates(llama(65536), NODE, 2, SearchOptions(framework="autopar")):
+        assert cfg.cp == 1 and cfg.dtype == "bf16"
+    ds = _candidates(llama(65536), Cluster.preset("h100", nodes=2), 16,
+                     SearchOptions(framework="deepspeed"))
+    assert all(c.cp == 1 and c.dp_replicate == 1 and c.dtype == "bf16" for c in ds)
+    tt = _candidates(llama(65536), Cluster.preset("h100", nodes=2), 16,
+                     SearchOptions(framework="torchtitan"))
+    assert any(c.dp_replicate > 1 for c in tt) and any(c.cp > 1 for c in tt)
+    assert {c.dtype for c in tt} == {"fp8"}  # fp8 computes every layer faster here
+
+
+def test_v100_plans_are_fp16() -> None:
+    best = plan(llama(2048), Cluster.preset("v100-32g"), 16)
+    assert best.config.dtype == "fp16" and "no bf16 tensor cores" in best.estimate.precision
+
+
+@pytest.mark.parametrize(("memory_gb", "offload"), [(0.7, "params"), (0.85, "optimizer")])
+def test_offload_only_when_nothing_fits_without(memory_gb: float, offload: str) -> None:
+    cluster = Cluster.preset("a100-80g", gpus_per_node=2, gpu_memory_gb=memory_gb)
+    best = plan(llama(1024, layers=8), cluster, 2)
+    assert best.config.offload == offload and best.estimate.fits
+    assert 0 < best.estimate.host_memory_per_gpu_bytes <= cluster.host_memory_bytes_per_gpu
+    roomy = plan(llama(1024, layers=8), dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, memory_bytes=2 * 2**30)), 2)
+    assert roomy.config.offload == "none"
+    with pytest.raises(InfeasiblePlanError):
+        plan(llama(1024, layers=8), cluster, 2, options=SearchOptions(offloads=("none",)))
+    no_host = dataclasses.replace(cluster, host_memory_bytes_per_gpu=2**20)
+    with pytest.raises(InfeasiblePlanError):
+        plan(llama(1024, layers=8), no_host, 2)
+
+
+def test_planner_never_worse_than_any_candidate_of_the_enlarged_space() -> None:
+    """Over every (dp, cp, tp, pp, HSDP, dtype, ...) candidate, the plan is at least as fast as
+    the candidate's best balanced split with uniform recompute."""
+    profile, cluster = llama(32768), Cluster.preset("h100", nodes=2)
+    options = SearchOptions(framework="torchtitan", max_virtual_stages=2)
+    best = plan(profile, cluster, 4, options=options)
+    configs = _candidates(profile, cluster, 4, options)
+    assert any(c.cp > 1 for c in configs) and any(c.dp_replicate > 1 for c in configs)
+    for cfg in configs:
+        outcome = _best_uniform(build_cost_table(profile, cluster, cfg, "torchtitan"))
+        if outcome is not None:
+            assert best.estimate.step_time_s <= outcome.step_s * (1 + 1e-9), cfg.describe()
+
+
+def test_a_sequence_too_long_without_cp_names_the_frameworks_that_shard_it() -> None:
+    small = Cluster.preset("h100", gpu_memory_gb=3)
+    with pytest.raises(InfeasiblePlanError, match=r"context parallelism \(--framework torchtitan"):
+        plan(llama(65536), small, 2)
+    assert plan(llama(65536), small, 2, framework="torchtitan").config.cp > 1

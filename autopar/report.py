@@ -253,7 +253,7 @@ def time_table(est: Estimate) -> Any:
     step = max(est.step_time_s, 1e-30)
     for field, name in TIME_TERMS:
         value = getattr(est.time_breakdown, field)
-        if field == "ep_comm_s" and not value:  # a dense model or ep == 1
+        if field in ("ep_comm_s", "cp_comm_s") and not value:  # a dense model, ep or cp == 1
             continue
         table.add_row(name, format_time(value), f"{value / step * 100:.1f}%")
     table.add_row("[bold]step[/bold]", format_time(est.step_time_s), "100.0%")

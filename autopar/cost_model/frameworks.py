@@ -25,11 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from autopar.config import SCHEDULES
-from autopar.cost_model.framework_dimensions import (
-    DIMENSION_SOURCES,
-    DIMENSIONS,
-    supports_dimensions,
-)
+from autopar.cost_model import framework_dimensions as dims
 from autopar.cost_model.hardware import Cluster
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
@@ -143,10 +139,8 @@ class Framework:
         step_time_band: (low, high) factors on the predicted step time that hold 80% of this
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
-        context_parallel: whether it runs context parallelism (ring attention over cp ranks).
-        hsdp: whether it runs HSDP (dp_replicate replicas of a ZeRO shard group).
-        offloads: the ``offload`` settings it runs (``autopar.config.OFFLOADS``).
-        dtypes: the training dtypes it runs (``autopar.config.DTYPES``).
+        context_parallel, hsdp, offloads, dtypes: whether it runs cp (ring attention) and HSDP,
+            the ``offload`` settings and training dtypes it runs (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -489,8 +483,8 @@ _OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
 
 
 def _build(name: str) -> Framework:
-    fields = {**_RECORDS[name], **_FIT[name], **DIMENSIONS[name]}
-    sources = {**fields.pop("sources"), **DIMENSION_SOURCES[name]}  # type: ignore[dict-item]
+    fields = {**_RECORDS[name], **_FIT[name], **dims.DIMENSIONS[name]}
+    sources = {**fields.pop("sources"), **dims.DIMENSION_SOURCES[name]}  # type: ignore[dict-item]
     for key in (*FITTED_FIELDS[name], "step_time_band"):
         sources.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
                                 "published runs (benchmarks/data/published_runs.json)")
@@ -556,7 +550,7 @@ def framework_supports(framework: Framework, config) -> str | None:
         reason = _ep_support(fw, config)
         if reason:
             return reason
-    return _settings_support(fw, config) or supports_dimensions(fw, config)
+    return _settings_support(fw, config) or dims.supports_dimensions(fw, config)
 
 
 def _ep_support(fw: Framework, config) -> str | None:

@@ -13,9 +13,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
@@ -24,7 +27,13 @@ from autopar.cost_model.pipeline import rank_of_stage
 from autopar.errors import PlanMismatchError
 from autopar.graph.types import MoEStructure
 
-__all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
+if TYPE_CHECKING:
+    from autopar.graph.types import TPStructure
+
+__all__ = [
+    "SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle",
+    "collapse_patterns", "layout_of",
+]
 
 SCHEMA_VERSION = 1
 
@@ -37,6 +46,9 @@ class TPStyle(str, Enum):
     """Tensor-parallel style of a module, named as torch's ParallelStyles."""
 
     COLWISE = "colwise"
+    # A column-parallel fused q/k/v projection: each of q, k and v split over the ranks, a rank's
+    # heads of the three kept together (a plain column split would hand one rank all of q).
+    COLWISE_QKV = "colwise_qkv"
     ROWWISE = "rowwise"
     SEQUENCE = "sequence"
     REPLICATE = "replicate"
@@ -374,3 +386,56 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
             f"the plan's split uses dp*tp*pp = {config.world_size} GPUs but its cluster has "
             f"{nodes} x {per_node} = {nodes * per_node}; re-plan with `autopar plan`"
         )
+
+
+_INDEXED = re.compile(r"^(?P<prefix>.*?)\.(?P<index>\d+)\.(?P<suffix>.+)$")
+
+
+def layout_of(
+    layers: Iterable[tuple[str, TPStructure]], *, sequence_parallel: bool
+) -> dict[str, str]:
+    """The layout of layers given as (kind, TPStructure): ``tp_layout``'s rule, for callers that
+    read the structures from the modules without a profile (the runtime, for a plan without one).
+    """
+    exact: dict[str, str] = {}
+    for kind, structure in layers:
+        for fqn in structure.colwise:
+            fused = fqn in structure.fused_qkv
+            exact[fqn] = (TPStyle.COLWISE_QKV if fused else TPStyle.COLWISE).value
+        for fqn in structure.rowwise:
+            exact[fqn] = TPStyle.ROWWISE.value
+        if sequence_parallel:
+            for fqn in structure.sequence:
+                exact[fqn] = TPStyle.SEQUENCE.value
+        vocab_style = TPStyle.ROWWISE if kind == "embedding" else TPStyle.COLWISE
+        for fqn in structure.vocab_parallel:
+            exact[fqn] = vocab_style.value
+    return collapse_patterns(exact)
+
+
+def collapse_patterns(exact: dict[str, str]) -> dict[str, str]:
+    """Replace "p.<i>.s" entries by "p.*.s" when every index i seen under "p" has the same style.
+
+    A pattern is used only when it matches no listed FQN of another style, so the collapsed map
+    assigns every listed FQN exactly the style it had.
+    """
+    indices: dict[str, set[int]] = {}
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for fqn, style in exact.items():
+        match = _INDEXED.match(fqn)
+        if match:
+            prefix, index = match["prefix"], int(match["index"])
+            indices.setdefault(prefix, set()).add(index)
+            groups.setdefault((prefix, match["suffix"]), {})[index] = style
+    out = dict(exact)
+    for (prefix, suffix), members in sorted(groups.items()):
+        styles = set(members.values())
+        if len(members) < 2 or len(styles) != 1 or set(members) != indices[prefix]:
+            continue
+        pattern, style = f"{prefix}.*.{suffix}", styles.pop()
+        if any(fnmatchcase(f, pattern) and s != style for f, s in exact.items()):
+            continue
+        for index in members:
+            del out[f"{prefix}.{index}.{suffix}"]
+        out[pattern] = style
+    return dict(sorted(out.items()))

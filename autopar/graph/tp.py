@@ -5,9 +5,12 @@ MLP's up and gate projections) and those that close it row-parallel (attention o
 projection); norms run sequence-parallel. The token embedding and the lm head shard over the
 vocabulary. Names known: the zoo's (``wq wk wv wo w1 w2 w3``), HF Llama-family (``q_proj k_proj
 v_proj o_proj gate_proj up_proj down_proj``) and a few common ones (``fc1/fc2``, ``query/key/value``
-with ``out_proj``). Only ``nn.Linear`` qualifies: torch's ParallelStyles shard Linear and Embedding.
-GPT-2's HF ``Conv1D`` modules (and its fused ``c_attn`` q/k/v, which a plain column split would cut
-across q, k and v) are left out, so such a block gets no TP structure (replicated over tp).
+with ``out_proj``), GPT-2 / nanoGPT's (``c_fc`` colwise, ``c_proj`` rowwise). ``nn.Linear`` and HF's
+``Conv1D`` (GPT-2's transposed linear, weight ``[in, out]``) qualify. A fused q/k/v projection
+(``c_attn``, ``qkv_proj``, ``Wqkv``, ``query_key_value``: one matrix computing q, k and v of equal
+width) is column-parallel too and is also listed as ``fused``: a plain column split would hand one
+rank all of q and part of k, so the runtime splits each of q, k and v over the ranks and keeps a
+rank's heads of the three together.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ __all__ = [
     "block_tp",
     "embedding_tp",
     "head_tp",
+    "is_linear",
     "is_norm",
+    "out_features",
 ]
 
 COLWISE_NAMES = frozenset(
@@ -45,11 +50,24 @@ COLWISE_NAMES = frozenset(
         "fc1",
         "fc_in",
         "dense_h_to_4h",
+        "c_fc",
     }
 )
 ROWWISE_NAMES = frozenset(
-    {"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out", "dense_4h_to_h"}
+    {"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out", "dense_4h_to_h", "c_proj"}
 )
+# One matrix computing q, k and v (equal widths): column-parallel, split per q / k / v.
+FUSED_QKV_NAMES = frozenset({"c_attn", "qkv_proj", "Wqkv", "query_key_value"})
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` or HF's ``Conv1D`` (weight ``[in, out]``)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def out_features(module: nn.Module) -> int:
+    """Output width of a linear (``nn.Linear.out_features``, ``Conv1D.nf``)."""
+    return int(getattr(module, "out_features", None) or module.weight.shape[-1])
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -88,14 +106,17 @@ def block_tp(
     Returns:
         The TPStructure.
     """
-    colwise, rowwise, sequence, allreduce = [], [], [], 0
+    colwise, rowwise, sequence, fused, allreduce = [], [], [], [], 0
     for name, module in _named(model, [fqn]):
         leaf = name.rpartition(".")[2]
-        if isinstance(module, nn.Linear) and leaf in COLWISE_NAMES:
+        if is_linear(module) and leaf in FUSED_QKV_NAMES and out_features(module) % 3 == 0:
             colwise.append(name)
-        elif isinstance(module, nn.Linear) and leaf in ROWWISE_NAMES:
+            fused.append(name)
+        elif is_linear(module) and leaf in COLWISE_NAMES:
+            colwise.append(name)
+        elif is_linear(module) and leaf in ROWWISE_NAMES:
             rowwise.append(name)
-            allreduce += seq_len * module.out_features * dtype_bytes
+            allreduce += seq_len * out_features(module) * dtype_bytes
         elif is_norm(module):
             sequence.append(name)
     if not colwise or not rowwise:
@@ -105,6 +126,7 @@ def block_tp(
         colwise=tuple(colwise),
         rowwise=tuple(rowwise),
         sequence=tuple(sequence),
+        fused_qkv=tuple(fused),
         heads=heads,
         kv_heads=kv_heads,
         allreduce_fwd_bytes=allreduce,

@@ -35,11 +35,14 @@ class TPStructure:
             and bias; RMSNorm: weight). With sequence parallelism each one's gradient is partial
             over tp and is all-reduced at every gradient reduction when dp > 1.
         sequence_param_elements: elements of those parameters in all.
+        fused_qkv: the ``colwise`` linears that compute q, k and v in one matrix (equal widths):
+            each rank keeps its share of the heads of each of q, k and v.
     """
 
     colwise: tuple[str, ...] = ()
     rowwise: tuple[str, ...] = ()
     sequence: tuple[str, ...] = ()
+    fused_qkv: tuple[str, ...] = ()
     vocab_parallel: tuple[str, ...] = ()
     heads: int = 0
     kv_heads: int = 0

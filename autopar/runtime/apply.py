@@ -18,8 +18,8 @@ from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
+from autopar.runtime.nested_stage import shard_head_stand_ins
 from autopar.runtime.pipeline_parallel import (
-    CONTAINER_NAMES,
     ModelStructure,
     build_schedule,
     build_stages,
@@ -27,13 +27,8 @@ from autopar.runtime.pipeline_parallel import (
     split_stage,
 )
 from autopar.runtime.recompute import ATTENTION_NAMES, apply_recompute, find_attention
-from autopar.runtime.tensor_parallel import (
-    NORM_TYPES,
-    apply_tensor_parallel,
-    build_tp_plan,
-    default_tp_layout,
-    resolve_layout,
-)
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_tp_layout
+from autopar.runtime.tp_checks import check_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,14 +86,16 @@ def _spec_of(model_or_spec: nn.Module | ModelSpec) -> ModelSpec | None:
     return model_or_spec
 
 
-def _has_tied_params(model: nn.Module) -> bool:
-    seen: set[int] = set()
-    for _module_fqn, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
+def _tied_params(model: nn.Module) -> tuple[str, str] | None:
+    """The first two FQNs that name one parameter (a tied lm head and embedding), or None."""
+    seen: dict[int, str] = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
             if id(param) in seen:
-                return True
-            seen.add(id(param))
-    return False
+                return seen[id(param)], fqn
+            seen[id(param)] = fqn
+    return None
 
 
 def _check_spec(spec: ModelSpec, plan: Plan) -> None:
@@ -163,10 +160,15 @@ def _check_schedule(plan: Plan) -> None:
 
 
 def _structure_or_none(model: nn.Module) -> ModelStructure | None:
+    return _structure_or_reason(model)[0]
+
+
+def _structure_or_reason(model: nn.Module) -> tuple[ModelStructure | None, str]:
+    # The block structure tp and pp split along, or why the model has none.
     try:
-        return find_structure(model)
-    except AutoparError:
-        return None
+        return find_structure(model), ""
+    except AutoparError as err:
+        return None, str(err)
 
 
 def _any_model_blocks(model: nn.Module) -> tuple[str, tuple[str, ...]]:
@@ -176,7 +178,7 @@ def _any_model_blocks(model: nn.Module) -> tuple[str, tuple[str, ...]]:
     return find_blocks(model)
 
 
-def _check_any_model(model: nn.Module, plan: Plan) -> None:
+def _check_any_model(model: nn.Module, plan: Plan, reason: str) -> None:
     # A model without a top-level block container runs under data parallelism only.
     cfg = plan.config
     if cfg.tp == 1 and cfg.pp == 1:
@@ -189,13 +191,7 @@ def _check_any_model(model: nn.Module, plan: Plan) -> None:
                 f"has {len(blocks)} repeated blocks; use recompute 'none' for this model"
             )
         return
-    container, _blocks = _any_model_blocks(model)
-    where = (
-        f"its blocks sit at {container!r}, not in a container named one of {CONTAINER_NAMES} "
-        "directly on the model"
-        if container
-        else "it has no block container (no nn.ModuleList/ModuleDict of alike blocks)"
-    )
+    where = reason or "it has no block container (no nn.ModuleList/ModuleDict of alike blocks)"
     split = " and ".join(f"{name}={getattr(cfg, name)}" for name in ("tp", "pp")
                          if getattr(cfg, name) > 1)
     raise AutoparError(
@@ -206,9 +202,9 @@ def _check_any_model(model: nn.Module, plan: Plan) -> None:
 
 def _check_model(model: nn.Module, plan: Plan) -> None:
     cfg = plan.config
-    structure = _structure_or_none(model)
+    structure, reason = _structure_or_reason(model)
     if structure is None:
-        _check_any_model(model, plan)
+        _check_any_model(model, plan, reason)
         return
     if plan.num_layers != len(structure.block_keys) + 2:
         raise PlanMismatchError(
@@ -216,24 +212,15 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
             f"{len(structure.block_keys)} blocks (+ embedding and head); make the plan for "
             "this model"
         )
-    if _has_tied_params(model) and (cfg.pp > 1 or cfg.tp > 1):
+    tied = _tied_params(model)
+    if tied and (cfg.pp > 1 or cfg.tp > 1):
         raise AutoparError(
-            "the model ties its lm head to its token embedding, which autopar cannot split over "
-            "pp > 1 or tp > 1; build the model with tie_embeddings=False or use dp only"
+            f"{type(model).__name__} ties {tied[1]} to {tied[0]} (one weight), which autopar "
+            "cannot split over pp > 1 or tp > 1; untie them (zoo: tie_embeddings=False, HF: "
+            f"tie_word_embeddings=false) or use --dp {cfg.world_size}"
         )
     if cfg.tp > 1:
-        layout = plan.tp_layout or default_tp_layout(model, structure.container)
-        sp = cfg.sequence_parallel
-        build_tp_plan(model, layout, container=structure.container, sp=sp,
-                      first_block=structure.first_block)
-        if sp:
-            resolved = resolve_layout(model, layout)
-            for fqn, module in model.named_modules():
-                if isinstance(module, NORM_TYPES) and resolved.get(fqn) != "sequence":
-                    raise AutoparError(
-                        f"sequence parallelism needs every norm in the tp_layout as 'sequence'; "
-                        f"{fqn} is not: fix the plan's tp_layout or turn sequence_parallel off"
-                    )
+        check_tensor_parallel(model, plan, structure)
     for stage in plan.stages:
         for offset, mode in enumerate(stage.recompute):
             layer = stage.layers[0] + offset
@@ -364,7 +351,11 @@ def apply_plan(
     pp_rank = mesh["pp"].get_local_rank()
     stage_plans = plan.stages_for_rank(pp_rank)
     # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
-    parts = [split_stage(model, s, structure) for s in stage_plans] if cfg.pp > 1 else [model]
+    seq_shards = cfg.tp if cfg.sequence_parallel else 1
+    parts = (
+        [split_stage(model, s, structure, seq_shards=seq_shards) for s in stage_plans]
+        if cfg.pp > 1 else [model]
+    )
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     wrapped: list[nn.Module] = []
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
@@ -381,6 +372,9 @@ def apply_plan(
         # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
         # the all-to-alls; before DP: the wrappers leave the experts out).
         local_experts = apply_expert_parallel(part, experts_groups, cfg)
+        # The hidden states are sequence shards after the model's first block (layer 1).
+        if structure.nested and cfg.sequence_parallel and cfg.tp > 1 and stage_plan.layers[1]:
+            shard_head_stand_ins(part, structure, mesh["tp"])
         # [AC] per-block recomputation.
         choices = _owned_block_fqns(stage_plan, structure)
         blocks = {fqn: part.get_submodule(fqn) for fqn in choices}

@@ -62,12 +62,16 @@ class ModelStructure:
         before: names of the root's children registered before the container (the
             "embedding" layer), e.g. ("tok_embeddings", "pos_embeddings").
         after: names registered after it (the "head" layer), e.g. ("norm", "output").
+        nested: the container sits below the root (``model.layers``, ``transformer.h``):
+            ``container`` is its FQN, ``before`` / ``after`` are the FQNs of the outer modules
+            with parameters, and stages run the model's forward on stand-ins (nested_stage.py).
     """
 
     container: str
     block_keys: tuple[str, ...]
     before: tuple[str, ...]
     after: tuple[str, ...]
+    nested: bool = False
 
     def block_fqn(self, key: str) -> str:
         """FQN of a block, e.g. "layers.3"."""
@@ -82,9 +86,12 @@ class ModelStructure:
 def find_structure(model: nn.Module) -> ModelStructure:
     """Recognise the block container and the outer modules of ``model``.
 
+    A child named one of ``CONTAINER_NAMES`` holding the blocks (the zoo's convention), else the
+    profile's block container anywhere below the root when the model is a decoder language model
+    (nested_stage.py: a token embedding before the blocks, no other block stack).
+
     Raises:
-        AutoparError: no child named one of ``CONTAINER_NAMES`` holding blocks in a ModuleDict or
-            ModuleList.
+        AutoparError: neither; the message says what blocks the split.
     """
     names = list(model._modules)
     for container in CONTAINER_NAMES:
@@ -97,10 +104,15 @@ def find_structure(model: nn.Module) -> ModelStructure:
                 before=tuple(names[:index]),
                 after=tuple(names[index + 1 :]),
             )
-    raise AutoparError(
-        f"{type(model).__name__} has no recognised block container: autopar needs the "
-        f"transformer blocks in an nn.ModuleDict or nn.ModuleList attribute named one of "
-        f"{CONTAINER_NAMES} directly on the model"
+    from autopar.runtime.nested_stage import nested_parts
+
+    container, before, after = nested_parts(model)
+    return ModelStructure(
+        container=container,
+        block_keys=tuple(model.get_submodule(container)._modules),
+        before=before,
+        after=after,
+        nested=True,
     )
 
 
@@ -111,17 +123,27 @@ def _owned_blocks(stage: StagePlan, structure: ModelStructure) -> list[str]:
     return [structure.block_keys[i - 1] for i in range(first, last + 1) if 1 <= i <= num_blocks]
 
 
-def split_stage(model: nn.Module, stage: StagePlan, structure: ModelStructure) -> nn.Module:
+def split_stage(
+    model: nn.Module, stage: StagePlan, structure: ModelStructure, *, seq_shards: int = 1
+) -> nn.Module:
     """The stage module for ``stage``: the model's parts in the stage's layer range.
 
     Args:
         model: the full model (not modified; its submodules are shared, not copied).
         stage: the stage's plan (layer range over the profile's layers).
         structure: ``find_structure(model)``.
+        seq_shards: pieces the sequence is cut into between stages (tp with sequence
+            parallelism, else 1); read by nested-container stages, which rebuild the positions.
 
     Returns:
         A shallow copy of the root with the parts outside the stage removed.
     """
+    if structure.nested:
+        from autopar.runtime.nested_stage import split_nested_stage
+
+        return split_nested_stage(
+            model, stage, structure, _owned_blocks(stage, structure), seq_shards=seq_shards
+        )
     num_blocks = len(structure.block_keys)
     first, last = stage.layers
     part = copy.copy(model)

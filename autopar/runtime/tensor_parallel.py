@@ -1,14 +1,16 @@
 """Tensor parallelism: a plan's ``tp_layout`` (module FQN -> style name) as torch ParallelStyles.
 
-The layout's style names are torch's (``colwise``, ``rowwise``, ``sequence``, ``replicate``); this
-module only decides the input/output placements around them, Megatron-LM style:
+The layout's style names are torch's (``colwise``, ``rowwise``, ``sequence``, ``replicate``) plus
+``colwise_qkv`` (a fused q/k/v projection); this module only decides the input/output placements
+around them, Megatron-LM style:
 
 * Linears in a block: ``colwise`` -> ``ColwiseParallel()`` (q/k/v, MLP up/gate: attention heads
   and kv heads are split over tp, every rank runs ``heads / tp`` local heads; their parent module
   makes its input one replicated DTensor, so backward all-reduces the input gradient once per
   attention and once per MLP, as Megatron-LM does), ``rowwise`` ->
   ``RowwiseParallel()`` (wo, MLP down), whose output is all-reduced (or, with sequence
-  parallelism, reduce-scattered along the sequence).
+  parallelism, reduce-scattered along the sequence). HF ``Conv1D`` linears (GPT-2) and a fused
+  q/k/v (``colwise_qkv``) take ``tp_styles.ShardedProjection`` instead (same communication).
 * Embedding ``rowwise`` -> vocab-parallel embedding ``RowwiseParallel(input_layouts=Replicate())``:
   each rank holds ``vocab / tp`` rows, the output is all-reduced.
 * Head linear (a ``colwise`` linear outside the block container) -> ``ColwiseParallel`` with
@@ -19,10 +21,11 @@ module only decides the input/output placements around them, Megatron-LM style:
 * ``sequence`` (norms) -> ``SequenceParallel()`` when ``config.sequence_parallel``, else the norm
   stays replicated. With sequence parallelism the residual stream between blocks is the local
   sequence shard ``[b, s/tp, h]``; the module that consumes a norm's output inside a block
-  (attention, feed_forward) all-gathers it (``PrepareModuleInput(Shard(1) -> Replicate())``), and
-  the model's first block cuts its full input to the local shard
-  (``PrepareModuleInput(Replicate() -> Shard(1))``, no communication forward, an all-gather
-  backward). The head all-gathers the sequence before the vocabulary projection.
+  (attention, feed_forward) all-gathers it (``PrepareHidden(Shard(1) -> Replicate())``, torch's
+  ``PrepareModuleInput`` for a positional or ``hidden_states`` keyword input), and the model's
+  first block cuts its full input to the local shard (``PrepareHidden(Replicate() -> Shard(1))``,
+  no communication forward, an all-gather backward). The head all-gathers the sequence before
+  the vocabulary projection.
 """
 
 from __future__ import annotations
@@ -34,51 +37,48 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.plan import TPStyle
+from autopar.graph.tp import is_linear, is_norm
+from autopar.plan import TPStyle, layout_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["NORM_TYPES", "apply_tensor_parallel", "default_tp_layout", "resolve_layout"]
-
-NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm)
+__all__ = ["apply_tensor_parallel", "default_tp_layout", "resolve_layout"]
 
 
-def default_tp_layout(model: nn.Module, container: str = "layers") -> dict[str, str]:
-    """The Megatron-LM layout of a zoo-structured model, as FQN patterns -> style names.
+def default_tp_layout(model: nn.Module, container: str | None = None) -> dict[str, str]:
+    """The Megatron-LM layout of a model, read from its modules as the profile reads it.
 
-    Inside each block: q/k/v and MLP up/gate (w1, w3) colwise, wo and MLP down (w2) rowwise,
-    norms sequence. Outside: the token embedding rowwise (vocab-parallel), the final norm
-    sequence, the lm head colwise (vocab-parallel). Used when a plan with tp > 1 has an empty
-    layout (a plan built from a bare ParallelConfig).
+    The rule is the graph's (``graph.tp``: linears by name, colwise / fused q/k/v / rowwise, norms
+    sequence; the vocabulary-parallel token embedding and lm head) and the layout the planner's
+    (``plan.layout_of``, which ``search.layout`` applies to the profile), so a plan with tp > 1
+    and an empty layout (one built from a bare ParallelConfig) gets the layout ``autopar plan``
+    would have written. Norms are listed as ``sequence``: they shard only with sequence
+    parallelism.
 
     Args:
         model: the full model (any device, meta included).
-        container: attribute name of the block container.
+        container: unused (the block container is found); kept for callers that pass it.
 
     Returns:
         A layout such as ``{"layers.*.attention.wq": "colwise", ...}``.
     """
-    layout: dict[str, str] = {}
-    for fqn, module in model.named_modules():
-        parts = fqn.split(".")
-        if len(parts) >= 2 and parts[0] == container:
-            pattern = ".".join([container, "*", *parts[2:]])
-            leaf = parts[-1]
-            if isinstance(module, NORM_TYPES):
-                layout[pattern] = TPStyle.SEQUENCE.value
-            elif isinstance(module, nn.Linear) and leaf in ("wq", "wk", "wv", "w1", "w3"):
-                layout[pattern] = TPStyle.COLWISE.value
-            elif isinstance(module, nn.Linear) and leaf in ("wo", "w2"):
-                layout[pattern] = TPStyle.ROWWISE.value
-        elif fqn == "tok_embeddings" and isinstance(module, nn.Embedding):
-            layout[fqn] = TPStyle.ROWWISE.value
-        elif fqn == "norm" and isinstance(module, NORM_TYPES):
-            layout[fqn] = TPStyle.SEQUENCE.value
-        elif fqn == "output" and isinstance(module, nn.Linear):
-            layout[fqn] = TPStyle.COLWISE.value
-    return layout
+    from autopar.graph.tp import block_tp, embedding_tp, head_tp
+    from autopar.runtime.pipeline_parallel import find_structure
+
+    del container
+    structure = find_structure(model)
+    before = [f for f in structure.before if f]
+    vocab = next((m.num_embeddings for f in before for m in model.get_submodule(f).modules()
+                  if isinstance(m, nn.Embedding)), 0)
+    layers = [("embedding", embedding_tp(model, before, vocab=vocab, seq_len=1, dtype_bytes=1))]
+    for key in structure.block_keys:
+        fqn = structure.block_fqn(key)
+        layers.append(("block", block_tp(model, fqn, heads=0, kv_heads=0, seq_len=1,
+                                         dtype_bytes=1)))
+    layers.append(("head", head_tp(model, list(structure.after), vocab=vocab)))
+    return layout_of(layers, sequence_parallel=True)
 
 
 def resolve_layout(model: nn.Module, layout: Mapping[str, str]) -> dict[str, str]:
@@ -92,9 +92,9 @@ def resolve_layout(model: nn.Module, layout: Mapping[str, str]) -> dict[str, str
         Exact FQN -> style name for every module of ``model`` the layout names (replicate dropped).
     """
     resolved: dict[str, str] = {}
-    for fqn, _module in model.named_modules():
-        if not fqn:
-            continue
+    for fqn, module in model.named_modules():
+        if not fqn or getattr(module, "autopar_stand_in", False):
+            continue  # a pipeline stage's stand-in for a part another stage owns
         style = layout.get(fqn)
         if style is None:
             for pattern, value in layout.items():
@@ -106,37 +106,58 @@ def resolve_layout(model: nn.Module, layout: Mapping[str, str]) -> dict[str, str
     return resolved
 
 
+def _linear_style(
+    module: nn.Module, style: str, *, in_block: bool, sp: bool
+) -> ParallelStyle | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from autopar.runtime.tp_styles import QKV_GROUPS, ShardedProjection
+
+    seq = Shard(1)  # the sequence dimension of [b, s, h] activations
+    torch_linear = isinstance(module, nn.Linear)
+    if style == TPStyle.COLWISE_QKV.value and in_block:
+        return ShardedProjection(rowwise=False, groups=QKV_GROUPS)
+    if style == TPStyle.COLWISE.value and in_block:
+        return ColwiseParallel() if torch_linear else ShardedProjection(rowwise=False)
+    if style == TPStyle.COLWISE.value and torch_linear:  # the head: all-gather the vocabulary
+        return ColwiseParallel(
+            input_layouts=seq if sp else Replicate(), output_layouts=Replicate()
+        )
+    if style == TPStyle.ROWWISE.value and in_block:
+        output = seq if sp else Replicate()
+        if torch_linear:
+            return RowwiseParallel(output_layouts=output)
+        return ShardedProjection(rowwise=True, output_layout=output)
+    return None
+
+
 def _style_for(
     fqn: str, module: nn.Module, style: str, *, in_block: bool, sp: bool
 ) -> ParallelStyle | None:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         SequenceParallel,
     )
 
-    seq = Shard(1)  # the sequence dimension of [b, s, h] activations
+    found: ParallelStyle | None = None
     if isinstance(module, nn.Embedding):
         if style == TPStyle.ROWWISE.value:  # vocab-parallel: all-reduce of the output
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if style == TPStyle.COLWISE.value:  # hidden-parallel: all-gather of the output
             return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    elif isinstance(module, nn.Linear):
-        if style == TPStyle.COLWISE.value and in_block:
-            return ColwiseParallel()
-        if style == TPStyle.COLWISE.value:  # the head: all-gather the vocabulary shards
-            return ColwiseParallel(
-                input_layouts=seq if sp else Replicate(), output_layouts=Replicate()
-            )
-        if style == TPStyle.ROWWISE.value and in_block:
-            return RowwiseParallel(output_layouts=seq if sp else Replicate())
-    elif isinstance(module, NORM_TYPES) and style == TPStyle.SEQUENCE.value:
+    elif is_linear(module):
+        found = _linear_style(module, style, in_block=in_block, sp=sp)
+    elif is_norm(module) and style == TPStyle.SEQUENCE.value:
         return SequenceParallel() if sp else None
+    if found is not None:
+        return found
     raise AutoparError(
         f"tensor parallelism cannot apply style {style!r} to {fqn} ({type(module).__name__}); "
-        "autopar shards linears (colwise/rowwise) in blocks, a colwise head, a rowwise/colwise "
-        "embedding and sequence-parallel norms: fix the plan's tp_layout"
+        "autopar shards linears (colwise, colwise_qkv, rowwise) in blocks, a colwise head, a "
+        "rowwise/colwise embedding and sequence-parallel norms: fix the plan's tp_layout"
     )
 
 
@@ -148,7 +169,7 @@ def build_tp_plan(
     Args:
         module: the model or a pipeline-stage module with the full model's FQNs.
         layout: the plan's tp_layout (patterns allowed).
-        container: attribute name of the block container ("layers").
+        container: FQN of the block container ("layers", "model.layers", "transformer.h").
         sp: sequence parallelism on.
         first_block: FQN of the model's first block (it cuts its input to the sequence shard).
 
@@ -156,7 +177,8 @@ def build_tp_plan(
         FQN -> ParallelStyle for every module to parallelize.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from autopar.runtime.tp_styles import PrepareHidden
 
     modules = dict(module.named_modules())
     resolved = resolve_layout(module, layout)
@@ -169,22 +191,26 @@ def build_tp_plan(
     # The parent of the colwise linears in a block (attention, feed_forward) turns its input into
     # one replicated DTensor that q/k/v (or w1/w3) share, so backward sums their partial input
     # gradients and all-reduces once (Megatron's "f"); with SP it all-gathers the norm's sequence
-    # shards (and reduce-scatters in backward).
-    parents = {
-        fqn.rsplit(".", 1)[0]
-        for fqn, style in resolved.items()
-        if style == TPStyle.COLWISE.value and fqn.startswith(container + ".")
-    }
-    for parent in sorted(parents):
-        tp_plan[parent] = PrepareModuleInput(
-            input_layouts=(Shard(1) if sp else Replicate(),), desired_input_layouts=(Replicate(),)
+    # shards (and reduce-scatters in backward). The input is the parent's first positional
+    # tensor or its ``hidden_states`` keyword (HF attention).
+    for parent in _colwise_parents(resolved, container):
+        tp_plan[parent] = PrepareHidden(
+            input_layout=Shard(1) if sp else Replicate(), desired_layout=Replicate()
         )
     if sp and first_block in modules:
-        tp_plan[first_block] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-            use_local_output=True,
+        tp_plan[first_block] = PrepareHidden(
+            input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True
         )
     return tp_plan
+
+
+def _colwise_parents(resolved: Mapping[str, str], container: str) -> list[str]:
+    colwise = (TPStyle.COLWISE.value, TPStyle.COLWISE_QKV.value)
+    return sorted({
+        fqn.rsplit(".", 1)[0]
+        for fqn, style in resolved.items()
+        if style in colwise and fqn.startswith(container + ".")
+    })
 
 
 def apply_tensor_parallel(
@@ -210,8 +236,13 @@ def apply_tensor_parallel(
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from autopar.runtime.tp_styles import localize_fused_attention
+
     tp_plan = build_tp_plan(
         module, layout, container=container, sp=sequence_parallel, first_block=first_block
     )
     if tp_plan:
         parallelize_module(module, tp_mesh, tp_plan)
+    for fqn, style in resolve_layout(module, layout).items():
+        if style == TPStyle.COLWISE_QKV.value:
+            localize_fused_attention(module.get_submodule(fqn.rsplit(".", 1)[0]), tp_mesh.size())

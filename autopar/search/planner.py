@@ -218,20 +218,22 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
     head_counts = {profile.heads, profile.kv_heads}
     for layer in profile.layers:
         head_counts |= {layer.tp.heads, layer.tp.kv_heads}
-    return list(
-        enumerate_candidates(
-            world_size=cluster.num_gpus,
-            gpus_per_node=cluster.gpus_per_node,
-            head_counts=tuple(sorted(h for h in head_counts if h)),
-            num_layers=profile.num_layers,
-            global_batch=global_batch,
-            options=options,
-            seq_len=profile.seq_len,
-            dtypes=dominant_dtypes(profile, cluster, dtype_choices(cluster.device, options),
-                                   options),
-            expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
-        )
+    configs = enumerate_candidates(
+        world_size=cluster.num_gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        head_counts=tuple(sorted(h for h in head_counts if h)),
+        num_layers=profile.num_layers,
+        global_batch=global_batch,
+        options=options,
+        seq_len=profile.seq_len,
+        dtypes=dominant_dtypes(profile, cluster, dtype_choices(cluster.device, options),
+                               options),
+        expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
     )
+    # A fused q/k/v split over tp is a strided shard FSDP2 cannot cut again over dp: the runtime
+    # refuses zero >= 1 with dp > 1 there (runtime/tp_checks.py), so the search does not offer it.
+    fused = any(layer.tp.fused_qkv for layer in profile.layers)
+    return [c for c in configs if not (fused and c.tp > 1 and c.dp > 1 and c.zero >= 1)]
 
 
 def _bounded(profile, cluster, configs, options, progress, deadline,

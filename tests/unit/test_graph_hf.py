@@ -80,7 +80,22 @@ def test_hf_gpt2() -> None:
     block = prof.layers[1]
     s, h = 32, 64
     assert block.fwd_flops == pytest.approx(24 * s * h * h + 4 * s * s * h, rel=0.01)
-    # Conv1D and the fused c_attn are not torch ParallelStyle targets: no TP split, replicated.
-    assert block.tp.colwise == () and block.tp.rowwise == () and block.tp.heads == 4
-    assert block.saved_bytes_replicated == block.saved_bytes
+    # Conv1D linears split like nn.Linear; the fused c_attn column-wise with q, k, v kept apart.
+    assert block.tp.colwise == ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc")
+    assert block.tp.fused_qkv == ("transformer.h.0.attn.c_attn",) and block.tp.heads == 4
+    assert block.tp.rowwise == ("transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj")
+    # Activations inside the split (q/k/v heads, the MLP's inner width) shard over tp now.
+    assert block.saved_bytes_replicated["none"] < block.saved_bytes["none"]
     assert prof.layers[-1].fwd_flops == pytest.approx(2 * s * h * 96, rel=0.01)
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_runtime_layout_is_the_planners(config: dict) -> None:
+    # One rule: the layout the runtime reads from the modules is the one ``autopar plan`` writes.
+    from autopar.runtime.tensor_parallel import default_tp_layout
+    from autopar.search.layout import tp_layout
+
+    model = from_hf_config(config)
+    planned = tp_layout(autopar.profile(model), tp=2, sequence_parallel=True)
+    assert planned == default_tp_layout(model)
+    assert "colwise_qkv" in planned.values() or "model.layers.*.self_attn.q_proj" in planned

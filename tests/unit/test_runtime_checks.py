@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,3 +147,50 @@ def test_module_list_blocks_split_with_original_fqns() -> None:
         "blocks.2.0.weight", "blocks.2.0.bias", "head.weight", "head.bias"}
     tokens = torch.randint(0, 16, (2, 5))
     torch.testing.assert_close(parts[1](parts[0](tokens)), model(tokens), rtol=0, atol=0)
+
+
+NANOGPT = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny_nanogpt_split.py"
+
+
+def _nanogpt(path: Path = NANOGPT) -> nn.Module:
+    from autopar.models import load_model_file
+
+    return load_model_file(path).instantiate("meta")
+
+
+def test_nested_container_structure_and_layout() -> None:
+    # nanoGPT: blocks at transformer.h; the head runs inside out (ln_f before lm_head).
+    model = _nanogpt()
+    structure = find_structure(model)
+    assert structure.nested and structure.container == "transformer.h"
+    assert structure.before == ("transformer.wte", "transformer.wpe")
+    assert structure.after == ("transformer.ln_f", "lm_head")
+    layout = default_tp_layout(model)
+    assert layout["transformer.h.*.attn.c_attn"] == "colwise_qkv"
+    assert layout["transformer.h.*.attn.c_proj"] == "rowwise"
+    assert layout["transformer.h.*.mlp.c_proj"] == "rowwise"
+    assert layout["transformer.h.*.mlp.c_fc"] == "colwise"
+    check_plan_runnable(model, _plan(2, tp=2, sequence_parallel=True, micro_batch=4))
+
+
+def test_nested_stages_keep_full_model_fqns() -> None:
+    model = _nanogpt()
+    plan = _plan(2, pp=2, micro_batch=4)
+    structure = find_structure(model)
+    names = [{n for n, _ in split_stage(model, s, structure).named_parameters()}
+             for s in plan.stages]
+    assert "transformer.wte.weight" in names[0] and "lm_head.weight" in names[1]
+    assert not names[0] & names[1]
+    assert names[0] | names[1] == {n for n, _ in model.named_parameters()}
+
+
+def test_fused_attention_sized_by_its_input_is_refused(tmp_path: Path) -> None:
+    # nanoGPT verbatim takes the width from x (C = x.size(-1)): one rank's share breaks its views.
+    text = NANOGPT.read_text().replace("B, T, _ = x.size()", "B, T, C = x.size()")
+    text = text.replace("head_size = self.n_embd // self.n_head", "head_size = C // self.n_head")
+    path = tmp_path / "verbatim.py"
+    path.write_text(text)
+    with pytest.raises(AutoparError, match=r"attention transformer\.h\.0\.attn .* --pp or --dp"):
+        check_plan_runnable(_nanogpt(path), _plan(2, tp=2, micro_batch=4))
+    with pytest.raises(AutoparError, match=r"transformer\.h\.0\.attn\.c_attn .* --zero 0"):
+        check_plan_runnable(_nanogpt(), _plan(2, tp=2, dp=2, zero=3, micro_batch=2))

@@ -278,3 +278,19 @@ def test_ep_only_for_moe_models() -> None:
     cands = _candidates(moe_profile(2, 256, 2), cluster, 8, opts)
     assert {c.ep for c in cands} == {1, 2}
     assert all((c.dp % c.ep) == 0 for c in cands)
+
+
+def test_fused_qkv_is_not_offered_under_fsdp_and_tp() -> None:
+    # The runtime refuses FSDP over a fused q/k/v tp split (a strided shard): the search drops it.
+    layers = tuple(
+        dataclasses.replace(layer, tp=dataclasses.replace(layer.tp, fused_qkv=layer.tp.colwise[:1]))
+        if layer.kind == "block" else layer
+        for layer in TINY.layers
+    )
+    fused = dataclasses.replace(TINY, layers=layers)
+    cluster = Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
+    plain = _candidates(TINY, cluster, 64, SearchOptions())
+    kept = _candidates(fused, cluster, 64, SearchOptions())
+    mixed = [c for c in plain if c.tp > 1 and c.dp > 1 and c.zero >= 1]
+    assert mixed and not [c for c in kept if c.tp > 1 and c.dp > 1 and c.zero >= 1]
+    assert len(kept) == len(plain) - len(mixed)

@@ -1,0 +1,237 @@
+"""Tensor-parallel styles torch does not ship: HF ``Conv1D`` linears, fused q/k/v, keyword inputs.
+
+torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` and ``nn.Embedding`` only, and
+``PrepareModuleInput`` reads positional inputs only. Hugging Face decoders need three more things:
+
+* ``ShardedProjection``: a column- or row-parallel linear that is an ``nn.Linear`` or HF's
+  ``Conv1D`` (GPT-2: weight ``[in, out]``, so its column split is ``Shard(1)``), optionally a fused
+  q/k/v projection. The weight is a DTensor (``Shard`` of the output or input features; a fused
+  q/k/v weight ``_StridedShard(out, split_factor=3)``: each of q, k and v split over the ranks, so
+  a rank holds ``[q_r; k_r; v_r]``, its heads of all three) and the forward runs on the local
+  shards: a column-parallel input is replicated (its gradient all-reduced in backward, Megatron's
+  "f"), a row-parallel output is all-reduced (or reduce-scattered along the sequence, "g") and its
+  bias added after the reduction. The gradients are DTensors of the parameters' placements, so
+  ``full_tensor()``, FSDP2 and DCP see the one-process parameter.
+* ``PrepareHidden``: like ``PrepareModuleInput``, for a module's hidden states given positionally or
+  as the ``hidden_states`` keyword (HF attention modules take keywords).
+* ``localize_fused_attention``: an attention module that splits its fused q/k/v output by a width
+  attribute (GPT-2 ``split_size``, nanoGPT ``n_embd``) and counts heads by an attribute (``n_head``,
+  ``num_heads``) gets the local values (``/ tp``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = ["PrepareHidden", "ShardedProjection", "localize_fused_attention"]
+
+# Attributes an attention module splits its fused q/k/v output by (GPT-2, nanoGPT), and counts its
+# heads by; a rank runs 1/tp of both.
+FUSED_WIDTH_ATTRS: tuple[str, ...] = ("split_size", "n_embd")
+FUSED_HEAD_ATTRS: tuple[str, ...] = ("n_head", "num_heads")
+# The fused projection computes q, k and v: three equal column groups.
+QKV_GROUPS = 3
+
+
+def _hidden_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:
+    if args and isinstance(args[0], torch.Tensor):
+        return 0
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    return None
+
+
+class PrepareHidden(ParallelStyle):
+    """Convert a module's hidden-state input from ``input_layout`` to ``desired_layout``.
+
+    The input is the first positional argument when it is a tensor, else the ``hidden_states``
+    keyword. A local tensor is first read as a DTensor of ``input_layout`` (no communication).
+    """
+
+    def __init__(
+        self, *, input_layout: Placement, desired_layout: Placement, use_local_output: bool = False
+    ) -> None:
+        super().__init__()
+        self.input_layout = input_layout
+        self.desired_layout = desired_layout
+        self.use_local_output = use_local_output
+
+    def _convert(self, x: torch.Tensor, mesh: Any) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (self.desired_layout,):
+            x = x.redistribute(placements=(self.desired_layout,))
+        return x.to_local() if self.use_local_output else x
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            where = _hidden_index(args, kwargs)
+            if where == 0:
+                args = (self._convert(args[0], device_mesh), *args[1:])
+            elif where is not None:
+                kwargs = {**kwargs, where: self._convert(kwargs[where], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return not isinstance(module, nn.Linear)
+
+
+def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # The module's own matmul on local shards: F.linear, or Conv1D's addmm on weight [in, out].
+    weight = module.weight.to_local()
+    if not _is_conv1d(module):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[-1])
+
+
+def _colwise_forward(module: nn.Module, mesh: Any, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+    x = x.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+    bias = module.bias.to_local() if module.bias is not None else None
+    return _project(module, x, bias)
+
+
+def _rowwise_forward(
+    module: nn.Module, mesh: Any, output_layout: Placement, x: torch.Tensor
+) -> torch.Tensor:
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=(Shard(-1),)).to_local()
+    partial = DTensor.from_local(_project(module, x, None), mesh, (Partial(),), run_check=False)
+    y = partial.redistribute(placements=(output_layout,))
+    if module.bias is not None:
+        y = y + module.bias
+    return y.to_local()
+
+
+class ShardedProjection(ParallelStyle):
+    """A column- or row-parallel ``nn.Linear`` / HF ``Conv1D`` computed on local shards.
+
+    Args:
+        rowwise: row-parallel (input features sharded, output reduced) instead of column-parallel.
+        groups: column groups split separately (3 for a fused q/k/v projection; else 1).
+        output_layout: a row-parallel output's layout: ``Replicate()`` (all-reduce) or
+            ``Shard(1)`` (sequence parallelism: reduce-scatter).
+    """
+
+    def __init__(
+        self, *, rowwise: bool, groups: int = 1, output_layout: Placement | None = None
+    ) -> None:
+        super().__init__()
+        self.rowwise = rowwise
+        self.groups = groups
+        self.output_layout = output_layout or Replicate()
+
+    def _placements(self, module: nn.Module) -> dict[str, Placement]:
+        out_dim = 1 if _is_conv1d(module) else 0
+        if self.rowwise:
+            return {"weight": Shard(1 - out_dim), "bias": Replicate()}
+        if self.groups == 1:
+            return {"weight": Shard(out_dim), "bias": Shard(0)}
+        return {
+            "weight": _StridedShard(out_dim, split_factor=self.groups),
+            "bias": _StridedShard(0, split_factor=self.groups),
+        }
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for name, placement in self._placements(module).items():
+            param = getattr(module, name, None)
+            if param is None:
+                continue
+            shard = distribute_tensor(param, device_mesh, [placement],
+                                      src_data_rank=self.src_data_rank)
+            module.register_parameter(
+                name, nn.Parameter(shard, requires_grad=param.requires_grad)
+            )
+        if self.rowwise:
+            forward = functools.partial(_rowwise_forward, module, device_mesh, self.output_layout)
+        else:
+            forward = functools.partial(_colwise_forward, module, device_mesh)
+        module.forward = forward  # the instance's forward: hooks and FQNs stay the module's
+        return module
+
+
+def localize_fused_attention(attention: nn.Module, tp: int) -> None:
+    """Give an attention module with a fused q/k/v projection its per-rank widths and heads."""
+    for name in (*FUSED_WIDTH_ATTRS, *FUSED_HEAD_ATTRS):
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(attention, name, value // tp)
+
+
+def _local_shape(module: nn.Module, name: str, shape: torch.Size, style: str, tp: int) -> list[int]:
+    # The per-rank shape of a parameter of a linear split ``style`` ("colwise" or "rowwise").
+    local = list(shape)
+    conv = _is_conv1d(module)
+    if name == "bias":
+        dim = 0 if style != "rowwise" else None
+    elif style == "rowwise":
+        dim = 0 if conv else 1
+    else:
+        dim = 1 if conv else 0
+    if dim is not None:
+        local[dim] //= tp
+    return local
+
+
+def local_attention_error(
+    attention: nn.Module, styles: dict[str, str], tp: int, seq_len: int = 2
+) -> str | None:
+    """Run ``attention`` on the meta device with one rank's shapes; the error, or None if it runs.
+
+    Args:
+        attention: the module holding a fused q/k/v projection (not yet parallelized).
+        styles: its linears' styles by FQN relative to it ("c_attn": "colwise_qkv", ...).
+        tp: the tensor-parallel degree.
+        seq_len: tokens of the trial input.
+
+    Returns:
+        A one-line reason the forward fails or returns the wrong shape on the local shapes.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for fqn, tensor in (*attention.named_parameters(), *attention.named_buffers()):
+        owner, _, name = fqn.rpartition(".")
+        style = styles.get(owner)
+        shape = tensor.shape
+        if style is not None:
+            module = attention.get_submodule(owner)
+            shape = torch.Size(_local_shape(module, name, shape, style.replace("_qkv", ""), tp))
+        tensors[fqn] = torch.empty(shape, dtype=tensor.dtype, device="meta")
+    fused = attention.get_submodule(next(f for f, s in styles.items() if s == "colwise_qkv"))
+    hidden = fused.weight.shape[0 if _is_conv1d(fused) else 1]
+    saved = {name: getattr(attention, name) for name in (*FUSED_WIDTH_ATTRS, *FUSED_HEAD_ATTRS)
+             if hasattr(attention, name)}
+    widths = {f: attention.get_submodule(f).nf for f, s in styles.items()
+              if s != "rowwise" and hasattr(attention.get_submodule(f), "nf")}
+    try:
+        localize_fused_attention(attention, tp)
+        for f, nf in widths.items():
+            attention.get_submodule(f).nf = nf // tp
+        x = torch.zeros(1, seq_len, hidden, device="meta")
+        with torch.no_grad():
+            out = torch.func.functional_call(attention, tensors, (x,))
+    except Exception as err:  # the model's own code: any failure is the answer
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+    finally:
+        for name, value in saved.items():
+            setattr(attention, name, value)
+        for f, nf in widths.items():
+            attention.get_submodule(f).nf = nf
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    if tuple(out.shape) != (1, seq_len, hidden):
+        return f"it returns shape {tuple(out.shape)} for an input of {(1, seq_len, hidden)}"
+    return None

@@ -5,9 +5,10 @@ from a config object with transformers (no download), and
 ``tests/fixtures/models/tiny_nanogpt_split.py`` (blocks at ``transformer.h``, fused ``c_attn``).
 Each case builds the model twice from one seed, runs the one-process step on the global batch and
 the split under ``apply_plan`` (the layout the graph finds, ``default_tp_layout``, which is what
-``autopar plan`` writes), and compares the first step's gradients of every parameter (rtol 1e-5, DTensors gathered) and the losses of two
-AdamW steps. One launch of 2 processes runs DP, FSDP, TP, TP+SP (with selective recomputation), PP
-1F1B (with full recomputation) and interleaved 1F1B; one of 4 processes a 2x2 mix per model.
+``autopar plan`` writes), and compares the first step's gradients of every parameter (rtol 1e-5,
+DTensors gathered) and the losses of two AdamW steps. One launch of 2 processes runs DP, FSDP, TP,
+TP+SP (with selective recomputation), PP 1F1B (with full recomputation) and interleaved 1F1B; one
+of 4 processes a 2x2 mix per model.
 """
 
 from __future__ import annotations

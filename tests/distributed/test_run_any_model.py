@@ -76,7 +76,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory):
     return reference
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # the first case of a model also runs its one-process reference
 @pytest.mark.parametrize("zero", ["0", "3"])
 @pytest.mark.parametrize("name", ["tiny_cnn.py", "tiny_seq2seq.py", "tiny_own_loss.py",
                                   "hf-llama"])

@@ -77,10 +77,11 @@ def load_records(path: Path = RUNS) -> list[dict]:
 
 def out_of_space(rec: dict) -> str | None:
     """Why autopar cannot express a record yet (None when it can)."""
-    if rec["plan"].get("precision") == "fp8":
-        return "fp8 matmuls (not in autopar's precision space yet)"
-    if (rec["plan"].get("cp") or 1) > 1:
-        return "context parallelism (not in autopar's space yet)"
+    if rec["plan"].get("cp_rotate_method") == "allgather":
+        return "context parallelism with all-gathered K/V (autopar charges the ring rotation)"
+    m = rec["model"]
+    if m["kind"] == "gpt" and m.get("kv_heads") and m["kv_heads"] != m["heads"]:
+        return "grouped-query attention in a GPT block (the zoo's gpt kind is multi-head)"
     if rec["plan"].get("activation_partitioning") or rec["plan"].get(
             "activation_cpu_checkpointing"):
         return "activation checkpoints partitioned over tp or kept in host memory (DeepSpeed " \
@@ -142,13 +143,15 @@ def record_configs(rec: dict, num_layers: int) -> list[autopar.ParallelConfig]:
     schedule, v = _schedule(p, num_layers)
     zero = p.get("zero_stage")
     zero = DEFAULTS["zero_stage"][fw] if zero is None else int(zero)
-    zero = zero if p["dp"] > 1 else 0
+    zero = zero if p["dp"] * (p.get("cp") or 1) > 1 else 0  # FSDP shards over dp * cp
     sp = p.get("sequence_parallel")
     sp = p["tp"] > 1 if sp is None else bool(sp) and p["tp"] > 1
-    dtype = "fp16" if p.get("precision") == "fp16" else "bf16"
+    dtype = p.get("precision") if p.get("precision") in ("fp16", "fp8") else "bf16"
     modes = [p["recompute"]] if p.get("recompute") else ["none", "selective", "full"]
     return [autopar.ParallelConfig(
-        dp=p["dp"], tp=p["tp"], pp=p["pp"], micro_batch=p.get("microbatch") or DEFAULTS[
+        dp=p["dp"], cp=p.get("cp") or 1, tp=p["tp"], pp=p["pp"],
+        dp_replicate=p.get("dp_replicate") or 1,
+        micro_batch=p.get("microbatch") or DEFAULTS[
             "microbatch"], global_batch=p["global_batch"], schedule=schedule, virtual_stages=v,
         recompute=mode, sequence_parallel=sp, zero=zero, dtype=dtype) for mode in modes]
 
@@ -216,6 +219,7 @@ def cli_args(rec: dict) -> list[str] | None:
             "--micro-batch", str(config.micro_batch), "--global-batch", str(config.global_batch),
             "--schedule", config.schedule, "--virtual-stages", str(config.virtual_stages),
             "--recompute", config.recompute, "--zero", str(config.zero), "--dtype", config.dtype,
+            "--cp", str(config.cp), "--dp-replicate", str(config.dp_replicate),
             "--framework", fw.spec, "--json"]
     if rec["cluster"].get("memory_GB"):
         args += ["--gpu-memory", str(rec["cluster"]["memory_GB"])]

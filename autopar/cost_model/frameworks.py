@@ -250,10 +250,10 @@ _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
     # (benchmarks/results/accuracy_cpu_202612.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
-    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.979, "step_overhead_s": 0.18,
-                   "dp_comm_efficiency": 0.857, "step_time_band": (0.76, 1.17)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.976, "step_overhead_s": 0.006,
-                    "step_time_band": (0.88, 1.18)},
+    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.969, "step_overhead_s": 0.178,
+                   "dp_comm_efficiency": 1.0, "step_time_band": (0.82, 1.12)},
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 1.007, "step_overhead_s": 0.0,
+                    "step_time_band": (0.85, 1.16)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.768, "step_overhead_s": 0.5,
                   "zero3_comm_efficiency": 0.157, "step_time_band": (0.87, 1.74)},
 }

@@ -43,7 +43,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "FRAMEWORKS": ("autopar.cost_model.frameworks", "FRAMEWORKS"),
     "Framework": ("autopar.cost_model.frameworks", "Framework"),
     "SETTINGS": ("autopar.cost_model.frameworks", "SETTINGS"),
-    "estimate": ("autopar.cost_model", "estimate"),
+    "estimate": ("autopar.costing", "estimate"),
     "ModelProfile": ("autopar.graph.types", "ModelProfile"),
     "profile": ("autopar.graph", "profile"),
     "load_model_file": ("autopar.models.model_file", "load_model_file"),

@@ -8,8 +8,12 @@ heads divisible by tp, micro-batches per pipeline for a schedule) is checked by 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
+
+from autopar.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, check_schedule, get_schedule
 
 __all__ = [
     "DTYPES",
@@ -19,30 +23,23 @@ __all__ = [
     "OFFLOADS",
     "RECOMPUTE",
     "SCHEDULES",
+    "TORCH_DTYPE_NAMES",
     "ParallelConfig",
     "dp_mechanism",
     "uses_autocast",
 ]
 
-# Pipeline schedules by name; the names of the zero-bubble variants follow torch's classes
-# (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV).
-SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "interleaved-zero-bubble",
-    "zbv-zero-bubble",
-    "dualpipe-v",
-)
-# Schedules that place several model chunks ("virtual stages") on each pipeline rank.
-MULTI_CHUNK_SCHEDULES: frozenset[str] = frozenset(
-    {"interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"}
-)
+# Pipeline schedules by name (records and rules in autopar/schedules.py).
+SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 # fp8: fp8 matmuls (torchao float8 / Transformer Engine) with bf16 everywhere else, so its
 # stored tensors (parameters, gradients, activations) are 2 bytes like bf16.
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+# The torch dtype (``torch.<name>``) of each stored-tensor dtype the runtime and profiler use.
+TORCH_DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
+    {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+)
 # What lives in host memory: nothing, the optimizer (fp32 master weights and Adam moments, with
 # the optimizer step on the CPU as in ZeRO-Offload and FSDP2's CPUOffloadPolicy), or the
 # parameters and gradients too (ZeRO-Infinity / CPUOffloadPolicy with fully_shard).
@@ -88,7 +85,7 @@ class ParallelConfig:
     offload: str = "none"
     micro_batch: int = 1
     global_batch: int
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
@@ -106,10 +103,7 @@ class ParallelConfig:
                 f"ParallelConfig.global_batch {self.global_batch} is above autopar's bound of "
                 f"{MAX_GLOBAL_BATCH} sequences; pick a smaller global batch"
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"ParallelConfig.schedule {self.schedule!r} is unknown; use one of {SCHEDULES}"
-            )
+        get_schedule(self.schedule)  # ValueError naming the known schedules
         if self.recompute not in RECOMPUTE:
             raise ValueError(
                 f"ParallelConfig.recompute {self.recompute!r} is unknown; use one of {RECOMPUTE}"
@@ -127,15 +121,7 @@ class ParallelConfig:
                 f"{self.dp} * {self.micro_batch}; pick a global batch that is a multiple of "
                 f"{self.dp * self.micro_batch}"
             )
-        if self.schedule in MULTI_CHUNK_SCHEDULES and self.pp > 1 and self.virtual_stages < 2:
-            raise ValueError(
-                f"schedule {self.schedule!r} needs virtual_stages >= 2 (model chunks per rank)"
-            )
-        if self.schedule not in MULTI_CHUNK_SCHEDULES and self.virtual_stages != 1:
-            raise ValueError(
-                f"schedule {self.schedule!r} runs one model chunk per rank; set virtual_stages=1 "
-                "or use an interleaved schedule"
-            )
+        check_schedule(self.schedule, self.pp, self.virtual_stages)
 
     def _check_new_dimensions(self) -> None:
         """The rules of ep, dp_replicate and offload (DESIGN: dimensions beyond dp x tp x pp)."""

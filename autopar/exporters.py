@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.config import TORCH_DTYPE_NAMES
 from autopar.export_rules import (
     DEEPSPEED_COMMIT,
     MEGATRON_COMMIT,
@@ -32,6 +33,7 @@ from autopar.export_rules import (
     megatron_violations,
 )
 from autopar.plan import Plan
+from autopar.schedules import SCHEDULES
 
 __all__ = [
     "EXPORTERS",
@@ -46,17 +48,9 @@ __all__ = [
     "toml_string",
 ]
 
-# autopar schedule name -> torchtitan's `pipeline_parallel_schedule` (torch's class names less the
-# "Schedule" prefix: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ...).
-TORCHTITAN_SCHEDULES: dict[str, str] = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "interleaved-zero-bubble": "InterleavedZeroBubble",
-    "zbv-zero-bubble": "ZBVZeroBubble",
-    "dualpipe-v": "DualPipeV",
-}
-TORCH_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# autopar schedule name -> torchtitan's `pipeline_parallel_schedule` (``Schedule.torchtitan_name``).
+TORCHTITAN_SCHEDULES: dict[str, str] = {n: s.torchtitan_name for n, s in SCHEDULES.items()}
+TORCH_DTYPES: dict[str, str] = dict(TORCH_DTYPE_NAMES)
 RDZV_PORT = 29500  # torchrun's default rendezvous port
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_attribute"]
+__all__ = ["lazy_attribute", "lazy_getattr"]
 
 
 def lazy_attribute(package: str, table: Mapping[str, str], name: str) -> Any:
@@ -18,3 +18,17 @@ def lazy_attribute(package: str, table: Mapping[str, str], name: str) -> Any:
     if name not in table:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     return getattr(importlib.import_module(table[name]), name)
+
+
+def lazy_getattr(
+    package: str, table: Mapping[str, str], namespace: dict[str, Any]
+) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` over ``table``: each attribute loaded once, then kept in the
+    package's ``namespace`` (its ``globals()``)."""
+
+    def __getattr__(name: str) -> Any:
+        value = lazy_attribute(package, table, name)
+        namespace[name] = value
+        return value
+
+    return __getattr__

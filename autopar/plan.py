@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
-from autopar.cost_model.pipeline import rank_of_stage
 from autopar.errors import PlanMismatchError
 from autopar.graph.types import MoEStructure
+from autopar.schedules import rank_of_stage
 
 if TYPE_CHECKING:
     from autopar.graph.types import TPStructure
@@ -175,10 +175,12 @@ class Plan:
     moe: MoEStructure | None = None
 
     def __post_init__(self) -> None:
+        known: str | None = None
         try:
-            known = isinstance(self.framework, str) and get_framework(self.framework).spec
+            if isinstance(self.framework, str):
+                known = get_framework(self.framework).spec
         except ValueError:
-            known = False
+            pass
         if known != self.framework:
             raise PlanFormatError(
                 f"plan framework {self.framework!r} is unknown; use one of {', '.join(FRAMEWORKS)}"
@@ -225,7 +227,7 @@ class Plan:
         return tuple(r for s in self.stages for r in s.recompute)
 
     def rank_of_stage(self, stage_index: int) -> int:
-        """Pipeline rank that runs ``stage_index`` (see ``cost_model.pipeline.rank_of_stage``)."""
+        """Pipeline rank that runs ``stage_index`` (see ``autopar.schedules.rank_of_stage``)."""
         return rank_of_stage(self.config.schedule, self.config.pp, stage_index)
 
     def stages_for_rank(self, pp_rank: int) -> tuple[StagePlan, ...]:

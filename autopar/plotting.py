@@ -20,11 +20,11 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.estimate import Estimate
+from autopar.schedules import get_schedule
+from autopar.units import GIB
 
 __all__ = ["ScheduledOp", "plot_plan", "plot_sweep", "simulate_schedule"]
 
-SPLIT_BACKWARD = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
-V_SHAPED = frozenset({"zbv-zero-bubble", "dualpipe-v"})
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
 _EPS_S = 1e-15
@@ -49,7 +49,7 @@ def _inflight_limit(config: ParallelConfig, rank: int, num_chunks: int) -> float
         return float("inf")
     if config.schedule == "1f1b":
         return float(pp - rank)
-    if config.schedule in V_SHAPED:
+    if get_schedule(config.schedule).v_shaped:
         return float(2 * (pp - rank))
     # Megatron's interleaved warm-up (Narayanan et al. 2021, schedules.py).
     return float(min((pp - rank - 1) * 2 + (v - 1) * pp + 1, num_chunks))
@@ -90,7 +90,7 @@ def simulate_schedule(
         Every operation with its rank and start/end time, in the order they were placed.
     """
     num_stages, num_mb = len(placement), config.num_microbatches
-    kinds = ("F", "B", "W") if config.schedule in SPLIT_BACKWARD else ("F", "B")
+    kinds = ("F", "B", "W") if get_schedule(config.schedule).split_backward else ("F", "B")
     split = len(kinds) == 3
     ranks = sorted(set(placement.values()))
     stages_of = {r: sorted(s for s, rr in placement.items() if rr == r) for r in ranks}
@@ -186,14 +186,13 @@ def _schedule_panel(ax: Any, config: ParallelConfig, est: Estimate) -> None:
 def _memory_panel(ax: Any, est: Estimate) -> None:
     from autopar.report import MEMORY_KINDS
 
-    gib = 1024**3
     ranks = [st.rank for st in est.stages]
     bottom = [0.0] * len(ranks)
     for (field, name), color in zip(MEMORY_KINDS, MEMORY_COLORS):
-        values = [getattr(st.memory, field) / gib for st in est.stages]
+        values = [getattr(st.memory, field) / GIB for st in est.stages]
         ax.bar(ranks, values, bottom=bottom, color=color, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.axhline(est.memory_capacity_bytes / gib, color="black", linestyle="--", label="capacity")
+    ax.axhline(est.memory_capacity_bytes / GIB, color="black", linestyle="--", label="capacity")
     ax.set_xticks(ranks)
     ax.set_xlabel("pipeline rank")
     ax.set_ylabel("GiB per GPU")

@@ -22,8 +22,13 @@ def document_stdout() -> Iterator[Callable[[str], None]]:
     saved = os.dup(1)
     os.dup2(2, 1)
     real = os.fdopen(os.dup(saved), "w")
+
+    def write(text: str) -> None:
+        real.write(text)
+        real.flush()
+
     try:
-        yield lambda text: (real.write(text), real.flush())
+        yield write
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

@@ -127,33 +127,23 @@ def sweep(
     points = []
     for i, (gpu, num_gpus, cluster) in enumerate(clusters):
         try:
-            best = search_plan(
-                profile,
-                cluster,
-                global_batch=global_batch,
-                time_budget_s=time_budget_s,
-                model=model,
-                framework=framework,
-            )
+            best = search_plan(profile, cluster, global_batch=global_batch,
+                               time_budget_s=time_budget_s, model=model, framework=framework)
         except (AutoparError, ValueError) as e:
             points.append(SweepPoint(gpu=gpu, num_gpus=num_gpus, error=str(e).split("\n")[0]))
         else:
-            est = best.estimate
-            days = tokens / est.tokens_per_s / SECONDS_PER_DAY
-            gpu_hours = num_gpus * days * 24
-            price = prices.get(gpu)
-            points.append(
-                SweepPoint(
-                    gpu=gpu,
-                    num_gpus=num_gpus,
-                    split=best.config.describe(),
-                    tokens_per_s=est.tokens_per_s,
-                    mfu=est.mfu,
-                    days=days,
-                    gpu_hours=gpu_hours,
-                    cost=None if price is None else gpu_hours * price,
-                )
-            )
+            points.append(_priced_point(gpu, num_gpus, best, tokens, prices.get(gpu)))
         if progress is not None:
             progress(i + 1, len(clusters), f"{gpu} x {num_gpus}")
     return mark_pareto(points)
+
+
+def _priced_point(gpu: str, num_gpus: int, best: Any, tokens: float, price: float | None
+                  ) -> SweepPoint:
+    """The SweepPoint of a planned cluster: days to train ``tokens``, GPU-hours, cost."""
+    est = best.estimate
+    days = tokens / est.tokens_per_s / SECONDS_PER_DAY
+    gpu_hours = num_gpus * days * 24
+    return SweepPoint(gpu=gpu, num_gpus=num_gpus, split=best.config.describe(),
+                      tokens_per_s=est.tokens_per_s, mfu=est.mfu, days=days,
+                      gpu_hours=gpu_hours, cost=None if price is None else gpu_hours * price)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from autopar.calibration_fit import median
 from autopar.config import ParallelConfig
+from autopar.cost_model.calibration import median
 from autopar.cost_model.hardware import Cluster
 from autopar.errors import AutoparError
 
@@ -282,12 +282,9 @@ def report(rows: list[Row], cluster: Cluster, meta: str) -> str:
 
 def _cluster(args: argparse.Namespace, device_type: str) -> Cluster:
     """The cluster to predict on: ``--cluster`` YAML, a stored calibration, or a new one."""
-    from autopar.runtime.calibrate import (
-        Calibration,
-        calibrate,
-        calibration_to_cluster,
-        format_calibration,
-    )
+    from autopar.cli.cmd_calibrate import format_calibration
+    from autopar.cost_model.calibration import Calibration, calibration_to_cluster
+    from autopar.runtime.calibrate import calibrate
 
     if args.cluster:
         return Cluster.from_yaml(args.cluster)

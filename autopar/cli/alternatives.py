@@ -14,14 +14,15 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.report import Alternative, config_label
+from autopar.schedules import DEFAULT_SCHEDULE
 
 __all__ = ["alternatives_for"]
 
 
 def _references(best: ParallelConfig, world: int,
                 experts: tuple[int, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
-    flat = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "sequence_parallel": False,
-            "cp": 1, "dp_replicate": 1, "offload": "none"}
+    flat = {"tp": 1, "pp": 1, "schedule": DEFAULT_SCHEDULE, "virtual_stages": 1,
+            "sequence_parallel": False, "cp": 1, "dp_replicate": 1, "offload": "none"}
     refs = [
         (f"pure DP (dp={world}, zero=0)", {**flat, "dp": world, "ep": 1, "zero": 0}),
         (f"pure FSDP (dp={world}, zero=3)", {**flat, "dp": world, "ep": 1, "zero": 3}),

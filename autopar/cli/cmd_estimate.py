@@ -9,15 +9,9 @@ from typing import Any
 
 from autopar.cli import common
 from autopar.cli.argtypes import int_in
-from autopar.config import (
-    DTYPES,
-    MAX_GLOBAL_BATCH,
-    MULTI_CHUNK_SCHEDULES,
-    OFFLOADS,
-    RECOMPUTE,
-    SCHEDULES,
-)
+from autopar.config import DTYPES, MAX_GLOBAL_BATCH, OFFLOADS, RECOMPUTE, SCHEDULES
 from autopar.cost_model.hardware import MAX_GPUS
+from autopar.schedules import DEFAULT_SCHEDULE, get_schedule
 
 NAME = "estimate"
 HELP = "predict time and memory of one given split of MODEL"
@@ -44,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sequences per micro-batch")
     split.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
                        help="sequences per step")
-    split.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    split.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
     split.add_argument(
         "--virtual-stages", type=int_in(1, 1024), default=None,
         help="chunks per rank (interleaved: 2)",
@@ -63,7 +57,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     virtual = args.virtual_stages
     if virtual is None:
-        virtual = 2 if args.schedule in MULTI_CHUNK_SCHEDULES and args.pp > 1 else 1
+        virtual = get_schedule(args.schedule).default_virtual_stages(args.pp)
     return ParallelConfig(
         dp=args.dp,
         cp=args.cp,

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     plan = common.load_plan_file(args.plan)
     profile, cluster = common.plan_context(plan, args.model, args.seq_len)
     try:
-        from autopar.cost_model.symbolic import explain_plan
+        from autopar.costing import explain_plan
     except ImportError as e:
         raise AutoparError(
             "autopar explain is not available in this build: the symbolic cost model "

@@ -1,8 +1,19 @@
-"""``autopar verify PLAN``: measured vs predicted figures of a plan (work: runtime/verify.py)."""
+"""``autopar verify PLAN``: measured vs predicted figures of a plan.
+
+The prediction and the run are ``autopar.runtime.verify.verify_plan``'s; this module reads the
+inputs, checks the flags, refits the cluster (``--refit``) and prints the result.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError
 
 NAME = "verify"
 HELP = (
@@ -44,7 +55,64 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Delegate to the runtime."""
-    from autopar.runtime.verify import verify_command
-
+    """Run ``autopar verify`` (see ``verify_command``)."""
     return verify_command(args)
+
+
+def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    from autopar.cost_model.hardware import Cluster
+    from autopar.plan import Plan
+
+    path = Path(args.plan)
+    try:
+        plan = Plan.from_json(path.read_text())
+    except OSError as err:
+        raise AutoparError(f"cannot read plan {path}: {err.strerror}") from None
+    if args.cluster:
+        cluster = Cluster.from_yaml(args.cluster)
+    elif plan.cluster:
+        cluster = Cluster.from_dict(plan.cluster)
+    else:
+        raise AutoparError(f"plan {path} carries no cluster; pass --cluster cluster.yaml")
+    return plan, cluster
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """Run ``autopar verify``; returns the exit code.
+
+    Raises:
+        AutoparError: unreadable inputs, --refit without --out, an existing --out without
+            --force, or failed workers.
+    """
+    from autopar.cost_model.calibration import refit_cluster
+    from autopar.runtime.verify import format_verification, verify_plan
+
+    if args.refit:
+        if not args.out:
+            raise AutoparError("--refit needs --out new_cluster.yaml (where to write the cluster)")
+        if Path(args.out).exists() and not args.force:
+            raise AutoparError(f"{args.out} exists; pass --force to overwrite it")
+    elif args.out:
+        raise AutoparError("--out goes with --refit")
+    plan, cluster = _load_inputs(args)
+    # The run here is autopar's runtime; --framework predicts as another framework would.
+    plan = dataclasses.replace(plan, framework=getattr(args, "framework", "autopar"))
+    result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
+                         warmup_steps=args.warmup, seed=args.seed)
+    record = result.to_dict()
+    text = format_verification(result)
+    if args.refit:
+        new = refit_cluster(cluster, result.estimate["time_breakdown"],
+                            result.measured_step_time_s)
+        new.to_yaml(args.out)
+        record["refit_cluster"] = new.to_dict()
+        text += (
+            f"  refit: matmul_efficiency_max {cluster.device.matmul_efficiency_max:.4g} -> "
+            f"{new.device.matmul_efficiency_max:.4g}; wrote {args.out}\n"
+        )
+    if args.json:
+        print(text, end="", file=sys.stderr)
+        print(json.dumps(record, sort_keys=True))
+    else:
+        print(text, end="")
+    return 0

@@ -1,6 +1,7 @@
 """Cost model: cluster description and the time and memory of any split.
 
-``estimate(profile, cluster, config_or_plan) -> Estimate``; ``build_cost_table(profile, cluster,
+``estimate(profile, cluster, config, split=, recompute=) -> Estimate`` (a Plan's own split:
+``autopar.costing.estimate``); ``build_cost_table(profile, cluster,
 config) -> CostTable`` (the per-layer terms the search's ILP shares with ``estimate``).
 """
 

@@ -41,9 +41,10 @@ from autopar.cost_model.pipeline import (
     bubble_coefficient,
     in_flight_microbatches,
     pipeline_buffer_microbatches,
-    rank_of_stage,
 )
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable
+from autopar.schedules import rank_of_stage
+from autopar.units import GIB
 
 __all__ = ["assemble", "check_split", "pipeline_buffer_bytes"]
 
@@ -227,15 +228,14 @@ def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdo
 def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int,
              host: float = 0.0) -> str:
     """What limits the split most, in words."""
-    gib = 2**30
     mem, cap = largest.memory_bytes, table.capacity_bytes
     if host > table.host_capacity_bytes:
-        return (f"host memory: offloaded state needs {host / gib:.1f} GiB per GPU of "
-                f"{table.host_capacity_bytes / gib:.1f} GiB")
+        return (f"host memory: offloaded state needs {host / GIB:.1f} GiB per GPU of "
+                f"{table.host_capacity_bytes / GIB:.1f} GiB")
     if mem > cap:
         return (
-            f"memory: pipeline rank {largest.rank} needs {mem / gib:.1f} GiB of "
-            f"{cap / gib:.1f} GiB usable"
+            f"memory: pipeline rank {largest.rank} needs {mem / GIB:.1f} GiB of "
+            f"{cap / GIB:.1f} GiB usable"
         )
     terms = breakdown.to_dict()
     name, value = max(terms.items(), key=lambda kv: (kv[1], kv[0]))

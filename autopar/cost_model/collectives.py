@@ -42,14 +42,10 @@ Not listed either: pipeline send/recv and the loss report's all-reduce of one fl
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from autopar.config import ParallelConfig
-from autopar.cost_model.pipeline import rank_of_stage
 from autopar.graph.types import LayerProfile, ModelProfile
-
-if TYPE_CHECKING:
-    from autopar.plan import Plan
+from autopar.schedules import rank_of_stage
 
 __all__ = [
     "expected_collectives",
@@ -110,23 +106,26 @@ def grad_reductions_per_step(cfg: ParallelConfig) -> int:
 
 
 def stage_split(
-    profile: ModelProfile, plan_or_config: ParallelConfig | Plan
+    profile: ModelProfile,
+    config: ParallelConfig,
+    split: tuple[tuple[int, int], ...] | None = None,
+    recompute: tuple[str, ...] | None = None,
 ) -> tuple[ParallelConfig, tuple[tuple[int, int], ...], tuple[str, ...]]:
-    """(config, stage layer ranges, per-layer recompute) of a Plan, or of a bare config.
+    """(config, stage layer ranges, per-layer recompute), the defaults filled in.
 
-    A bare config gets stages balanced by FLOPs (``partition.balanced_partition``) and its
-    ``recompute`` on every layer.
+    Without a split the stages are balanced by FLOPs (``partition.balanced_partition``); without
+    a recompute list the config's ``recompute`` holds on every layer.
     """
-    if isinstance(plan_or_config, ParallelConfig):
+    n = profile.num_layers
+    if split is None:
         from autopar.cost_model.partition import balanced_partition
 
-        cfg = plan_or_config
-        n = profile.num_layers
         costs = [layer.fwd_flops + layer.bwd_flops for layer in profile.layers]
-        split = ((0, n - 1),) if cfg.num_stages == 1 else balanced_partition(costs, cfg.num_stages)
-        return cfg, tuple(split), (cfg.recompute,) * n
-    plan = plan_or_config
-    return plan.config, tuple(s.layers for s in plan.stages), plan.recompute_per_layer
+        split = ((0, n - 1),) if config.num_stages == 1 else balanced_partition(
+            costs, config.num_stages)
+    if recompute is None:
+        recompute = (config.recompute,) * n
+    return config, tuple((a, b) for a, b in split), tuple(recompute)
 
 
 def fsdp_units(profile: ModelProfile, first: int, last: int) -> int:
@@ -157,15 +156,21 @@ def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
 
 
 def expected_collectives(
-    profile: ModelProfile, plan_or_config: ParallelConfig | Plan, pp_rank: int = 0
+    profile: ModelProfile,
+    config: ParallelConfig,
+    pp_rank: int = 0,
+    *,
+    split: tuple[tuple[int, int], ...] | None = None,
+    recompute: tuple[str, ...] | None = None,
 ) -> dict[str, int]:
     """Collectives per training step on one rank of pipeline rank ``pp_rank``.
 
     Args:
         profile: the model profile.
-        plan_or_config: a Plan (its split and recompute) or a ParallelConfig (a split balanced
-            by FLOPs, the config's recompute everywhere).
+        config: the degrees, batch and schedule.
         pp_rank: the pipeline rank whose stages to count.
+        split: stage layer ranges (a Plan's); default balanced by FLOPs.
+        recompute: per-layer recompute (a Plan's); default the config's everywhere.
 
     Returns:
         ``"kind@axis"`` -> count, sorted; kinds with no call omitted.
@@ -174,7 +179,7 @@ def expected_collectives(
         ValueError: several stages per rank with zero >= 1 and dp > 1 (counts set by torch's
             schedule runtime, see the module docstring).
     """
-    cfg, split, recompute = stage_split(profile, plan_or_config)
+    cfg, split, recompute = stage_split(profile, config, split, recompute)
     if multi_stage_fsdp(cfg):
         raise ValueError(
             f"FSDP collective counts of schedule {cfg.schedule} with {cfg.virtual_stages} stages "

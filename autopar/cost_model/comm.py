@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
@@ -55,18 +56,52 @@ RING_DECAY_PER_DOUBLING = 0.022  # ring busbw loss per doubling of nodes, latenc
 COMM_SPREAD = 0.08
 
 __all__ = [
+    "BUS_FACTORS",
     "COLLECTIVE_KINDS",
     "Collective",
     "GroupLink",
     "all_gather_s",
     "all_reduce_s",
+    "bus_factor",
     "collective_s",
     "group_link",
     "host_copy_s",
     "p2p_s",
     "parallel_groups",
     "reduce_scatter_s",
+    "ring_steps",
 ]
+
+# Bus factor of each collective as a function of the group size n (sourced: nccl-tests
+# doc/PERFORMANCE.md): bytes each rank moves over the buffer size S.
+BUS_FACTORS = MappingProxyType({
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+})
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """Bytes moved per rank over the buffer size for collective ``op`` in a group of ``group_size``.
+
+    Raises:
+        ValueError: an unknown collective or a group smaller than 2.
+    """
+    if op not in BUS_FACTORS:
+        raise ValueError(f"unknown collective {op!r}; use one of {sorted(BUS_FACTORS)}")
+    if group_size < 2:
+        raise ValueError(f"a collective needs a group of 2 or more ranks, got {group_size}")
+    return BUS_FACTORS[op](group_size)
+
+
+def ring_steps(op: str, group_size: int) -> int:
+    """Latency-bound steps of one ring collective: all-reduce 2 (n - 1), AG/RS n - 1, p2p 1."""
+    if op == "all_reduce":
+        return 2 * (group_size - 1)
+    if op == "send_recv":
+        return 1
+    return group_size - 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,7 +197,8 @@ def reduce_scatter_s(link: GroupLink, size_bytes: float) -> float:
     if n <= 1 or size_bytes <= 0:
         return 0.0
     bw = link.bandwidth_bytes_per_s * (1.0 - RING_DECAY_PER_DOUBLING) ** link.doublings
-    return (n - 1) / n * size_bytes / bw + (n - 1) * link.latency_s
+    op = "reduce_scatter_tensor"
+    return bus_factor(op, n) * size_bytes / bw + ring_steps(op, n) * link.latency_s
 
 
 def all_gather_s(link: GroupLink, size_bytes: float) -> float:
@@ -177,7 +213,8 @@ def all_reduce_s(link: GroupLink, size_bytes: float) -> float:
     if link.nodes <= 1 or n <= 1 or size_bytes <= 0:
         return reduce_scatter_s(link, size_bytes) + all_gather_s(link, size_bytes)
     bw = link.bandwidth_bytes_per_s * (1.0 - TREE_DECAY_PER_DOUBLING) ** link.doublings
-    return 2 * (n - 1) / n * size_bytes / bw + TREE_LATENCY_PER_DOUBLING_S * link.doublings
+    return bus_factor("all_reduce", n) * size_bytes / bw + (
+        TREE_LATENCY_PER_DOUBLING_S * link.doublings)
 
 
 def collective_s(link: GroupLink, kind: str, size_bytes: float) -> float:

@@ -112,14 +112,7 @@ def layer_compute(
     traffic_s += overhead_s
     fwd_traffic_s = FORWARD_TRAFFIC_SHARE * traffic_s
     fwd_mm = fwd_flops / rate if fwd_flops > 0 else 0.0
-    recompute = []
-    for extra in recompute_flops:
-        if extra <= 0:
-            recompute.append(0.0)
-            continue
-        # A full re-run also repeats the elementwise forward traffic in proportion to its FLOPs.
-        share = min(1.0, extra / fwd_flops) if fwd_flops > 0 else 1.0
-        recompute.append(extra / rate + share * (fwd_traffic_s + recompute_extra_s))
+    recompute = _recompute_s(recompute_flops, fwd_flops, rate, fwd_traffic_s + recompute_extra_s)
     bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
     fwd_s = max(fwd_mm + fwd_traffic_s, FORWARD_TRAFFIC_SHARE * floor_s)
     bwd_s = max(bwd_mm + traffic_s - fwd_traffic_s, (1.0 - FORWARD_TRAFFIC_SHARE) * floor_s)
@@ -130,6 +123,20 @@ def layer_compute(
         backward_s=bwd_s / speedup,
         recompute_s=(recompute[0] / speedup, recompute[1] / speedup, recompute[2] / speedup),
     )
+
+
+def _recompute_s(recompute_flops: tuple[float, float, float], fwd_flops: float, rate: float,
+                 rerun_fixed_s: float) -> list[float]:
+    """Seconds of each recompute mode's extra forward: its FLOPs at ``rate`` plus its FLOP share
+    of the forward's fixed seconds (a full re-run repeats the elementwise forward traffic)."""
+    out = []
+    for extra in recompute_flops:
+        if extra <= 0:
+            out.append(0.0)
+            continue
+        share = min(1.0, extra / fwd_flops) if fwd_flops > 0 else 1.0
+        out.append(extra / rate + share * rerun_fixed_s)
+    return out
 
 
 def param_traffic_bytes_per_param(

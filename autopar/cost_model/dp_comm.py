@@ -12,7 +12,7 @@ from collections import Counter
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
-from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
+from autopar.cost_model.frameworks import DDP_BUCKET_BYTES, GATHER_BUCKET, Framework
 from autopar.cost_model.moe import routed_params_off_rank
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
@@ -27,8 +27,6 @@ __all__ = [
     "fsdp_unit_params",
     "params_tp",
 ]
-
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:

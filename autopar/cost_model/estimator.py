@@ -1,13 +1,11 @@
-"""``estimate(profile, cluster, config_or_plan)``: the Estimate of one split.
+"""``estimate(profile, cluster, config, split=, recompute=)``: the Estimate of one split.
 
-A Plan brings its own stage split and per-layer recompute; a bare ParallelConfig gets the most
-balanced contiguous split of its layers (min-max stage time, ``partition.balanced_partition``)
-and its ``recompute`` for every layer.
+The caller may bring a stage split and per-layer recompute (a Plan's, ``autopar.costing``
+unwraps one); without them a ParallelConfig gets the most balanced contiguous split of its layers
+(min-max stage time, ``partition.balanced_partition``) and its ``recompute`` for every layer.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -19,9 +17,6 @@ from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
 from autopar.graph.types import ModelProfile
-
-if TYPE_CHECKING:
-    from autopar.plan import Plan
 
 __all__ = ["checked_table", "default_split", "estimate"]
 
@@ -52,41 +47,39 @@ def checked_table(
 def estimate(
     profile: ModelProfile,
     cluster: Cluster,
-    config_or_plan: ParallelConfig | Plan,
+    config: ParallelConfig,
     framework: str | Framework | None = None,
+    *,
+    split: tuple[tuple[int, int], ...] | None = None,
+    recompute: tuple[str, ...] | None = None,
 ) -> Estimate:
     """Predict step time, throughput and per-GPU memory of a split.
 
     Args:
         profile: the model profile.
         cluster: the cluster.
-        config_or_plan: a ParallelConfig (balanced split) or a Plan (its own split).
+        config: the degrees, batch and schedule.
         framework: the training framework that runs it (a name in ``FRAMEWORKS`` or a
-            Framework record); default: the plan's own, or "autopar" for a config.
+            Framework record); default "autopar".
+        split: (first, last) profile layer of every stage; default the balanced split.
+        recompute: recompute choice of every profile layer; default the config's everywhere
+            (given together with ``split``).
 
     Returns:
         The Estimate (fields and meanings in DESIGN.md).
 
     Raises:
         ValueError: naming the constraint an impossible config breaks, or what the framework
-            cannot run; for a Plan, ``cluster`` not being the one it was made for (its cluster
-            fingerprint; ``plan.for_cluster(cluster)`` re-targets it on purpose).
+            cannot run.
 
     Example:
         >>> cluster = Cluster.preset("a100-80g")
         >>> est = estimate(profile, cluster, ParallelConfig(tp=8, global_batch=8))
     """
-    if isinstance(config_or_plan, ParallelConfig):
-        cfg, plan = config_or_plan, None
-    else:
-        cfg, plan = config_or_plan.config, config_or_plan
-        plan.check_cluster(cluster)
-    if framework is None:
-        framework = plan.framework if plan is not None else "autopar"
-    table = checked_table(profile, cluster, cfg, framework)
-    if plan is None:
-        stage_layers, recompute = default_split(table)
-    else:
-        stage_layers = tuple(tuple(s.layers) for s in plan.stages)
-        recompute = plan.recompute_per_layer
-    return assemble(table, stage_layers, recompute)
+    table = checked_table(profile, cluster, config, "autopar" if framework is None else framework)
+    if split is None:
+        split, default_recompute = default_split(table)
+        recompute = default_recompute if recompute is None else recompute
+    elif recompute is None:
+        recompute = (config.recompute,) * len(table.layers)
+    return assemble(table, split, recompute)

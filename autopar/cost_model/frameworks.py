@@ -26,45 +26,23 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
+from autopar.cost_model.framework_settings import (
+    FSDP2_UNIT,
+    OVERLAP_SOURCES,
+    SETTING_EFFECTS,
+    SETTINGS,
+)
+from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
+from autopar.units import MIB
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
            "get_framework"]
 
 FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
 
-# The switches a framework's user turns on, each off by default as in the framework itself;
-# what each one changes is in ``_SETTING_EFFECTS``.
-_MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
-SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "autopar": MappingProxyType({}),
-    # torchtitan's enable_async_tensor_parallel is not offered: charged as a full overlap it
-    # predicted twice the gain torchtitan's async-TP table measured (9-10%; docs/frameworks.md).
-    "torchtitan": MappingProxyType({}),
-    "megatron-lm": MappingProxyType({
-        "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
-                           "overlap the tensor-parallel all-gathers and reduce-scatters with "
-                           "the GEMMs",
-        "overlap-grad-reduce": _MEGATRON_ARGS + "--overlap-grad-reduce: gradient reductions "
-                               "bucketed under the backward (off: after it)",
-        "overlap-param-gather": _MEGATRON_ARGS + "--overlap-param-gather: the distributed "
-                                "optimizer's parameter all-gather under the forward (off: "
-                                "before it)",
-    }),
-    "deepspeed": MappingProxyType({
-        "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
-                        "stage 3 only, deepspeed/runtime/zero/config.py overlap_comm_valid): "
-                        "gradient reductions under the backward",
-    }),
-})
-# setting -> the Framework fields it sets.
-_SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    "tp-comm-overlap": {"tp_comm_overlapped": True},
-    "overlap-grad-reduce": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
-    "overlap-comm": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
-    "overlap-param-gather": {"param_gather_overlapped": True},
-})
-
+# sourced: DistributedDataParallel's default bucket_cap_mb (25 MiB of fp32 gradients).
+DDP_BUCKET_BYTES = 25 * MIB
 # Receive-buffer policies of a pipeline runtime.
 PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
 IN_FLIGHT = "in_flight"  # one tensor per transfer, freed with its micro-batch
@@ -231,7 +209,7 @@ class Framework:
                              f"{self.name}; its settings: {choices}")
         changes: dict[str, object] = {"settings": tuple(sorted(set(settings)))}
         for setting in settings:
-            changes.update(_SETTING_EFFECTS[setting])
+            changes.update(SETTING_EFFECTS[setting])
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -269,8 +247,6 @@ _MEGATRON_P2P = ("sourced: Megatron-LM megatron/core/pipeline_parallel/p2p_commu
                  "(_communicate allocates torch.empty receive tensors per transfer)")
 _TORCH_STAGE = ("sourced: torch/distributed/pipelining/stage.py (_setup_forward_recv_info, "
                 "_create_grad_recv_info: one buffer per micro-batch, kept for the step)")
-_FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
-               "the next unit (torch/distributed/fsdp/_fully_shard)")
 _DS_BUCKETS = ("sourced: DeepSpeed config docs (deepspeed.ai/docs/config-json): "
                "stage3_max_live_parameters 1e9, reduce_bucket_size 5e8 (defaults)")
 _EXPANDABLE = ("sourced: PyTorch CUDA caching allocator notes (expandable_segments avoids "
@@ -286,7 +262,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
-        zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
+        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
         fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=False, grad_reduce_bytes=4, sp_regathers_inputs=False,
@@ -304,7 +280,7 @@ _RECORDS: dict[str, dict[str, object]] = {
                                      "a tensor per transfer and drops it with its micro-batch "
                                      "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
                                      "flat from 4 to 32 micro-batches)",
-            "zero3_gather": _FSDP2_UNIT,
+            "zero3_gather": FSDP2_UNIT,
             "reduce_bucket_params": "sourced: DistributedDataParallel bucket_cap_mb=25",
             "fragmentation_fraction": _EXPANDABLE + " (autopar's launcher sets it)",
             "param_traffic_factor": "measured: the cluster's value (H200 runs, calibrate)",
@@ -332,7 +308,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
-        zero3_live_params=0.0, reduce_bucket_params=25 * 2**20 / 4,
+        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
         fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
@@ -347,7 +323,7 @@ _RECORDS: dict[str, dict[str, object]] = {
                                "(torchtitan/distributed/expert_parallel.py: all-to-all "
                                "token dispatch, experts sharded over dp_shard x cp)",
             "pipeline_recv_buffers": _TORCH_STAGE,
-            "zero3_gather": _FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
+            "zero3_gather": FSDP2_UNIT + "; torchtitan parallelize_llama wraps each block",
             "selective_policy": "sourced: torchtitan activation_checkpoint mode 'selective' with "
                                 "selective_ac_option 'op' (what autopar's torchtitan export "
                                 "writes): _save_list (mm, SDPA kernels) minus every second mm "
@@ -450,38 +426,6 @@ _RECORDS: dict[str, dict[str, object]] = {
 }
 
 
-_SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
-_OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
-    "autopar": {
-        "tp_comm_overlapped": "sourced: autopar/runtime/tensor_parallel.py (DTensor's "
-                              "tensor-parallel collectives run before the matmul that needs "
-                              "them)",
-        "dp_reduce_overlap_stages": _FSDP2_UNIT + "; DDP / replicate() reduce buckets under the "
-                                "backward",
-        "param_gather_overlapped": _FSDP2_UNIT,
-    },
-    "torchtitan": {
-        "tp_comm_overlapped": "sourced: torchtitan's tensor parallelism is DTensor's "
-                              "(synchronous collectives; async TP not modelled)",
-        "dp_reduce_overlap_stages": _FSDP2_UNIT,
-        "param_gather_overlapped": _FSDP2_UNIT,
-    },
-    "megatron-lm": {
-        "tp_comm_overlapped": _SETTING_OFF.format("tp-comm-overlap"),
-        "dp_reduce_overlap_stages": _SETTING_OFF.format("overlap-grad-reduce"),
-        "param_gather_overlapped": _SETTING_OFF.format("overlap-param-gather"),
-    },
-    "deepspeed": {
-        "tp_comm_overlapped": "sourced: Megatron-DeepSpeed's tensor-parallel layers "
-                              "(synchronous all-reduces)",
-        "dp_reduce_overlap_stages": "sourced: DeepSpeed zero_optimization.overlap_comm, "
-                                    "default on for stage 3 only (overlap_comm_valid)",
-        "param_gather_overlapped": "sourced: DeepSpeed ZeRO-3 parameter prefetch "
-                                   "(stage3_prefetch_bucket_size)",
-    },
-}
-
-
 def _build(name: str) -> Framework:
     fields = {**_RECORDS[name], **_FIT[name], **dims.DIMENSIONS[name]}
     sources = {**fields.pop("sources"), **dims.DIMENSION_SOURCES[name]}  # type: ignore[dict-item]
@@ -492,7 +436,7 @@ def _build(name: str) -> Framework:
                                       "no published memory figure of this framework fitted yet)")
     sources.setdefault("overlap_slowdown", "sourced: arXiv:2507.03114 (18.9% average compute "
                                           "slowdown under overlapped NCCL collectives)")
-    for key, text in _OVERLAP_SOURCES[name].items():
+    for key, text in OVERLAP_SOURCES[name].items():
         sources.setdefault(key, text)
     sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
     sources.setdefault("selective_policy", "sourced: the framework's selective recomputation "
@@ -528,51 +472,6 @@ def get_framework(framework: str | Framework) -> Framework:
             return _BY_NAME[name].with_settings(tuple(settings)) if settings else _BY_NAME[name]
     raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(FRAMEWORKS)} "
                      "(with settings: name+setting+..., see autopar.SETTINGS)")
-
-
-def framework_supports(framework: Framework, config) -> str | None:
-    """Why ``framework`` cannot run ``config`` (None when it can)."""
-    fw = framework
-    if config.pp > 1 and config.schedule not in fw.schedules:
-        return (f"{fw.name} runs the pipeline schedules {', '.join(fw.schedules)}, not "
-                f"{config.schedule!r}")
-    if config.dp > 1 and config.zero not in fw.zero_stages:
-        return f"{fw.name} runs ZeRO stages {fw.zero_stages}, not zero={config.zero}"
-    if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:
-        return (f"{fw.name} runs ZeRO stage {config.zero} without pipeline parallelism only "
-                f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
-    if config.sequence_parallel and not fw.sequence_parallel:
-        return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
-    if config.ep > 1 and not fw.expert_parallel:
-        return (f"{fw.name} does not run expert parallelism ({fw.sources['expert_parallel']}); "
-                "use ep=1")
-    if config.ep > 1:
-        reason = _ep_support(fw, config)
-        if reason:
-            return reason
-    return _settings_support(fw, config) or dims.supports_dimensions(fw, config)
-
-
-def _ep_support(fw: Framework, config) -> str | None:
-    """Why ``fw`` cannot run ``config``'s expert parallelism (ep > 1), or None."""
-    if fw.ep_needs_sharded_dp and config.zero == 0:
-        return (f"{fw.name} shards experts over its sharded data-parallel ranks only; use "
-                "zero >= 1 with ep > 1")
-    if not fw.ep_with_tp and config.tp > 1:
-        return f"{fw.name} runs expert parallelism with tp=1 only"
-    return None
-
-
-def _settings_support(fw: Framework, config) -> str | None:
-    """What the framework's settings require of a split (Megatron-LM validate_args)."""
-    if "tp-comm-overlap" in fw.settings and config.tp > 1 and not config.sequence_parallel:
-        return ("megatron-lm's --tp-comm-overlap needs sequence parallelism (validate_args); "
-                "use sequence_parallel=True")
-    if "overlap-param-gather" in fw.settings and config.dp > 1 and (
-            config.zero == 0 or "overlap-grad-reduce" not in fw.settings):
-        return ("megatron-lm's --overlap-param-gather needs the distributed optimizer (zero=1) "
-                "and --overlap-grad-reduce (validate_args)")
-    return None
 
 
 def framework_cluster(cluster: Cluster, framework: Framework) -> Cluster:

@@ -15,16 +15,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from autopar.cost_model.presets import (
+    ALLOCATOR_RESERVE_BYTES,
+    COMM_BUFFER_BYTES_PER_GROUP,
+    DP_OVERLAP,
+    HEADROOM,
+    PRESETS,
+    cpu_cluster_fields,
+    thaw,
+)
 from autopar.errors import ClusterConfigError
+from autopar.units import GIB
 
 __all__ = ["MAX_GPUS", "MAX_GPU_MEMORY_GB", "MIN_RATE_PER_S", "Cluster", "DeviceSpec", "LinkSpec"]
 
-GIB = 2**30
-MIB = 2**20
 # Bounds that keep every loop over a cluster's size short and every time finite: the largest
 # training clusters built hold ~10^5 GPUs; a FLOP/s or byte/s rate below 10^6 (a 1990s CPU) is a
 # typo, and one near 0 makes every predicted time infinite.
@@ -180,10 +190,10 @@ class Cluster:
     device: DeviceSpec
     intra_node: LinkSpec
     inter_node: LinkSpec
-    memory_headroom_fraction: float = 0.05
-    dp_overlap_efficiency: float = 0.8
-    comm_buffer_bytes_per_group: float = 64 * MIB
-    allocator_reserve_bytes: float = 256 * MIB
+    memory_headroom_fraction: float = HEADROOM
+    dp_overlap_efficiency: float = DP_OVERLAP
+    comm_buffer_bytes_per_group: float = float(COMM_BUFFER_BYTES_PER_GROUP)
+    allocator_reserve_bytes: float = float(ALLOCATOR_RESERVE_BYTES)
     param_traffic_factor: float = 1.0
     all_reduce_time_factor: float = 1.0
     all_gather_time_factor: float = 1.0
@@ -225,9 +235,8 @@ class Cluster:
         Raises:
             ClusterConfigError: unknown preset or impossible values.
         """
-        from autopar.cost_model.presets import PRESETS, cpu_cluster_fields
-
         key = name.lower()
+        fields: Mapping[str, Any]
         if key == "cpu":
             fields = cpu_cluster_fields(gpus_per_node)
         elif key in PRESETS:
@@ -237,7 +246,7 @@ class Cluster:
                 f"unknown cluster preset {name!r}; use one of {', '.join(cls.list_presets())} "
                 "or describe the cluster in a YAML file"
             )
-        data = json.loads(json.dumps(fields))
+        data = thaw(fields)
         data.update(name=key, nodes=nodes, gpus_per_node=gpus_per_node)
         if gpu_memory_gb is not None:
             if isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)):
@@ -253,8 +262,6 @@ class Cluster:
     @staticmethod
     def list_presets() -> tuple[str, ...]:
         """Names accepted by ``preset()``."""
-        from autopar.cost_model.presets import PRESETS
-
         return (*sorted(PRESETS), "cpu")
 
     # ------------------------------------------------------------------ serialisation
@@ -318,7 +325,7 @@ class Cluster:
 
 # ---------------------------------------------------------------------- validation
 # field -> (kind, rule); rules: "pos" > 0, "nonneg" >= 0, "frac" in [0, 1), "eff" in (0, 1].
-_DEVICE_FIELDS: dict[str, tuple[str, str]] = {
+_DEVICE_REQUIRED: dict[str, tuple[str, str]] = {
     "name": ("str", ""),
     "peak_bf16_flops": ("float", "rate"),
     "peak_fp16_flops": ("float", "rate"),
@@ -330,22 +337,22 @@ _DEVICE_FIELDS: dict[str, tuple[str, str]] = {
     "matmul_half_flops": ("float", "nonneg"),
     "elementwise_traffic_factor": ("float", "nonneg"),
 }
-# Device fields that older cluster files may lack: framework overheads, default none.
-_DEVICE_OPTIONAL: dict[str, Any] = {
-    name: 0.0
-    for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
-                 "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
-                 "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s",
-                 "dispatch_floor_s", "peak_fp8_flops")
+# Device fields that older cluster files may lack (framework overheads: none), with their rules;
+# their defaults are DeviceSpec's own.
+_DEVICE_OPTIONAL_RULES: dict[str, tuple[str, str]] = {
+    **{name: ("float", "nonneg")
+       for name in ("layer_overhead_s", "edge_layer_overhead_s", "tp_module_overhead_s",
+                    "fsdp_layer_overhead_s", "optimizer_layer_overhead_s",
+                    "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s",
+                    "dispatch_floor_s", "peak_fp8_flops")},
+    "shared_compute_processes": ("float", "atleast1"),
 }
-_DEVICE_FIELDS.update({name: ("float", "nonneg") for name in _DEVICE_OPTIONAL})
-_DEVICE_OPTIONAL["shared_compute_processes"] = 1.0
-_DEVICE_FIELDS["shared_compute_processes"] = ("float", "atleast1")
-_LINK_FIELDS: dict[str, tuple[str, str]] = {
+_DEVICE_FIELDS = MappingProxyType({**_DEVICE_REQUIRED, **_DEVICE_OPTIONAL_RULES})
+_LINK_FIELDS = MappingProxyType({
     "bandwidth_bytes_per_s": ("float", "rate"),
     "latency_s": ("float", "nonneg"),
-}
-_CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
+})
+_CLUSTER_FIELDS = MappingProxyType({
     "name": ("str", ""),
     "nodes": ("int", "pos"),
     "gpus_per_node": ("int", "pos"),
@@ -359,17 +366,17 @@ _CLUSTER_FIELDS: dict[str, tuple[str, str]] = {
     "reduce_scatter_time_factor": ("float", "pos"),
     "host_memory_bytes_per_gpu": ("float", "nonneg"),
     "pcie_bytes_per_s": ("float", "nonneg"),
-}
-_OPTIONAL: dict[str, Any] = {
-    "memory_headroom_fraction": 0.05, "dp_overlap_efficiency": 0.8,
-    "comm_buffer_bytes_per_group": 64.0 * MIB, "allocator_reserve_bytes": 256.0 * MIB,
-    "param_traffic_factor": 1.0,
-    "all_reduce_time_factor": 1.0,
-    "all_gather_time_factor": 1.0,
-    "reduce_scatter_time_factor": 1.0,
-    "host_memory_bytes_per_gpu": 0.0,
-    "pcie_bytes_per_s": 0.0,
-}
+})
+
+
+def _defaults(cls: type, names: Any) -> MappingProxyType[str, Any]:
+    """The dataclass defaults of ``names``: the one home of every optional field's value."""
+    return MappingProxyType({f.name: f.default for f in dataclasses.fields(cls) if f.name in names})
+
+
+_DEVICE_OPTIONAL = _defaults(DeviceSpec, _DEVICE_OPTIONAL_RULES)
+_OPTIONAL = _defaults(Cluster, [n for n in _CLUSTER_FIELDS if n not in ("name", "nodes",
+                                                                          "gpus_per_node")])
 _RULE_TEXT = {
     "pos": "must be > 0",
     "nonneg": "must be >= 0",
@@ -420,7 +427,7 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
 
 
 def _check_section(
-    prefix: str, data: Any, fields: dict[str, tuple[str, str]], optional: dict[str, Any]
+    prefix: str, data: Any, fields: Mapping[str, tuple[str, str]], optional: Mapping[str, Any]
 ) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ClusterConfigError(f"cluster field {prefix or 'root'} must be a mapping")
@@ -456,7 +463,7 @@ def _validate(data: Any) -> dict[str, Any]:
     for key, fields in nested.items():
         if key not in data:
             raise ClusterConfigError(f"cluster field {key} is missing")
-        optional = _DEVICE_OPTIONAL if key == "device" else {}
+        optional: Mapping[str, Any] = _DEVICE_OPTIONAL if key == "device" else {}
         out[key] = _check_section(f"{key}.", data[key], fields, optional)
     if out["nodes"] * out["gpus_per_node"] > MAX_GPUS:
         raise ClusterConfigError(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
@@ -73,12 +72,8 @@ from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
-if TYPE_CHECKING:
-    from autopar.plan import Plan
-
 __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
 
-MIB = 2**20
 # torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
@@ -144,22 +139,10 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
     layer = profile.layers[index]
-    b, tp = cfg.micro_batch, cfg.tp
-    w = DTYPE_BYTES[cfg.dtype]
-    shard = tp if tp_sharded(layer) else 1
-    # autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
-    # (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
-    # log-softmax. A framework with a vocab-parallel loss keeps them sharded.
+    b = cfg.micro_batch
+    shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
-    gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
-        not fw.loss_parallel)
-    act = memory.activation_bytes(
-        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
-        gathered_logits=gathered_logits,
-        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
-        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
-        selective_keeps_gathered=fw.selective_policy != "op",
-    )
+    act = _activation_bytes(profile, layer, cfg, ratio, shard, fw, head_elems)
     ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard)
     act = tuple(a + x for a, x in zip(act, ep.extra_act_bytes))
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
@@ -174,23 +157,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     )
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     casts = _fp8_cast_bytes(fp8, act[0], held)
-    times = layer_compute(
-        cluster.device,
-        peak,
-        fwd_flops=layer.fwd_flops * b / shard,
-        bwd_flops=layer.bwd_flops * b / shard,
-        recompute_flops=tuple(f * b / shard for f in rec_flops),
-        elementwise_bytes=act[0],
-        overhead_s=passes_s,
-        speedup=_pipeline_speedup(cluster, cfg),
-        # Checkpointing's measured cost of a re-run block beyond the forward share charged.
-        recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
-                              - cluster.device.layer_overhead_s / 3.0)
-        if layer.kind == "block" else 0.0,
-        floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
-        param_traffic_bytes=tuple(cluster.param_traffic_factor * x + c for x, c in zip(
-            _param_traffic_bytes(cfg, held), casts)),
-    )
+    traffic = tuple(cluster.param_traffic_factor * x + c
+                    for x, c in zip(_param_traffic_bytes(cfg, held), casts))
+    times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
     times = _with_imbalance(times, ep, cluster, cfg, layer.fwd_flops * b / shard)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held)
     eta = cluster.dp_overlap_efficiency
@@ -201,31 +170,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0, eta,
         fw.overlap_slowdown)
     cp_s = _ring_s(profile, layer, cfg, cluster, groups["cp_ring"], attn_flops, shard, fw)
-    fsdp = memory.dp_mechanism(cfg) == "fsdp"
-    gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
-    # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
-    # into the (static) fp32 accumulator.
-    # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
-    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
-        w + memory.GRAD_BYTES)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
-    sp_div = tp if (cfg.sequence_parallel and shard > 1) else 1
-    gathered_bytes = 2 * w * held if gathered else 0.0
-    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
-    if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
-        gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
-        unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
-    transient = memory.transient_bytes(
-        act,
-        output_bytes=layer.output_bytes * b * ratio / sp_div,
-        gathered_param_bytes=gathered_bytes,
-        unsharded_grad_bytes=unsharded_grad_bytes,
-        # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
-        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
-        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
-        / (shard if fw.loss_parallel else 1),
-    )
+    transient = _transient_bytes(layer, cfg, act, held, shard, ratio, fw, head_elems)
     transient = tuple(x + ep.buffer_bytes for x in transient)
     cost = LayerCost(
         name=layer.name,
@@ -274,6 +221,77 @@ def op_selective_profile(profile: ModelProfile) -> ModelProfile:
             recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
 
     return dataclasses.replace(profile, layers=tuple(swap(x) for x in profile.layers))
+
+
+def _activation_bytes(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
+                      shard: int, fw: Framework, head_elems: float) -> tuple[float, float, float]:
+    """Saved activation bytes of one micro-batch by recompute mode (``memory.activation_bytes``).
+
+    autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
+    (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
+    log-softmax. A framework with a vocab-parallel loss keeps them sharded.
+    """
+    gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
+        not fw.loss_parallel)
+    return memory.activation_bytes(
+        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
+        gathered_logits=gathered_logits,
+        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
+        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
+        selective_keeps_gathered=fw.selective_policy != "op",
+    )
+
+
+def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak: float,
+                 rec_flops, elementwise_bytes: float, passes_s: float, param_traffic):
+    """Forward, backward and recompute seconds of one micro-batch on one rank."""
+    b = cfg.micro_batch
+    return layer_compute(
+        cluster.device,
+        peak,
+        fwd_flops=layer.fwd_flops * b / shard,
+        bwd_flops=layer.bwd_flops * b / shard,
+        recompute_flops=tuple(f * b / shard for f in rec_flops),
+        elementwise_bytes=elementwise_bytes,
+        overhead_s=passes_s,
+        speedup=_pipeline_speedup(cluster, cfg),
+        # Checkpointing's measured cost of a re-run block beyond the forward share charged.
+        recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
+                              - cluster.device.layer_overhead_s / 3.0)
+        if layer.kind == "block" else 0.0,
+        floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
+        param_traffic_bytes=param_traffic,
+    )
+
+
+def _transient_bytes(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
+                     fw: Framework, head_elems: float) -> tuple[float, float, float]:
+    """The layer's working set beyond its saved activations, by recompute mode (``held``:
+    the parameters the rank holds after tp and ep sharding)."""
+    w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
+    fsdp = memory.dp_mechanism(cfg) == "fsdp"
+    gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
+    # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
+    # into the (static) fp32 accumulator.
+    # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
+    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
+        w + memory.GRAD_BYTES)
+    sp_div = cfg.tp if (cfg.sequence_parallel and shard > 1) else 1
+    gathered_bytes = 2 * w * held if gathered else 0.0
+    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
+    if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
+        gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
+        unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
+    return memory.transient_bytes(
+        act,
+        output_bytes=layer.output_bytes * b * ratio / sp_div,
+        gathered_param_bytes=gathered_bytes,
+        unsharded_grad_bytes=unsharded_grad_bytes,
+        # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
+        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
+        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
+        / (shard if fw.loss_parallel else 1),
+    )
 
 
 def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
@@ -385,31 +403,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
             link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * dp_efficiency)
     groups["cp_ring"] = cp_link(cluster, cfg)
     groups["pcie"] = pcie_link(cluster)
-    layers: list[LayerCost] = []
-    tails: list[float] = []
-    done: dict[tuple[str, bool], tuple[dict, float]] = {}
-    first = _first_block(profile)
-    for index, layer in enumerate(profile.layers):
-        # A repeated block shares its first occurrence's measurements, hence its costs (the
-        # model's first block apart: with SP it cuts its input, one more collective).
-        key = (layer.repeat_of or layer.name, index == first)
-        if key in done and layer.kind == "block":
-            fields, tail = done[key]
-            fields["name"] = layer.name
-            cost = LayerCost(**fields)
-        else:
-            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
-                                     fw, attention[index])
-            done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
-        layers.append(cost)
-        tails.append(tail)
-    p2p = recv_bytes = 0.0
-    if cfg.pp > 1:
-        sp_div = cfg.tp if cfg.sequence_parallel else 1
-        boundary = max(layer.output_bytes for layer in profile.layers) * cfg.micro_batch * ratio
-        recv_bytes = boundary / sp_div  # one stage input (or output gradient) on one rank
-        # forward activation send + backward gradient send of one micro-batch
-        p2p = 2 * comm.p2p_s(groups["pp"], recv_bytes)
+    layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, attention)
+    p2p, recv_bytes = _pipeline_sends(profile, cfg, groups, ratio)
     return CostTable(
         config=cfg,
         layers=tuple(layers),
@@ -431,6 +426,42 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
         dtype_reason=dtype_reason(cluster.device, cfg.dtype),
     )
+
+
+def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, groups, ratio,
+                 fw: Framework, attention) -> tuple[list[LayerCost], list[float]]:
+    """Every layer's LayerCost and DP tail, in profile order."""
+    layers: list[LayerCost] = []
+    tails: list[float] = []
+    done: dict[tuple[str, bool], tuple[dict, float]] = {}
+    first = _first_block(profile)
+    for index, layer in enumerate(profile.layers):
+        # A repeated block shares its first occurrence's measurements, hence its costs (the
+        # model's first block apart: with SP it cuts its input, one more collective).
+        key = (layer.repeat_of or layer.name, index == first)
+        if key in done and layer.kind == "block":
+            fields, tail = done[key]
+            fields["name"] = layer.name
+            cost = LayerCost(**fields)
+        else:
+            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
+                                     fw, attention[index])
+            done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
+        layers.append(cost)
+        tails.append(tail)
+    return layers, tails
+
+
+def _pipeline_sends(profile: ModelProfile, cfg: ParallelConfig, groups, ratio
+                    ) -> tuple[float, float]:
+    """(p2p seconds per micro-batch, one stage-boundary tensor's bytes); zeros when pp == 1."""
+    if cfg.pp <= 1:
+        return 0.0, 0.0
+    sp_div = cfg.tp if cfg.sequence_parallel else 1
+    boundary = max(layer.output_bytes for layer in profile.layers) * cfg.micro_batch * ratio
+    recv_bytes = boundary / sp_div  # one stage input (or output gradient) on one rank
+    # forward activation send + backward gradient send of one micro-batch
+    return 2 * comm.p2p_s(groups["pp"], recv_bytes), recv_bytes
 
 
 def _fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
@@ -456,7 +487,12 @@ def _first_block(profile: ModelProfile) -> int:
 
 
 def charged_collectives(
-    profile: ModelProfile, plan_or_config: ParallelConfig | Plan, pp_rank: int = 0
+    profile: ModelProfile,
+    config: ParallelConfig,
+    pp_rank: int = 0,
+    *,
+    split: tuple[tuple[int, int], ...] | None = None,
+    recompute: tuple[str, ...] | None = None,
 ) -> dict[str, int]:
     """The collectives per step that this module's time terms charge one rank of ``pp_rank``.
 
@@ -466,11 +502,12 @@ def charged_collectives(
 
     Args:
         profile: the model profile.
-        plan_or_config: a Plan (its split and recompute) or a ParallelConfig (split as in
-            ``collectives.stage_split``).
+        config: the degrees, batch and schedule.
         pp_rank: the pipeline rank whose stages to count.
+        split, recompute: a Plan's stage ranges and per-layer recompute; defaults as in
+            ``collectives.stage_split``.
     """
-    cfg, split, recompute = stage_split(profile, plan_or_config)
+    cfg, split, recompute = stage_split(profile, config, split, recompute)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     m, first = cfg.num_microbatches, _first_block(profile)
     counts: Counter[str] = Counter()

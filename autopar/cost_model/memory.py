@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, dp_mechanism
+from autopar.cost_model.presets import ALLOCATOR_RESERVE_BYTES, COMM_BUFFER_BYTES_PER_GROUP
 from autopar.graph.types import LayerProfile
 
 if TYPE_CHECKING:
@@ -63,14 +64,6 @@ __all__ = [
     "zero_paper_model_state_bytes",
 ]
 
-MIB = 2**20
-# NCCL allocates its channel buffers per communicator (NCCL_BUFFSIZE 4 MiB per channel and peer;
-# ~16 ring channels on NVLink): ~64 MiB per process group in use (tp, dp, pp with degree > 1).
-COMM_BUFFER_BYTES_PER_GROUP = 64 * MIB
-# DDP's buckets (25 MiB each, gradient copies) are charged as gradients. The caching allocator's
-# rounding and block splitting over the step (beyond the cluster's headroom fraction, which holds
-# the CUDA context and long-term fragmentation): a fixed reserve.
-ALLOCATOR_RESERVE_BYTES = 256 * MIB
 MASTER_BYTES = 4  # fp32 parameters (the master weights under mixed precision)
 GRAD_BYTES = 4  # fp32 gradients (reduce dtype fp32)
 ADAM_BYTES = 8  # fp32 exp_avg + exp_avg_sq

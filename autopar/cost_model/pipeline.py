@@ -14,22 +14,19 @@ T_F ~ T_B/2, i.e. about 1/3 of (p-1)(T_F+T_B)), which ``ZERO_BUBBLE_RESIDUAL`` e
 
 from __future__ import annotations
 
+from autopar.schedules import get_schedule, rank_of_stage
+
 __all__ = [
-    "V_SHAPED_SCHEDULES",
     "ZERO_BUBBLE_RESIDUAL",
     "bubble_coefficient",
     "bubble_ratio",
     "in_flight_microbatches",
     "pipeline_buffer_microbatches",
-    "rank_of_stage",
 ]
 
-# Fraction of the 1F1B bubble that the zero-bubble schedules leave (Qi et al. 2023, ZB-H1).
+# Fraction of the 1F1B bubble that the zero-bubble schedules leave (sourced: Qi et al. 2023,
+# ZB-H1, section 3).
 ZERO_BUBBLE_RESIDUAL = 1.0 / 3.0
-ZERO_BUBBLE_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
-V_SHAPED_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
-# Schedules whose every backward runs as an input-gradient pass (I) then a weight pass (W).
-SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
 
 
 def bubble_ratio(
@@ -49,7 +46,7 @@ def bubble_ratio(
     if num_ranks <= 1:
         return 0.0
     ratio = (num_ranks - 1) / (virtual_stages * num_microbatches)
-    if schedule in ZERO_BUBBLE_SCHEDULES:
+    if get_schedule(schedule).zero_bubble:
         ratio *= ZERO_BUBBLE_RESIDUAL
     return ratio
 
@@ -73,7 +70,7 @@ def bubble_coefficient(
         # m v: c = (v p - 1 - m (v - 1)) / (v p), which is (p - 1) / (v p) at m = p.
         return (v * p - 1 - m * (v - 1)) / (v * p)
     c = (p - 1) / (v * p)
-    if schedule in ZERO_BUBBLE_SCHEDULES:
+    if get_schedule(schedule).zero_bubble:
         c *= ZERO_BUBBLE_RESIDUAL
     return c
 
@@ -117,20 +114,6 @@ def in_flight_microbatches(
     return min(float(m), value)
 
 
-def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
-    """Pipeline rank that runs model chunk ``stage_index``.
-
-    Loop placement (gpipe, 1f1b, interleaved-1f1b, interleaved-zero-bubble): stage s on rank
-    s % p (torch's default stage-to-rank map). V placement (zbv-zero-bubble, dualpipe-v): rank r
-    holds stages r and 2p - 1 - r.
-    """
-    if num_ranks <= 1:
-        return 0
-    if schedule in V_SHAPED_SCHEDULES:
-        return stage_index if stage_index < num_ranks else 2 * num_ranks - 1 - stage_index
-    return stage_index % num_ranks
-
-
 def pipeline_buffer_microbatches(
     schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int,
     policy: str = "per_microbatch",
@@ -160,13 +143,14 @@ def pipeline_buffer_microbatches(
     if p <= 1:
         return 0
     num_stages = p * virtual_stages
+    split_backward = get_schedule(schedule).split_backward
     count = 0
     for stage in range(num_stages):
         if rank_of_stage(schedule, p, stage) != rank:
             continue
         per = 1 if policy == "in_flight" else m
         if stage > 0:
-            count += per * (2 if schedule in SPLIT_BACKWARD_SCHEDULES else 1)
+            count += per * (2 if split_backward else 1)
         if stage < num_stages - 1:
             count += per
     return count

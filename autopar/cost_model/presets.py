@@ -15,12 +15,23 @@ records (V100, H200) inherit the same physics.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CPU_CORES", "PRESETS", "cpu_cluster_fields"]
+from autopar.units import GIB, MIB
 
-GIB = 2**30
-MIB = 2**20
+__all__ = [
+    "ALLOCATOR_RESERVE_BYTES",
+    "COMM_BUFFER_BYTES_PER_GROUP",
+    "CPU_CORES",
+    "DP_OVERLAP",
+    "HEADROOM",
+    "PRESETS",
+    "cpu_cluster_fields",
+    "preset_for_device_name",
+    "thaw",
+]
 
 # ---- fitted once, jointly, to the first 13 published runs (docs/cost_model.md) -----------------
 A100_EFFICIENCY_MAX = 0.746  # fraction of 312 TFLOP/s large 16-bit matmuls reach (fit)
@@ -44,6 +55,13 @@ H200_EFFICIENCY_MAX = 0.70
 H200_HALF_FLOPS = 3.7e10
 DISPATCH_FLOOR_S = 2.0e-3  # eager PyTorch, one block forward + backward (any GPU's host)
 HEADROOM = 0.05  # CUDA context (~0.5-1 GiB) + allocator fragmentation, of device memory
+# NCCL allocates its channel buffers per communicator (NCCL_BUFFSIZE 4 MiB per channel and
+# peer; ~16 ring channels on NVLink): ~64 MiB per process group in use (tp, dp, pp with degree > 1).
+COMM_BUFFER_BYTES_PER_GROUP = 64 * MIB
+# DDP's buckets (25 MiB each, gradient copies) are charged as gradients. The caching allocator's
+# rounding and block splitting over the step (beyond the cluster's headroom fraction, which holds
+# the CUDA context and long-term fragmentation): a fixed reserve.
+ALLOCATOR_RESERVE_BYTES = 256 * MIB
 
 
 def _gpu(
@@ -118,13 +136,32 @@ _A100_HOST = _host(1e12, 8, 32e9)
 _H100_HOST = _host(2e12, 8, 64e9)
 _V100_HOST = _host(1.5e12, 16, 16e9)
 
-# Fields every GPU preset shares.
+
+def _frozen(value: Any) -> Any:
+    """A read-only deep copy: mappings become MappingProxyType (lists, tuples)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """A mutable deep copy of a (frozen) preset: mappings become dicts, tuples lists."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+# Fields every GPU preset shares (the cluster-level defaults of a GPU cluster).
 _GPU_CLUSTER_DEFAULTS: dict[str, Any] = {
     "memory_headroom_fraction": HEADROOM,
     "dp_overlap_efficiency": DP_OVERLAP,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS: Mapping[str, Mapping[str, Any]] = _frozen({
     "a100-40g": {
         "device": _gpu(
             "A100-SXM4-40GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
@@ -180,7 +217,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_V100_HOST,
         **_GPU_CLUSTER_DEFAULTS,
     },
-}
+})
+
+
+
+def preset_for_device_name(device_name: str) -> str:
+    """The GPU preset whose datasheet figures a device of this CUDA name starts from (the first
+    matching part; an A100 named 40GB gets the 40 GB preset; an unknown part: "h100")."""
+    name = device_name.upper()
+    for key, preset in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"),
+                        ("V100", "v100-32g")):
+        if key in name:
+            return "a100-40g" if preset == "a100-80g" and "40GB" in name else preset
+    return "h100"
+
 
 # ---- cpu: this machine (2 cores of an AMD EPYC Zen 3, 23.5 GiB RAM), gloo over loopback -------
 CPU_CORES = 2

@@ -1,4 +1,4 @@
-"""The cost model's main formulas as sympy expressions, and ``explain_plan``.
+"""The cost model's main formulas as sympy expressions, and ``explain`` (of one split).
 
 Units: bytes and seconds. The expressions are built once (module constants) and evaluated with
 numbers from the plan's CostTable; tests check that they evaluate to what the numeric code
@@ -23,11 +23,13 @@ from autopar.cost_model.memory import (
     fsdp_keeps_params_unsharded,
 )
 from autopar.cost_model.pipeline import bubble_coefficient
+from autopar.units import GIB, KIB, MIB
 
 if TYPE_CHECKING:
+    from autopar.cost_model.estimate import Estimate
     from autopar.cost_model.hardware import Cluster
+    from autopar.cost_model.tables import CostTable
     from autopar.graph.types import ModelProfile
-    from autopar.plan import Plan
 
 __all__ = [
     "ALL_REDUCE",
@@ -35,7 +37,7 @@ __all__ = [
     "MATMUL_TIME",
     "MODEL_STATE",
     "STEP_TIME",
-    "explain_plan",
+    "explain",
     "model_state_expr",
     "model_state_expr_for",
 ]
@@ -95,43 +97,56 @@ def model_state_expr_for(config: ParallelConfig) -> tuple[sp.Expr, sp.Expr, sp.E
 
 def _gib(x: float) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if abs(x) >= size:
             return f"{x / size:.2f} {unit}"
     return f"{x:.0f} B"
 
 
-def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
-    """The plan's memory and time formulas, then the same with its numbers substituted.
+def explain(
+    profile: ModelProfile,
+    cluster: Cluster,
+    config: ParallelConfig,
+    split: tuple[tuple[int, int], ...],
+    recompute: tuple[str, ...],
+    framework: str,
+) -> str:
+    """A split's memory and time formulas, then the same with its numbers substituted.
 
     Args:
-        profile: the model profile the plan was made for.
-        cluster: the cluster the plan was made for.
-        plan: the plan.
+        profile: the model profile the split was made for.
+        cluster: the cluster.
+        config: the degrees, batch and schedule.
+        split: (first, last) profile layer of every stage, in stage order.
+        recompute: the recompute choice of every profile layer.
+        framework: the framework that runs it (a name in ``FRAMEWORKS``).
 
     Returns:
         Multi-line text.
     """
-    from autopar.config import DTYPE_BYTES
     from autopar.cost_model.assemble import assemble
 
-    cfg = plan.config
-    table = build_cost_table(profile, cluster, cfg, plan.framework)
-    split = tuple(tuple(s.layers) for s in plan.stages)
-    est = assemble(table, split, plan.recompute_per_layer)
-    kind = dp_mechanism(cfg)
+    table = build_cost_table(profile, cluster, config, framework)
+    est = assemble(table, split, recompute)
+    lines = [f"plan: {config.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)", ""]
+    lines += _memory_lines(config, est)
+    lines += ["", f"step time: {sp.sstr(STEP_TIME)}"]
+    lines += _time_lines(config, cluster, table, est, framework)
+    return "\n".join(lines)
+
+
+def _memory_lines(cfg: ParallelConfig, est: Estimate) -> list[str]:
+    from autopar.config import DTYPE_BYTES
+
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
     psi = largest.num_params / cfg.tp
     values = {Psi: psi, d: cfg.dp_shard * cfg.cp, w: DTYPE_BYTES[cfg.dtype]}  # the shard group
-    state = model_state_expr_for(cfg)
-    names = ("parameters", "gradients", "optimizer")
     lines = [
-        f"plan: {cfg.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)",
-        "",
-        f"memory of pipeline rank {largest.rank} (data parallel: {kind}, zero {cfg.zero}):",
+        f"memory of pipeline rank {largest.rank} (data parallel: {dp_mechanism(cfg)}, "
+        f"zero {cfg.zero}):",
         f"  Psi = parameters of the rank / tp = {largest.num_params:,} / {cfg.tp} = {psi:,.0f}",
     ]
-    for name, expr in zip(names, state):
+    for name, expr in zip(("parameters", "gradients", "optimizer"), model_state_expr_for(cfg)):
         lines.append(f"  {name:11s} = {sp.sstr(expr)} = {_gib(float(expr.subs(values)))}")
     mem = largest.memory
     lines += [
@@ -140,9 +155,13 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
         f"  buffers     = comm buffers + allocator reserve = {_gib(mem.buffers_bytes)}",
         f"  total       = {_gib(largest.memory_bytes)} of {_gib(est.memory_capacity_bytes)} "
         f"usable -> {'fits' if est.fits else 'does NOT fit'}",
-        "",
-        f"step time: {sp.sstr(STEP_TIME)}",
     ]
+    return lines
+
+
+def _time_lines(
+    cfg: ParallelConfig, cluster: Cluster, table: CostTable, est: Estimate, framework: str
+) -> list[str]:
     c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
     r_max = max(s.time_per_microbatch_s for s in est.stages)
     tb = est.time_breakdown
@@ -151,10 +170,10 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
                    T_sum: tb.bubble_s / c if c else 0.0, p: max(cfg.pp, 2),
                    v: cfg.virtual_stages}
     step = float(STEP_TIME.subs(step_values)) if c else table.num_microbatches * r_max + e_max
-    lines += [
+    return [
         f"  m = {table.num_microbatches}, R_max = {r_max * 1e3:.3f} ms per micro-batch "
         f"(slowest rank), c = {c:.4f}, E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer + "
-        f"{plan.framework}'s fixed {table.step_fixed_s * 1e3:.3f} ms per step)",
+        f"{framework}'s fixed {table.step_fixed_s * 1e3:.3f} ms per step)",
         f"  step = {step:.4f} s -> {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
         "",
         f"collectives: all_reduce = {sp.sstr(ALL_REDUCE)} (ring: reduce-scatter + all-gather)",
@@ -164,4 +183,3 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
         "time by term: " + ", ".join(f"{k.removesuffix('_s')} {val:.4f} s"
                                      for k, val in tb.to_dict().items()),
     ]
-    return "\n".join(lines)

@@ -1,14 +1,8 @@
 """Checks of a ParallelConfig against a model profile and a cluster (what the config alone can't).
 
 Each failed check raises ``ValueError`` whose message names the constraint and what to do. The
-micro-batch rules per schedule follow torch 2.13's ``torch.distributed.pipelining.schedules``:
-
-- ``ScheduleGPipe``: any number of micro-batches.
-- ``Schedule1F1B``: ``n_microbatches >= num_stages`` (one stage per rank, so >= pp).
-- ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``: with
-  ``rounds = max(1, m // pp)``, ``m % rounds == 0``.
-- ``ScheduleZBVZeroBubble``: exactly 2 stages per rank (pads the micro-batch count itself).
-- ``ScheduleDualPipeV``: exactly 2 stages per rank and ``m >= num_stages`` (= 2 pp).
+micro-batch rules per schedule (torch 2.13's ``torch.distributed.pipelining.schedules``) live in
+``autopar.schedules.check_schedule``.
 """
 
 from __future__ import annotations
@@ -16,43 +10,9 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import ModelProfile
+from autopar.schedules import check_schedule
 
-__all__ = ["check_config", "check_dimensions", "check_ep", "check_schedule"]
-
-
-def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> None:
-    """Raise ValueError unless torch's schedule class accepts this pipeline shape.
-
-    Args:
-        schedule: schedule name.
-        pp: pipeline ranks.
-        virtual_stages: model chunks per rank.
-        num_microbatches: micro-batches per pipeline per step (m).
-    """
-    if pp <= 1:
-        return
-    m, stages = num_microbatches, pp * virtual_stages
-    if schedule == "1f1b" and m < stages:
-        raise ValueError(
-            f"schedule 1f1b needs micro-batches per pipeline >= pp ({m} < {pp}); raise "
-            "global_batch or lower dp * micro_batch"
-        )
-    if schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            raise ValueError(
-                f"schedule {schedule} needs micro-batches per pipeline ({m}) to be a multiple of "
-                f"the number of rounds max(1, m // pp) = {rounds}; use a multiple of pp = {pp}"
-            )
-    if schedule in ("zbv-zero-bubble", "dualpipe-v") and virtual_stages != 2:
-        raise ValueError(
-            f"schedule {schedule} needs exactly 2 stages per rank (virtual_stages=2), "
-            f"got {virtual_stages}"
-        )
-    if schedule == "dualpipe-v" and m < stages:
-        raise ValueError(
-            f"schedule dualpipe-v needs micro-batches per pipeline >= stages ({m} < {stages})"
-        )
+__all__ = ["check_config", "check_dimensions", "check_ep"]
 
 
 def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> None:

@@ -190,46 +190,17 @@ def build_layers(
     embedding = per_sample(runs[1].embedding, runs[2].embedding)
     if not structure.blocks:
         params = _params(model, [structure.embedding])
-        return (
-            _record(
-                name="model",
-                kind="other",
-                fqns=structure.embedding,
-                params=params[0],
-                m=embedding,
-                tp=TPStructure(),
-            ),
-        )
+        return (_record(name="model", kind="other", fqns=structure.embedding, params=params[0],
+                        m=embedding, tp=TPStructure()),)
     groups = [structure.embedding, *[(b,) for b in structure.blocks], structure.head]
     params = _params(model, groups)
-    layers = [
-        _record(
-            name="embedding",
-            kind="embedding",
-            fqns=structure.embedding,
-            params=params[0],
-            m=embedding,
-            tp=embedding_tp(
-                model,
-                structure.embedding,
-                vocab=facts.vocab,
-                seq_len=seq_len,
-                dtype_bytes=dtype_bytes,
-            ),
-        )
-    ]
-    layers.extend(
-        _blocks(model, structure, facts, params, representative, measured, seq_len, dtype_bytes)
-    )
-    head = per_sample(runs[1].head, runs[2].head)
-    layers.append(
-        _record(
-            name="head",
-            kind="head",
-            fqns=structure.head,
-            params=params[-1],
-            m=head,
-            tp=head_tp(model, structure.head, vocab=facts.vocab),
-        )
-    )
-    return tuple(layers)
+    embedding_tp_ = embedding_tp(model, structure.embedding, vocab=facts.vocab, seq_len=seq_len,
+                                 dtype_bytes=dtype_bytes)
+    first = _record(name="embedding", kind="embedding", fqns=structure.embedding,
+                    params=params[0], m=embedding, tp=embedding_tp_)
+    blocks = _blocks(model, structure, facts, params, representative, measured, seq_len,
+                     dtype_bytes)
+    last = _record(name="head", kind="head", fqns=structure.head, params=params[-1],
+                   m=per_sample(runs[1].head, runs[2].head),
+                   tp=head_tp(model, structure.head, vocab=facts.vocab))
+    return (first, *blocks, last)

@@ -368,23 +368,13 @@ def run_model(
             raise RunFailure(stack[-1] if stack else "", err) from err
         total = flops.get_total_flops()
     if not blocks:
-        whole = Measured(
-            fwd_flops=fwd_total,
-            bwd_flops=total - fwd_total,
-            core_fwd_flops=0,
-            saved=recorder.totals("embedding"),
-            input_bytes=input_bytes,
-            output_bytes=0,
-        )
+        whole = Measured(fwd_flops=fwd_total, bwd_flops=total - fwd_total, core_fwd_flops=0,
+                         saved=recorder.totals("embedding"), input_bytes=input_bytes,
+                         output_bytes=0)
         return ModelRun(embedding=whole, head=None, call_order=tuple(order))
     embedding, head = _split(relays, recorder, fwd_total, total, input_bytes)
-    return ModelRun(
-        embedding=embedding,
-        head=head,
-        call_order=tuple(order),
-        block_keys=relays.keys,
-        calls=relays.calls,
-    )
+    return ModelRun(embedding=embedding, head=head, call_order=tuple(order),
+                    block_keys=relays.keys, calls=relays.calls)
 
 
 def _split(

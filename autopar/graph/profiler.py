@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.config import TORCH_DTYPE_NAMES
 from autopar.errors import AutoparError, TraceError
 from autopar.graph.facts import ModelFacts, default_seq_len, model_facts
 from autopar.graph.inputs import (
@@ -50,7 +51,7 @@ __all__ = ["KERNELS", "profile"]
 # Kernel sets whose saved tensors ``profile`` can count (see its ``kernels`` argument).
 KERNELS = ("cuda", "cpu")
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAMES = {getattr(torch, torch_name): name for name, torch_name in TORCH_DTYPE_NAMES.items()}
 _DTYPE_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 _BATCH_SIZES = (1, 2)  # per-sample counts = counts(b=2) - counts(b=1)
 
@@ -307,7 +308,13 @@ def profile(
         )
     if not seq_len:
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
-    work = _meta_copy(model, torch_dtype)
+    return _profile_meta(_meta_copy(model, torch_dtype), int(seq_len), torch_dtype,
+                         example_inputs, loss_fn, kernels)
+
+
+def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, example_inputs: Any,
+                  loss_fn: Callable[..., Any] | None, kernels: str) -> ModelProfile:
+    """``profile`` of the model's meta copy ``work``."""
     install_expert_standins(work)  # routed experts by formula (graph/moe.py), like SDPA
     container, blocks = find_blocks(work)
     batches = {b: make_batch(work, b, seq_len, example_inputs, torch_dtype) for b in _BATCH_SIZES}
@@ -320,29 +327,14 @@ def profile(
     structure = group_outside(container, blocks, order)
     representative, measured = _measure_blocks(work, blocks, runs, fake_mode, fused)
     facts = _facts(work, blocks, measured, runs[1])
-    layers = build_layers(
-        work,
-        structure=structure,
-        facts=facts,
-        runs=runs,
-        representative=representative,
-        measured=measured,
-        seq_len=seq_len,
-        dtype=torch_dtype,
-    )
+    layers = build_layers(work, structure=structure, facts=facts, runs=runs,
+                          representative=representative, measured=measured, seq_len=seq_len,
+                          dtype=torch_dtype)
     return ModelProfile(
-        name=facts.name,
-        layers=layers,
-        seq_len=int(seq_len),
-        dtype=_DTYPE_NAMES[torch_dtype],
-        hidden=facts.hidden,
-        heads=facts.heads,
-        kv_heads=facts.kv_heads,
-        ffn_hidden=facts.ffn_hidden,
-        vocab=facts.vocab,
-        num_blocks=len(blocks),
-        attention=facts.attention,
-        trace_method=trace.method or "modules",
+        name=facts.name, layers=layers, seq_len=seq_len, dtype=_DTYPE_NAMES[torch_dtype],
+        hidden=facts.hidden, heads=facts.heads, kv_heads=facts.kv_heads,
+        ffn_hidden=facts.ffn_hidden, vocab=facts.vocab, num_blocks=len(blocks),
+        attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head),
     )
 

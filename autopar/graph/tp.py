@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from autopar.graph.types import TPStructure
+from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
 
 __all__ = [
     "COLWISE_NAMES",
@@ -32,30 +33,6 @@ __all__ = [
     "out_features",
 ]
 
-COLWISE_NAMES = frozenset(
-    {
-        "wq",
-        "wk",
-        "wv",
-        "w1",
-        "w3",
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "gate_proj",
-        "up_proj",
-        "query",
-        "key",
-        "value",
-        "fc1",
-        "fc_in",
-        "dense_h_to_4h",
-        "c_fc",
-    }
-)
-ROWWISE_NAMES = frozenset(
-    {"wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "fc_out", "dense_4h_to_h", "c_proj"}
-)
 # One matrix computing q, k and v (equal widths): column-parallel, split per q / k / v.
 FUSED_QKV_NAMES = frozenset({"c_attn", "qkv_proj", "Wqkv", "query_key_value"})
 

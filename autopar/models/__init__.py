@@ -7,9 +7,7 @@ download); ``load_model_file`` loads a user's ``build_model()``/``example_inputs
 
 from __future__ import annotations
 
-from typing import Any
-
-from autopar.lazy import lazy_attribute
+from autopar.lazy import lazy_getattr
 from autopar.models.spec import ModelSpec
 from autopar.models.transformer import cross_entropy_loss, init_weights
 from autopar.models.zoo import build, list_presets, make_spec, num_params
@@ -40,8 +38,4 @@ _LAZY = {
     "resolve_model": "autopar.models.resolve",
 }
 
-
-def __getattr__(name: str) -> Any:
-    value = lazy_attribute(__name__, _LAZY, name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

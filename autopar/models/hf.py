@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError, UnknownModelError
+from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
 
 __all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
 
@@ -27,14 +28,10 @@ __all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
 # input projections (q, k, v, gate, up, fc in); row-wise: output projections (o, down, fc out).
 # Fused projections (qkv in one matrix, gate+up in one) are listed apart: a plain column split
 # of them would mix q with k/v, so they need a layout-aware split.
-_COLWISE = frozenset(
-    {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h",
-     "w1", "w3", "fc_in", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv"}
-)  # fmt: skip
-_ROWWISE = frozenset(
-    {"o_proj", "down_proj", "fc2", "c_proj", "dense_4h_to_h", "out_proj", "dense", "w2",
-     "fc_out", "o", "wo"}
-)  # fmt: skip
+# Beyond the names any model's are recognised by (tp_names.py): T5's q / k / v / o, BERT's
+# attention-output dense.
+_COLWISE = COLWISE_NAMES | {"q", "k", "v"}
+_ROWWISE = ROWWISE_NAMES | {"dense", "o"}
 _FUSED = frozenset({"qkv_proj", "query_key_value", "c_attn", "gate_up_proj", "Wqkv", "qkv"})
 
 

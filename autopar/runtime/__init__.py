@@ -7,9 +7,7 @@ because these names resolve on first use.
 
 from __future__ import annotations
 
-from typing import Any
-
-from autopar.lazy import lazy_attribute
+from autopar.lazy import lazy_getattr
 
 __all__ = [
     "ParallelizedModel",
@@ -31,8 +29,4 @@ _LAZY: dict[str, str] = {
     "train_step": "autopar.runtime.step",
 }
 
-
-def __getattr__(name: str) -> Any:
-    value = lazy_attribute(__name__, _LAZY, name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -29,10 +29,12 @@ from autopar.runtime.pipeline_parallel import (
 from autopar.runtime.recompute import ATTENTION_NAMES, apply_recompute, find_attention
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_tp_layout
 from autopar.runtime.tp_checks import check_tensor_parallel
+from autopar.schedules import check_schedule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from autopar.config import ParallelConfig
     from autopar.models.spec import ModelSpec
     from autopar.plan import Plan, StagePlan
 
@@ -142,21 +144,10 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
 
 def _check_schedule(plan: Plan) -> None:
     cfg = plan.config
-    n_mb = cfg.num_microbatches
-    if cfg.pp == 1:
-        return
-    if cfg.schedule == "1f1b" and n_mb < cfg.pp:
-        raise AutoparError(
-            f"schedule 1f1b needs at least pp={cfg.pp} micro-batches, got {n_mb} "
-            "(global_batch / (dp * micro_batch)); raise the global batch or lower micro_batch"
-        )
-    if cfg.schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
-        rounds = max(1, n_mb // cfg.pp)
-        if n_mb % rounds:
-            raise AutoparError(
-                f"schedule {cfg.schedule} needs the micro-batch count ({n_mb}) to be a multiple "
-                f"of n_mb // pp = {rounds}; use a multiple of pp={cfg.pp} micro-batches"
-            )
+    try:
+        check_schedule(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
+    except ValueError as e:
+        raise AutoparError(str(e)) from None
 
 
 def _structure_or_none(model: nn.Module) -> ModelStructure | None:
@@ -357,31 +348,9 @@ def apply_plan(
         if cfg.pp > 1 else [model]
     )
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
-    wrapped: list[nn.Module] = []
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
-    for part, stage_plan in zip(parts, stage_plans):
-        # [TP] parallelize_module by the plan's layout.
-        apply_tensor_parallel(
-            part,
-            mesh["tp"],
-            layout,
-            container=structure.container,
-            sequence_parallel=cfg.sequence_parallel,
-            first_block=structure.first_block,
-        )
-        # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
-        # the all-to-alls; before DP: the wrappers leave the experts out).
-        local_experts = apply_expert_parallel(part, experts_groups, cfg)
-        # The hidden states are sequence shards after the model's first block (layer 1).
-        if structure.nested and cfg.sequence_parallel and cfg.tp > 1 and stage_plan.layers[1]:
-            shard_head_stand_ins(part, structure, mesh["tp"])
-        # [AC] per-block recomputation.
-        choices = _owned_block_fqns(stage_plan, structure)
-        blocks = {fqn: part.get_submodule(fqn) for fqn in choices}
-        apply_recompute(blocks, choices)
-        # [DP] by ZeRO stage.
-        wrapped.append(apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg,
-                                           ignored_params=local_experts))
+    wrapped = [_parallelize_part(part, stage_plan, structure, layout, mesh, cfg, experts_groups)
+               for part, stage_plan in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
     schedule, stages = None, ()
     if cfg.pp > 1:
@@ -392,17 +361,38 @@ def apply_plan(
         )
         schedule = build_schedule(list(stages), plan, loss)
     return ParallelizedModel(
-        model_parts=tuple(wrapped),
-        schedule=schedule,
-        stages=stages,
-        has_first_stage=0 in indices,
-        has_last_stage=cfg.num_stages - 1 in indices,
-        plan=plan,
-        mesh=mesh,
-        loss_fn=loss,
-        stage_indices=indices,
-        autocast_dtype=_autocast_dtype(plan),
+        model_parts=tuple(wrapped), schedule=schedule, stages=stages,
+        has_first_stage=0 in indices, has_last_stage=cfg.num_stages - 1 in indices, plan=plan,
+        mesh=mesh, loss_fn=loss, stage_indices=indices, autocast_dtype=_autocast_dtype(plan),
     )
+
+
+def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelStructure,
+                      layout: dict[str, str], mesh: DeviceMesh, cfg: ParallelConfig,
+                      experts_groups: Any) -> nn.Module:
+    """TP -> EP -> recompute -> DP on one stage module (the fixed order of ``apply_plan``)."""
+    # [TP] parallelize_module by the plan's layout.
+    apply_tensor_parallel(
+        part,
+        mesh["tp"],
+        layout,
+        container=structure.container,
+        sequence_parallel=cfg.sequence_parallel,
+        first_block=structure.first_block,
+    )
+    # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
+    # the all-to-alls; before DP: the wrappers leave the experts out).
+    local_experts = apply_expert_parallel(part, experts_groups, cfg)
+    # The hidden states are sequence shards after the model's first block (layer 1).
+    if structure.nested and cfg.sequence_parallel and cfg.tp > 1 and stage_plan.layers[1]:
+        shard_head_stand_ins(part, structure, mesh["tp"])
+    # [AC] per-block recomputation.
+    choices = _owned_block_fqns(stage_plan, structure)
+    blocks = {fqn: part.get_submodule(fqn) for fqn in choices}
+    apply_recompute(blocks, choices)
+    # [DP] by ZeRO stage.
+    return apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg,
+                               ignored_params=local_experts)
 
 
 def _apply_any_model(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autopar.config import dp_mechanism
+from autopar.config import TORCH_DTYPE_NAMES, dp_mechanism
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,9 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_mechanism", "mp_policy"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+    name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()
 }
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from autopar.units import MIB
+
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
@@ -49,8 +51,8 @@ NOT_AUTOPAR = "no manifest: not written by autopar"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # A manifest lists a few files per rank; anything larger is not one autopar wrote.
-_MAX_MANIFEST_BYTES = 64 * 2**20
-_READ_CHUNK_BYTES = 8 * 2**20
+_MAX_MANIFEST_BYTES = 64 * MIB
+_READ_CHUNK_BYTES = 8 * MIB
 # Files hashed at once (hashlib releases the GIL on large buffers, so threads overlap I/O).
 _HASH_THREADS = 8
 # Reasons listed in one line before "and N more".

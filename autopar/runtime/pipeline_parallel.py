@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.schedules import get_schedule
 
 if TYPE_CHECKING:
     import torch
@@ -40,16 +41,6 @@ __all__ = [
 # Attribute names recognised as the block container (zoo: "layers"; HF-like: "h", "blocks").
 CONTAINER_NAMES: tuple[str, ...] = ("layers", "blocks", "h")
 
-# Plan schedule name -> torch.distributed.pipelining class name.
-SCHEDULE_CLASSES: dict[str, str] = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
-    "zbv-zero-bubble": "ScheduleZBVZeroBubble",
-    "dualpipe-v": "ScheduleDualPipeV",
-}
-SINGLE_STAGE_SCHEDULES = frozenset({"gpipe", "1f1b"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,8 +197,9 @@ def build_schedule(
     cfg = plan.config
     # Action-list schedules (interleaved, zero bubble, ZBV, DualPipeV) release each send once it
     # has provably completed instead of at the step's end (lean_pipeline.py).
-    cls = lean_schedule_class(getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule]))
+    schedule = get_schedule(cfg.schedule)
+    cls = lean_schedule_class(getattr(pipelining, schedule.torch_class))
     n_mb = cfg.num_microbatches
-    if cfg.schedule in SINGLE_STAGE_SCHEDULES:
+    if not schedule.multi_chunk:
         return cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)

@@ -12,23 +12,19 @@ seeded synthetic data. Measured:
 
 Predicted: ``autopar.estimate(profile, cluster, plan)`` on the given cluster (``--cluster``), or
 on the cluster the plan carries. Errors are signed and relative to the measurement:
-``(predicted - measured) / measured``. With ``--refit``, the cluster's compute efficiency is
-rescaled so that the prediction meets the measured step time (``autopar.calibration_fit``) and the
-new cluster is written as YAML.
+``(predicted - measured) / measured``. The command (``autopar/cli/cmd_verify.py``) with
+``--refit`` rescales the cluster's compute efficiency so that the prediction meets the measured
+step time (``autopar.cost_model.calibration.refit_cluster``) and writes the new cluster as YAML.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from autopar.calibration_fit import median
+from autopar.cost_model.calibration import median
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.units import MIB
 
 __all__ = [
     "RankMemory",
@@ -40,7 +36,6 @@ __all__ = [
     "per_rank_memory",
     "pp_rank_of",
     "predict",
-    "verify_command",
     "verify_plan",
 ]
 
@@ -49,8 +44,6 @@ PG_TIMEOUT_S = 300.0
 
 # Rows of the per-rank memory table; the ranks after these are summed up in one line.
 MAX_RANK_ROWS = 16
-
-_MIB = 2**20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -309,7 +302,7 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
     """
     import torch
 
-    import autopar
+    from autopar.costing import estimate
 
     dtype = None
     profile = model_profile(model_text)
@@ -326,7 +319,7 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
         profile = model_profile(model_text, dtype, kernels="cpu")
     # --cluster predicts the plan's split on another cluster of the same size on purpose.
-    return autopar.estimate(profile, cluster, plan.for_cluster(cluster))
+    return estimate(profile, cluster, plan.for_cluster(cluster))
 
 
 def verify_plan(plan: Any, cluster: Any, *, model_text: str = "", steps: int = 6,
@@ -381,7 +374,7 @@ def format_verification(v: Verification) -> str:
     tb = v.estimate.get("time_breakdown", {})
     terms = ", ".join(f"{k.removesuffix('_s')} {t * 1e3:.1f}" for k, t in tb.items() if t > 0)
     per_pp_rank = ", ".join(
-        f"pp rank {st['rank']} {sum(st['memory'].values()) / _MIB:.2f}"
+        f"pp rank {st['rank']} {sum(st['memory'].values()) / MIB:.2f}"
         for st in v.estimate.get("stages", ())
     )
     return (
@@ -391,8 +384,8 @@ def format_verification(v: Verification) -> str:
         f"  step time      {v.predicted_step_time_s * 1e3:9.2f} ms "
         f"{v.measured_step_time_s * 1e3:9.2f} ms  {_percent(v.step_time_error):>7s}"
         f"   (median of {timed} steps after {m.warmup_steps} warm-up)\n"
-        f"  peak memory    {v.predicted_memory_bytes / _MIB:9.2f} MiB"
-        f"{v.measured_memory_bytes / _MIB:9.2f} MiB {_percent(v.memory_error):>7s}"
+        f"  peak memory    {v.predicted_memory_bytes / MIB:9.2f} MiB"
+        f"{v.measured_memory_bytes / MIB:9.2f} MiB {_percent(v.memory_error):>7s}"
         f"   (largest rank, live tensor bytes)\n"
         f"  predicted time by term (ms): {terms}\n"
         f"  predicted memory by pipeline rank (MiB): {per_pp_rank}\n"
@@ -411,8 +404,8 @@ def format_rank_table(rows: tuple[RankMemory, ...], max_rows: int = MAX_RANK_ROW
     lines = ["  peak memory per rank (MiB, live tensor bytes):",
              "     rank  pp rank   predicted    measured    error"]
     lines += [
-        f"  {r.rank:7d}  {r.pp_rank:7d}  {r.predicted_bytes / _MIB:10.2f}"
-        f"  {r.measured_bytes / _MIB:10.2f}  {_percent(r.error):>7s}"
+        f"  {r.rank:7d}  {r.pp_rank:7d}  {r.predicted_bytes / MIB:10.2f}"
+        f"  {r.measured_bytes / MIB:10.2f}  {_percent(r.error):>7s}"
         for r in rows[:max_rows]
     ]
     rest = rows[max_rows:]
@@ -423,59 +416,3 @@ def format_rank_table(rows: tuple[RankMemory, ...], max_rows: int = MAX_RANK_ROW
     return "\n".join(lines) + "\n"
 
 
-def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
-    from autopar.cost_model.hardware import Cluster
-    from autopar.plan import Plan
-
-    path = Path(args.plan)
-    try:
-        plan = Plan.from_json(path.read_text())
-    except OSError as err:
-        raise AutoparError(f"cannot read plan {path}: {err.strerror}") from None
-    if args.cluster:
-        cluster = Cluster.from_yaml(args.cluster)
-    elif plan.cluster:
-        cluster = Cluster.from_dict(plan.cluster)
-    else:
-        raise AutoparError(f"plan {path} carries no cluster; pass --cluster cluster.yaml")
-    return plan, cluster
-
-
-def verify_command(args: argparse.Namespace) -> int:
-    """Run ``autopar verify``; returns the exit code.
-
-    Raises:
-        AutoparError: unreadable inputs, --refit without --out, an existing --out without
-            --force, or failed workers.
-    """
-    from autopar.calibration_fit import refit_cluster
-
-    if args.refit:
-        if not args.out:
-            raise AutoparError("--refit needs --out new_cluster.yaml (where to write the cluster)")
-        if Path(args.out).exists() and not args.force:
-            raise AutoparError(f"{args.out} exists; pass --force to overwrite it")
-    elif args.out:
-        raise AutoparError("--out goes with --refit")
-    plan, cluster = _load_inputs(args)
-    # The run here is autopar's runtime; --framework predicts as another framework would.
-    plan = dataclasses.replace(plan, framework=getattr(args, "framework", "autopar"))
-    result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
-                         warmup_steps=args.warmup, seed=args.seed)
-    record = result.to_dict()
-    text = format_verification(result)
-    if args.refit:
-        new = refit_cluster(cluster, result.estimate["time_breakdown"],
-                            result.measured_step_time_s)
-        new.to_yaml(args.out)
-        record["refit_cluster"] = new.to_dict()
-        text += (
-            f"  refit: matmul_efficiency_max {cluster.device.matmul_efficiency_max:.4g} -> "
-            f"{new.device.matmul_efficiency_max:.4g}; wrote {args.out}\n"
-        )
-    if args.json:
-        print(text, end="", file=sys.stderr)
-        print(json.dumps(record, sort_keys=True))
-    else:
-        print(text, end="")
-    return 0

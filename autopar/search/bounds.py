@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.partition import balanced_partition
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
 from autopar.cost_model.tables import CostTable
+from autopar.schedules import rank_of_stage
 from autopar.search.ilp import cost_signature, layer_runs
 from autopar.search.ilp_ranks import big_run
 

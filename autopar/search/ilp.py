@@ -44,29 +44,25 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pulp
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import pipeline_buffer_bytes
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import add_rank_hull
-from autopar.search.ilp_ranks import add_rank_counts, big_run, rank_aggregable, stage_counts
+from autopar.search.ilp_ranks import add_rank_counts, rank_aggregable, stage_counts, the_big_run
 from autopar.search.options import SearchOptions
+from autopar.units import GIB
 
-__all__ = [
-    "IlpModel",
-    "IlpSolution",
-    "build_ilp",
-    "cost_signature",
-    "decode",
-    "layer_runs",
-    "solve_ilp",
-]
+__all__ = ["IlpModel", "IlpSolution", "build_ilp", "cost_signature", "decode", "layer_runs",
+           "solve_ilp"]
 
-GIB = float(2**30)  # memory is expressed in GiB inside the ILP (solver-friendly scale)
-MEM_SAFETY_GIB = 1e-6  # keeps solver feasibility tolerance (1e-7) from overfilling a rank
+# Memory is in GiB (``autopar.units.GIB``) inside the ILP (solver-friendly scale); the safety
+MEM_SAFETY_GIB = 1e-6  # margin keeps solver feasibility tolerance (1e-7) from overfilling a rank
 R = range(len(RECOMPUTE))
 
 
@@ -161,7 +157,7 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int):
     """Variables Q, n, f and the count/order/nonempty constraints; returns (n, cnt)."""
     n_layers = len(table.layers)
     n: dict[tuple[int, int, int], pulp.LpVariable] = {}
-    q: dict[tuple[int, int], object] = {}
+    q: dict[tuple[int, int], Any] = {}
     for g, (a, b) in enumerate(runs):
         size, (lo, hi) = b - a + 1, _window(a, b, n_layers, s)
         for j in range(-1, s):
@@ -360,9 +356,8 @@ def build_ilp(
         slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
         slot_p2p = [1] * s
     cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
-    mems = _memory_exprs(
-        prob, table, runs, slot_rank, n, cnt, None if objective == "memory" else cap
-    )
+    mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt,
+                         None if objective == "memory" else cap)
     if objective == "memory":
         peak = _var(prob, "peak_gib", 0)
         for k, mem in enumerate(mems):
@@ -370,28 +365,29 @@ def build_ilp(
             prob += peak >= mem, f"mem[rank{k}]"
         prob += peak
     else:
-        for k, mem in enumerate(mems):
-            # [Constraint] mem: each pipeline rank's peak fits the usable device memory
-            prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
-        twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
-        if aggregate and s > 1:
-            add_rank_hull(
-                prob, table, runs, n, big_run(runs, len(table.layers)), cap, _var, cutoff_s
-            )
-        step = _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt, twins)
-        if cutoff_s is not None:
-            # [Constraint] cutoff: beat the k-th best plan found so far
-            prob += step <= cutoff_s, "cutoff"
-        prob += step
-    return IlpModel(
-        problem=prob,
-        table=table,
-        runs=runs,
-        count=n,
-        objective=objective,
-        per_rank=aggregate,
-        placement=placement,
-    )
+        layout = (slot_rank, slot_p2p, n, cnt)
+        _add_time_objective(prob, table, runs, layout, mems, cap, aggregate, cutoff_s)
+    return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective,
+                    per_rank=aggregate, placement=placement)
+
+
+def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
+                        aggregate: bool, cutoff_s: float | None) -> None:
+    """Memory caps, the rank hull and the step-time objective of ``build_ilp``'s time model."""
+    slot_rank, slot_p2p, n, cnt = layout
+    for k, mem in enumerate(mems):
+        # [Constraint] mem: each pipeline rank's peak fits the usable device memory
+        prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
+    twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
+    if aggregate and table.config.num_stages > 1:
+        add_rank_hull(
+            prob, table, runs, n, the_big_run(runs, len(table.layers)), cap, _var, cutoff_s
+        )
+    step = _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt, twins)
+    if cutoff_s is not None:
+        # [Constraint] cutoff: beat the k-th best plan found so far
+        prob += step <= cutoff_s, "cutoff"
+    prob += step
 
 
 @contextlib.contextmanager
@@ -446,7 +442,7 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
         limit_hit = True
     if status == "not-solved" and highs is not None:
         limit_hit = str(highs.getModelStatus()).endswith("kTimeLimit")
-    counts = {}
+    counts: dict[tuple, int] = {}
     if status in ("optimal", "feasible"):
         counts = {key: round(var.varValue or 0.0) for key, var in sorted(model.count.items())}
         for (g, j, r), var in sorted((model.placement or {}).items()):

@@ -40,16 +40,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pulp
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.units import GIB  # the ILP's memory scale
 
 __all__ = ["RankCase", "add_rank_hull", "best_block_time", "rank_case"]
 
-GIB = float(2**30)  # the ILP's memory scale
+_Point = TypeVar("_Point", bound=tuple[float, ...])
+
 R = range(len(RECOMPUTE))
 MAX_CONDITIONED_EDGES = 3  # optional edge layers per rank the hull conditions on (2^3 cases)
 COUNT_SLACK = 1e-9  # integer rounding slack: a count that fits up to float error still fits
@@ -70,9 +73,9 @@ def _modes(layer: LayerCost, fly: float) -> list[tuple[float, float, float]]:
     return out
 
 
-def _pareto(points: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+def _pareto(points: list[_Point]) -> list[_Point]:
     """Points no other point beats in every coordinate (ties: the first kept), sorted."""
-    keep = []
+    keep: list[_Point] = []
     for p in sorted(set(points)):
         if not any(all(q[i] <= p[i] for i in range(len(p))) for q in keep):
             keep.append(p)

@@ -27,10 +27,11 @@ from collections.abc import Callable
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.pipeline import rank_of_stage
 from autopar.cost_model.tables import CostTable
+from autopar.schedules import rank_of_stage
 
-__all__ = ["MAX_EDGE_LAYERS", "add_rank_counts", "big_run", "rank_aggregable", "stage_counts"]
+__all__ = ["MAX_EDGE_LAYERS", "add_rank_counts", "big_run", "rank_aggregable", "stage_counts",
+           "the_big_run"]
 
 R = range(len(RECOMPUTE))
 MAX_EDGE_LAYERS = 8  # more distinct layers than this around the blocks: use per-stage counting
@@ -42,6 +43,14 @@ def big_run(runs, n_layers: int) -> int | None:
     if len(big) != 1 or len(runs) - 1 > MAX_EDGE_LAYERS:
         return None
     return big[0]
+
+
+def the_big_run(runs, n_layers: int) -> int:
+    """``big_run`` where per-rank counting applies (``rank_aggregable``); ValueError otherwise."""
+    big = big_run(runs, n_layers)
+    if big is None:
+        raise ValueError("per-rank counting needs one run of blocks among single edge layers")
+    return big
 
 
 def rank_aggregable(table: CostTable, runs) -> bool:
@@ -87,31 +96,28 @@ def _edge_vars(prob, table: CostTable, runs, big: int, var: Callable):
     return z, stage, at, held
 
 
-def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable):
-    """Per-rank counts and edge placements; returns (n, cnt, slot_rank, slot_p2p, z)."""
-    cfg = table.config
-    s, p = cfg.num_stages, cfg.pp
-    if s == 1:  # one stage: every layer on rank 0, only the recompute modes are free
-        n = {
-            (g, 0, r): var(
-                prob, f"N[{table.layers[a].name}][rank0][{RECOMPUTE[r]}]", 0, b - a + 1, "Integer"
-            )
-            for g, (a, b) in enumerate(runs)
-            for r in R
-        }
-        for g, (a, b) in enumerate(runs):
-            # [Constraint] one_stage: every layer of a run is placed exactly once
-            prob += (
-                pulp.lpSum(n[g, 0, r] for r in R) == b - a + 1,
-                f"one_stage[{table.layers[a].name}]",
-            )
-        cnt = {(g, 0): pulp.lpSum(n[g, 0, r] for r in R) for g in range(len(runs))}
-        return n, cnt, [0], [1], {}
-    stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    big = big_run(runs, len(table.layers))
-    a_big, b_big = runs[big]
-    z, stage, at, held = _edge_vars(prob, table, runs, big, var)
-    lead, trail = [g for g in stage if g < big], [g for g in stage if g > big]
+def _single_stage_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable):
+    """One stage: every layer on rank 0, only the recompute modes are free."""
+    n = {
+        (g, 0, r): var(
+            prob, f"N[{table.layers[a].name}][rank0][{RECOMPUTE[r]}]", 0, b - a + 1, "Integer"
+        )
+        for g, (a, b) in enumerate(runs)
+        for r in R
+    }
+    for g, (a, b) in enumerate(runs):
+        # [Constraint] one_stage: every layer of a run is placed exactly once
+        prob += (
+            pulp.lpSum(n[g, 0, r] for r in R) == b - a + 1,
+            f"one_stage[{table.layers[a].name}]",
+        )
+    cnt = {(g, 0): pulp.lpSum(n[g, 0, r] for r in R) for g in range(len(runs))}
+    return n, cnt, [0], [1], {}
+
+
+def _edge_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, z, stage, stage_rank,
+                      var: Callable) -> dict[tuple[int, int, int], object]:
+    """Binary per-rank counts of the edge layers, tied to their stage placements ``z``."""
     n: dict[tuple[int, int, int], object] = {}
     for g in stage:
         name = table.layers[runs[g][0]].name
@@ -120,14 +126,19 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
             pulp.lpSum(v for (gg, _j, _r), v in sorted(z.items()) if gg == g) == 1,
             (f"one_stage[{name}]"),
         )
-        for k in range(p):
+        for k in range(table.config.pp):
             for r in R:
-                terms = [z[g, j, r] for j in range(s) if stage_rank[j] == k and (g, j, r) in z]
+                terms = [z[g, j, r] for j in range(len(stage_rank))
+                         if stage_rank[j] == k and (g, j, r) in z]
                 if terms:
                     v = n[g, k, r] = var(
                         prob, f"n[{name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary"
                     )
                     prob += v == pulp.lpSum(terms), f"on_rank[{name}][rank{k}][{r}]"
+    return n
+
+
+def _edge_order(prob: pulp.LpProblem, table: CostTable, runs, stage, lead, trail) -> None:
     # [Constraint] edge_order: edge layers advance one stage at most, leading before trailing
     for side in (lead, trail):
         for g, g2 in itertools.pairwise(side):
@@ -135,6 +146,21 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
             prob += stage[g2] - stage[g] <= 1, f"edge_step[{table.layers[runs[g2][0]].name}]"
     if lead and trail:
         prob += stage[trail[0]] >= stage[lead[-1]], "edge_order[lead_before_trail]"
+
+
+def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable):
+    """Per-rank counts and edge placements; returns (n, cnt, slot_rank, slot_p2p, z)."""
+    cfg = table.config
+    s, p = cfg.num_stages, cfg.pp
+    if s == 1:
+        return _single_stage_counts(prob, table, runs, var)
+    stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
+    big = the_big_run(runs, len(table.layers))
+    a_big, b_big = runs[big]
+    z, stage, at, held = _edge_vars(prob, table, runs, big, var)
+    lead, trail = [g for g in stage if g < big], [g for g in stage if g > big]
+    n = _edge_rank_counts(prob, table, runs, z, stage, stage_rank, var)
+    _edge_order(prob, table, runs, stage, lead, trail)
     size = b_big - a_big + 1
     for k in range(p):
         for r in R:
@@ -173,7 +199,7 @@ def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, i
     if s == 1:
         return {key: v for key, v in counts.items() if len(key) == 3}
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    big = big_run(runs, len(table.layers))
+    big = the_big_run(runs, len(table.layers))
     out: dict[tuple[int, int, int], int] = {}
     where: dict[int, int] = {}
     for key, v in counts.items():

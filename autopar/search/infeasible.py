@@ -15,10 +15,10 @@ from autopar.cost_model.assemble import assemble
 from autopar.errors import InfeasiblePlanError
 from autopar.search.ilp import build_ilp, decode, solve_ilp
 from autopar.search.options import SearchOptions
+from autopar.units import GIB
 
 __all__ = ["closest_split", "infeasible_error"]
 
-GIB = 2**30
 
 
 def closest_split(cands, options: SearchOptions, deadline) -> tuple[float, str]:

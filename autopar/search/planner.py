@@ -20,13 +20,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.tables import CostTable
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import Plan, SearchInfo, StagePlan
+from autopar.schedules import DEFAULT_SCHEDULE
 from autopar.search.bounds import (
     TableSummary,
     balanced_split,
@@ -41,13 +42,13 @@ from autopar.search.infeasible import infeasible_error
 from autopar.search.layout import tp_layout
 from autopar.search.options import SearchOptions
 from autopar.search.space import enumerate_candidates
+from autopar.units import GIB
 
 __all__ = ["ProgressFn", "plan", "plan_from_config"]
 
 ROBUST_POOL = 8  # plans the robust choice re-ranks
 
 ProgressFn = Callable[[int, int, str], None]
-GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,13 +127,16 @@ def _warm_bound(
     from it; without it, multi-stage ILPs run with a loose cutoff and can reach their time limit.
     Returns (bound, proven outcomes by ``ilp_key`` for the search to reuse, ILPs solved).
     """
-    steps, seeded, ilps, uniform, singles = [], {}, 0, 0, 0
+    steps: list[float] = []
+    seeded: dict[Any, _Outcome] = {}
+    ilps, uniform, singles = 0, 0, 0
     for cand in order:
         if uniform >= count and singles >= exact:
             break
         if cand.memory_lb_bytes > cand.table.capacity_bytes:
             continue
         remaining = float("inf") if deadline is None else deadline - time.monotonic()
+        outcome: _Outcome | None
         if cand.table.config.num_stages == 1 and singles < exact and remaining > 0:
             singles += 1
             outcome = _solve(cand.table, options, min(options.time_limit_s, remaining))
@@ -175,14 +179,14 @@ def _solve(
     if best_uniform is not None and best_uniform.step_s <= lb * (1 + options.mip_gap):
         return dataclasses.replace(best_uniform, optimal=True)  # meets the lower bound
     from_uniform = best_uniform is not None and (cutoff_s is None or best_uniform.step_s < cutoff_s)
-    if from_uniform:
+    if from_uniform and best_uniform is not None:
         cutoff_s = best_uniform.step_s * (1 + 1e-9)
     model = build_ilp(table, cutoff_s=cutoff_s)
     sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
     if sol.status == "infeasible":
         # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
         # enter the top k (or fits nowhere).
-        if from_uniform:
+        if from_uniform and best_uniform is not None:
             return dataclasses.replace(best_uniform, optimal=True, used_ilp=True)
         return _Outcome(used_ilp=True)
     if not sol.has_solution:  # the time limit stopped the solver before any solution
@@ -247,7 +251,7 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
     out: list[_Candidate] = []
     shared: dict[ParallelConfig, tuple[CostTable, TableSummary]] = {}
     for i, cfg in enumerate(configs, start):
-        base = dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1)
+        base = dataclasses.replace(cfg, schedule=DEFAULT_SCHEDULE, virtual_stages=1)
         if base not in shared:
             table = _cost_table(profile, cluster, base, options)
             shared[base] = (table, summarize(table))
@@ -334,19 +338,26 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
     common = max(RECOMPUTE, key=lambda r: (counts[r], -RECOMPUTE.index(r)))
     config = dataclasses.replace(config, recompute=common)
     table = _cost_table(profile, cluster, config, options)
-    estimate: Estimate = assemble(table, split, recompute)
+    return _plan_record(profile, cluster, table, split, recompute, model=model, search=info)
+
+
+def _plan_record(profile, cluster, table: CostTable, split, recompute, *, model: str,
+                 search: SearchInfo | None = None) -> Plan:
+    """The Plan of a split of ``table``'s config for ``table``'s framework (its canonical spec);
+    its estimate is ``assemble`` of the split."""
+    config = table.config
     return Plan(
         config=config,
         stages=_stage_plans(profile, split, recompute),
         tp_layout=tp_layout(profile, tp=config.tp, sequence_parallel=config.sequence_parallel),
-        estimate=estimate,
+        estimate=assemble(table, split, recompute),
         profile_fingerprint=profile.fingerprint(),
         cluster_fingerprint=cluster.fingerprint(),
         model=model,
         seq_len=profile.seq_len,
         cluster=cluster.to_dict(),
-        search=info,
-        framework=options.framework,
+        search=search or SearchInfo(),
+        framework=table.framework.spec,
         moe=_first_moe(profile),
     )
 
@@ -371,7 +382,8 @@ def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
     )
 
 
-def _check_inputs(global_batch: object, top_k: object, time_budget_s: object) -> None:
+def _check_inputs(global_batch: object, top_k: object, time_budget_s: object,
+                  seq_len: int | None = None, profile_seq_len: int = 0) -> None:
     """Reject impossible search inputs before any loop over them."""
     for name, value, high in (("global_batch", global_batch, MAX_GLOBAL_BATCH),
                               ("top_k", top_k, 10_000)):
@@ -383,6 +395,11 @@ def _check_inputs(global_batch: object, top_k: object, time_budget_s: object) ->
         isinstance(time_budget_s, (int, float)) and 0 < time_budget_s < math.inf
     ):
         raise ValueError(f"time_budget_s must be a positive finite number, got {time_budget_s!r}")
+    if seq_len is not None and seq_len != profile_seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} differs from the profile's {profile_seq_len}; profile the model "
+            f"with seq_len={seq_len}"
+        )
 
 
 def plan(
@@ -423,24 +440,14 @@ def plan(
     options = options or SearchOptions()
     if framework is not None:
         options = dataclasses.replace(options, framework=framework)
-    _check_inputs(global_batch, top_k, time_budget_s)
-    if seq_len is not None and seq_len != profile.seq_len:
-        raise ValueError(
-            f"seq_len {seq_len} differs from the profile's {profile.seq_len}; profile the model "
-            f"with seq_len={seq_len}"
-        )
+    _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile.seq_len)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     wanted = top_k
     if options.robust:  # re-rank the best few by their pessimistic step time (``_robust``)
         top_k = max(top_k, ROBUST_POOL)
     configs = _candidates(profile, cluster, global_batch, options)
     if not configs:
-        raise ValueError(
-            f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
-            f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "
-            f"global batch that is a multiple of {cluster.num_gpus} (one replica a GPU), or "
-            "another GPU count"
-        )
+        raise _no_split_error(profile, cluster, global_batch)
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
     truncated = len(cands) < len(configs)
     state = _search(cands, top_k, options, progress, deadline)
@@ -462,12 +469,26 @@ def plan(
         )
     if not state.best:
         raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
+    plans = _best_plans(profile, cluster, state, model, options, wanted)
+    return plans[0] if wanted == 1 else plans
+
+
+def _no_split_error(profile, cluster, global_batch: int) -> ValueError:
+    return ValueError(
+        f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
+        f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "
+        f"global batch that is a multiple of {cluster.num_gpus} (one replica a GPU), or "
+        "another GPU count"
+    )
+
+
+def _best_plans(profile, cluster, state: _State, model: str, options: SearchOptions,
+                wanted: int) -> list[Plan]:
+    """The Plans of the search's best outcomes, best first (re-ranked when robust)."""
     plans = [_make_plan(profile, cluster, cand.table.config, outcome.split, outcome.recompute,
                         _info(state, outcome, step), model, options)
              for step, _, outcome, cand in state.best]  # fmt: skip
-    if options.robust:
-        plans = _robust(plans)[:wanted]
-    return plans[0] if wanted == 1 else plans
+    return _robust(plans)[:wanted] if options.robust else plans
 
 
 def _robust(plans: list[Plan]) -> list[Plan]:
@@ -494,16 +515,4 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
 
     table = checked_table(profile, cluster, config, framework)
     split, recompute = default_split(table)
-    return Plan(
-        config=config,
-        stages=_stage_plans(profile, split, recompute),
-        tp_layout=tp_layout(profile, tp=config.tp, sequence_parallel=config.sequence_parallel),
-        estimate=assemble(table, split, recompute),
-        profile_fingerprint=profile.fingerprint(),
-        cluster_fingerprint=cluster.fingerprint(),
-        model=model,
-        seq_len=profile.seq_len,
-        cluster=cluster.to_dict(),
-        framework=table.framework.spec,
-        moe=_first_moe(profile),
-    )
+    return _plan_record(profile, cluster, table, split, recompute, model=model)

@@ -32,12 +32,11 @@ from collections.abc import Iterator
 from autopar.config import ParallelConfig
 from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.cost_model.hardware import DeviceSpec
-from autopar.cost_model.validate import check_schedule
+from autopar.schedules import DEFAULT_SCHEDULE, check_schedule, get_schedule
 from autopar.search.dimensions import cp_choices, dtype_choices, replicate_choices
 from autopar.search.options import SearchOptions
 
 __all__ = [
-    "ZERO_BUBBLE",
     "divisors",
     "enumerate_candidates",
     "expert_degrees",
@@ -46,8 +45,6 @@ __all__ = [
     "schedule_variants",
 ]
 
-ZERO_BUBBLE = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"})
-_TWO_CHUNK_SCHEDULES = frozenset({"zbv-zero-bubble", "dualpipe-v"})
 
 
 def divisors(n: int) -> list[int]:
@@ -108,7 +105,7 @@ def expert_degrees(dp: int, cp: int, expert_counts: tuple[int, ...]) -> list[int
 def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> bool:
     """Whether torch 2.13's schedule class accepts m micro-batches on pp ranks x v chunks.
 
-    The rules live once, in ``autopar.cost_model.validate.check_schedule``.
+    The rules live once, in ``autopar.schedules.check_schedule``.
     """
     try:
         check_schedule(schedule, pp, virtual_stages, num_microbatches)
@@ -120,21 +117,22 @@ def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatch
 def schedule_variants(pp: int, num_layers: int, options: SearchOptions) -> list[tuple[str, int]]:
     """(schedule, virtual_stages) pairs for pp ranks, in ``options.schedules`` order.
 
-    pp == 1 has one variant, ("1f1b", 1): no pipeline, the schedule is ignored.
+    pp == 1 has one variant, (``DEFAULT_SCHEDULE``, 1): no pipeline, the schedule is ignored.
+    A schedule with a fixed chunk count (``Schedule.chunks_per_rank``) gets that count, the other
+    multi-chunk ones 2 .. ``options.max_virtual_stages``.
     """
     if pp == 1:
-        return [("1f1b", 1)]
+        return [(DEFAULT_SCHEDULE, 1)]
     out: list[tuple[str, int]] = []
-    for schedule in options.schedules:
-        if schedule in ZERO_BUBBLE and not options.allow_zero_bubble:
+    for name in options.schedules:
+        schedule = get_schedule(name)
+        if schedule.zero_bubble and not options.allow_zero_bubble:
             continue
-        if schedule in ("gpipe", "1f1b"):
-            vs = [1]
-        elif schedule in _TWO_CHUNK_SCHEDULES:
-            vs = [2]
+        if schedule.chunks_per_rank:
+            vs = [schedule.chunks_per_rank]
         else:
             vs = list(range(2, options.max_virtual_stages + 1))
-        out.extend((schedule, v) for v in vs if pp * v <= num_layers)
+        out.extend((name, v) for v in vs if pp * v <= num_layers)
     return out
 
 

@@ -7,16 +7,11 @@ import math
 
 import pytest
 
-from autopar.calibration_fit import median
+from autopar.cli.cmd_calibrate import add_calibrate_arguments, calibrate_command
+from autopar.cost_model.calibration import calibration_to_cluster, median
 from autopar.cost_model.hardware import Cluster
 from autopar.errors import AutoparError
-from autopar.runtime.calibrate import (
-    Sweep,
-    add_calibrate_arguments,
-    calibrate,
-    calibrate_command,
-    calibration_to_cluster,
-)
+from autopar.runtime.calibrate import Sweep, calibrate
 
 SHORT = Sweep(
     matmul_shapes=((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256)),

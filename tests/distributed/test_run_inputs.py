@@ -1,7 +1,7 @@
 """``autopar run``: bad inputs end with one line and exit code 2 before any worker starts;
 ``--dry-run`` applies a plan at world size 8 on a fake process group.
 
-Most cases call ``autopar.runtime.run.main`` in this process (no launch happens for bad input);
+Most cases call ``autopar.cli.cmd_run.main`` in this process (no launch happens for bad input);
 one case and the dry run go through the CLI in a subprocess, as a user would.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from autopar.cli.cmd_run import main
 from autopar.runtime.manifest import write_manifest
-from autopar.runtime.run import main
 
 pytestmark = pytest.mark.distributed
 

@@ -156,7 +156,7 @@ def measure_all(rank: int, world_size: int, cases: list[Any]) -> dict[str, Any]:
 def _expected(kind: str, params: dict[str, Any], rank: int, profiles: dict) -> dict[str, int]:
     """The cost model's counts for this rank's pipeline stage, plus the loss all-reduce."""
     import autopar
-    from autopar.cost_model.collectives import expected_collectives
+    from autopar.costing import expected_collectives
 
     key = (kind, params["layers"])
     if key not in profiles:

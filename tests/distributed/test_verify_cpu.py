@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from autopar.cli.cmd_verify import add_verify_arguments
+from autopar.cli.cmd_verify import add_verify_arguments, verify_command
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.errors import AutoparError
-from autopar.runtime.verify import pp_rank_of, verify_command
+from autopar.runtime.verify import pp_rank_of
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq_len=16"
 

@@ -175,7 +175,7 @@ def test_explain_refuses_an_edited_cluster(tmp_path, capfd):
 
 
 def test_model_file_is_profiled_on_its_example_inputs(capfd):
-    from autopar.runtime.run import _build_and_profile
+    from autopar.cli.cmd_run import _build_and_profile
 
     path = str(FIXTURES / "tiny_mlp.py")
     assert main(["estimate", path, "--dp", "2", "--global-batch", "8", "--json"]) == 0

@@ -8,9 +8,9 @@ import argparse
 import pytest
 import torch
 
+from autopar.cli.cmd_run import _config_from_args, add_run_arguments
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.launch import launch_spec_for, torchrun_command
-from autopar.runtime.run import _config_from_args, add_run_arguments
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 

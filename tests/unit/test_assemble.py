@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.pipeline import bubble_ratio, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.pipeline import bubble_ratio, in_flight_microbatches
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.schedules import rank_of_stage
 
 
 def _layer(name: str, t: float = 1.0, act: float = 10.0, static: float = 100.0) -> LayerCost:

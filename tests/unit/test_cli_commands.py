@@ -7,7 +7,6 @@ call ``autopar.cli.main`` in the test process.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -21,20 +20,6 @@ from autopar.cli import main
 
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _has(module: str, name: str) -> bool:
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except ImportError:
-        return False
-
-
-needs_planner = pytest.mark.skipif(
-    not (_has("autopar.search", "plan") and _has("autopar.graph", "profile")
-         and _has("autopar.cost_model", "estimate")),
-    reason="autopar.plan / profile / estimate are not built yet",
-)
 
 
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -155,7 +140,6 @@ def planned(tmp_path_factory):
     return proc, out, png
 
 
-@needs_planner
 def test_plan_report_out_and_plot(planned):
     proc, out, png = planned
     assert proc.returncode == 0, proc.stderr
@@ -166,7 +150,6 @@ def test_plan_report_out_and_plot(planned):
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-@needs_planner
 def test_plan_json_is_the_library_plan(planned):
     from autopar.cli.common import load_profile
     from autopar.cost_model.hardware import Cluster
@@ -182,7 +165,6 @@ def test_plan_json_is_the_library_plan(planned):
     assert proc.stdout == best.to_json()
 
 
-@needs_planner
 def test_plan_never_overwrites_out_without_force(planned):
     before = planned[1].read_text()
     assert_one_line_error(cli(*PLAN_ARGS, "--out", str(planned[1])),
@@ -190,20 +172,17 @@ def test_plan_never_overwrites_out_without_force(planned):
     assert planned[1].read_text() == before
 
 
-@needs_planner
 def test_explain_checks_the_model_fingerprint(planned):
     other = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq_len=32"
     proc = cli("explain", str(planned[1]), "--model", other)
     assert_one_line_error(proc, "made for another model")
 
 
-@needs_planner
 def test_unknown_model_suggests_close_names():
     assert_one_line_error(cli("plan", "gpt3-175", "--gpus", "8", "--global-batch", "8"),
                           "Did you mean")
 
 
-@needs_planner
 def test_infeasible_model_says_what_it_needs():
     big = "gpt:layers=2,hidden=4096,heads=32,vocab=50304,seq_len=2048"
     proc = cli("plan", big, "--gpus", "1", "--gpu-memory", "1", "--global-batch", "8")
@@ -211,7 +190,6 @@ def test_infeasible_model_says_what_it_needs():
     assert "GiB" in proc.stderr
 
 
-@needs_planner
 def test_estimate_json_and_bad_batch(capfd):
     proc = cli("estimate", TINY, "--dp", "2", "--tp", "2", "--global-batch", "8", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -222,7 +200,6 @@ def test_estimate_json_and_bad_batch(capfd):
     assert "not divisible" in capfd.readouterr().err
 
 
-@needs_planner
 def test_sweep_json_marks_a_pareto_front():
     proc = cli("sweep", TINY, "--gpus", "2,4", "--gpu", "a100-80g,h100", "--tokens", "1e9",
                "--global-batch", "8", "--price-per-gpu-hour", "a100-80g=2,h100=4",

@@ -21,7 +21,6 @@ from autopar.cost_model.symbolic import (
     T_sum,
     alpha,
     d,
-    explain_plan,
     m,
     model_state_expr_for,
     n,
@@ -29,6 +28,7 @@ from autopar.cost_model.symbolic import (
     v,
     w,
 )
+from autopar.costing import explain_plan
 from autopar.plan import Plan, StagePlan
 from tests.fixtures.profiles import analytic_transformer_profile
 

@@ -12,7 +12,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.estimator import estimate
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.partition import balanced_partition
-from autopar.cost_model.validate import check_schedule
+from autopar.schedules import check_schedule
 from tests.fixtures.profiles import analytic_transformer_profile
 
 PROFILE = analytic_transformer_profile(6, 128, 4, 512, 64, kv_heads=2)

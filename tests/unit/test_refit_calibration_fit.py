@@ -1,4 +1,4 @@
-"""Pure tests of the calibration fits and the refit (autopar/calibration_fit.py)."""
+"""Pure tests of the calibration fits and the refit (autopar/cost_model/calibration.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.calibration_fit import (
+from autopar.cost_model.calibration import (
     Calibration,
     CollectiveFit,
-    bus_factor,
     calibration_to_cluster,
     fit_linear_relative,
     refit_cluster,
     refit_scale,
-    ring_steps,
 )
+from autopar.cost_model.comm import bus_factor, ring_steps
 from autopar.cost_model.hardware import Cluster
 
 
@@ -153,7 +152,7 @@ def test_calibration_to_cluster_maps_the_fits(tmp_path):
 def test_base_preset_follows_the_device_name():
     from dataclasses import replace
 
-    from autopar.calibration_fit import base_preset
+    from autopar.cost_model.calibration import base_preset
 
     cal = _calibration()
     assert base_preset(cal) == "cpu"
@@ -196,7 +195,7 @@ def test_sweep_json_round_trip():
 def test_collective_time_factors_carry_what_one_link_cannot():
     from dataclasses import replace
 
-    from autopar.calibration_fit import CollectiveFit, collective_time_factors
+    from autopar.cost_model.calibration import CollectiveFit, collective_time_factors
     from autopar.cost_model.comm import collective_s, group_link
 
     link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-3}

@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches, rank_of_stage
+from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.schedules import rank_of_stage
 from autopar.search import ilp
-from autopar.search.ilp import GIB, build_ilp, decode, layer_runs, solve_ilp
+from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
 from autopar.search.ilp_hull import rank_case
 from autopar.search.ilp_ranks import rank_aggregable
 from autopar.search.options import SearchOptions
+from autopar.units import GIB
 
 OPTIONS = SearchOptions(time_limit_s=30.0)
 

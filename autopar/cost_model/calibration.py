@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cost_model.comm import ring_steps
+
 __all__ = [
-    "BUS_FACTORS",
     "Calibration",
     "CollectiveFit",
     "LinearFit",
     "base_preset",
-    "bus_factor",
     "calibration_to_cluster",
     "collective_time_factors",
     "compute_part_s",
@@ -40,26 +40,6 @@ __all__ = [
     "relative_errors",
 ]
 
-# Bus factor of each collective as a function of the group size n (nccl-tests PERFORMANCE.md).
-BUS_FACTORS = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "send_recv": lambda n: 1.0,
-}
-
-
-def bus_factor(op: str, group_size: int) -> float:
-    """Bytes moved per rank over the buffer size for collective ``op`` in a group of ``group_size``.
-
-    Raises:
-        ValueError: an unknown collective or a group smaller than 2.
-    """
-    if op not in BUS_FACTORS:
-        raise ValueError(f"unknown collective {op!r}; use one of {sorted(BUS_FACTORS)}")
-    if group_size < 2:
-        raise ValueError(f"a collective needs a group of 2 or more ranks, got {group_size}")
-    return BUS_FACTORS[op](group_size)
 
 
 def median(values: Sequence[float]) -> float:
@@ -296,27 +276,13 @@ class Calibration:
         return cls(**data)
 
 
-def ring_steps(op: str, group_size: int) -> int:
-    """Latency-bound steps of one ring collective: all-reduce 2 (n - 1), AG/RS n - 1, p2p 1."""
-    if op == "all_reduce":
-        return 2 * (group_size - 1)
-    if op == "send_recv":
-        return 1
-    return group_size - 1
-
-
 def base_preset(calibration: Calibration) -> str:
     """The preset whose datasheet figures a calibration starts from, by device name."""
     if calibration.device_type == "cpu":
         return "cpu"
-    name = calibration.device_name.upper()
-    for key, preset in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"),
-                        ("V100", "v100-32g")):
-        if key in name:
-            if preset == "a100-80g" and "40GB" in name:
-                return "a100-40g"
-            return preset
-    return "h100"
+    from autopar.cost_model.presets import preset_for_device_name
+
+    return preset_for_device_name(calibration.device_name)
 
 
 def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
@@ -357,7 +323,15 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
         base = Cluster.preset(base_preset(cal), gpus_per_node=cal.nproc)
     data = base.to_dict()
     data.update(name=f"calibrated-{cal.device_type}", nodes=1, gpus_per_node=cal.nproc)
-    device = data["device"]
+    _measured_device(data["device"], cal)
+    fits = [c for c in cal.collectives if c.op != "send_recv"]
+    if fits:
+        data.update(_measured_links(fits))
+    return Cluster.from_dict(data)
+
+
+def _measured_device(device: dict[str, Any], cal: Calibration) -> None:
+    """Write the calibration's compute figures into a cluster dict's ``device`` section."""
     peak_key = f"peak_{cal.dtype}_flops"
     rate = cal.matmul_peak_flops
     if rate > device[peak_key]:
@@ -386,16 +360,16 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
         # backward is the host's time per block); the matmul curve keeps the preset's half-work
         # point, measured on real blocks (benchmarks/gpu_layer.py).
         device["dispatch_floor_s"] = cal.layer_overhead_s
-    fits = [c for c in cal.collectives if c.op != "send_recv"]
-    if fits:
-        link = {
-            "bandwidth_bytes_per_s": median([c.bandwidth_bytes_per_s for c in fits]),
-            "latency_s": median([c.latency_s / ring_steps(c.op, c.group_size) for c in fits]),
-        }
-        data["intra_node"] = dict(link)
-        data["inter_node"] = dict(link)
-        data.update(collective_time_factors(fits, link))
-    return Cluster.from_dict(data)
+
+
+def _measured_links(fits: Sequence[CollectiveFit]) -> dict[str, Any]:
+    """Both link tiers and the collectives' time factors from the fitted collectives."""
+    link = {
+        "bandwidth_bytes_per_s": median([c.bandwidth_bytes_per_s for c in fits]),
+        "latency_s": median([c.latency_s / ring_steps(c.op, c.group_size) for c in fits]),
+    }
+    return {"intra_node": dict(link), "inter_node": dict(link),
+            **collective_time_factors(fits, link)}
 
 
 # Calibration op -> the Cluster field of its measured-over-modelled time factor.

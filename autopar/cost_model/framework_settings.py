@@ -1,0 +1,81 @@
+"""The settings a framework's user switches on, what each changes, what each requires, and the
+sources of the overlap fields they switch.
+
+Each setting is off by default, as in the framework itself; ``get_framework("megatron-lm+
+tp-comm-overlap")`` turns one on (``Framework.with_settings``), which sets the record fields of
+``SETTING_EFFECTS``; what each requires of a split is in ``framework_support.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS", "SETTING_EFFECTS"]
+# The switches a framework's user turns on, each off by default as in the framework itself;
+# what each one changes is in ``SETTING_EFFECTS``.
+_MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
+SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "autopar": MappingProxyType({}),
+    # torchtitan's enable_async_tensor_parallel is not offered: charged as a full overlap it
+    # predicted twice the gain torchtitan's async-TP table measured (9-10%; docs/frameworks.md).
+    "torchtitan": MappingProxyType({}),
+    "megatron-lm": MappingProxyType({
+        "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
+                           "overlap the tensor-parallel all-gathers and reduce-scatters with "
+                           "the GEMMs",
+        "overlap-grad-reduce": _MEGATRON_ARGS + "--overlap-grad-reduce: gradient reductions "
+                               "bucketed under the backward (off: after it)",
+        "overlap-param-gather": _MEGATRON_ARGS + "--overlap-param-gather: the distributed "
+                                "optimizer's parameter all-gather under the forward (off: "
+                                "before it)",
+    }),
+    "deepspeed": MappingProxyType({
+        "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
+                        "stage 3 only, deepspeed/runtime/zero/config.py overlap_comm_valid): "
+                        "gradient reductions under the backward",
+    }),
+})
+# setting -> the Framework fields it sets.
+SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    "tp-comm-overlap": {"tp_comm_overlapped": True},
+    "overlap-grad-reduce": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
+    "overlap-comm": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
+    "overlap-param-gather": {"param_gather_overlapped": True},
+})
+
+FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
+              "the next unit (torch/distributed/fsdp/_fully_shard)")
+_SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
+# Where each framework's overlap fields come from (its record's ``sources``).
+OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
+    "autopar": {
+        "tp_comm_overlapped": "sourced: autopar/runtime/tensor_parallel.py (DTensor's "
+                              "tensor-parallel collectives run before the matmul that needs "
+                              "them)",
+        "dp_reduce_overlap_stages": FSDP2_UNIT + "; DDP / replicate() reduce buckets under the "
+                                "backward",
+        "param_gather_overlapped": FSDP2_UNIT,
+    },
+    "torchtitan": {
+        "tp_comm_overlapped": "sourced: torchtitan's tensor parallelism is DTensor's "
+                              "(synchronous collectives; async TP not modelled)",
+        "dp_reduce_overlap_stages": FSDP2_UNIT,
+        "param_gather_overlapped": FSDP2_UNIT,
+    },
+    "megatron-lm": {
+        "tp_comm_overlapped": _SETTING_OFF.format("tp-comm-overlap"),
+        "dp_reduce_overlap_stages": _SETTING_OFF.format("overlap-grad-reduce"),
+        "param_gather_overlapped": _SETTING_OFF.format("overlap-param-gather"),
+    },
+    "deepspeed": {
+        "tp_comm_overlapped": "sourced: Megatron-DeepSpeed's tensor-parallel layers "
+                              "(synchronous all-reduces)",
+        "dp_reduce_overlap_stages": "sourced: DeepSpeed zero_optimization.overlap_comm, "
+                                    "default on for stage 3 only (overlap_comm_valid)",
+        "param_gather_overlapped": "sourced: DeepSpeed ZeRO-3 parameter prefetch "
+                                   "(stage3_prefetch_bucket_size)",
+    },
+}
+
+

@@ -1,0 +1,63 @@
+"""What a training framework can run: ``framework_supports(framework, config)``.
+
+Each answer comes from the framework's record (``frameworks.py``: its schedules, ZeRO stages,
+sequence, expert and the other dimensions' parallelism (``framework_dimensions.py``), each
+field sourced) and from the settings its user switched on
+(the framework's own argument checks); ``plan(framework=...)`` proposes only what it can run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.cost_model import framework_dimensions as dims
+
+if TYPE_CHECKING:
+    from autopar.cost_model.frameworks import Framework
+
+__all__ = ["framework_supports", "settings_support"]
+
+
+def framework_supports(framework: Framework, config) -> str | None:
+    """Why ``framework`` cannot run ``config`` (None when it can)."""
+    fw = framework
+    if config.pp > 1 and config.schedule not in fw.schedules:
+        return (f"{fw.name} runs the pipeline schedules {', '.join(fw.schedules)}, not "
+                f"{config.schedule!r}")
+    if config.dp > 1 and config.zero not in fw.zero_stages:
+        return f"{fw.name} runs ZeRO stages {fw.zero_stages}, not zero={config.zero}"
+    if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:
+        return (f"{fw.name} runs ZeRO stage {config.zero} without pipeline parallelism only "
+                f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
+    if config.sequence_parallel and not fw.sequence_parallel:
+        return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
+    if config.ep > 1 and not fw.expert_parallel:
+        return (f"{fw.name} does not run expert parallelism ({fw.sources['expert_parallel']}); "
+                "use ep=1")
+    if config.ep > 1:
+        reason = _ep_support(fw, config)
+        if reason:
+            return reason
+    return settings_support(fw, config) or dims.supports_dimensions(fw, config)
+
+
+def _ep_support(fw: Framework, config) -> str | None:
+    """Why ``fw`` cannot run ``config``'s expert parallelism (ep > 1), or None."""
+    if fw.ep_needs_sharded_dp and config.zero == 0:
+        return (f"{fw.name} shards experts over its sharded data-parallel ranks only; use "
+                "zero >= 1 with ep > 1")
+    if not fw.ep_with_tp and config.tp > 1:
+        return f"{fw.name} runs expert parallelism with tp=1 only"
+    return None
+
+
+def settings_support(fw: Framework, config) -> str | None:
+    """What the framework's settings require of a split (Megatron-LM validate_args)."""
+    if "tp-comm-overlap" in fw.settings and config.tp > 1 and not config.sequence_parallel:
+        return ("megatron-lm's --tp-comm-overlap needs sequence parallelism (validate_args); "
+                "use sequence_parallel=True")
+    if "overlap-param-gather" in fw.settings and config.dp > 1 and (
+            config.zero == 0 or "overlap-grad-reduce" not in fw.settings):
+        return ("megatron-lm's --overlap-param-gather needs the distributed optimizer (zero=1) "
+                "and --overlap-grad-reduce (validate_args)")
+    return None

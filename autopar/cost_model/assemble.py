@@ -136,13 +136,7 @@ def assemble(
     p2p = table.p2p_s if cfg.pp > 1 else 0.0
     times = [sum(time[a : b + 1]) + p2p for a, b in stage_layers]
     ranks = range(cfg.pp)
-    stages_of: dict[int, list[int]] = {k: [] for k in ranks}
-    for j in range(len(stage_layers)):
-        stages_of[rank_of_stage(cfg.schedule, cfg.pp, j)].append(j)
-    layers_of = {
-        k: [i for j in stages_of[k] for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-        for k in ranks
-    }
+    stages_of, layers_of = _placement(cfg, stage_layers)
     rank_time = {k: sum(times[j] for j in stages_of[k]) for k in ranks}
     bottleneck = max(ranks, key=lambda k: (rank_time[k], -k))
     c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
@@ -179,6 +173,18 @@ def assemble(
     largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
     host = max(sum(table.layers[i].host_bytes for i in layers_of[k]) for k in ranks)
     return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host)
+
+
+def _placement(cfg, stage_layers) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Stages and profile layers of every pipeline rank (``schedules.rank_of_stage``)."""
+    stages_of: dict[int, list[int]] = {k: [] for k in range(cfg.pp)}
+    for j in range(len(stage_layers)):
+        stages_of[rank_of_stage(cfg.schedule, cfg.pp, j)].append(j)
+    layers_of = {
+        k: [i for j in stages_of[k] for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
+        for k in range(cfg.pp)
+    }
+    return stages_of, layers_of
 
 
 def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,

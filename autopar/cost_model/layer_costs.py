@@ -56,8 +56,9 @@ from autopar.cost_model.dp_comm import (
     fsdp_unit_params,
     params_tp,
 )
-from autopar.cost_model.frameworks import GATHER_BUCKET, Framework, framework_cluster, get_framework
+from autopar.cost_model.frameworks import Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
 from autopar.cost_model.moe import ep_layer_state, ep_terms
 from autopar.cost_model.offload import cpu_adam_s, host_copies, offload_state, pcie_link
 from autopar.cost_model.overlap import overlapped_s
@@ -69,7 +70,7 @@ from autopar.cost_model.precision import (
     fp8_peak_flops,
 )
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
-from autopar.cost_model.tp_comm import sp_gathered_inputs, tp_collectives, tp_modules, tp_sharded
+from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
@@ -142,19 +143,13 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     b = cfg.micro_batch
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
-    act = _activation_bytes(profile, layer, cfg, ratio, shard, fw, head_elems)
+    act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
     ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard)
     act = tuple(a + x for a, x in zip(act, ep.extra_act_bytes))
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
-    kind = memory.dp_mechanism(cfg)
-    fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
-    passes_s, opt_fixed_s = framework_overheads_s(
-        cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
-        fsdp_unit=fsdp_unit,
-        dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
-    )
+    passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     casts = _fp8_cast_bytes(fp8, act[0], held)
     traffic = tuple(cluster.param_traffic_factor * x + c
@@ -172,7 +167,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     cp_s = _ring_s(profile, layer, cfg, cluster, groups["cp_ring"], attn_flops, shard, fw)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
-    transient = _transient_bytes(layer, cfg, act, held, shard, ratio, fw, head_elems)
+    transient = transient_bytes_of(layer, cfg, act, held, shard, ratio, fw, head_elems)
     transient = tuple(x + ep.buffer_bytes for x in transient)
     cost = LayerCost(
         name=layer.name,
@@ -185,9 +180,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=tuple(_tp_exposed_s(fw, sum(c.time_s(groups["tp"]) / (
-            cfg.num_microbatches if c.per == "step" else 1) for c in calls),
-            times.forward_s + times.backward_s) for calls in tp_calls),
+        tp_comm_s=_tp_comm_s(fw, cfg, tp_calls, groups["tp"], times),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, held),
                               cluster, fw),
@@ -223,25 +216,6 @@ def op_selective_profile(profile: ModelProfile) -> ModelProfile:
     return dataclasses.replace(profile, layers=tuple(swap(x) for x in profile.layers))
 
 
-def _activation_bytes(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
-                      shard: int, fw: Framework, head_elems: float) -> tuple[float, float, float]:
-    """Saved activation bytes of one micro-batch by recompute mode (``memory.activation_bytes``).
-
-    autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
-    (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
-    log-softmax. A framework with a vocab-parallel loss keeps them sharded.
-    """
-    gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
-        not fw.loss_parallel)
-    return memory.activation_bytes(
-        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
-        gathered_logits=gathered_logits,
-        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
-        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
-        selective_keeps_gathered=fw.selective_policy != "op",
-    )
-
-
 def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak: float,
                  rec_flops, elementwise_bytes: float, passes_s: float, param_traffic):
     """Forward, backward and recompute seconds of one micro-batch on one rank."""
@@ -264,34 +238,25 @@ def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak:
     )
 
 
-def _transient_bytes(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
-                     fw: Framework, head_elems: float) -> tuple[float, float, float]:
-    """The layer's working set beyond its saved activations, by recompute mode (``held``:
-    the parameters the rank holds after tp and ep sharding)."""
-    w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
-    fsdp = memory.dp_mechanism(cfg) == "fsdp"
-    gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
-    # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
-    # into the (static) fp32 accumulator.
-    # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
-    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
-        w + memory.GRAD_BYTES)
-    sp_div = cfg.tp if (cfg.sequence_parallel and shard > 1) else 1
-    gathered_bytes = 2 * w * held if gathered else 0.0
-    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
-    if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
-        gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
-        unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
-    return memory.transient_bytes(
-        act,
-        output_bytes=layer.output_bytes * b * ratio / sp_div,
-        gathered_param_bytes=gathered_bytes,
-        unsharded_grad_bytes=unsharded_grad_bytes,
-        # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
-        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
-        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
-        / (shard if fw.loss_parallel else 1),
+def _overheads_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, index: int,
+                 shard: int) -> tuple[float, float]:
+    """The framework's fixed seconds of the layer's passes and of its optimizer step."""
+    layer = profile.layers[index]
+    kind = memory.dp_mechanism(cfg)
+    fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
+    return framework_overheads_s(
+        cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
+        fsdp_unit=fsdp_unit,
+        dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
     )
+
+
+def _tp_comm_s(fw: Framework, cfg: ParallelConfig, tp_calls, link, times) -> tuple:
+    """Exposed tensor-parallel seconds per micro-batch by recompute mode (a per-step
+    collective counts 1/m per micro-batch)."""
+    return tuple(_tp_exposed_s(fw, sum(c.time_s(link) / (
+        cfg.num_microbatches if c.per == "step" else 1) for c in calls),
+        times.forward_s + times.backward_s) for calls in tp_calls)
 
 
 def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:

@@ -1,0 +1,65 @@
+"""A layer's memory terms for the cost table: saved activations and transient working set.
+
+Bytes of one micro-batch on one rank, by recompute mode (none, selective, full), from the
+profile's per-sample counts (``memory.activation_bytes``, ``memory.transient_bytes``) and what the
+framework keeps (``Framework``: vocab-parallel loss, SP re-gathers, ZeRO-3 gather buckets).
+"""
+
+from __future__ import annotations
+
+from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.cost_model import memory
+from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
+from autopar.cost_model.tp_comm import sp_gathered_inputs
+from autopar.graph.types import ModelProfile
+
+__all__ = ["activation_bytes_of", "transient_bytes_of"]
+
+
+def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
+                      shard: int, fw: Framework, head_elems: float) -> tuple[float, float, float]:
+    """Saved activation bytes of one micro-batch by recompute mode (``memory.activation_bytes``).
+
+    autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
+    (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
+    log-softmax. A framework with a vocab-parallel loss keeps them sharded.
+    """
+    gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
+        not fw.loss_parallel)
+    return memory.activation_bytes(
+        layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
+        gathered_logits=gathered_logits,
+        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
+        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
+        selective_keeps_gathered=fw.selective_policy != "op",
+    )
+
+
+def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
+                     fw: Framework, head_elems: float) -> tuple[float, float, float]:
+    """The layer's working set beyond its saved activations, by recompute mode (``held``:
+    the parameters the rank holds after tp and ep sharding)."""
+    w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
+    fsdp = memory.dp_mechanism(cfg) == "fsdp"
+    gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
+    # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
+    # into the (static) fp32 accumulator.
+    # (fp32 training: the fresh gradient is already the fp32 one, no copy.)
+    fresh_grad = w if memory.fsdp_accumulates_grads(cfg) or cfg.dtype == "fp32" else (
+        w + memory.GRAD_BYTES)
+    sp_div = cfg.tp if (cfg.sequence_parallel and shard > 1) else 1
+    gathered_bytes = 2 * w * held if gathered else 0.0
+    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
+    if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
+        gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
+        unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
+    return memory.transient_bytes(
+        act,
+        output_bytes=layer.output_bytes * b * ratio / sp_div,
+        gathered_param_bytes=gathered_bytes,
+        unsharded_grad_bytes=unsharded_grad_bytes,
+        # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
+        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
+        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
+        / (shard if fw.loss_parallel else 1),
+    )

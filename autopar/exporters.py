@@ -34,6 +34,7 @@ from autopar.export_rules import (
 )
 from autopar.plan import Plan
 from autopar.schedules import SCHEDULES
+from autopar.toml_text import one_line, toml_document, toml_string
 
 __all__ = [
     "EXPORTERS",
@@ -92,60 +93,6 @@ def _module_fqns_per_model_part(plan: Plan) -> list[list[str]] | None:
     return parts
 
 
-# TOML basic-string escapes (TOML 1.0, "String"); other control characters become \uXXXX.
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
-                 "\f": "\\f", "\r": "\\r"}
-
-
-def toml_string(text: str) -> str:
-    """``text`` as a TOML basic string, ASCII only (``tomllib`` reads back exactly ``text``).
-
-    Quote, backslash and control characters (U+0000..U+001F, U+007F) are escaped, and so is
-    every non-ASCII character (``\\uXXXX`` / ``\\UXXXXXXXX``).
-
-    Raises:
-        ValueError: ``text`` holds a lone surrogate, which no TOML (or UTF-8) string can carry.
-    """
-    out = []
-    for char in text:
-        code = ord(char)
-        if 0xD800 <= code <= 0xDFFF:
-            raise ValueError(f"plan string {text!r} is not valid Unicode (a lone surrogate)")
-        if char in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[char])
-        elif code < 0x20 or code == 0x7F or 0x80 <= code <= 0xFFFF:
-            out.append(f"\\u{code:04X}")
-        elif code > 0xFFFF:
-            out.append(f"\\U{code:08X}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
-
-
-def one_line(text: str) -> str:
-    """``text`` for a comment: printable ASCII on one line (escapes as Python writes them)."""
-    return text.encode("unicode_escape", errors="backslashreplace").decode("ascii")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return toml_string(str(value))
-
-
-def _toml(tables: dict[str, dict[str, Any]], header: str) -> str:
-    lines = [f"# {one_line(header)}"]
-    for name, table in tables.items():
-        lines.append("")
-        lines.append(f"[{name}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
-    return "\n".join(lines) + "\n"
-
-
 def to_torchtitan(plan: Plan) -> Export:
     """torchtitan job TOML: ``[parallelism]``, ``[activation_checkpoint]``, ``[training]``.
 
@@ -154,37 +101,8 @@ def to_torchtitan(plan: Plan) -> Export:
     autopar places them).
     """
     cfg = plan.config
-    notes = []
-    sharded = cfg.zero > 0 and cfg.dp * cfg.cp > 1
-    parallelism: dict[str, Any] = {
-        "data_parallel_replicate_degree": cfg.dp_replicate if sharded else cfg.dp,
-        "data_parallel_shard_degree": cfg.dp_shard if sharded else 1,
-        "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
-        "tensor_parallel_degree": cfg.tp,
-        "enable_async_tensor_parallel": False,
-        "pipeline_parallel_degree": cfg.pp,
-        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[cfg.schedule],
-        "pipeline_parallel_microbatch_size": cfg.micro_batch,
-        "context_parallel_degree": cfg.cp,
-    }
-    if cfg.ep > 1:
-        # torchtitan's "partial dp -> ep" layout: experts over ep of the dp_shard (x cp)
-        # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
-        parallelism["expert_parallel_degree"] = cfg.ep
-        parallelism["expert_tensor_parallel_degree"] = cfg.tp
-    if cfg.cp > 1:  # K/V shards passed around the ring (what the cost model charges)
-        parallelism["context_parallel_rotate_method"] = "alltoall"
-        if cfg.zero == 0:
-            notes.append("torchtitan shards parameters (FSDP) over dp_shard * cp whenever cp > 1; "
-                         "the plan's zero=0 runs as FSDP there")
-    if cfg.pp > 1:
-        parts = _module_fqns_per_model_part(plan)
-        if parts is not None:
-            parallelism["module_fqns_per_model_part"] = parts
-        else:
-            names = [list(s.layer_names) for s in plan.stages]
-            notes.append(f"stages {names} are not all embedding, blocks and head; set "
-                         "module_fqns_per_model_part by hand")
+    notes: list[str] = []
+    parallelism = _titan_parallelism(plan, notes)
     if cfg.tp > 1 and not cfg.sequence_parallel:
         notes.append("torchtitan always runs sequence parallelism with tp > 1")
     if len(set(plan.recompute_per_layer)) > 1:
@@ -217,7 +135,43 @@ def to_torchtitan(plan: Plan) -> Export:
         notes.append("fp8 (torchao float8, tensorwise) casts fastest under torch.compile: "
                      "consider [compile] enable = true")
     header = f"{_header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
-    return Export(text=_toml(tables, header), notes=tuple(notes))
+    return Export(text=toml_document(tables, header), notes=tuple(notes))
+
+
+def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
+    """torchtitan's ``[parallelism]`` table of the plan (what it cannot express goes to notes)."""
+    cfg = plan.config
+    sharded = cfg.zero > 0 and cfg.dp * cfg.cp > 1
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": cfg.dp_replicate if sharded else cfg.dp,
+        "data_parallel_shard_degree": cfg.dp_shard if sharded else 1,
+        "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
+        "tensor_parallel_degree": cfg.tp,
+        "enable_async_tensor_parallel": False,
+        "pipeline_parallel_degree": cfg.pp,
+        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[cfg.schedule],
+        "pipeline_parallel_microbatch_size": cfg.micro_batch,
+        "context_parallel_degree": cfg.cp,
+    }
+    if cfg.ep > 1:
+        # torchtitan's "partial dp -> ep" layout: experts over ep of the dp_shard (x cp)
+        # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
+        parallelism["expert_parallel_degree"] = cfg.ep
+        parallelism["expert_tensor_parallel_degree"] = cfg.tp
+    if cfg.cp > 1:  # K/V shards passed around the ring (what the cost model charges)
+        parallelism["context_parallel_rotate_method"] = "alltoall"
+        if cfg.zero == 0:
+            notes.append("torchtitan shards parameters (FSDP) over dp_shard * cp whenever cp > 1; "
+                         "the plan's zero=0 runs as FSDP there")
+    if cfg.pp > 1:
+        parts = _module_fqns_per_model_part(plan)
+        if parts is not None:
+            parallelism["module_fqns_per_model_part"] = parts
+        else:
+            names = [list(s.layer_names) for s in plan.stages]
+            notes.append(f"stages {names} are not all embedding, blocks and head; set "
+                         "module_fqns_per_model_part by hand")
+    return parallelism
 
 
 def _seq_len(plan: Plan) -> int:
@@ -376,16 +330,20 @@ def to_megatron(plan: Plan) -> Export:
     return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))
 
 
-def to_deepspeed(plan: Plan) -> Export:
-    """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
-    cfg = plan.config
-    notes = []
+def _deepspeed_ep(cfg: Any) -> None:
     if cfg.ep > 1:
         raise ValueError(
             f"DeepSpeed's JSON config cannot express expert parallelism (ep={cfg.ep}): its "
             "degree is set in model code (deepspeed.moe.layer.MoE(ep_size=...)); export to "
             "megatron or torchtitan, or re-plan with ep=1"
         )
+
+
+def to_deepspeed(plan: Plan) -> Export:
+    """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
+    cfg = plan.config
+    notes = []
+    _deepspeed_ep(cfg)
     if plan.moe is not None:
         notes.append("the model is a mixture of experts: build its MoE layers with "
                      f"deepspeed.moe.layer.MoE(num_experts={plan.moe.experts}, ep_size=1, "

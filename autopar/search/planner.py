@@ -26,7 +26,7 @@ from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable
 from autopar.errors import InfeasiblePlanError
-from autopar.plan import Plan, SearchInfo, StagePlan
+from autopar.plan import Plan, SearchInfo
 from autopar.schedules import DEFAULT_SCHEDULE
 from autopar.search.bounds import (
     TableSummary,
@@ -39,8 +39,8 @@ from autopar.search.bounds import (
 from autopar.search.dimensions import dominant_dtypes, dtype_choices, offload_variants
 from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
 from autopar.search.infeasible import infeasible_error
-from autopar.search.layout import tp_layout
 from autopar.search.options import SearchOptions
+from autopar.search.plan_records import plan_record, robust_order
 from autopar.search.space import enumerate_candidates
 from autopar.units import GIB
 
@@ -319,52 +319,13 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
     return state
 
 
-def _stage_plans(profile, split, recompute) -> tuple[StagePlan, ...]:
-    names = [layer.name for layer in profile.layers]
-    return tuple(
-        StagePlan(
-            index=j,
-            layers=(a, b),
-            layer_names=tuple(names[a : b + 1]),
-            recompute=tuple(recompute[a : b + 1]),
-        )
-        for j, (a, b) in enumerate(split)
-    )
-
-
 def _make_plan(profile, cluster, config, split, recompute, info, model, options) -> Plan:
     """The Plan record; its estimate is assemble() of the split under the plan's own config."""
     counts = collections.Counter(recompute)
     common = max(RECOMPUTE, key=lambda r: (counts[r], -RECOMPUTE.index(r)))
     config = dataclasses.replace(config, recompute=common)
     table = _cost_table(profile, cluster, config, options)
-    return _plan_record(profile, cluster, table, split, recompute, model=model, search=info)
-
-
-def _plan_record(profile, cluster, table: CostTable, split, recompute, *, model: str,
-                 search: SearchInfo | None = None) -> Plan:
-    """The Plan of a split of ``table``'s config for ``table``'s framework (its canonical spec);
-    its estimate is ``assemble`` of the split."""
-    config = table.config
-    return Plan(
-        config=config,
-        stages=_stage_plans(profile, split, recompute),
-        tp_layout=tp_layout(profile, tp=config.tp, sequence_parallel=config.sequence_parallel),
-        estimate=assemble(table, split, recompute),
-        profile_fingerprint=profile.fingerprint(),
-        cluster_fingerprint=cluster.fingerprint(),
-        model=model,
-        seq_len=profile.seq_len,
-        cluster=cluster.to_dict(),
-        search=search or SearchInfo(),
-        framework=table.framework.spec,
-        moe=_first_moe(profile),
-    )
-
-
-def _first_moe(profile):
-    """The profile's first mixture-of-experts record (None for a dense model)."""
-    return next((layer.moe for layer in profile.layers if layer.moe is not None), None)
+    return plan_record(profile, cluster, table, split, recompute, model=model, search=info)
 
 
 def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
@@ -448,6 +409,21 @@ def plan(
     configs = _candidates(profile, cluster, global_batch, options)
     if not configs:
         raise _no_split_error(profile, cluster, global_batch)
+    cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline)
+    if not state.best and state.time_limit_hit:
+        raise InfeasiblePlanError(
+            f"the time budget ({time_budget_s:g} s) ran out before any split was found; "
+            "allow more time (time_budget_s / --time-budget) or narrow the search options"
+        )
+    if not state.best:
+        raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
+    plans = _best_plans(profile, cluster, state, model, options, wanted)
+    return plans[0] if wanted == 1 else plans
+
+
+def _search_all(profile, cluster, configs, top_k, options, progress, deadline):
+    """Cost, bound and search every candidate; when none fits, their offloading variants too.
+    Returns (candidates, state); a search cut short by the deadline is flagged in the state."""
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
     truncated = len(cands) < len(configs)
     state = _search(cands, top_k, options, progress, deadline)
@@ -462,15 +438,7 @@ def plan(
     if truncated:
         state.time_limit_hit = True
         state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
-    if not state.best and state.time_limit_hit:
-        raise InfeasiblePlanError(
-            f"the time budget ({time_budget_s:g} s) ran out before any split was found; "
-            "allow more time (time_budget_s / --time-budget) or narrow the search options"
-        )
-    if not state.best:
-        raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
-    plans = _best_plans(profile, cluster, state, model, options, wanted)
-    return plans[0] if wanted == 1 else plans
+    return cands, state
 
 
 def _no_split_error(profile, cluster, global_batch: int) -> ValueError:
@@ -488,21 +456,7 @@ def _best_plans(profile, cluster, state: _State, model: str, options: SearchOpti
     plans = [_make_plan(profile, cluster, cand.table.config, outcome.split, outcome.recompute,
                         _info(state, outcome, step), model, options)
              for step, _, outcome, cand in state.best]  # fmt: skip
-    return _robust(plans)[:wanted] if options.robust else plans
-
-
-def _robust(plans: list[Plan]) -> list[Plan]:
-    """Plans by pessimistic step time (the high end of ``step_time_interval_s``), those whose
-    memory fits even at the high end of the framework's memory band first."""
-    from autopar.cost_model.frameworks import get_framework
-
-    def key(p: Plan) -> tuple[bool, float, float]:
-        band = get_framework(p.framework).memory_band
-        est = p.estimate
-        safe = est.memory_per_gpu_bytes * (1.0 + band) <= est.memory_capacity_bytes
-        return (not safe, est.step_time_interval_s[1], est.step_time_s)
-
-    return sorted(plans, key=key)
+    return robust_order(plans)[:wanted] if options.robust else plans
 
 
 def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "",
@@ -515,4 +469,4 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
 
     table = checked_table(profile, cluster, config, framework)
     split, recompute = default_split(table)
-    return _plan_record(profile, cluster, table, split, recompute, model=model)
+    return plan_record(profile, cluster, table, split, recompute, model=model)

@@ -69,7 +69,8 @@ LAYERS = ("base", "models", "graph", "cost_model", "plan", "search", "runtime", 
 # itself (``import autopar``) re-exports profile / estimate / plan: the search's layer.
 MODULE_LAYERS = {
     "config": "base", "errors": "base", "export_rules": "base", "lazy": "base",
-    "schedules": "base", "stdio": "base", "timelimit": "base", "units": "base",
+    "schedules": "base", "stdio": "base", "timelimit": "base", "toml_text": "base",
+    "units": "base",
     "costing": "plan", "exporters": "plan", "plan": "plan", "plotting": "plan", "report": "plan",
     "__init__": "search", "sweep": "search",
 }

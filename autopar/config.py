@@ -217,10 +217,11 @@ def dp_mechanism(config: ParallelConfig) -> str:
     """The data-parallel mechanism a config runs with: none | ddp | replicate | fsdp.
 
     Gradients are reduced over the dp * cp ranks that hold the same parameters (context
-    parallel ranks hold whole layers, as torchtitan's ``dp_shard_cp`` mesh does).
-    dp * cp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
+    parallel ranks hold whole layers, as torchtitan's ``dp_shard_cp`` mesh does), also when
+    dp == 1. dp * cp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
     tensor-parallel weights or pipeline stages is wrong on torch 2.13; see docs/runtime.md).
-    zero >= 1: FSDP2. The runtime applies exactly this and the cost model charges it.
+    zero >= 1: FSDP2 (HSDP when dp_replicate > 1). The runtime applies exactly this and the cost
+    model charges it.
     """
     if config.dp * config.cp == 1:
         return "none"

@@ -4,11 +4,16 @@ Heads are viewed as ``-1`` (the local heads) so a tensor-parallel shard of ``wq`
 runs unchanged; grouped-query attention repeats each k/v head ``local_heads // local_kv_heads``
 times, computed from the tensor shapes. RoPE (llama) is computed inside forward from the sequence
 length, so any contiguous set of blocks runs on its own.
+
+Context parallelism (``autopar.runtime.context_parallel``) sets ``context_parallel`` on the module:
+the input is then this rank's share of the sequence, RoPE uses its global positions, and K and V
+are all-gathered over the cp ranks, with a causal mask over global positions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +22,9 @@ from torch import nn
 __all__ = ["Attention", "apply_rope"]
 
 
-def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, theta: float, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021), rotate-half form, on ``x[b, s, heads, d]``.
 
     Pair i of a head (components i and i + d/2) at position t is rotated by the angle
@@ -26,6 +33,8 @@ def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     Args:
         x: queries or keys, shape (batch, seq, heads, head_dim); head_dim even.
         theta: the RoPE base frequency.
+        positions: the tokens' positions ``[seq]`` (default ``0 .. seq - 1``; a context-parallel
+            shard passes its global positions).
 
     Returns:
         The rotated tensor, same shape and dtype as ``x``.
@@ -34,7 +43,10 @@ def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     half = head_dim // 2
     exponent = torch.arange(0, half, device=x.device, dtype=torch.float32) / half
     inv_freq = 1.0 / (theta**exponent)
-    positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
+    else:
+        positions = positions.to(torch.float32)
     angles = torch.outer(positions, inv_freq)  # (s, d/2)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[None, :, None, :].to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[None, :, None, :].to(x.dtype)
@@ -79,6 +91,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        # Set by the runtime under context parallelism (a ContextParallel), else None.
+        self.context_parallel: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x[b, s, h]`` causally; returns ``[b, s, h]``."""
@@ -86,9 +100,16 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        cp = self.context_parallel
         if self.rope_theta is not None:
-            q = apply_rope(q, self.rope_theta)
-            k = apply_rope(k, self.rope_theta)
+            positions = None if cp is None else cp.positions(seq_len, x.device)
+            q = apply_rope(q, self.rope_theta, positions)
+            k = apply_rope(k, self.rope_theta, positions)
+        mask = None
+        if cp is not None:
+            # One all-gather of K and V together over the cp ranks (backward: reduce-scatter).
+            k, v = cp.gather(torch.stack([k, v], dim=2)).unbind(2)
+            mask = cp.causal_mask(seq_len, x.device)
         if self.grouped:
             repeats = q.shape[2] // k.shape[2]
             k = torch.repeat_interleave(k, repeats, dim=2)
@@ -96,17 +117,22 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
         if self.attention == "sdpa":
             p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None
+            )
         else:
-            out = self._eager(q, k, v)
+            out = self._eager(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seq_len, -1)
         return self.resid_dropout(self.wo(out))
 
-    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _eager(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
         # softmax(q k^T / sqrt(d) + causal mask) v, with the (b, heads, s, s) scores materialised.
         seq_len = q.shape[2]
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        keep = q.new_ones((seq_len, seq_len), dtype=torch.bool).tril()
+        if keep is None:
+            keep = q.new_ones((seq_len, seq_len), dtype=torch.bool).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
         probs = F.softmax(scores, dim=-1)
         probs = F.dropout(probs, p=self.dropout, training=self.training)

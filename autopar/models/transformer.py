@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Set by the runtime under context parallelism (a ContextParallel): the input is then
+        # this rank's share of each sequence and positions are its global ones.
+        self.context_parallel: Any = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run the modules present.
@@ -75,7 +79,11 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            cp = self.context_parallel
+            if cp is None:
+                positions = torch.arange(h.shape[1], device=h.device)
+            else:
+                positions = cp.positions(h.shape[1], h.device)
             h = h + self.pos_embeddings(positions)
         # Under autocast the residual stream is 16-bit from here on (autopar/models/norms.py).
         h = to_autocast_dtype(h)

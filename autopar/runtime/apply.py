@@ -1,8 +1,8 @@
 """apply_plan: turn a Plan into this rank's sharded modules and pipeline schedule.
 
-Order (STYLE.md section 6): PP split -> TP -> EP -> recompute (AC) -> DP, one ``apply_<axis>`` per
-mesh axis, each a no-op at degree 1. ``check_plan_runnable`` raises every error it can before any
-process group exists, so the launcher calls it first.
+Order (STYLE.md section 6): CP -> PP split -> TP -> EP -> recompute (AC) -> DP, one
+``apply_<axis>`` per mesh axis, each a no-op at degree 1. ``check_plan_runnable`` raises every
+error it can before any process group exists, so the launcher calls it first.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from torch import nn
 
 from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.runtime.context_parallel import apply_context_parallel, supports_context_parallel
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
+from autopar.runtime.mesh import data_parallel_mesh
 from autopar.runtime.nested_stage import shard_head_stand_ins
 from autopar.runtime.pipeline_parallel import (
     ModelStructure,
@@ -57,7 +59,7 @@ class ParallelizedModel:
         has_first_stage: this rank runs the model's first stage (it takes the tokens).
         has_last_stage: this rank runs the last stage (it takes the labels, computes the loss).
         plan: the plan applied.
-        mesh: the ("pp", "dp", "tp") mesh.
+        mesh: the ("pp", "dp", "cp", "tp") mesh.
         loss_fn: ``loss_fn(output, labels) -> scalar``: the model's output and the batch's targets
             (mean token cross entropy of the logits by default, or the model's own ``.loss``).
         stage_indices: the stage indices of ``model_parts``.
@@ -115,11 +117,17 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
                     f"tp={cfg.tp} does not divide {name}={value}: tensor parallelism shards "
                     f"attention heads; use a tp that divides {value}"
                 )
-        if cfg.sequence_parallel and spec.seq_len % cfg.tp:
+        if cfg.sequence_parallel and (spec.seq_len // cfg.cp) % cfg.tp:
             raise AutoparError(
-                f"sequence parallelism with tp={cfg.tp} needs seq_len divisible by tp "
-                f"(seq_len={spec.seq_len}); change tp or the sequence length"
+                f"sequence parallelism with tp={cfg.tp} needs seq_len / cp divisible by tp "
+                f"(seq_len={spec.seq_len}, cp={cfg.cp}); change tp or the sequence length"
             )
+    if cfg.cp > 1 and spec.seq_len % (2 * cfg.cp):
+        raise AutoparError(
+            f"context parallelism with cp={cfg.cp} cuts each sequence into 2 * cp = {2 * cfg.cp} "
+            f"chunks (load balancing), so seq_len must be divisible by {2 * cfg.cp} "
+            f"(seq_len={spec.seq_len}); change cp or the sequence length"
+        )
 
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
@@ -140,6 +148,9 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
                            "with capacity_factor=0 or use ep=1")
     if cfg.tp > 1:
         raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
+    if cfg.cp > 1:
+        # The ep groups are cut from the dp axis alone (expert_parallel.ep_groups).
+        raise AutoparError("autopar's runtime runs expert parallelism with cp=1 only")
 
 
 def _check_schedule(plan: Plan) -> None:
@@ -191,8 +202,18 @@ def _check_any_model(model: nn.Module, plan: Plan, reason: str) -> None:
     )
 
 
+def _check_context_parallel(model: nn.Module, plan: Plan) -> None:
+    if plan.config.cp > 1 and not supports_context_parallel(model):
+        raise AutoparError(
+            f"{type(model).__name__} cannot run with cp={plan.config.cp}: context parallelism "
+            "shards the sequence inside autopar's zoo attention (gpt, llama, their presets), "
+            "which this model does not use; use cp=1 (dp, tp and pp run it)"
+        )
+
+
 def _check_model(model: nn.Module, plan: Plan) -> None:
     cfg = plan.config
+    _check_context_parallel(model, plan)
     structure, reason = _structure_or_reason(model)
     if structure is None:
         _check_any_model(model, plan, reason)
@@ -311,13 +332,13 @@ def _autocast_dtype(plan: Plan) -> torch.dtype | None:
 def apply_plan(
     model: nn.Module, plan: Plan, mesh: DeviceMesh, *, loss_fn: LossFn | None = None
 ) -> ParallelizedModel:
-    """Apply ``plan`` to ``model`` on this rank: PP split -> TP -> recompute -> DP.
+    """Apply ``plan`` to ``model`` on this rank: CP -> PP split -> TP -> EP -> recompute -> DP.
 
     Args:
         model: the full model with its weights (built from the same seed on every rank). Its
             submodules are reused, not copied: do not use ``model`` itself afterwards.
         plan: the plan (its world size must equal the mesh's).
-        mesh: ``build_mesh(plan)``: axes ("pp", "dp", "tp").
+        mesh: ``build_mesh(plan)``: axes ("pp", "dp", "cp", "tp").
         loss_fn: ``loss_fn(logits, labels) -> scalar`` mean loss; default the zoo's token cross
             entropy.
 
@@ -339,6 +360,11 @@ def apply_plan(
     structure = _structure_or_none(model)
     if structure is None:
         return _apply_any_model(model, plan, mesh, loss)
+    # [CP] the zoo attention all-gathers K/V over "cp"; positions are the shard's global ones.
+    if cfg.cp > 1:
+        cp_mesh = mesh["cp"]
+        apply_context_parallel(model, cp_mesh.get_group(), cp_mesh.get_local_rank(), cfg.cp)
+    dp_mesh = data_parallel_mesh(mesh, cfg)
     pp_rank = mesh["pp"].get_local_rank()
     stage_plans = plan.stages_for_rank(pp_rank)
     # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
@@ -349,7 +375,8 @@ def apply_plan(
     )
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
-    wrapped = [_parallelize_part(part, stage_plan, structure, layout, mesh, cfg, experts_groups)
+    wrapped = [_parallelize_part(part, stage_plan, structure, layout, mesh, dp_mesh, cfg,
+                                 experts_groups)
                for part, stage_plan in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
     schedule, stages = None, ()
@@ -368,9 +395,10 @@ def apply_plan(
 
 
 def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelStructure,
-                      layout: dict[str, str], mesh: DeviceMesh, cfg: ParallelConfig,
-                      experts_groups: Any) -> nn.Module:
-    """TP -> EP -> recompute -> DP on one stage module (the fixed order of ``apply_plan``)."""
+                      layout: dict[str, str], mesh: DeviceMesh, dp_mesh: DeviceMesh,
+                      cfg: ParallelConfig, experts_groups: Any) -> nn.Module:
+    """TP -> EP -> recompute -> DP on one stage module (the fixed order of ``apply_plan``);
+    ``dp_mesh`` is ``mesh.data_parallel_mesh`` (dp, dp x cp, or HSDP's 2-D mesh)."""
     # [TP] parallelize_module by the plan's layout.
     apply_tensor_parallel(
         part,
@@ -391,7 +419,7 @@ def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelSt
     blocks = {fqn: part.get_submodule(fqn) for fqn in choices}
     apply_recompute(blocks, choices)
     # [DP] by ZeRO stage.
-    return apply_data_parallel(part, list(blocks.values()), mesh["dp"], cfg,
+    return apply_data_parallel(part, list(blocks.values()), dp_mesh, cfg,
                                ignored_params=local_experts)
 
 
@@ -417,7 +445,8 @@ def _apply_any_model(
                     choices[block_fqns[layer - 1]] = mode
         apply_recompute(blocks, choices)
     # [DP] by ZeRO stage.
-    wrapped = apply_data_parallel(model, list(blocks.values()), mesh["dp"], cfg)
+    wrapped = apply_data_parallel(model, list(blocks.values()), data_parallel_mesh(mesh, cfg),
+                                  cfg)
     return ParallelizedModel(
         model_parts=(wrapped,),
         schedule=None,

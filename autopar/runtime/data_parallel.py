@@ -22,6 +22,18 @@ What each ``config.zero`` means in torch terms (the cost model charges exactly t
   parameters are all-gathered for forward, freed, all-gathered again for backward; gradients are
   reduce-scattered every micro-batch. (FSDP2 never reshards the root module after forward.)
 
+HSDP (``dp_replicate > 1``, zero >= 1): the same FSDP2 units on the 2-D (replicate, shard) mesh
+(``mesh.data_parallel_mesh``): parameters sharded over the shard axis, gradients reduce-scattered
+over it and then all-reduced over the replicate axis. With context parallelism every mechanism runs
+over dp x cp flattened ("dp_cp"): the cp ranks of a replica hold the same parameters.
+
+Offload (zero >= 1): FSDP2 ``CPUOffloadPolicy`` on every unit, for ``offload="params"`` and
+``offload="optimizer"`` alike (torch has no optimizer-only offload for FSDP2): the sharded
+parameters and gradients live in host memory, each unit's parameters are copied to the device for
+its all-gather, its reduced gradient shard is copied back to the host, and the optimizer step runs
+on the host over the host shards. ``optimizer`` thus also keeps parameters and gradients on the
+host between uses (more than the name says); the cost model charges the configured offload.
+
 Mixed precision: bf16/fp16 under FSDP2 use ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
 (fp32 sharded master weights); other paths run the forward under ``torch.autocast``.
 """
@@ -60,17 +72,27 @@ def _mp_policy(cfg: ParallelConfig) -> Any:
     return MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.dtype], reduce_dtype=torch.float32)
 
 
+def _offload_policy(cfg: ParallelConfig, device_type: str) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if cfg.offload == "none":
+        return OffloadPolicy()
+    # Pinned host memory only makes sense next to a GPU (pinning needs CUDA).
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
 def apply_data_parallel(
     part: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, cfg: ParallelConfig,
     ignored_params: set | None = None,
 ) -> nn.Module:
-    """Wrap one stage module for data parallelism over the "dp" mesh axis.
+    """Wrap one stage module for data parallelism over the data-parallel mesh.
 
     Args:
         part: the model (pp == 1) or one pipeline stage module, already tensor-parallel.
         blocks: the blocks inside ``part`` (each becomes its own FSDP2 unit).
-        dp_mesh: the 1-D "dp" sub-mesh.
-        cfg: the plan's config (dp, pp, zero, dtype).
+        dp_mesh: ``mesh.data_parallel_mesh``: the 1-D "dp" (or "dp_cp") axis, or the 2-D
+            (replicate, shard) mesh of HSDP.
+        cfg: the plan's config (dp, cp, pp, zero, dtype, dp_replicate, offload).
         ignored_params: parameters left out (expert-parallel experts, which differ per rank and
             synchronise their own gradients: runtime/expert_parallel.py).
 
@@ -100,10 +122,14 @@ def apply_data_parallel(
         return replicate(part, mesh=dp_mesh, mp_policy=_mp_policy(cfg), ignored_params=ignored)
     from torch.distributed.fsdp import fully_shard
 
-    reshard = cfg.zero == 3
+    options = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": cfg.zero == 3,
+        "mp_policy": _mp_policy(cfg),
+        "offload_policy": _offload_policy(cfg, dp_mesh.device_type),
+        "ignored_params": ignored,
+    }
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg),
-                    ignored_params=ignored)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=_mp_policy(cfg),
-                ignored_params=ignored)
+        fully_shard(block, **options)
+    fully_shard(part, **options)
     return part

@@ -1,8 +1,15 @@
-"""Device mesh for a plan: axes ("pp", "dp", "tp") with tensor parallelism innermost.
+"""Device mesh for a plan: axes ("pp", "dp", "cp", "tp") with tensor parallelism innermost.
 
 TP is the innermost axis so that its ranks are consecutive (on a GPU node they share the fast
-intra-node links); dp is next and pp outermost, as in torchtitan and Megatron-LM. The mesh always
-has all three axes, also when a degree is 1, so code can name an axis without checking for it.
+intra-node links); context parallelism (cp) is next, then dp, and pp outermost, as in torchtitan
+(its order pp, dp_replicate, dp_shard, cp, tp) and Megatron-LM. The mesh always has all four axes,
+also when a degree is 1, so code can name an axis without checking for it.
+
+Data parallelism runs on ``data_parallel_mesh(mesh, config)``: the "dp" axis itself, or, with
+context parallelism, "dp" and "cp" flattened into one axis "dp_cp" (the cp ranks of a replica hold
+the same parameters and their gradients are averaged together, as torchtitan's "dp_shard_cp");
+with HSDP (``dp_replicate > 1``) that axis is unflattened into the 2-D (replicate, shard) mesh
+("dp_replicate", "dp_shard") or ("dp_replicate", "dp_shard_cp") that FSDP2 takes for HSDP.
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ if TYPE_CHECKING:
 
     from autopar.plan import Plan
 
-__all__ = ["MESH_AXES", "build_mesh", "config_of"]
+__all__ = ["MESH_AXES", "build_mesh", "config_of", "data_parallel_mesh", "dp_rank"]
 
-# Mesh axis names, outermost first. Rank r has coordinates (r // (dp*tp), (r // tp) % dp, r % tp).
-MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
+# Mesh axis names, outermost first. Rank r has coordinates
+# (r // (dp*cp*tp), (r // (cp*tp)) % dp, (r // tp) % cp, r % tp).
+MESH_AXES: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 
 
 def config_of(plan_or_config: Plan | ParallelConfig) -> ParallelConfig:
@@ -31,17 +39,17 @@ def config_of(plan_or_config: Plan | ParallelConfig) -> ParallelConfig:
 
 
 def build_mesh(plan_or_config: Plan | ParallelConfig, device_type: str = "cpu") -> DeviceMesh:
-    """Build the 3-D device mesh ("pp", "dp", "tp") of a plan on the current process group.
+    """Build the 4-D device mesh ("pp", "dp", "cp", "tp") of a plan on the current process group.
 
     The default process group must already be initialised (``torch.distributed.init_process_group``)
-    with exactly ``pp * dp * tp`` ranks.
+    with exactly ``pp * dp * cp * tp`` ranks.
 
     Args:
         plan_or_config: a Plan or a ParallelConfig.
         device_type: "cpu" (gloo) or "cuda" (NCCL).
 
     Returns:
-        A DeviceMesh of shape (pp, dp, tp) named ``MESH_AXES``.
+        A DeviceMesh of shape (pp, dp, cp, tp) named ``MESH_AXES``.
 
     Raises:
         PlanMismatchError: the world size of the process group differs from the plan's.
@@ -57,7 +65,47 @@ def build_mesh(plan_or_config: Plan | ParallelConfig, device_type: str = "cpu") 
     world_size = dist.get_world_size()
     if world_size != cfg.world_size:
         raise PlanMismatchError(
-            f"the plan needs {cfg.world_size} processes (pp={cfg.pp} x dp={cfg.dp} x tp={cfg.tp}) "
-            f"but {world_size} were launched; launch with --nproc-per-node {cfg.world_size}"
+            f"the plan needs {cfg.world_size} processes (pp={cfg.pp} x dp={cfg.dp} x cp={cfg.cp} x "
+            f"tp={cfg.tp}) but {world_size} were launched; launch with --nproc-per-node "
+            f"{cfg.world_size}"
         )
-    return init_device_mesh(device_type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=MESH_AXES)
+    return init_device_mesh(
+        device_type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp), mesh_dim_names=MESH_AXES
+    )
+
+
+def data_parallel_mesh(mesh: DeviceMesh, config: ParallelConfig) -> DeviceMesh:
+    """The mesh data parallelism (DDP, replicate(), FSDP2) runs on, for ``build_mesh``'s mesh.
+
+    * cp == 1, dp_replicate == 1: the 1-D "dp" axis.
+    * cp > 1: "dp" x "cp" flattened into the 1-D axis "dp_cp" (dp-major): gradients are averaged
+      over the cp ranks too, and FSDP2 shards over them (torchtitan's "dp_shard_cp").
+    * dp_replicate > 1 (HSDP): that 1-D axis unflattened into the 2-D (replicate, shard) mesh
+      ("dp_replicate", "dp_shard") (or "dp_shard_cp" with cp > 1): FSDP2 shards over the inner
+      axis and all-reduces gradients over the outer one. Replica r holds dp ranks
+      ``r * dp_shard .. (r + 1) * dp_shard - 1``.
+
+    Args:
+        mesh: ``build_mesh(config)``'s mesh.
+        config: the plan's config.
+
+    Returns:
+        A 1-D or 2-D DeviceMesh.
+    """
+    dp_mesh = mesh["dp"] if config.cp == 1 else mesh["dp", "cp"]._flatten("dp_cp")
+    if config.dp_replicate == 1:
+        return dp_mesh
+    shard_name = "dp_shard" if config.cp == 1 else "dp_shard_cp"
+    return dp_mesh._unflatten(
+        0, (config.dp_replicate, config.dp_shard * config.cp), ("dp_replicate", shard_name)
+    )
+
+
+def dp_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's coordinate on the "dp" axis, the axis's size), without building a sub-mesh.
+
+    NOTE: indexing the mesh (``mesh["dp"]``) builds a sub-mesh on every call (about 0.2 ms on
+    CPU); the dimension's size and this rank's coordinate need none.
+    """
+    dim = mesh.mesh_dim_names.index("dp")
+    return mesh.get_local_rank(dim), mesh.size(dim)

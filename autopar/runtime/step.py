@@ -5,7 +5,9 @@ Loss: the mean token cross entropy of the whole global batch. Every data-paralle
 micro_batch)`` micro-batches of equal size, so the global mean is the mean of the micro-batch means
 and its gradient is ``1 / (dp * n_mb)`` times the sum of the micro-batch gradients: each
 micro-batch loss is scaled by ``1 / n_mb`` (the pipeline schedule does the same with
-``scale_grads=True``) and DDP / FSDP2 average gradients over dp.
+``scale_grads=True``) and DDP / FSDP2 average gradients over dp. With context parallelism each
+rank holds ``s / cp`` tokens of every sequence, its loss is their mean, and the data-parallel
+mechanism averages gradients over dp x cp: the global mean's gradient again.
 """
 
 from __future__ import annotations
@@ -28,19 +30,35 @@ __all__ = [
 
 
 def local_batch(pmodel: ParallelizedModel, global_tensor: Any) -> Any:
-    """This rank's share of a global batch: the dp-rank's contiguous ``global_batch / dp`` rows.
+    """This rank's share of a global batch: the dp-rank's contiguous ``global_batch / dp`` rows,
+    and with context parallelism (cp > 1) the cp rank's load-balanced share of each sequence
+    (``context_parallel.shard_sequence``: chunks i and 2cp-1-i of 2cp, along dimension 1).
 
     Every tp and pp rank of one data-parallel replica gets the same rows. ``global_tensor`` may
     also be a model file's batch (a tuple, list or dict of tensors): every tensor whose first
-    dimension is the batch's is cut the same way.
+    dimension is the batch's is cut the same way (and, under cp, every such tensor of 2 or more
+    dimensions along dimension 1).
     """
-    # NOTE: indexing the mesh (``mesh["dp"]``) builds a sub-mesh on every call (about 0.2 ms on
-    # CPU); the dimension's size and this rank's coordinate need none.
+    from torch.utils._pytree import tree_map
+
+    from autopar.runtime.context_parallel import shard_sequence
+    from autopar.runtime.mesh import dp_rank
+
     mesh = pmodel.mesh
-    dim = mesh.mesh_dim_names.index("dp")
+    rank, size = dp_rank(mesh)
     if isinstance(global_tensor, torch.Tensor):
-        return global_tensor.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
-    return split_batch(global_tensor, mesh.size(dim))[mesh.get_local_rank(dim)]
+        rows = global_tensor.chunk(size)[rank]
+    else:
+        rows = split_batch(global_tensor, size)[rank]
+    cp = pmodel.plan.config.cp
+    if cp == 1:
+        return rows
+    cp_rank = mesh.get_local_rank(mesh.mesh_dim_names.index("cp"))
+    return tree_map(
+        lambda t: shard_sequence(t, cp_rank, cp)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 else t,
+        rows,
+    )
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -131,8 +149,9 @@ def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Ten
 
 
 def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:
-    # Every (dp, tp) coordinate has exactly one pp rank with the last stage, so the world sum of
-    # (loss on last-stage ranks, 0 elsewhere) is tp * sum_dp(loss); divide by dp * tp.
+    # Every (dp, cp, tp) coordinate has exactly one pp rank with the last stage, so the world sum
+    # of (loss on last-stage ranks, 0 elsewhere) is tp * sum_{dp,cp}(loss); every cp rank's loss
+    # is the mean over an equal share of the tokens, so divide by dp * cp * tp.
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local_loss
     cfg = pmodel.plan.config
@@ -140,7 +159,7 @@ def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:
     if pmodel.mesh.device_type == "cuda":
         value = value.cuda()
     dist.all_reduce(value)
-    return float(value.item()) / (cfg.dp * cfg.tp)
+    return float(value.item()) / (cfg.dp * cfg.cp * cfg.tp)
 
 
 def train_step(

@@ -1,0 +1,159 @@
+"""Context parallelism: every sequence sharded over the cp ranks, attention over all-gathered K/V.
+
+torch's ``torch.distributed.tensor.experimental.context_parallel`` (ring attention over SDPA) does
+not run on a CPU build of torch 2.13: it has no sharding rule for the CPU SDPA kernel
+(``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not
+have a sharding strategy registered``). autopar therefore runs the all-gather-KV variant of
+context parallelism (Llama 3, Dubey et al. 2024, section 3.3.2; Megatron-Core's
+``cp_comm_type="all_gather"``) in the zoo's own attention, on every device:
+
+* Load-balanced sharding: the sequence is cut into ``2 * cp`` equal chunks and cp rank ``i`` holds
+  chunks ``i`` and ``2 * cp - 1 - i`` (so every rank has the same causal work). Tokens and labels
+  are cut this way by ``shard_sequence``; each rank's loss is the mean over its own tokens.
+* Each attention keeps its query shard and all-gathers K and V (one ``all_gather_into_tensor`` of
+  K and V stacked, over the "cp" axis); backward reduce-scatters their gradient (one
+  ``reduce_scatter_tensor``). The causal mask compares the global positions of queries and keys.
+* Positions (GPT's learned position embedding, Llama's RoPE) are the global positions of the
+  rank's chunks (``ContextParallel.positions``).
+
+Parameters are replicated over cp; data parallelism reduces their gradients over dp x cp
+(``mesh.data_parallel_mesh``), so the step equals the one-process step on the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = [
+    "ContextParallel", "apply_context_parallel", "shard_sequence", "supports_context_parallel",
+]
+
+
+def _chunk_order(cp_rank: int, cp: int) -> tuple[int, int]:
+    # The two sequence chunks (of 2 * cp) a cp rank holds: load-balanced for causal attention.
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's load-balanced share of ``tensor`` along ``dim``: chunks i and 2cp-1-i.
+
+    Args:
+        tensor: e.g. tokens or labels ``[b, s]``; ``s`` divisible by ``2 * cp``.
+        cp_rank: the rank's coordinate on the "cp" axis.
+        cp: the cp degree.
+        dim: the sequence dimension.
+
+    Returns:
+        ``[b, s / cp]`` (a new tensor); ``tensor`` itself when cp == 1.
+    """
+    if cp == 1:
+        return tensor
+    chunks = tensor.chunk(2 * cp, dim=dim)
+    first, second = _chunk_order(cp_rank, cp)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over a group; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.size = group, size
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None, None
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallel:
+    """One rank's place in the cp group; the zoo's attention and positions consult it.
+
+    Attributes:
+        rank: the coordinate on the "cp" axis.
+        size: the cp degree.
+        group: the "cp" axis's process group.
+    """
+
+    rank: int
+    size: int
+    group: Any
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global positions of this rank's ``local_len`` tokens (its two chunks)."""
+        half = local_len // 2
+        first, second = _chunk_order(self.rank, self.size)
+        return torch.cat([
+            torch.arange(first * half, (first + 1) * half, device=device),
+            torch.arange(second * half, (second + 1) * half, device=device),
+        ])
+
+    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global positions of the gathered keys, in cp-rank order (``gather``'s order)."""
+        return torch.cat([
+            ContextParallel(rank=r, size=self.size, group=self.group).positions(local_len, device)
+            for r in range(self.size)
+        ])
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather ``x[b, s_local, ...]`` along the sequence: ``[b, cp * s_local, ...]``.
+
+        The keys come in cp-rank order (``key_positions``); backward reduce-scatters.
+        """
+        seq_first = x.transpose(0, 1)
+        gathered = _GatherSequence.apply(seq_first, self.group, self.size)
+        return gathered.transpose(0, 1)
+
+    def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """``[s_local, cp * s_local]`` bool: query i may attend key j (key position <= query's)."""
+        queries = self.positions(local_len, device)
+        keys = self.key_positions(local_len, device)
+        return keys[None, :] <= queries[:, None]
+
+
+def supports_context_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is a zoo model whose attention and positions run context-parallel."""
+    from autopar.models.attention import Attention
+    from autopar.models.transformer import Transformer
+
+    return isinstance(model, Transformer) and any(
+        isinstance(m, Attention) for m in model.modules()
+    )
+
+
+def apply_context_parallel(model: nn.Module, cp_group: Any, cp_rank: int, cp: int) -> None:
+    """Make the zoo model's attention and positions context-parallel (a no-op when cp == 1).
+
+    Args:
+        model: a zoo ``Transformer`` (before the pipeline split, so every stage shares it).
+        cp_group: the "cp" axis's process group.
+        cp_rank: this rank's coordinate on it.
+        cp: the cp degree.
+    """
+    if cp == 1:
+        return
+    from autopar.models.attention import Attention
+    from autopar.models.transformer import Transformer
+
+    shard = ContextParallel(rank=cp_rank, size=cp, group=cp_group)
+    for module in model.modules():
+        if isinstance(module, (Attention, Transformer)):
+            module.context_parallel = shard

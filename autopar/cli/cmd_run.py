@@ -47,6 +47,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     split = parser.add_argument_group("split (with a model; a plan brings its own)")
     for name in ("dp", "tp", "pp"):
         split.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default 1)")
+    for flag, text in (("--cp", "context-parallel degree: sequences sharded over cp ranks"),
+                       ("--dp-replicate", "HSDP replicas: dp = dp_replicate x shard (zero >= 1)")):
+        split.add_argument(flag, type=int, default=None, help=f"{text} (default 1)")
+    split.add_argument("--offload", default=None, choices=("none", "optimizer", "params"),
+                       help="keep sharded state in host memory with FSDP2's CPUOffloadPolicy "
+                       "(default none; needs --zero >= 1, params needs --zero 3)")
     split.add_argument("--ep", type=int, default=None,
                        help="expert-parallel degree of a mixture-of-experts model (divides dp; "
                        "default 1)")
@@ -161,8 +167,9 @@ class _Job:
     vocab: int
 
 
-_SPLIT_FLAGS = ("dp", "tp", "pp", "ep", "schedule", "virtual_stages", "micro_batch", "zero",
-                "recompute", "sequence_parallel", "dtype", "global_batch")
+_SPLIT_FLAGS = ("dp", "cp", "tp", "pp", "ep", "dp_replicate", "offload", "schedule",
+                "virtual_stages", "micro_batch", "zero", "recompute", "sequence_parallel", "dtype",
+                "global_batch")
 
 
 def _read_plan_doc(source: str) -> dict[str, Any] | None:
@@ -261,7 +268,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
         known = schedule in SCHEDULES
         virtual = get_schedule(schedule).default_virtual_stages(args.pp or 1) if known else 1
     return ParallelConfig(
-        dp=args.dp or 1, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
+        dp=args.dp or 1, cp=args.cp or 1, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
+        dp_replicate=args.dp_replicate or 1, offload=args.offload or "none",
         micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
         schedule=schedule, virtual_stages=virtual, recompute=args.recompute or "none",
         sequence_parallel=bool(args.sequence_parallel), zero=args.zero or 0,

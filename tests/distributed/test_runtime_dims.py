@@ -10,6 +10,8 @@ the bytes live.
 
 from __future__ import annotations
 
+import traceback
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -17,7 +19,6 @@ from test_runtime_equivalence import check_results, run_cases
 
 CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-cp2", "gpt", {"cp": 2, "micro_batch": 4}, None),
-    ("llama-cp2", "llama", {"cp": 2, "micro_batch": 4}, None),
     ("llama-cp2-full-recompute", "llama", {"cp": 2, "micro_batch": 2, "recompute": "full"}, None),
     ("gpt-dp2-zero3-offload-params", "gpt",
      {"dp": 2, "zero": 3, "offload": "params", "micro_batch": 2}, None),
@@ -26,11 +27,10 @@ CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
 ]
 CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-hsdp2x2-zero3", "gpt", {"dp": 4, "dp_replicate": 2, "zero": 3}, None),
-    ("llama-hsdp2x2-zero2", "llama", {"dp": 4, "dp_replicate": 2, "zero": 2}, None),
-    ("llama-hsdp2x1-tp2", "llama", {"dp": 2, "dp_replicate": 2, "zero": 3, "tp": 2}, None),
+    ("llama-hsdp2x1-tp2", "llama", {"dp": 2, "dp_replicate": 2, "zero": 2, "tp": 2}, None),
     ("gpt-hsdp2x1-pp2", "gpt",
      {"dp": 2, "dp_replicate": 2, "zero": 1, "pp": 2, "schedule": "1f1b"}, None),
-    ("gpt-hsdp2-x-cp2", "gpt", {"dp": 2, "dp_replicate": 2, "cp": 2, "zero": 3}, None),
+    ("llama-hsdp2-x-cp2", "llama", {"dp": 2, "dp_replicate": 2, "cp": 2, "zero": 3}, None),
     ("llama-cp2-tp2-sp", "llama",
      {"cp": 2, "tp": 2, "sequence_parallel": True, "micro_batch": 4}, None),
     ("gpt-cp2-pp2", "gpt", {"cp": 2, "pp": 2, "schedule": "1f1b", "micro_batch": 2}, None),
@@ -40,16 +40,133 @@ CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
      {"dp": 2, "pp": 2, "zero": 1, "offload": "optimizer", "schedule": "gpipe"}, None),
 ]
 
+# Collective counts of one step (CommDebugMode, ``autopar.runtime.comm_count``'s registry) for
+# the zoo GPT with L blocks, n_mb micro-batches (micro_batch 1) and FSDP2 units U = L + 1 (one per
+# block plus the root), against closed forms:
+# * context parallelism, axis "cp": per attention per micro-batch one all_gather_into_tensor of
+#   K and V (forward) and one reduce_scatter_tensor of their gradient (backward): n_mb * L each.
+# * FSDP2 (docs/runtime.md): zero 1: U all-gathers, U reduce-scatters per step; zero 2: U,
+#   U * n_mb; zero 3: 2 * U * n_mb, U * n_mb; on the shard axis ("dp_shard", or "dp_shard_cp" =
+#   dp_shard x cp, or the whole dp x cp axis without HSDP).
+# * HSDP: after each reduce-scatter, one all_reduce of the gradient shard over "dp_replicate".
+# * the reported loss: one all_reduce on the world group.
+# A group is named by its ranks; when two axes have the same ranks (dp_shard x cp with
+# dp_shard = 1 is the cp axis) the first name in LABEL_ORDER is used and the counts add up.
+COUNT_LAYERS, COUNT_N_MB = 2, 2
+COUNT_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("cp2-dp2-zero3", {"cp": 2, "dp": 2, "zero": 3}),
+    ("hsdp2x2-zero3", {"dp": 4, "dp_replicate": 2, "zero": 3}),
+    ("hsdp2x2-zero1", {"dp": 4, "dp_replicate": 2, "zero": 1}),
+    ("hsdp2x1-cp2-zero2", {"dp": 2, "dp_replicate": 2, "cp": 2, "zero": 2}),
+]
+LABEL_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp")
+
+
+def expected_counts(cfg: dict[str, Any]) -> dict[str, int]:
+    """The closed-form counts above for one COUNT_CASES config (pp = tp = 1, world size 4)."""
+    L, n_mb, units = COUNT_LAYERS, COUNT_N_MB, COUNT_LAYERS + 1
+    dp, cp, rep = cfg["dp"], cfg.get("cp", 1), cfg.get("dp_replicate", 1)
+    counts: Counter[str] = Counter({"all_reduce@world": 1})
+    if cp > 1:
+        counts["all_gather_into_tensor@cp"] += n_mb * L
+        counts["reduce_scatter_tensor@cp"] += n_mb * L
+    shard_size = dp // rep * cp
+    shard = "world" if shard_size == 4 else ("cp" if dp // rep == 1 else "dp_shard")
+    gathers, scatters = {1: (units, units), 2: (units, units * n_mb),
+                         3: (2 * units * n_mb, units * n_mb)}[cfg["zero"]]
+    counts[f"all_gather_into_tensor@{shard}"] += gathers
+    counts[f"reduce_scatter_tensor@{shard}"] += scatters
+    if rep > 1:
+        counts["all_reduce@dp_replicate"] += scatters
+    return dict(sorted(counts.items()))
+
+
+def _axis_ranks(mesh: Any, cfg: Any) -> dict[str, frozenset[int]]:
+    # The rank sets of this rank's groups on every axis (HSDP's from dp = replicate x shard).
+    import itertools
+
+    grid = mesh.mesh  # ranks, shape (pp, dp, cp, tp)
+    here = [int(i) for i in (grid == mesh.get_rank()).nonzero()[0]]
+    p, d, c, t = here
+    shard = cfg.dp_shard
+    sets = {
+        "tp": {int(grid[p, d, c, x]) for x in range(cfg.tp)},
+        "cp": {int(grid[p, d, x, t]) for x in range(cfg.cp)},
+        "dp": {int(grid[p, x, c, t]) for x in range(cfg.dp)},
+        "pp": {int(grid[x, d, c, t]) for x in range(cfg.pp)},
+        "dp_replicate": {int(grid[p, r * shard + d % shard, c, t])
+                         for r in range(cfg.dp_replicate)},
+        "dp_shard": {int(grid[p, (d // shard) * shard + x, c, t]) for x in range(shard)},
+    }
+    sets["dp_shard_cp"] = {int(grid[p, (d // shard) * shard + x, y, t])
+                           for x, y in itertools.product(range(shard), range(cfg.cp))}
+    return {name: frozenset(ranks) for name, ranks in sets.items()}
+
+
+def count_case(name: str, cfg_kwargs: dict[str, Any]) -> dict[str, int]:
+    """``kind@axis`` counts of the second step of a zoo GPT under ``cfg_kwargs``."""
+    import torch
+    import torch.distributed as dist
+    from test_runtime_equivalence import make_plan
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from autopar.config import ParallelConfig
+    from autopar.models import build
+    from autopar.runtime import apply_plan, build_mesh
+    from autopar.runtime.comm_count import _counting_mode, _kind
+    from autopar.runtime.step import local_batch, train_step
+
+    batch = cfg_kwargs["dp"] * COUNT_N_MB
+    cfg = ParallelConfig(global_batch=batch, dtype="fp32", **cfg_kwargs)
+    plan = make_plan(cfg, COUNT_LAYERS)
+    shape = {"layers": COUNT_LAYERS, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8}
+    pm = apply_plan(build("gpt", device="cpu", seed=0, **shape), plan, build_mesh(plan, "cpu"))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    x = local_batch(pm, torch.randint(0, 64, (batch, 8), generator=gen))
+    y = local_batch(pm, torch.randint(0, 64, (batch, 8), generator=gen))
+    train_step(pm, x, y, opt)
+    mode = _counting_mode()
+    with mode:
+        train_step(pm, x, y, opt)
+    axes = _axis_ranks(pm.mesh, cfg)
+    counts: Counter[str] = Counter()
+    for packet, group in mode.calls:
+        ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
+        names = [a for a in LABEL_ORDER if axes[a] == ranks and len(ranks) > 1]
+        label = "world" if len(ranks) == dist.get_world_size() else (names or ["other"])[0]
+        counts[f"{_kind(packet)}@{label}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def run_all(rank: int, world_size: int, cases: list[Any], count_cases: list[Any]) -> dict:
+    """The equivalence cases, then the collective counts (or their errors), in one launch."""
+    results = run_cases(rank, world_size, cases)
+    for name, cfg_kwargs in count_cases:
+        try:
+            results[f"count:{name}"] = count_case(name, cfg_kwargs)
+        except Exception:
+            results[f"count:{name}"] = {"error": traceback.format_exc(limit=6)}
+    return results
+
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_cp_and_offload_two_processes_equal_one_process(run_distributed: Any) -> None:
-    results = run_distributed(run_cases, 2, CASES_2, timeout_s=220)
+    results = run_distributed(run_all, 2, CASES_2, [], timeout_s=220)
     check_results(results, CASES_2)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_hsdp_cp_offload_four_processes_equal_one_process(run_distributed: Any) -> None:
-    results = run_distributed(run_cases, 4, CASES_4, timeout_s=280)
+    results = run_distributed(run_all, 4, CASES_4, COUNT_CASES, timeout_s=280)
     check_results(results, CASES_4)
+    errors = []
+    for name, cfg in COUNT_CASES:
+        want = expected_counts(cfg)
+        for rank, per_rank in enumerate(results):
+            got = per_rank[f"count:{name}"]
+            if got != want:
+                errors.append(f"[{name}] rank {rank}: measured {got} != closed form {want}")
+    assert not errors, "\n".join(errors)

@@ -50,6 +50,8 @@ def _plan(num_blocks: int = 4, layout: dict[str, str] | None = None, **cfg: Any)
         (dict(GPT, tie_embeddings=True), {"pp": 2}, "ties"),
         (dict(GPT, tie_embeddings=True), {"tp": 2}, "ties"),
         (GPT, {"pp": 4, "global_batch": 2}, "1f1b needs at least"),
+        (dict(GPT, seq_len=6), {"cp": 2}, r"2 \* cp = 4 chunks"),
+        (dict(GPT, seq_len=12), {"cp": 2, "tp": 4, "sequence_parallel": True}, "seq_len / cp"),
     ],
 )
 def test_unrunnable_plans_fail_before_launch(shape: dict, cfg: dict, match: str) -> None:
@@ -72,6 +74,28 @@ def test_model_without_block_container_is_rejected() -> None:
     check_plan_runnable(model, _plan(num_blocks=0, dp=2))
     with pytest.raises(AutoparError, match=r"block container.*--dp 2"):
         check_plan_runnable(model, _plan(num_blocks=0, tp=2))
+
+
+def test_context_parallel_needs_the_zoo_attention() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
+    with pytest.raises(AutoparError, match=r"cannot run with cp=2.*zoo attention"):
+        check_plan_runnable(model, _plan(num_blocks=0, cp=2))
+    check_plan_runnable(build("llama", **LLAMA), _plan(cp=2))
+
+
+def test_context_parallel_shards_are_load_balanced() -> None:
+    from autopar.runtime.context_parallel import ContextParallel, shard_sequence
+
+    tokens = torch.arange(16).view(1, 16)
+    shards = [shard_sequence(tokens, r, 2) for r in range(2)]
+    assert [s.tolist() for s in shards] == [[[0, 1, 2, 3, 12, 13, 14, 15]],
+                                            [[4, 5, 6, 7, 8, 9, 10, 11]]]
+    for rank, shard in enumerate(shards):
+        cp = ContextParallel(rank=rank, size=2, group=None)
+        assert cp.positions(8, torch.device("cpu")).tolist() == shard[0].tolist()
+        mask = cp.causal_mask(8, torch.device("cpu"))
+        keys = torch.cat([s[0] for s in shards])
+        assert torch.equal(mask, keys[None, :] <= shard[0][:, None])
 
 
 def test_bad_layout_style_is_rejected() -> None:

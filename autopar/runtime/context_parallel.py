@@ -70,7 +70,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.size = group, size
         x = x.contiguous()
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
@@ -79,7 +79,7 @@ class _GatherSequence(torch.autograd.Function):
 
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None, None
 
 

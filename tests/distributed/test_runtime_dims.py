@@ -28,16 +28,15 @@ CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
 CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-hsdp2x2-zero3", "gpt", {"dp": 4, "dp_replicate": 2, "zero": 3}, None),
     ("llama-hsdp2x1-tp2", "llama", {"dp": 2, "dp_replicate": 2, "zero": 2, "tp": 2}, None),
-    ("gpt-hsdp2x1-pp2", "gpt",
-     {"dp": 2, "dp_replicate": 2, "zero": 1, "pp": 2, "schedule": "1f1b"}, None),
     ("llama-hsdp2-x-cp2", "llama", {"dp": 2, "dp_replicate": 2, "cp": 2, "zero": 3}, None),
     ("llama-cp2-tp2-sp", "llama",
      {"cp": 2, "tp": 2, "sequence_parallel": True, "micro_batch": 4}, None),
     ("gpt-cp2-pp2", "gpt", {"cp": 2, "pp": 2, "schedule": "1f1b", "micro_batch": 2}, None),
     ("llama-dp2-tp2-offload-params", "llama",
      {"dp": 2, "tp": 2, "zero": 3, "offload": "params"}, None),
-    ("gpt-dp2-pp2-offload-optimizer", "gpt",
-     {"dp": 2, "pp": 2, "zero": 1, "offload": "optimizer", "schedule": "gpipe"}, None),
+    ("gpt-hsdp2x1-pp2-offload-optimizer", "gpt",
+     {"dp": 2, "pp": 2, "zero": 1, "offload": "optimizer", "schedule": "gpipe",
+      "dp_replicate": 2}, None),
 ]
 
 # Collective counts of one step (CommDebugMode, ``autopar.runtime.comm_count``'s registry) for

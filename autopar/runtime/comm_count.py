@@ -73,6 +73,10 @@ def _axis_names(mesh: DeviceMesh | None) -> dict[str, str]:
     if mesh is not None:
         for axis in mesh.mesh_dim_names or ():
             names[mesh[axis].get_group().group_name] = axis
+        # Flattened axes (context parallelism's "dp_cp"), where no root axis already names the
+        # group. NOTE: ``_flatten_mapping`` is DeviceMesh's private registry (torch 2.13).
+        for axis, flat in getattr(mesh, "_flatten_mapping", {}).items():
+            names.setdefault(flat.get_group().group_name, axis)
     return names
 
 
@@ -118,8 +122,9 @@ def count_collectives(
     Args:
         fn: the code to run (e.g. ``lambda: train_step(pm, x, y, opt)``); capture its results
             through a closure.
-        mesh: if given, count per mesh axis: keys become ``"kind@axis"`` (axis "pp", "dp", "tp",
-            "world" for the default group, "other" for any other group).
+        mesh: if given, count per mesh axis: keys become ``"kind@axis"`` (axis "pp", "dp", "cp",
+            "tp", a flattened axis such as "dp_cp", "world" for the default group, "other" for
+            any other group, e.g. HSDP's replicate and shard groups).
 
     Returns:
         Kind (or ``kind@axis``) -> number of calls, sorted; kinds never called are omitted.

@@ -23,13 +23,10 @@ Parameters are replicated over cp; data parallelism reduces their gradients over
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 __all__ = [
     "ContextParallel", "apply_context_parallel", "shard_sequence", "supports_context_parallel",
@@ -61,26 +58,25 @@ def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) ->
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over a group; backward reduce-scatters (sums) the gradient."""
+    """All-gather along dim 0 over a group; backward reduce-scatters (sums) the gradient.
+
+    Functional collectives (``_c10d_functional``): they return new tensors, so selective
+    activation checkpointing (recompute.py) saves the gathered K/V instead of re-running the
+    collective (an in-place c10d all-gather into a recomputed buffer would leave it unfilled).
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group, ctx.size = group, size
-        x = x.contiguous()
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x, group=group)
-        return out
+    def forward(ctx: Any, x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+        ctx.group_name, ctx.size = group_name, size
+        functional = torch.ops._c10d_functional
+        out = functional.all_gather_into_tensor(x.contiguous(), size, group_name)
+        return functional.wait_tensor(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None, None
+        functional = torch.ops._c10d_functional
+        out = functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.size, ctx.group_name)
+        return functional.wait_tensor(out), None, None
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +115,7 @@ class ContextParallel:
         The keys come in cp-rank order (``key_positions``); backward reduce-scatters.
         """
         seq_first = x.transpose(0, 1)
-        gathered = _GatherSequence.apply(seq_first, self.group, self.size)
+        gathered = _GatherSequence.apply(seq_first, self.group.group_name, self.size)
         return gathered.transpose(0, 1)
 
     def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:

@@ -20,6 +20,8 @@ from test_runtime_equivalence import check_results, run_cases
 CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-cp2", "gpt", {"cp": 2, "micro_batch": 4}, None),
     ("llama-cp2-full-recompute", "llama", {"cp": 2, "micro_batch": 2, "recompute": "full"}, None),
+    ("llama-cp2-selective-recompute", "llama",
+     {"cp": 2, "micro_batch": 2, "recompute": "selective"}, None),
     ("gpt-dp2-zero3-offload-params", "gpt",
      {"dp": 2, "zero": 3, "offload": "params", "micro_batch": 2}, None),
     ("llama-dp2-zero1-offload-optimizer", "llama",

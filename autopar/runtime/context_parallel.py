@@ -11,8 +11,9 @@ context parallelism (Llama 3, Dubey et al. 2024, section 3.3.2; Megatron-Core's
   chunks ``i`` and ``2 * cp - 1 - i`` (so every rank has the same causal work). Tokens and labels
   are cut this way by ``shard_sequence``; each rank's loss is the mean over its own tokens.
 * Each attention keeps its query shard and all-gathers K and V (one ``all_gather_into_tensor`` of
-  K and V stacked, over the "cp" axis); backward reduce-scatters their gradient (one
-  ``reduce_scatter_tensor``). The causal mask compares the global positions of queries and keys.
+  K and V stacked, over the "cp" axis, torch's functional collective); backward reduce-scatters
+  their gradient (one ``reduce_scatter_tensor``, the collective's own autograd rule). The causal
+  mask compares the global positions of queries and keys.
 * Positions (GPT's learned position embedding, Llama's RoPE) are the global positions of the
   rank's chunks (``ContextParallel.positions``).
 
@@ -57,28 +58,6 @@ def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) ->
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over a group; backward reduce-scatters (sums) the gradient.
-
-    Functional collectives (``_c10d_functional``): they return new tensors, so selective
-    activation checkpointing (recompute.py) saves the gathered K/V instead of re-running the
-    collective (an in-place c10d all-gather into a recomputed buffer would leave it unfilled).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-        ctx.group_name, ctx.size = group_name, size
-        functional = torch.ops._c10d_functional
-        out = functional.all_gather_into_tensor(x.contiguous(), size, group_name)
-        return functional.wait_tensor(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        functional = torch.ops._c10d_functional
-        out = functional.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.size, ctx.group_name)
-        return functional.wait_tensor(out), None, None
-
-
 @dataclass(frozen=True, eq=False)
 class ContextParallel:
     """One rank's place in the cp group; the zoo's attention and positions consult it.
@@ -112,11 +91,21 @@ class ContextParallel:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather ``x[b, s_local, ...]`` along the sequence: ``[b, cp * s_local, ...]``.
 
-        The keys come in cp-rank order (``key_positions``); backward reduce-scatters.
+        The keys come in cp-rank order (``key_positions``). torch's functional collective
+        (``_c10d_functional.all_gather_into_tensor`` and ``wait_tensor``, whose autograd rules
+        torch registers in ``torch.distributed._functional_collectives``): backward
+        reduce-scatters (sums) the gradient. It returns a new tensor, so selective activation
+        checkpointing (recompute.py) saves the gathered K/V rather than re-running the gather.
         """
-        seq_first = x.transpose(0, 1)
-        gathered = _GatherSequence.apply(seq_first, self.group.group_name, self.size)
-        return gathered.transpose(0, 1)
+        # Importing it registers the collectives' autograd rules.
+        import torch.distributed._functional_collectives
+
+        functional = torch.ops._c10d_functional
+        # Gathered along dim 0: the sequence first. NOTE: funcol.all_gather_single(x, 1, group)
+        # returns a view of the in-flight result when b == 1, whose gradient came out wrong here.
+        seq_first = x.transpose(0, 1).contiguous()
+        gathered = functional.all_gather_into_tensor(seq_first, self.size, self.group.group_name)
+        return functional.wait_tensor(gathered).transpose(0, 1)
 
     def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """``[s_local, cp * s_local]`` bool: query i may attend key j (key position <= query's)."""

@@ -45,7 +45,9 @@ CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
 # the zoo GPT with L blocks, n_mb micro-batches (micro_batch 1) and FSDP2 units U = L + 1 (one per
 # block plus the root), against closed forms:
 # * context parallelism, axis "cp": per attention per micro-batch one all_gather_into_tensor of
-#   K and V (forward) and one reduce_scatter_tensor of their gradient (backward): n_mb * L each.
+#   K and V (forward) and one reduce_scatter_tensor of their gradient (backward): n_mb * L each;
+#   full recomputation gathers again in backward (n_mb * (L + F), F = recomputed blocks),
+#   selective recomputation keeps the gathered K/V.
 # * FSDP2 (docs/runtime.md): zero 1: U all-gathers, U reduce-scatters per step; zero 2: U,
 #   U * n_mb; zero 3: 2 * U * n_mb, U * n_mb; on the shard axis ("dp_shard", or "dp_shard_cp" =
 #   dp_shard x cp, or the whole dp x cp axis without HSDP).
@@ -56,6 +58,8 @@ CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
 COUNT_LAYERS, COUNT_N_MB = 2, 2
 COUNT_CASES: list[tuple[str, dict[str, Any]]] = [
     ("cp2-dp2-zero3", {"cp": 2, "dp": 2, "zero": 3}),
+    ("cp2-dp2-zero3-full", {"cp": 2, "dp": 2, "zero": 3, "recompute": "full"}),
+    ("cp2-dp2-zero1-selective", {"cp": 2, "dp": 2, "zero": 1, "recompute": "selective"}),
     ("hsdp2x2-zero3", {"dp": 4, "dp_replicate": 2, "zero": 3}),
     ("hsdp2x2-zero1", {"dp": 4, "dp_replicate": 2, "zero": 1}),
     ("hsdp2x1-cp2-zero2", {"dp": 2, "dp_replicate": 2, "cp": 2, "zero": 2}),
@@ -68,8 +72,9 @@ def expected_counts(cfg: dict[str, Any]) -> dict[str, int]:
     L, n_mb, units = COUNT_LAYERS, COUNT_N_MB, COUNT_LAYERS + 1
     dp, cp, rep = cfg["dp"], cfg.get("cp", 1), cfg.get("dp_replicate", 1)
     counts: Counter[str] = Counter({"all_reduce@world": 1})
+    full = L if cfg.get("recompute") == "full" else 0
     if cp > 1:
-        counts["all_gather_into_tensor@cp"] += n_mb * L
+        counts["all_gather_into_tensor@cp"] += n_mb * (L + full)
         counts["reduce_scatter_tensor@cp"] += n_mb * L
     shard_size = dp // rep * cp
     shard = "world" if shard_size == 4 else ("cp" if dp // rep == 1 else "dp_shard")

@@ -57,12 +57,10 @@ def test_plan_with_cp_hsdp_offload_runs_equal_to_one_process(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("flags", "needle"), [
-    (["--dp", "2", "--dp-replicate", "2"], "dp_replicate > 1 (HSDP) needs zero >= 1"),
-    (["--dp", "2", "--offload", "params", "--zero", "1"], "offload='params' needs zero=3"),
-])
-def test_bad_dimension_flags_are_one_line_errors(flags: list[str], needle: str) -> None:
-    proc = autopar_run(MODEL, "--global-batch", "4", "--steps", "1", *flags)
+def test_bad_dimension_flags_are_one_line_errors() -> None:
+    proc = autopar_run(MODEL, "--global-batch", "4", "--steps", "1", "--dp", "2",
+                       "--dp-replicate", "2")
     assert proc.returncode == 2
-    assert needle in proc.stderr
-    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), proc.stderr
+    assert "dp_replicate" in lines[0] and "zero" in lines[0]

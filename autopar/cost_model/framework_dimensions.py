@@ -13,7 +13,7 @@ __all__ = ["DIMENSIONS", "DIMENSION_SOURCES", "supports_dimensions"]
 
 DIMENSIONS: dict[str, dict[str, Any]] = {
     "autopar": dict(
-        context_parallel=False, hsdp=True, offloads=("none", "optimizer", "params"),
+        context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"),
     ),
     "torchtitan": dict(
@@ -32,12 +32,13 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
 
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
-        "context_parallel": "sourced: autopar's runtime on main runs no context "
-                            "parallelism yet (autopar/runtime/apply.py)",
-        "hsdp": "sourced: autopar's runtime applies FSDP2 over a 2-D (replicate, shard) "
-                "mesh (the runtime's HSDP work)",
-        "offloads": "sourced: FSDP2 CPUOffloadPolicy (params) and the runtime's CPU "
-                    "optimizer step (optimizer)",
+        "context_parallel": "sourced: autopar/runtime/context_parallel.py (the zoo's "
+                            "attention all-gathers K/V over cp, load-balanced sequence "
+                            "shards; zoo models only, ep=1)",
+        "hsdp": "sourced: autopar/runtime/mesh.py data_parallel_mesh: FSDP2 over a 2-D "
+                "(replicate, shard) mesh",
+        "offloads": "sourced: autopar/runtime/data_parallel.py: FSDP2 CPUOffloadPolicy for "
+                    "both (optimizer offload also keeps parameters and gradients on the host)",
         "dtypes": "sourced: autopar/runtime/step.py autocast / MixedPrecisionPolicy in "
                   "bf16, fp16 or fp32; no fp8 linears",
     },

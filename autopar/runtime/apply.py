@@ -361,9 +361,7 @@ def apply_plan(
     if structure is None:
         return _apply_any_model(model, plan, mesh, loss)
     # [CP] the zoo attention all-gathers K/V over "cp"; positions are the shard's global ones.
-    if cfg.cp > 1:
-        cp_mesh = mesh["cp"]
-        apply_context_parallel(model, cp_mesh.get_group(), cp_mesh.get_local_rank(), cfg.cp)
+    apply_context_parallel(model, mesh["cp"])
     dp_mesh = data_parallel_mesh(mesh, cfg)
     pp_rank = mesh["pp"].get_local_rank()
     stage_plans = plan.stages_for_rank(pp_rank)
@@ -375,9 +373,8 @@ def apply_plan(
     )
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
-    wrapped = [_parallelize_part(part, stage_plan, structure, layout, mesh, dp_mesh, cfg,
-                                 experts_groups)
-               for part, stage_plan in zip(parts, stage_plans)]
+    wrapped = [_parallelize_part(part, s, structure, layout, mesh, dp_mesh, cfg, experts_groups)
+               for part, s in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
     schedule, stages = None, ()
     if cfg.pp > 1:

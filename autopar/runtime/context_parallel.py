@@ -124,21 +124,20 @@ def supports_context_parallel(model: nn.Module) -> bool:
     )
 
 
-def apply_context_parallel(model: nn.Module, cp_group: Any, cp_rank: int, cp: int) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
     """Make the zoo model's attention and positions context-parallel (a no-op when cp == 1).
 
     Args:
         model: a zoo ``Transformer`` (before the pipeline split, so every stage shares it).
-        cp_group: the "cp" axis's process group.
-        cp_rank: this rank's coordinate on it.
-        cp: the cp degree.
+        cp_mesh: the 1-D "cp" sub-mesh.
     """
-    if cp == 1:
+    if cp_mesh.size() == 1:
         return
     from autopar.models.attention import Attention
     from autopar.models.transformer import Transformer
 
-    shard = ContextParallel(rank=cp_rank, size=cp, group=cp_group)
+    shard = ContextParallel(rank=cp_mesh.get_local_rank(), size=cp_mesh.size(),
+                            group=cp_mesh.get_group())
     for module in model.modules():
         if isinstance(module, (Attention, Transformer)):
             module.context_parallel = shard

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from autopar.cli.cmd_run import _config_from_args, _resolve_job, add_run_arguments
 from autopar.errors import AutoparError
-from autopar.runtime.run import _config_from_args, _resolve_job, add_run_arguments
 
 MODEL = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq_len=16"
 

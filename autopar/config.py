@@ -20,12 +20,14 @@ __all__ = [
     "DTYPE_BYTES",
     "MAX_GLOBAL_BATCH",
     "MAX_SEQ_LEN",
+    "MESH_AXES",
     "OFFLOADS",
     "RECOMPUTE",
     "SCHEDULES",
     "TORCH_DTYPE_NAMES",
     "ParallelConfig",
     "dp_mechanism",
+    "mesh_strides",
     "uses_autocast",
 ]
 
@@ -228,3 +230,21 @@ def dp_mechanism(config: ParallelConfig) -> str:
     if config.zero == 0:
         return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"
     return "fsdp"
+
+
+# The device mesh's axes, outermost first, tensor parallelism innermost (torchtitan's and
+# Megatron-LM's order): the runtime builds this mesh (runtime/mesh.py) and the cost model places
+# each group's ranks by it (cost_model/comm.parallel_groups). HSDP splits "dp" into
+# (dp_replicate, dp_shard), replicas outermost.
+MESH_AXES: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
+
+
+def mesh_strides(config: ParallelConfig) -> dict[str, int]:
+    """Rank distance between neighbours along each axis of ``MESH_AXES`` (the product of the
+    inner axes' sizes): rank r's coordinate on axis a is (r // stride[a]) % size[a]."""
+    strides: dict[str, int] = {}
+    inner = 1
+    for axis in reversed(MESH_AXES):
+        strides[axis] = inner
+        inner *= getattr(config, axis)
+    return strides

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, mesh_strides
 from autopar.cost_model.hardware import Cluster
 
 # Fitted by benchmarks/nccl_scaling.py to benchmarks/data/nccl_busbw.json (H100 series; the
@@ -172,14 +172,16 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
 
 def parallel_groups(cluster: Cluster, config: ParallelConfig) -> dict[str, GroupLink]:
     """The tp, cp, dp (shard group), dp_replicate and pp groups' links (module docstring)."""
-    tp, cp, dp, pp = config.tp, config.cp, config.dp, config.pp
-    shard = config.dp_shard * cp
+    stride = mesh_strides(config)  # the runtime's mesh order (config.MESH_AXES)
+    # The ZeRO shard group is dp_shard x cp, contiguous from cp's stride (HSDP's replicas are
+    # the outer part of dp).
     return {
-        "tp": group_link(cluster, tp, 1),
-        "cp": group_link(cluster, cp, tp),
-        "dp": group_link(cluster, shard, tp),
-        "dp_replicate": group_link(cluster, config.dp_replicate, tp * shard),
-        "pp": group_link(cluster, pp, tp * cp * dp),
+        "tp": group_link(cluster, config.tp, stride["tp"]),
+        "cp": group_link(cluster, config.cp, stride["cp"]),
+        "dp": group_link(cluster, config.dp_shard * config.cp, stride["cp"]),
+        "dp_replicate": group_link(cluster, config.dp_replicate,
+                                   stride["dp"] * config.dp_shard),
+        "pp": group_link(cluster, config.pp, stride["pp"]),
     }
 
 

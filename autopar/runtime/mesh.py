@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.config import ParallelConfig
+from autopar.config import MESH_AXES, ParallelConfig
 from autopar.errors import PlanMismatchError
 
 if TYPE_CHECKING:
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MESH_AXES", "build_mesh", "config_of", "data_parallel_mesh", "dp_rank"]
 
-# Mesh axis names, outermost first. Rank r has coordinates
-# (r // (dp*cp*tp), (r // (cp*tp)) % dp, (r // tp) % cp, r % tp).
-MESH_AXES: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 
 
 def config_of(plan_or_config: Plan | ParallelConfig) -> ParallelConfig:
@@ -70,7 +67,7 @@ def build_mesh(plan_or_config: Plan | ParallelConfig, device_type: str = "cpu") 
             f"{cfg.world_size}"
         )
     return init_device_mesh(
-        device_type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp), mesh_dim_names=MESH_AXES
+        device_type, tuple(getattr(cfg, axis) for axis in MESH_AXES), mesh_dim_names=MESH_AXES
     )
 
 

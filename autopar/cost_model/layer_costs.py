@@ -139,7 +139,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
-    layer = profile.layers[index]
+    layer = framework_layer(profile.layers[index], fw)
     b = cfg.micro_batch
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
@@ -199,21 +199,18 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     return cost, tail_s
 
 
-def op_selective_profile(profile: ModelProfile) -> ModelProfile:
-    """``profile`` with each measured block's ``selective`` entries replaced by its per-op
-    checkpointing counts (``LayerProfile.op_sac``), for a framework whose ``selective`` is that."""
-    def swap(layer: LayerProfile) -> LayerProfile:
-        op = layer.op_sac
-        if op is None:
-            return layer
-        return dataclasses.replace(
-            layer,
-            saved_bytes={**layer.saved_bytes, "selective": op.saved_bytes},
-            saved_bytes_replicated={**layer.saved_bytes_replicated,
-                                    "selective": op.saved_bytes_replicated},
-            recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
-
-    return dataclasses.replace(profile, layers=tuple(swap(x) for x in profile.layers))
+def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
+    """``layer`` as ``fw`` runs it: under per-op selective checkpointing (``selective_policy``
+    "op") a measured block's ``selective`` entries are its ``LayerProfile.op_sac`` counts."""
+    op = layer.op_sac
+    if fw.selective_policy != "op" or op is None:
+        return layer
+    return dataclasses.replace(
+        layer,
+        saved_bytes={**layer.saved_bytes, "selective": op.saved_bytes},
+        saved_bytes_replicated={**layer.saved_bytes_replicated,
+                                "selective": op.saved_bytes_replicated},
+        recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
 
 
 def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak: float,
@@ -354,11 +351,9 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     fw = get_framework(framework)
     cluster = framework_cluster(cluster, fw)
     whole, profile = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
-    # The attention core's FLOPs (what "selective" re-runs in the traced profile), before a
-    # framework's own selective policy replaces that entry: the cp ring's window, fp8's split.
+    # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
+    # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
     attention = [x.recompute_flops.get("selective", 0.0) for x in profile.layers]
-    if fw.selective_policy == "op":
-        profile = op_selective_profile(profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)

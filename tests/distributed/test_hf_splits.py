@@ -58,28 +58,6 @@ def build(name: str) -> Any:
     return from_hf_config(HF_CONFIGS[name], device="cpu", seed=0)
 
 
-def make_plan(cfg: Any) -> Any:
-    """A Plan with the most balanced contiguous stages over embedding, blocks, head."""
-    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
-    from autopar.plan import Plan, StagePlan
-
-    names = ["embedding"] + [f"block{i}" for i in range(NUM_BLOCKS)] + ["head"]
-    base, extra = divmod(len(names), cfg.num_stages)
-    stages, first = [], 0
-    for index in range(cfg.num_stages):
-        last = first + base + (1 if index < extra else 0)
-        stages.append(StagePlan(index=index, layers=(first, last - 1),
-                                layer_names=tuple(names[first:last]),
-                                recompute=tuple(cfg.recompute for _ in range(first, last))))
-        first = last
-    estimate = Estimate(
-        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
-        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
-        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
-    )
-    return Plan(config=cfg, stages=tuple(stages), estimate=estimate)
-
-
 def run_case(name: str, cfg_kwargs: dict[str, Any]) -> dict[str, Any]:
     """One split of one model against the one-process step on this rank."""
     import torch
@@ -91,7 +69,9 @@ def run_case(name: str, cfg_kwargs: dict[str, Any]) -> dict[str, Any]:
     from autopar.runtime.step import gathered_grads, local_batch, one_process_reference, train_step
 
     cfg = ParallelConfig(global_batch=GLOBAL_BATCH, dtype="fp32", **cfg_kwargs)
-    plan = make_plan(cfg)
+    from tests.distributed.test_runtime_equivalence import make_plan
+
+    plan = make_plan(cfg, NUM_BLOCKS, block_name="block{}")
     reference = build(name)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     pm = apply_plan(build(name), plan, build_mesh(plan, "cpu"))

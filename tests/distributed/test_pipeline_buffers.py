@@ -53,29 +53,6 @@ GRAD_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_plan(cfg: Any, num_blocks: int) -> Any:
-    """A Plan with the most balanced contiguous stages (embedding, blocks, head)."""
-    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
-    from autopar.plan import Plan, StagePlan
-
-    names = ["embedding"] + [f"layers.{i}" for i in range(num_blocks)] + ["head"]
-    base, extra = divmod(len(names), cfg.num_stages)
-    stages, first = [], 0
-    for index in range(cfg.num_stages):
-        last = first + base + (1 if index < extra else 0)
-        stages.append(StagePlan(
-            index=index, layers=(first, last - 1), layer_names=tuple(names[first:last]),
-            recompute=(cfg.recompute,) * (last - first),
-        ))
-        first = last
-    estimate = Estimate(
-        step_time_s=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
-        mfu=0.0, memory_per_gpu_bytes=0.0, memory_capacity_bytes=0.0, fits=True,
-        time_breakdown=TimeBreakdown(), memory_breakdown=MemoryBreakdown(),
-    )
-    return Plan(config=cfg, stages=tuple(stages), estimate=estimate)
-
-
 def _batch(num_sequences: int, step: int) -> tuple[Any, Any]:
     import torch
 
@@ -93,6 +70,8 @@ def _apply(cfg_kwargs: dict[str, Any], num_microbatches: int, recompute: str) ->
     cfg = ParallelConfig(
         pp=PP, global_batch=num_microbatches, dtype="fp32", recompute=recompute, **cfg_kwargs
     )
+    from tests.distributed.test_runtime_equivalence import make_plan
+
     plan = make_plan(cfg, SHAPE["layers"])
     return apply_plan(build("gpt", device="cpu", seed=0, **SHAPE), plan, build_mesh(plan, "cpu"))
 

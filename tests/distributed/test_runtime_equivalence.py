@@ -22,12 +22,14 @@ STEPS = 3
 LR = 1e-2
 
 
-def make_plan(cfg: Any, num_blocks: int, recompute: dict[int, str] | None = None) -> Any:
-    """A Plan with the most balanced contiguous stages; ``recompute``: profile layer -> mode."""
+def make_plan(cfg: Any, num_blocks: int, recompute: dict[int, str] | None = None,
+              block_name: str = "layers.{}") -> Any:
+    """A Plan with the most balanced contiguous stages over embedding, blocks (named
+    ``block_name``), head; ``recompute``: profile layer -> mode."""
     from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
     from autopar.plan import Plan, StagePlan
 
-    names = ["embedding"] + [f"layers.{i}" for i in range(num_blocks)] + ["head"]
+    names = ["embedding"] + [block_name.format(i) for i in range(num_blocks)] + ["head"]
     modes = [(recompute or {}).get(i, cfg.recompute) for i in range(len(names))]
     base, extra = divmod(len(names), cfg.num_stages)
     stages, first = [], 0

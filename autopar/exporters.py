@@ -253,9 +253,11 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
         if cfg.recompute == "full":
             flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
             extra.update(recompute_method="uniform", recompute_num_layers=1)
-    name, *settings = plan.framework.split("+")
-    if name == "megatron-lm":  # the switches the plan's prediction assumed
-        flags += [["--" + setting] for setting in settings]
+    from autopar.cost_model.frameworks import get_framework
+
+    fw = get_framework(plan.framework)
+    if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
+        flags += [["--" + setting] for setting in fw.settings]
     if cfg.zero in (1, 2) and cfg.dp * cfg.cp > 1:
         flags.append(["--use-distributed-optimizer"])
         extra["distributed_optimizer"] = True

@@ -34,6 +34,7 @@ from autopar.cost_model.framework_settings import (
 )
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.units import MIB
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
@@ -124,6 +125,10 @@ class Framework:
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
             dimension (zero >= 1), not a replicated one.
         ep_with_tp: whether it runs ep together with tp > 1.
+        fp8_scaling: how its fp8 linears get their scales (precision.py): ``dynamic``
+            (torchao tensorwise: an amax pass before each cast, weights cast every
+            micro-batch) or ``delayed`` (Transformer Engine's DelayedScaling: the scale from
+            the amax history, the amax taken inside the cast, fp8 weights cached per step).
     """
 
     name: str
@@ -166,8 +171,12 @@ class Framework:
     expert_parallel: bool = False
     ep_needs_sharded_dp: bool = False
     ep_with_tp: bool = True
+    fp8_scaling: str = "dynamic"
 
     def __post_init__(self) -> None:
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_scaling {self.fp8_scaling!r} unknown; use one of "
+                             f"{FP8_SCALINGS}")
         if self.selective_policy not in ("attention", "op"):
             raise ValueError(f"selective_policy {self.selective_policy!r} unknown")
         if self.pipeline_recv_buffers not in (PER_MICROBATCH, IN_FLIGHT):
@@ -214,6 +223,9 @@ class Framework:
 
 
 _TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's names
+# DeepSpeed's ZeRO-3 parameter fetch achieves 0.18 of the ring model's bus bandwidth (sources
+# in its record: DeepSpeed PR #1188's measured forward times).
+DS_ZERO3_FETCH_EFFICIENCY = 0.18
 
 # ---- values fitted by `benchmarks/calibration.py --fit` (each framework on its own records) ----
 # and their leave-one-source-out error bands; see docs/frameworks.md for the fit and its table.
@@ -230,17 +242,17 @@ _FIT: dict[str, dict[str, object]] = {
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.969, "step_overhead_s": 0.178,
                    "dp_comm_efficiency": 1.0, "step_time_band": (0.82, 1.12)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 1.007, "step_overhead_s": 0.0,
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.991, "step_overhead_s": 0.0,
                     "step_time_band": (0.85, 1.16)},
-    "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.768, "step_overhead_s": 0.5,
-                  "zero3_comm_efficiency": 0.157, "step_time_band": (0.87, 1.74)},
+    "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.776, "step_overhead_s": 0.5,
+                  "step_time_band": (0.87, 1.74)},
 }
 # The fields each framework's calibration fits (the rest are sourced or measured).
 FITTED_FIELDS: dict[str, tuple[str, ...]] = {
     "autopar": (),
     "torchtitan": ("kernel_efficiency", "step_overhead_s", "dp_comm_efficiency"),
     "megatron-lm": ("kernel_efficiency", "step_overhead_s"),
-    "deepspeed": ("kernel_efficiency", "step_overhead_s", "zero3_comm_efficiency"),
+    "deepspeed": ("kernel_efficiency", "step_overhead_s"),
 }
 
 _MEGATRON_P2P = ("sourced: Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py "
@@ -357,8 +369,13 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
-        expert_parallel=True,
+        expert_parallel=True, fp8_scaling="delayed",
         sources={
+            "fp8_scaling": "sourced: Megatron-Core --fp8-recipe delayed (default) runs "
+                           "Transformer Engine's DelayedScaling recipe; TE user guide "
+                           "'Performance Optimizations': FP8 weight caching (is_first_microbatch"
+                           ": weights cast once per step) and fused LayerNormLinear / "
+                           "LayerNormMLP casts",
             "expert_parallel": "sourced: Megatron-Core MoE --expert-model-parallel-size "
                                "(megatron/core/transformer/moe, alltoall token dispatcher)",
             "pipeline_recv_buffers": _MEGATRON_P2P,
@@ -387,7 +404,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
         selective_policy="attention",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(3,),
-        param_gather_overlapped=True,
+        param_gather_overlapped=False, zero3_comm_efficiency=DS_ZERO3_FETCH_EFFICIENCY,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
@@ -403,6 +420,16 @@ _RECORDS: dict[str, dict[str, object]] = {
             "pipeline_recv_buffers": "sourced: deepspeed/runtime/pipe/engine.py "
                                      "(num_pipe_buffers = min(stages - stage_id, micro_batches))",
             "zero3_gather": _DS_BUCKETS,
+            "param_gather_overlapped": "sourced: DeepSpeed PR #1188 (2021-06, 'ZeRO3, improved "
+                                       "parameter all-gather operation'): _all_gather in "
+                                       "fetch_sub_module made a sync op, the async one was "
+                                       "not async (each all_gather synchronized); ZeRO-1/2 "
+                                       "gather the updated parameters after step()",
+            "zero3_comm_efficiency": "sourced: DeepSpeed PR #1188's measurement (5.1B BERT, "
+                                     "one p4d node, 8 A100 NVLink): ZeRO-3 forward 270 ms vs "
+                                     "about 60 ms without the fetch (issue #1174) -> 10.2 GB "
+                                     "gathered in 210 ms, where the ring model gives 0.875 x "
+                                     "10.2 GB / 230 GB/s = 39 ms: 0.18",
             "sp_regathers_inputs": "sourced: DeepSpeed has no sequence parallelism of this "
                                    "kind (the field is moot: sequence_parallel=False)",
             "loss_parallel": "sourced: Megatron-DeepSpeed's vocab-parallel cross entropy "
@@ -427,7 +454,7 @@ _RECORDS: dict[str, dict[str, object]] = {
 
 
 def _build(name: str) -> Framework:
-    fields = {**_RECORDS[name], **_FIT[name], **dims.DIMENSIONS[name]}
+    fields = {**_FIT[name], **_RECORDS[name], **dims.DIMENSIONS[name]}
     sources = {**fields.pop("sources"), **dims.DIMENSION_SOURCES[name]}  # type: ignore[dict-item]
     for key in (*FITTED_FIELDS[name], "step_time_band"):
         sources.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
@@ -439,6 +466,9 @@ def _build(name: str) -> Framework:
     for key, text in OVERLAP_SOURCES[name].items():
         sources.setdefault(key, text)
     sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
+    sources.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "
+                                      "scaling (torchtitan's float8 converter and autopar's "
+                                      "runtime use it)")
     sources.setdefault("selective_policy", "sourced: the framework's selective recomputation "
                                            "re-runs the attention core (Korthikanti et al. 2022)")
     for key in ("kernel_efficiency", "step_overhead_s",

@@ -64,9 +64,8 @@ from autopar.cost_model.offload import cpu_adam_s, host_copies, offload_state, p
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
 from autopar.cost_model.precision import (
-    FP8_CAST_BYTES_PER_ACT_BYTE,
-    FP8_CAST_BYTES_PER_PARAM,
     dtype_reason,
+    fp8_cast_bytes,
     fp8_peak_flops,
 )
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
@@ -151,7 +150,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
-    casts = _fp8_cast_bytes(fp8, act[0], held)
+    casts = fp8_cast_bytes(fw.fp8_scaling, act[0], held, cfg.num_microbatches) if fp8 else (
+        0.0, 0.0)
     traffic = tuple(cluster.param_traffic_factor * x + c
                     for x, c in zip(_param_traffic_bytes(cfg, held), casts))
     times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
@@ -314,14 +314,6 @@ def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float) -> 
     if cfg.offload != "none":
         return cpu_adam_s(cluster, cfg, local_params)
     return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * local_params / cluster.device.hbm_bytes_per_s
-
-
-def _fp8_cast_bytes(fp8: bool, act_bytes: float, params_tp: float):
-    """(forward, backward) bytes fp8's dynamic scaling moves (precision.py); 0 otherwise."""
-    if not fp8:
-        return 0.0, 0.0
-    half = FP8_CAST_BYTES_PER_ACT_BYTE / 2 * act_bytes
-    return half + FP8_CAST_BYTES_PER_PARAM * params_tp, half
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):

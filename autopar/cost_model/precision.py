@@ -15,10 +15,17 @@ re-runs):
     t_matmul = F_mm / peak_fp8 + F_attn / peak_bf16         (both times the device efficiency)
     scaling  = FP8_CAST_BYTES_PER_ACT_BYTE * act_bytes + FP8_CAST_BYTES_PER_PARAM * params
 
-The scaling overhead is memory traffic: dynamic scaling reads each GEMM operand once for its
-amax and again to cast it (bf16 read 2 + 2 bytes, fp8 write 1: 5 bytes per element, 2.5 per
-bf16 byte), for the linears' inputs in the forward and their output gradients in the backward
-(taken as the layer's saved activation bytes each), and for the weights once per micro-batch.
+The scaling overhead is memory traffic, by the framework's scaling recipe
+(``Framework.fp8_scaling``):
+
+- ``dynamic`` (torchao tensorwise): each GEMM operand is read once for its amax and again to
+  cast it (bf16 read 2 + 2 bytes, fp8 write 1: 5 bytes per element, 2.5 per bf16 byte), for the
+  linears' inputs in the forward and their output gradients in the backward (taken as the
+  layer's saved activation bytes each), and for the weights once per micro-batch.
+- ``delayed`` (Transformer Engine's DelayedScaling): the scale comes from the amax history and
+  the amax is taken inside the cast kernel (read 2, write 1: 3 bytes per element, 1.5 per bf16
+  byte); the fp8 weights are cast once per step and cached for the other micro-batches (TE
+  user guide, "Performance Optimizations": FP8 weight caching).
 Checked against torchao's documented end-to-end figures (torchao float8 README / training docs:
 "up to 1.25x at 8 GPU / 8B", torchtitan Llama 3 8B on 8 H100, tensorwise with float8
 all-gather 7,186 vs 5,760 bf16 tokens/s, 1.25x; tests/unit/test_cost_dims.py).
@@ -26,21 +33,39 @@ all-gather 7,186 vs 5,760 bf16 tokens/s, 1.25x; tests/unit/test_cost_dims.py).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from autopar.cost_model.hardware import DeviceSpec
 
 __all__ = [
     "FP8_CAST_BYTES_PER_ACT_BYTE",
     "FP8_CAST_BYTES_PER_PARAM",
+    "FP8_SCALINGS",
     "dtype_reason",
+    "fp8_cast_bytes",
     "fp8_peak_flops",
     "supported_dtypes",
 ]
 
-# sourced: dynamic scaling's amax read and cast (read 2, read 2, write 1 bytes per bf16
-# element): 2.5 bytes per bf16 byte, forward (inputs) and backward (output gradients).
-FP8_CAST_BYTES_PER_ACT_BYTE = 2 * 2.5
-# sourced: the weight's amax read and cast per micro-batch, 5 bytes per bf16 parameter.
-FP8_CAST_BYTES_PER_PARAM = 5.0
+FP8_SCALINGS = ("dynamic", "delayed")
+# sourced (module docstring): bytes moved per bf16 byte of the linears' inputs, forward and
+# backward together; dynamic: amax read + cast (2.5 per bf16 byte each way); delayed: the cast
+# alone (1.5).
+FP8_CAST_BYTES_PER_ACT_BYTE = MappingProxyType({"dynamic": 2 * 2.5, "delayed": 2 * 1.5})
+# sourced: a weight's cast, bytes per parameter: dynamic 5 per micro-batch (amax read, cast);
+# delayed 3 once per step (TE's cached fp8 weights).
+FP8_CAST_BYTES_PER_PARAM = MappingProxyType({"dynamic": 5.0, "delayed": 3.0})
+
+
+def fp8_cast_bytes(scaling: str, act_bytes: float, params: float,
+                   num_microbatches: int) -> tuple[float, float]:
+    """(forward, backward) bytes one micro-batch's fp8 casts move for a layer with
+    ``act_bytes`` of saved input activations and ``params`` parameters on this rank."""
+    half = FP8_CAST_BYTES_PER_ACT_BYTE[scaling] / 2 * act_bytes
+    weights = FP8_CAST_BYTES_PER_PARAM[scaling] * params
+    if scaling == "delayed":
+        weights /= max(1, num_microbatches)  # cast once per step, cached
+    return half + weights, half
 
 
 def supported_dtypes(device: DeviceSpec) -> tuple[str, ...]:

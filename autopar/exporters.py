@@ -132,6 +132,11 @@ def to_torchtitan(plan: Plan) -> Export:
         tables["model"] = {"converters": ["quantize.linear.float8"]}
         tables["quantize.linear.float8"] = {"recipe_name": "tensorwise",
                                             "filter_fqns": ["output"]}
+        from autopar.cost_model.frameworks import get_framework
+
+        if get_framework(plan.framework).fp8_param_gather:  # what the prediction assumed
+            tables["quantize.linear.float8"].update(
+                enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
         notes.append("fp8 (torchao float8, tensorwise) casts fastest under torch.compile: "
                      "consider [compile] enable = true")
     header = f"{_header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"

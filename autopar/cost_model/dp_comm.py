@@ -18,6 +18,8 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
+FP8_BYTES = 1  # a float8 element
+
 __all__ = [
     "DDP_BUCKET_BYTES",
     "dp_collectives",
@@ -94,17 +96,25 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
 
 
 def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelConfig,
-                             fw: Framework) -> tuple[comm.Collective, ...]:
+                             fw: Framework, *, fp8_linears: bool = False
+                             ) -> tuple[comm.Collective, ...]:
     """autopar's dp collectives as ``fw`` issues them: gradients reduced at the framework's
-    dtype (``grad_reduce_bytes``), and ZeRO-3 gathers and reductions split into the framework's
-    buckets (``zero3_gather == "bucket"``: one call per bucket, each paying the ring latency)."""
-    if fw.grad_reduce_bytes == memory.GRAD_BYTES and fw.zero3_gather != GATHER_BUCKET:
+    dtype (``grad_reduce_bytes``), parameters gathered in fp8 where the unit's linears run
+    fp8 (``fp8_linears``) and the framework gathers them so (``fp8_param_gather``: the block's
+    norm weights, under 0.1% of it, counted with the linears), and ZeRO-3 gathers and
+    reductions split into the framework's buckets (``zero3_gather == "bucket"``: one call per
+    bucket, each paying the ring latency)."""
+    fp8_gather = fp8_linears and fw.fp8_param_gather
+    if (fw.grad_reduce_bytes == memory.GRAD_BYTES and fw.zero3_gather != GATHER_BUCKET
+            and not fp8_gather):
         return colls
     out = []
     for c in colls:
         size = c.size_bytes
         if c.kind != AG:
             size *= fw.grad_reduce_bytes / memory.GRAD_BYTES
+        elif fp8_gather:
+            size *= FP8_BYTES / DTYPE_BYTES[cfg.dtype]
         calls = c.calls
         if fw.zero3_gather == GATHER_BUCKET and cfg.zero == 3 and c.kind != AR:
             elem = DTYPE_BYTES[cfg.dtype] if c.kind == AG else fw.grad_reduce_bytes

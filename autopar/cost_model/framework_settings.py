@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS", "SETTING_EFFECTS"]
+__all__ = ["FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
 # what each one changes is in ``SETTING_EFFECTS``.
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
@@ -19,7 +19,12 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "autopar": MappingProxyType({}),
     # torchtitan's enable_async_tensor_parallel is not offered: charged as a full overlap it
     # predicted twice the gain torchtitan's async-TP table measured (9-10%; docs/frameworks.md).
-    "torchtitan": MappingProxyType({}),
+    "torchtitan": MappingProxyType({
+        "float8-all-gather": "sourced: torchtitan job_config.py Float8Linear."
+                             "enable_fsdp_float8_all_gather (default False, 'recommended for "
+                             "tensorwise scaling'): FSDP2 all-gathers the float8 linears' "
+                             "weights in float8",
+    }),
     "megatron-lm": MappingProxyType({
         "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
                            "overlap the tensor-parallel all-gathers and reduce-scatters with "
@@ -42,11 +47,12 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "overlap-grad-reduce": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
     "overlap-comm": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
     "overlap-param-gather": {"param_gather_overlapped": True},
+    "float8-all-gather": {"fp8_param_gather": True},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
               "the next unit (torch/distributed/fsdp/_fully_shard)")
-_SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
+SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
 # Where each framework's overlap fields come from (its record's ``sources``).
 OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
     "autopar": {
@@ -64,17 +70,20 @@ OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
         "param_gather_overlapped": FSDP2_UNIT,
     },
     "megatron-lm": {
-        "tp_comm_overlapped": _SETTING_OFF.format("tp-comm-overlap"),
-        "dp_reduce_overlap_stages": _SETTING_OFF.format("overlap-grad-reduce"),
-        "param_gather_overlapped": _SETTING_OFF.format("overlap-param-gather"),
+        "tp_comm_overlapped": SETTING_OFF.format("tp-comm-overlap"),
+        "dp_reduce_overlap_stages": SETTING_OFF.format("overlap-grad-reduce"),
+        "param_gather_overlapped": SETTING_OFF.format("overlap-param-gather"),
     },
     "deepspeed": {
         "tp_comm_overlapped": "sourced: Megatron-DeepSpeed's tensor-parallel layers "
                               "(synchronous all-reduces)",
         "dp_reduce_overlap_stages": "sourced: DeepSpeed zero_optimization.overlap_comm, "
                                     "default on for stage 3 only (overlap_comm_valid)",
-        "param_gather_overlapped": "sourced: DeepSpeed ZeRO-3 parameter prefetch "
-                                   "(stage3_prefetch_bucket_size)",
+        "param_gather_overlapped": "sourced: DeepSpeed PR #1188 (2021-06, 'ZeRO3, improved "
+                                   "parameter all-gather operation'): _all_gather in "
+                                   "fetch_sub_module made a sync op, the async one was not "
+                                   "async (each all_gather synchronized); ZeRO-1/2 gather the "
+                                   "updated parameters after step()",
     },
 }
 

@@ -30,6 +30,7 @@ from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
     OVERLAP_SOURCES,
     SETTING_EFFECTS,
+    SETTING_OFF,
     SETTINGS,
 )
 from autopar.cost_model.framework_support import framework_supports
@@ -129,6 +130,8 @@ class Framework:
             (torchao tensorwise: an amax pass before each cast, weights cast every
             micro-batch) or ``delayed`` (Transformer Engine's DelayedScaling: the scale from
             the amax history, the amax taken inside the cast, fp8 weights cached per step).
+        fp8_param_gather: FSDP all-gathers the fp8 linears' weights in fp8 (1 byte each)
+            instead of the 16-bit parameter dtype.
     """
 
     name: str
@@ -172,6 +175,7 @@ class Framework:
     ep_needs_sharded_dp: bool = False
     ep_with_tp: bool = True
     fp8_scaling: str = "dynamic"
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -240,8 +244,8 @@ _FIT: dict[str, dict[str, object]] = {
     # measured / predicted step time of autopar's own runs: 16 CPU configurations
     # (benchmarks/results/accuracy_cpu_202612.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
-    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.969, "step_overhead_s": 0.178,
-                   "dp_comm_efficiency": 1.0, "step_time_band": (0.82, 1.12)},
+    "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.974, "step_overhead_s": 0.18,
+                   "dp_comm_efficiency": 0.916, "step_time_band": (0.82, 1.12)},
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.991, "step_overhead_s": 0.0,
                     "step_time_band": (0.89, 1.14)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.776, "step_overhead_s": 0.5,
@@ -420,11 +424,6 @@ _RECORDS: dict[str, dict[str, object]] = {
             "pipeline_recv_buffers": "sourced: deepspeed/runtime/pipe/engine.py "
                                      "(num_pipe_buffers = min(stages - stage_id, micro_batches))",
             "zero3_gather": _DS_BUCKETS,
-            "param_gather_overlapped": "sourced: DeepSpeed PR #1188 (2021-06, 'ZeRO3, improved "
-                                       "parameter all-gather operation'): _all_gather in "
-                                       "fetch_sub_module made a sync op, the async one was "
-                                       "not async (each all_gather synchronized); ZeRO-1/2 "
-                                       "gather the updated parameters after step()",
             "zero3_comm_efficiency": "sourced: DeepSpeed PR #1188's measurement (5.1B BERT, "
                                      "one p4d node, 8 A100 NVLink): ZeRO-3 forward 270 ms vs "
                                      "about 60 ms without the fetch (issue #1174) -> 10.2 GB "
@@ -466,6 +465,9 @@ def _build(name: str) -> Framework:
     for key, text in OVERLAP_SOURCES[name].items():
         sources.setdefault(key, text)
     sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
+    sources.setdefault("fp8_param_gather", SETTING_OFF.format("float8-all-gather") if (
+        "float8-all-gather" in SETTINGS[name]) else "sourced: parameters gathered at their "
+                                                    "16-bit dtype")
     sources.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "
                                       "scaling (torchtitan's float8 converter and autopar's "
                                       "runtime use it)")

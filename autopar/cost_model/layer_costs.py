@@ -292,7 +292,8 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     host copies."""
     unit = fsdp_unit_params(profile, cfg, index)
     own = dp_collectives(cfg, unit)
-    return framework_dp_collectives(own, cfg, fw) + host_copies(cfg, own, unit)
+    fp8 = cfg.dtype == "fp8" and profile.layers[index].kind == "block"
+    return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(cfg, own, unit)
 
 
 def _ring_s(profile, layer, cfg, cluster, link, attn_flops, shard, fw):

@@ -79,6 +79,31 @@ def test_torchtitan_export_carries_cp_hsdp_offload_and_fp8() -> None:
                  'converters = ["quantize.linear.float8"]', "[quantize.linear.float8]",
                  'recipe_name = "tensorwise"', 'context_parallel_rotate_method = "alltoall"'):
         assert line in text, line
+    assert "enable_fsdp_float8_all_gather" not in text  # the setting is off by default
+    gathered = export_plan(_plan("torchtitan+float8-all-gather", dp=16, zero=3, dtype="fp8"),
+                           "torchtitan").text
+    assert "enable_fsdp_float8_all_gather = true" in gathered
+
+
+def test_float8_all_gather_halves_the_fsdp_gathers_of_fp8_blocks() -> None:
+    """torchtitan's enable_fsdp_float8_all_gather: a block's parameter all-gathers move 1 byte
+    per parameter instead of 2; its reductions, non-fp8 units and the default are unchanged."""
+    from autopar.cost_model.dp_comm import dp_collectives, framework_dp_collectives
+    from autopar.cost_model.frameworks import get_framework
+
+    cfg = ParallelConfig(dp=8, global_batch=16, zero=3, dtype="fp8")
+    own = dp_collectives(cfg, 1e8)
+    on = get_framework("torchtitan+float8-all-gather")
+
+    def sizes(fw, fp8_linears: bool) -> list[tuple[str, float]]:
+        return [(c.kind, c.size_bytes) for c in framework_dp_collectives(
+            own, cfg, fw, fp8_linears=fp8_linears)]
+
+    plain = sizes(get_framework("torchtitan"), True)
+    assert sizes(on, False) == plain
+    for (kind, size), (kind_on, size_on) in zip(plain, sizes(on, True)):
+        assert kind == kind_on
+        assert size_on == (size / 2 if kind == "all_gather_into_tensor" else size)
 
 
 def test_megatron_and_deepspeed_exports() -> None:
@@ -116,8 +141,8 @@ def test_torchtitan_loads_the_new_dimensions(tmp_path) -> None:
     and its ParallelDims accepts the degrees (dp_replicate x dp_shard x cp x tp)."""
     from tests.unit.test_export_real_tools import _fits_type, _require, _torchtitan_job
 
-    plan = _plan("torchtitan", dp=4, cp=2, tp=2, zero=3, dp_replicate=2, dtype="fp8",
-                 offload="params")
+    plan = _plan("torchtitan+float8-all-gather", dp=4, cp=2, tp=2, zero=3, dp_replicate=2,
+                 dtype="fp8", offload="params")
     job, doc = _torchtitan_job(plan, tmp_path)
 
     def read_back(obj, table: dict) -> None:  # nested tables ([quantize.linear.float8]) too
@@ -136,3 +161,4 @@ def test_torchtitan_loads_the_new_dimensions(tmp_path) -> None:
         pp=par.pipeline_parallel_degree, ep=1, etp=1, world_size=16)
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 2, 2, 2)
     assert job.training.enable_cpu_offload and job.model.converters == ["quantize.linear.float8"]
+    assert job.quantize.linear.float8.enable_fsdp_float8_all_gather

@@ -46,14 +46,8 @@ class LlamaBlock(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
-        self.attention = Attention(
-            hidden=spec.hidden,
-            heads=spec.heads,
-            kv_heads=spec.kv_heads,
-            bias=False,
-            attention=spec.attention,
-            dropout=0.0,
-            rope_theta=spec.rope_theta,
+        self.attention = Attention.of_spec(
+            spec, bias=False, dropout=0.0, rope_theta=spec.rope_theta
         )
         self.ffn_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
         # A mixture of experts (``moe``, models/moe.py) in place of the dense ``feed_forward``

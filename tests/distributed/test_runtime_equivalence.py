@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import case_errors
+
 SHAPES: dict[str, dict[str, int]] = {
     "gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8},
     "llama": {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "seq_len": 8},
@@ -126,18 +128,8 @@ def check_results(results: list[dict], cases: list[tuple[str, str, dict, Any]]) 
 
     errors = []
     for name, kind, _cfg, _rc in cases:
-        per_rank = [r[name] for r in results]
-        errors += [
-            f"[{name}] rank {i}: {r['error']}" for i, r in enumerate(per_rank) if "error" in r
-        ]
-        if any("error" in r for r in per_rank):
-            continue
         all_fqns = {n for n, _ in build(kind, **SHAPES[kind]).named_parameters()}
-        covered = set().union(*(r["fqns"] for r in per_rank))
-        if covered != all_fqns:
-            errors.append(f"[{name}] gradients not checked for {sorted(all_fqns - covered)}")
-        if len({tuple(r["losses"]) for r in per_rank}) != 1:
-            errors.append(f"[{name}] ranks report different losses")
+        errors += case_errors(name, [r[name] for r in results], all_fqns)
     assert not errors, "\n".join(errors)
 
 

@@ -62,6 +62,7 @@ class LlamaBlock(nn.Module):
         """Apply the block to ``[b, s, h]``."""
         x = x + self.attention(self.attention_norm(x))
         ffn = self.moe if self.feed_forward is None else self.feed_forward
+        assert ffn is not None  # __init__ sets one of the two
         return x + ffn(self.ffn_norm(x))
 
 

@@ -184,15 +184,11 @@ CONFIGS_4: dict[str, dict[str, Any]] = {
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_process_splits_equal_one_process(run_distributed: Any) -> None:
-    cases = _cases(CONFIGS_2)
-    results = run_distributed(run_cases, 2, cases, timeout_s=280)
-    check_results(results, cases)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_four_process_splits_equal_one_process(run_distributed: Any) -> None:
-    cases = _cases(CONFIGS_4)
-    results = run_distributed(run_cases, 4, cases, timeout_s=280)
+@pytest.mark.parametrize(("world_size", "configs"), [(2, CONFIGS_2), (4, CONFIGS_4)],
+                         ids=["two_process", "four_process"])
+def test_splits_equal_one_process(
+    run_distributed: Any, world_size: int, configs: dict[str, dict[str, Any]]
+) -> None:
+    cases = _cases(configs)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=280)
     check_results(results, cases)

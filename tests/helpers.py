@@ -6,7 +6,10 @@ Import as ``from tests.helpers import ...`` (the repository root is on ``sys.pat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.cost_model.hardware import Cluster
 
 
 def one_error_line(code: int, out: str, err: str, needle: str = "") -> str:
@@ -43,7 +46,7 @@ def case_errors(label: str, per_rank: list[dict[str, Any]], every_fqn: set[str])
     return errors
 
 
-def with_link_bandwidth_scaled(cluster: Any, scale: float) -> Any:
+def with_link_bandwidth_scaled(cluster: Cluster, scale: float) -> Cluster:
     """``cluster`` with both its links' bandwidths multiplied by ``scale`` (latencies kept)."""
     from autopar.cost_model.hardware import Cluster
 

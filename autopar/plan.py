@@ -128,14 +128,7 @@ class SearchInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {
-            "candidates_considered": self.candidates_considered,
-            "candidates_pruned": self.candidates_pruned,
-            "ilps_solved": self.ilps_solved,
-            "optimal": self.optimal,
-            "mip_gap": self.mip_gap,
-            "time_limit_hit": self.time_limit_hit,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

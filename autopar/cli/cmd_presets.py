@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _gpus() -> dict[str, dict[str, float | str]]:
     from autopar.cost_model.hardware import Cluster
 
-    out = {}
+    out: dict[str, dict[str, float | str]] = {}
     for name in Cluster.list_presets():
         device = Cluster.preset(name, nodes=1, gpus_per_node=1).device
         out[name] = {

@@ -144,12 +144,13 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
             raise ClusterConfigError("set the memory in the cluster file, not with --gpu-memory")
         return cluster
     gpu = args.gpu or DEFAULT_GPU
+    gpus = args.gpus if args.gpus is not None else default_gpus
     if args.nodes is not None:
         if args.nodes < 1:
             raise ClusterConfigError(f"--nodes must be at least 1, got {args.nodes}")
         nodes, per_node = args.nodes, GPUS_PER_NODE
-    elif args.gpus is not None or default_gpus is not None:
-        nodes, per_node = split_gpu_count(args.gpus if args.gpus is not None else default_gpus)
+    elif gpus is not None:
+        nodes, per_node = split_gpu_count(gpus)
     else:
         raise ClusterConfigError("say how many GPUs: --gpus N, --nodes N or --cluster FILE")
     return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=args.gpu_memory)
@@ -232,13 +233,13 @@ def make_console(*, stderr: bool) -> Any:
 
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 120
-    console = Console(file=stream, width=width, highlight=False)
-    console.on_broken_pipe = _broken_pipe  # rich's own handler exits 1; main() ends with 0
-    return console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own handler exits 1; main() ends with 0
+            raise BrokenPipeError("stdout was closed")
 
-def _broken_pipe() -> None:
-    raise BrokenPipeError("stdout was closed")
+    return _Console(file=stream, width=width, highlight=False)
 
 
 @contextlib.contextmanager

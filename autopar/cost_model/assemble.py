@@ -163,7 +163,7 @@ def assemble(
         StageEstimate(
             rank=k,
             stages=tuple(stages_of[k]),
-            layers=tuple(tuple(stage_layers[j]) for j in stages_of[k]),
+            layers=tuple((stage_layers[j][0], stage_layers[j][1]) for j in stages_of[k]),
             num_params=sum(table.layers[i].num_params for i in layers_of[k]),
             time_per_microbatch_s=rank_time[k],
             memory=_rank_memory(table, stage_layers, stages_of[k], k, act, transient),

@@ -49,9 +49,11 @@ from autopar.schedules import rank_of_stage
 
 __all__ = [
     "expected_collectives",
+    "first_block_index",
     "fsdp_units",
     "grad_reductions_per_step",
     "multi_stage_fsdp",
+    "rank_stages",
     "sp_norm_tensors",
     "stage_split",
 ]
@@ -128,6 +130,19 @@ def stage_split(
     return config, tuple((a, b) for a, b in split), tuple(recompute)
 
 
+def rank_stages(
+    config: ParallelConfig, split: tuple[tuple[int, int], ...], pp_rank: int
+) -> list[tuple[int, int]]:
+    """The layer ranges of the stages pipeline rank ``pp_rank`` holds, in stage order."""
+    return [(a, b) for j, (a, b) in enumerate(split)
+            if rank_of_stage(config.schedule, config.pp, j) == pp_rank]
+
+
+def first_block_index(profile: ModelProfile) -> int:
+    """Index of the profile's first block layer (-1: none)."""
+    return next((i for i, x in enumerate(profile.layers) if x.kind == "block"), -1)
+
+
 def fsdp_units(profile: ModelProfile, first: int, last: int) -> int:
     """FSDP2 / replicate() units of one stage module: its blocks plus a root with parameters."""
     layers = profile.layers[first : last + 1]
@@ -186,11 +201,9 @@ def expected_collectives(
             "per rank are decided by torch's schedule runtime; use one stage per rank to count them"
         )
     m = cfg.num_microbatches
-    first_block = next((i for i, x in enumerate(profile.layers) if x.kind == "block"), -1)
+    first_block = first_block_index(profile)
     counts: Counter[str] = Counter()
-    for j, (a, b) in enumerate(split):
-        if rank_of_stage(cfg.schedule, cfg.pp, j) != pp_rank:
-            continue
+    for a, b in rank_stages(cfg, split, pp_rank):
         if cfg.tp > 1:
             for i in range(a, b + 1):
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,

@@ -14,6 +14,14 @@ from typing import Any
 __all__ = ["Estimate", "MemoryBreakdown", "StageEstimate", "TimeBreakdown"]
 
 
+def _sum_of_fields(record: Any) -> float:
+    """The sum of a breakdown's terms, added left to right in field order (every field a term)."""
+    total = 0.0
+    for term in dataclasses.fields(record):
+        total += getattr(record, term.name)
+    return total
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimeBreakdown:
     """Where one step's time goes, in seconds (on the critical path: exposed, not total).
@@ -46,11 +54,7 @@ class TimeBreakdown:
     @property
     def total_s(self) -> float:
         """Sum of the terms (equals the step time)."""
-        return (
-            self.compute_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
-            + self.dp_comm_s + self.bubble_s + self.optimizer_s + self.overhead_s
-            + self.ep_comm_s + self.cp_comm_s
-        )
+        return _sum_of_fields(self)
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready dict (no ``ep_comm_s`` key without expert parallelism)."""
@@ -86,10 +90,7 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> float:
         """Sum of the terms."""
-        return (
-            self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
-            + self.activations_bytes + self.buffers_bytes + self.pipeline_buffers_bytes
-        )
+        return _sum_of_fields(self)
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready dict."""
@@ -198,25 +199,14 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (nested records as dicts)."""
-        return {
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "mfu": self.mfu,
-            "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
-            "memory_capacity_bytes": self.memory_capacity_bytes,
-            "fits": self.fits,
-            "time_breakdown": self.time_breakdown.to_dict(),
-            "memory_breakdown": self.memory_breakdown.to_dict(),
-            "stages": [s.to_dict() for s in self.stages],
-            "binding": self.binding,
-            "framework": self.framework,
-            "step_time_interval_s": list(self.step_time_interval_s),
-            "host_memory_per_gpu_bytes": self.host_memory_per_gpu_bytes,
-            "host_memory_capacity_bytes": self.host_memory_capacity_bytes,
-            "precision": self.precision,
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(
+            time_breakdown=self.time_breakdown.to_dict(),
+            memory_breakdown=self.memory_breakdown.to_dict(),
+            stages=[s.to_dict() for s in self.stages],
+            step_time_interval_s=list(self.step_time_interval_s),
+        )
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Estimate:

@@ -36,6 +36,7 @@ from autopar.cost_model.framework_settings import (
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.precision import FP8_SCALINGS
+from autopar.cost_model.presets import DP_OVERLAP
 from autopar.units import MIB
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
@@ -326,7 +327,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
         fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True, exports=("torchtitan", "slurm"),
@@ -369,7 +370,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=4e7,
         fragmentation_fraction=0.07, param_traffic_factor=0.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
@@ -412,7 +413,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
-        dp_overlap_efficiency=0.8, first_gather_exposed=True, memory_band=0.075,
+        dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
         sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),

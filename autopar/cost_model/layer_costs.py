@@ -39,7 +39,7 @@ from collections import Counter
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
-from autopar.cost_model.collectives import stage_split
+from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
 from autopar.cost_model.compute import (
     busy_speedup,
     framework_overheads_s,
@@ -62,7 +62,7 @@ from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_
 from autopar.cost_model.moe import ep_layer_state, ep_terms
 from autopar.cost_model.offload import cpu_adam_s, host_copies, offload_state, pcie_link
 from autopar.cost_model.overlap import overlapped_s
-from autopar.cost_model.pipeline import bubble_coefficient, rank_of_stage
+from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import (
     dtype_reason,
     fp8_cast_bytes,
@@ -387,7 +387,7 @@ def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, g
     layers: list[LayerCost] = []
     tails: list[float] = []
     done: dict[tuple[str, bool], tuple[dict, float]] = {}
-    first = _first_block(profile)
+    first = first_block_index(profile)
     for index, layer in enumerate(profile.layers):
         # A repeated block shares its first occurrence's measurements, hence its costs (the
         # model's first block apart: with SP it cuts its input, one more collective).
@@ -435,10 +435,6 @@ def _fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
     return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
 
 
-def _first_block(profile: ModelProfile) -> int:
-    return next((i for i, x in enumerate(profile.layers) if x.kind == "block"), -1)
-
-
 def charged_collectives(
     profile: ModelProfile,
     config: ParallelConfig,
@@ -462,11 +458,9 @@ def charged_collectives(
     """
     cfg, split, recompute = stage_split(profile, config, split, recompute)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
-    m, first = cfg.num_microbatches, _first_block(profile)
+    m, first = cfg.num_microbatches, first_block_index(profile)
     counts: Counter[str] = Counter()
-    for j, (a, b) in enumerate(split):
-        if rank_of_stage(cfg.schedule, cfg.pp, j) != pp_rank:
-            continue
+    for a, b in rank_stages(cfg, split, pp_rank):
         for i in range(a, b + 1):
             tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first)
             calls = tp[RECOMPUTE_INDEX[recompute[i]]] + dp_collectives(

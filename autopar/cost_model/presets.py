@@ -161,64 +161,47 @@ _GPU_CLUSTER_DEFAULTS: dict[str, Any] = {
     "dp_overlap_efficiency": DP_OVERLAP,
 }
 
-PRESETS: Mapping[str, Mapping[str, Any]] = _frozen({
-    "a100-40g": {
-        "device": _gpu(
-            "A100-SXM4-40GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
-            memory_bytes=40 * GIB, hbm=1.555e12, eff=A100_EFFICIENCY_MAX,
-        ),
-        "intra_node": _A100_NVLINK,
-        "inter_node": _HDR_IB,
-        **_A100_HOST,
-        **_GPU_CLUSTER_DEFAULTS,
-    },
-    "a100-80g": {
-        "device": _gpu(
-            "A100-SXM4-80GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
-            memory_bytes=80 * GIB, hbm=2.039e12, eff=A100_EFFICIENCY_MAX,
-        ),
-        "intra_node": _A100_NVLINK,
-        "inter_node": _HDR_IB,
-        **_A100_HOST,
-        **_GPU_CLUSTER_DEFAULTS,
-    },
-    "h100": {
-        # H100 SXM5 80GB: nvidia-smi reports 81,559 MiB.
-        "device": _gpu(
-            "H100-SXM5-80GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
-            memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX, fp8=1979e12,
-        ),
-        "intra_node": _H100_NVLINK,
-        "inter_node": _NDR_IB,
-        **_H100_HOST,
-        **_GPU_CLUSTER_DEFAULTS,
-    },
-    "h200": {
-        # H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
-        # HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency measured on one H200.
-        "device": _gpu(
-            "H200-SXM-141GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
-            memory_bytes=143771 * MIB, hbm=4.8e12, eff=H200_EFFICIENCY_MAX,
-            half_flops=H200_HALF_FLOPS, fp8=1979e12,
-        ),
-        "intra_node": _H100_NVLINK,
-        "inter_node": _NDR_IB,
-        **_H100_HOST,
-        **_GPU_CLUSTER_DEFAULTS,
-    },
-    "v100-32g": {
-        # No calibration record: efficiency as A100 (assumption).
-        "device": _gpu(
-            "V100-SXM2-32GB", bf16=15.7e12, fp16=125e12, tf32=15.7e12, fp32=15.7e12,
-            memory_bytes=32 * GIB, hbm=0.9e12, eff=A100_EFFICIENCY_MAX,
-        ),
-        "intra_node": _V100_NVLINK,
-        "inter_node": _V100_IB,
-        **_V100_HOST,
-        **_GPU_CLUSTER_DEFAULTS,
-    },
-})
 
+def _node(intra_node: dict[str, float], inter_node: dict[str, float],
+          host: dict[str, float]) -> dict[str, Any]:
+    """The links and host of one kind of node, with the GPU cluster defaults."""
+    return {"intra_node": intra_node, "inter_node": inter_node, **host, **_GPU_CLUSTER_DEFAULTS}
+
+
+_A100_NODE = _node(_A100_NVLINK, _HDR_IB, _A100_HOST)
+_H100_NODE = _node(_H100_NVLINK, _NDR_IB, _H100_HOST)
+_V100_NODE = _node(_V100_NVLINK, _V100_IB, _V100_HOST)
+
+_A100_40G = _gpu(
+    "A100-SXM4-40GB", bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12,
+    memory_bytes=40 * GIB, hbm=1.555e12, eff=A100_EFFICIENCY_MAX,
+)
+# The 80 GB A100 differs from the 40 GB one in memory and HBM bandwidth only (A100 datasheet).
+_A100_80G = {**_A100_40G, "name": "A100-SXM4-80GB", "memory_bytes": 80 * GIB,
+             "hbm_bytes_per_s": 2.039e12}
+# H100 SXM5 80GB: nvidia-smi reports 81,559 MiB.
+_H100 = _gpu(
+    "H100-SXM5-80GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
+    memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX, fp8=1979e12,
+)
+# H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
+# HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency measured on one H200.
+_H200 = {**_H100, "name": "H200-SXM-141GB", "memory_bytes": 143771 * MIB,
+         "hbm_bytes_per_s": 4.8e12, "matmul_efficiency_max": H200_EFFICIENCY_MAX,
+         "matmul_half_flops": H200_HALF_FLOPS}
+# No calibration record: efficiency as A100 (assumption).
+_V100 = _gpu(
+    "V100-SXM2-32GB", bf16=15.7e12, fp16=125e12, tf32=15.7e12, fp32=15.7e12,
+    memory_bytes=32 * GIB, hbm=0.9e12, eff=A100_EFFICIENCY_MAX,
+)
+
+PRESETS: Mapping[str, Mapping[str, Any]] = _frozen({
+    "a100-40g": {"device": _A100_40G, **_A100_NODE},
+    "a100-80g": {"device": _A100_80G, **_A100_NODE},
+    "h100": {"device": _H100, **_H100_NODE},
+    "h200": {"device": _H200, **_H100_NODE},
+    "v100-32g": {"device": _V100, **_V100_NODE},
+})
 
 
 def preset_for_device_name(device_name: str) -> str:

@@ -81,7 +81,7 @@ def model_state_expr(
     exprs = tuple(e.subs({a: int(accumulates), u: int(keeps_params)}) for e in MODEL_STATE[key])
     if dtype == "fp32" and kind in ("none", "ddp", "replicate"):
         exprs = tuple(e.subs(w, 0) for e in exprs)
-    return exprs  # type: ignore[return-value]
+    return exprs
 
 
 def model_state_expr_for(config: ParallelConfig) -> tuple[sp.Expr, sp.Expr, sp.Expr]:

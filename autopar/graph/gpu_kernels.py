@@ -72,7 +72,7 @@ class _FusedSDPA(torch.autograd.Function):
     """Shape-only stand-in for the fused kernel: saves q, k, v, out, lse (and a mask if given)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         lead, heads, s_q = q.shape[:-3], q.shape[-3], q.shape[-2]
@@ -90,7 +90,7 @@ class _FusedSDPA(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors[:3]
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
@@ -99,7 +99,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, num_dims: int
     ) -> torch.Tensor:
         rstd = x.new_empty((*x.shape[: x.dim() - num_dims], *([1] * num_dims)), dtype=torch.float32)
@@ -107,7 +107,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         return x.new_empty(x.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, weight, _ = ctx.saved_tensors
         grad_w = None if weight is None else torch.empty_like(weight)
         return torch.empty_like(x), grad_w, None

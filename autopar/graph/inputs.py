@@ -100,15 +100,15 @@ def make_batch(
     hf_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     if example_inputs is None:
         tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
-        labels = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
-        return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=labels)
+        targets = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
+        return Batch(args=(tokens,), kwargs=hf_kwargs, raw=tokens, labels=targets)
     given = example_inputs(batch_size) if callable(example_inputs) else example_inputs
     raw = _to_meta(given)
     if not callable(example_inputs):
         raw = _resize(raw, batch_size)
     args, kwargs = _as_call(_to_meta(raw, dtype))
     first = next((t for t in tree_flatten(raw)[0] if isinstance(t, torch.Tensor)), None)
-    labels = None
+    labels: torch.Tensor | None = None
     if first is not None and first.dim() == 2 and not first.is_floating_point():
         labels = torch.zeros_like(first)  # the targets: a tensor of their own, like the tokens
     return Batch(args=args, kwargs={**hf_kwargs, **kwargs}, raw=raw, labels=labels)

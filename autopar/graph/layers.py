@@ -200,7 +200,9 @@ def build_layers(
                     params=params[0], m=embedding, tp=embedding_tp_)
     blocks = _blocks(model, structure, facts, params, representative, measured, seq_len,
                      dtype_bytes)
+    head_one, head_two = runs[1].head, runs[2].head
+    assert head_one is not None and head_two is not None  # a run with blocks measures its head
     last = _record(name="head", kind="head", fqns=structure.head, params=params[-1],
-                   m=per_sample(runs[1].head, runs[2].head),
+                   m=per_sample(head_one, head_two),
                    tp=head_tp(model, structure.head, vocab=facts.vocab))
     return (first, *blocks, last)

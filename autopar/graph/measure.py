@@ -96,7 +96,7 @@ def main_tensor(value: Any) -> torch.Tensor | None:
     """The first floating tensor in a pytree (the hidden states), else its first tensor."""
     leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
     floats = [t for t in leaves if t.is_floating_point()]
-    return (floats or leaves or [None])[0]
+    return floats[0] if floats else (leaves[0] if leaves else None)
 
 
 def _signature(value: Any) -> tuple:
@@ -112,12 +112,12 @@ class _Relay(torch.autograd.Function):
     """Stands in for a block: output of the block's shape, input-shaped gradient back."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, template: torch.Tensor, on_bwd: Callable) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, template: torch.Tensor, on_bwd: Callable) -> Any:
         ctx.in_shape, ctx.in_dtype, ctx.on_bwd = x.shape, x.dtype, on_bwd
         return template.new_empty(template.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ctx.on_bwd()
         return grad.new_empty(ctx.in_shape, dtype=ctx.in_dtype), None, None
 
@@ -214,7 +214,10 @@ def measure_block(
 class _BlockRelays:
     """Replaces each block's forward by a relay; runs each distinct block once for real."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str], signatures: dict[str, str]):
+    def __init__(
+        self, model: nn.Module, blocks: Sequence[str], signatures: dict[str, str],
+        recorder: SavedRecorder,
+    ):
         self.modules = dict(model.named_modules())
         self.blocks = list(blocks)
         self.signatures = signatures
@@ -224,7 +227,7 @@ class _BlockRelays:
         self.first_in: torch.Tensor | None = None
         self.last_out: torch.Tensor | None = None
         self.flops: FlopCounterMode | None = None
-        self.recorder: SavedRecorder | None = None
+        self.recorder = recorder
 
     def _mark(self, name: str, once: bool = False) -> None:
         if not (once and name in self.marks):
@@ -349,8 +352,7 @@ def run_model(
     Raises:
         RunFailure: the model raised; names the innermost module that was running.
     """
-    relays = _BlockRelays(model, blocks, signatures)
-    relays.recorder = recorder
+    relays = _BlockRelays(model, blocks, signatures, recorder)
     recorder.tag = "embedding"
     with (
         _call_tracking(model) as (order, stack),

@@ -26,6 +26,7 @@ outputs) is counted by the saved-tensor recorder like any other tensor.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ def expert_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in root.named_modules() if _is_experts(m)]
 
 
-def _rows(module: nn.Module, tokens: int, top_k: int) -> int:
+def _rows(module: Any, tokens: int, top_k: int) -> int:
     experts = module.gate_up_proj.shape[0]
     cf = float(getattr(module, "capacity_factor", 0.0) or 0.0)
     if cf > 0:
@@ -58,7 +59,7 @@ def _rows(module: nn.Module, tokens: int, top_k: int) -> int:
     return tokens * top_k
 
 
-def _standin(module: nn.Module):
+def _standin(module: Any):
     act = getattr(module, "act_fn", F.silu)
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -122,7 +123,7 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
     found = expert_modules(block)
     if not found:
         return None
-    _, experts = found[0]
+    experts: Any = found[0][1]  # HF grouped experts: gate_up_proj, down_proj parameters
     num, hidden, f_e = experts.down_proj.shape
     per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
     top_k = _int_attr(block, ("top_k", "num_experts_per_tok"))

@@ -14,7 +14,7 @@ import copy
 import itertools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -211,7 +211,8 @@ def _block_sharding(work: nn.Module, fqn: str) -> tuple[list[torch.Tensor], list
     tp = block_tp(work, fqn, heads=0, kv_heads=0, seq_len=1, dtype_bytes=1)
     colwise = [work.get_submodule(n) for n in tp.colwise]
     rowwise = [work.get_submodule(n) for n in tp.rowwise]
-    params = [p for m in colwise for p in m.parameters()] + [m.weight for m in rowwise]
+    params: list[torch.Tensor] = [p for m in colwise for p in m.parameters()]
+    params += [cast(torch.Tensor, m.weight) for m in rowwise]
     return params, rowwise
 
 

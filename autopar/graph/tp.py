@@ -16,8 +16,9 @@ rank's heads of the three together.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from autopar.graph.types import TPStructure
 from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
@@ -44,7 +45,7 @@ def is_linear(module: nn.Module) -> bool:
 
 def out_features(module: nn.Module) -> int:
     """Output width of a linear (``nn.Linear.out_features``, ``Conv1D.nf``)."""
-    return int(getattr(module, "out_features", None) or module.weight.shape[-1])
+    return int(getattr(module, "out_features", None) or cast(Tensor, module.weight).shape[-1])
 
 
 def is_norm(module: nn.Module) -> bool:

@@ -168,7 +168,10 @@ class LayerProfile:
         """Inverse of ``to_dict``."""
         data = dict(data)
         tp = data.pop("tp", {}) or {}
-        tp = TPStructure(**{k: tuple(v) if isinstance(v, list) else v for k, v in tp.items()})
+        tp_fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in tp.items()
+        }
+        tp = TPStructure(**tp_fields)
         data["module_fqns"] = tuple(data["module_fqns"])
         op_sac = data.pop("op_sac", None)
         moe = data.pop("moe", None)

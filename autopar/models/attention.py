@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.spec import ModelSpec
+
 __all__ = ["Attention", "apply_rope"]
 
 
@@ -93,6 +95,16 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
         # Set by the runtime under context parallelism (a ContextParallel), else None.
         self.context_parallel: Any = None
+
+    @classmethod
+    def of_spec(
+        cls, spec: ModelSpec, *, bias: bool, dropout: float, rope_theta: float | None
+    ) -> Attention:
+        """The attention of a block of ``spec`` (width, heads and kernel from the spec)."""
+        return cls(
+            hidden=spec.hidden, heads=spec.heads, kv_heads=spec.kv_heads, bias=bias,
+            attention=spec.attention, dropout=dropout, rope_theta=rope_theta,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x[b, s, h]`` causally; returns ``[b, s, h]``."""

@@ -41,15 +41,7 @@ class GPTBlock(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.attention_norm = LayerNorm(spec.hidden)
-        self.attention = Attention(
-            hidden=spec.hidden,
-            heads=spec.heads,
-            kv_heads=spec.kv_heads,
-            bias=True,
-            attention=spec.attention,
-            dropout=spec.dropout,
-            rope_theta=None,
-        )
+        self.attention = Attention.of_spec(spec, bias=True, dropout=spec.dropout, rope_theta=None)
         self.ffn_norm = LayerNorm(spec.hidden)
         self.feed_forward = GPTFeedForward(spec.hidden, spec.ffn_hidden, spec.dropout)
 

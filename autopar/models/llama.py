@@ -46,14 +46,8 @@ class LlamaBlock(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
-        self.attention = Attention(
-            hidden=spec.hidden,
-            heads=spec.heads,
-            kv_heads=spec.kv_heads,
-            bias=False,
-            attention=spec.attention,
-            dropout=0.0,
-            rope_theta=spec.rope_theta,
+        self.attention = Attention.of_spec(
+            spec, bias=False, dropout=0.0, rope_theta=spec.rope_theta
         )
         self.ffn_norm = RMSNorm(spec.hidden, eps=NORM_EPS)
         # A mixture of experts (``moe``, models/moe.py) in place of the dense ``feed_forward``
@@ -68,6 +62,7 @@ class LlamaBlock(nn.Module):
         """Apply the block to ``[b, s, h]``."""
         x = x + self.attention(self.attention_norm(x))
         ffn = self.moe if self.feed_forward is None else self.feed_forward
+        assert ffn is not None  # __init__ sets one of the two
         return x + ffn(self.ffn_norm(x))
 
 

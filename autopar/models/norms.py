@@ -44,27 +44,33 @@ def _cast(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
     return None if param is None else param.to(dtype)
 
 
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` that, under autocast, runs in the autocast dtype (input and output)."""
+class _AutocastDtypeNorm(nn.Module):
+    """The forward both norms share: under autocast, ``_normalise`` in the autocast dtype with
+    autocast off; otherwise the plain torch norm (the next class in the method order)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` over its last dimension."""
         dtype = autocast_dtype(x)
         if dtype is None:
-            return super().forward(x)
+            plain: torch.Tensor = super().forward(x)
+            return plain
         with torch.autocast(x.device.type, enabled=False):
-            return F.layer_norm(x.to(dtype), self.normalized_shape, _cast(self.weight, dtype),
-                                _cast(self.bias, dtype), self.eps)
+            return self._normalise(x.to(dtype), dtype)
+
+    def _normalise(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class RMSNorm(nn.RMSNorm):
+class LayerNorm(_AutocastDtypeNorm, nn.LayerNorm):
+    """``nn.LayerNorm`` that, under autocast, runs in the autocast dtype (input and output)."""
+
+    def _normalise(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, _cast(self.weight, dtype),
+                            _cast(self.bias, dtype), self.eps)
+
+
+class RMSNorm(_AutocastDtypeNorm, nn.RMSNorm):
     """``nn.RMSNorm`` that, under autocast, runs in the autocast dtype (input and output)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` by its root mean square over the last dimension."""
-        dtype = autocast_dtype(x)
-        if dtype is None:
-            return super().forward(x)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x.to(dtype), self.normalized_shape, _cast(self.weight, dtype),
-                              self.eps)
+    def _normalise(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, _cast(self.weight, dtype), self.eps)

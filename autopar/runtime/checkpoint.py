@@ -148,8 +148,8 @@ def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tupl
         part_keys.append((tuple(model_sd), tuple(optim_sd)))
         for key, value in model_sd.items():
             merged[f"model.{key}"] = value
-        for key, value in optim_sd.items():
-            merged[f"optim.{key}"] = value
+        for key, state in optim_sd.items():
+            merged[f"optim.{key}"] = state
     return merged, part_keys
 
 

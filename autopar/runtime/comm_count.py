@@ -69,7 +69,8 @@ def _group_name(args: tuple[Any, ...]) -> str:
 def _axis_names(mesh: DeviceMesh | None) -> dict[str, str]:
     import torch.distributed as dist
 
-    names = {dist.group.WORLD.group_name: "world"} if dist.is_initialized() else {}
+    world = dist.group.WORLD if dist.is_initialized() else None
+    names: dict[str, str] = {world.group_name: "world"} if world is not None else {}
     if mesh is not None:
         for axis in mesh.mesh_dim_names or ():
             names[mesh[axis].get_group().group_name] = axis

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import case_errors
+
 NANOGPT = str(Path(__file__).resolve().parents[1] / "fixtures" / "models"
               / "tiny_nanogpt_split.py")
 HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -125,17 +127,8 @@ def check(results: list[dict], cases: list[tuple[str, str, dict]]) -> None:
     """Fail with every failing case; the ranks together checked every parameter's gradient."""
     errors = []
     for label, name, _cfg in cases:
-        per_rank = [r[label] for r in results]
-        errors += [f"[{label}] rank {i}: {r['error']}"
-                   for i, r in enumerate(per_rank) if "error" in r]
-        if any("error" in r for r in per_rank):
-            continue
         every = {fqn for fqn, _ in build(name).named_parameters()}
-        covered = set().union(*(r["fqns"] for r in per_rank))
-        if covered != every:
-            errors.append(f"[{label}] gradients not checked for {sorted(every - covered)}")
-        if len({tuple(r["losses"]) for r in per_rank}) != 1:
-            errors.append(f"[{label}] ranks report different losses")
+        errors += case_errors(label, [r[label] for r in results], every)
     assert not errors, "\n".join(errors)
 
 

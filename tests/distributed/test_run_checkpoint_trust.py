@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from test_run_train import BATCH, MODEL, autopar_run
 
+from tests.helpers import one_error_line
+
 pytestmark = pytest.mark.distributed
 
 
@@ -29,12 +31,7 @@ class _Trap:
 
 
 def _one_error_line(proc, needle: str) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stdout == "" and "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), proc.stderr[-3000:]
-    assert needle in lines[0], lines[0]
-    return lines[0]
+    return one_error_line(proc.returncode, proc.stdout, proc.stderr, needle)
 
 
 @pytest.mark.timeout(120)

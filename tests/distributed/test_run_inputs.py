@@ -17,6 +17,7 @@ import pytest
 
 from autopar.cli.cmd_run import main
 from autopar.runtime.manifest import write_manifest
+from tests.helpers import one_error_line, write_cpu_plan
 
 pytestmark = pytest.mark.distributed
 
@@ -35,28 +36,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def dp2_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A plan file for MODEL at dp=2 on a 2-process CPU cluster."""
-    import autopar
-    from autopar.cost_model.hardware import Cluster
-    from autopar.runtime.worker import build_model
-    from autopar.search.planner import plan_from_config
-
-    profile = autopar.profile(build_model(MODEL, device="meta"))
-    config = autopar.ParallelConfig(dp=2, global_batch=4, dtype="fp32")
-    plan = plan_from_config(profile, Cluster.preset("cpu", gpus_per_node=2), config, model=MODEL)
     path = tmp_path_factory.mktemp("plans") / "plan.json"
-    path.write_text(plan.to_json())
-    return path
+    return write_cpu_plan(MODEL, path, dp=2, global_batch=4, dtype="fp32")
 
 
 def _expect_error(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> str:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2
-    assert out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert needle in lines[0], lines[0]
-    return lines[0]
+    return one_error_line(main(argv), *capsys.readouterr(), needle)
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import write_cpu_plan
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,16 +75,8 @@ def reference() -> dict:
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same 4 steps under dp=2 (DDP), run from a plan file (it brings split and batch)."""
-    import autopar
-    from autopar.cost_model.hardware import Cluster
-    from autopar.runtime.worker import build_model
-    from autopar.search.planner import plan_from_config
-
-    profile = autopar.profile(build_model(MODEL, device="meta"))
-    config = autopar.ParallelConfig(dp=2, global_batch=4, dtype="fp32")
-    plan = plan_from_config(profile, Cluster.preset("cpu", gpus_per_node=2), config, model=MODEL)
     path = tmp_path_factory.mktemp("plans") / "dp2.json"
-    path.write_text(plan.to_json())
+    write_cpu_plan(MODEL, path, dp=2, global_batch=4, dtype="fp32")
     return run_json(str(path), "--steps", "4")
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import case_errors
+
 SHAPES: dict[str, dict[str, int]] = {
     "gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8},
     "llama": {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "seq_len": 8},
@@ -126,18 +128,8 @@ def check_results(results: list[dict], cases: list[tuple[str, str, dict, Any]]) 
 
     errors = []
     for name, kind, _cfg, _rc in cases:
-        per_rank = [r[name] for r in results]
-        errors += [
-            f"[{name}] rank {i}: {r['error']}" for i, r in enumerate(per_rank) if "error" in r
-        ]
-        if any("error" in r for r in per_rank):
-            continue
         all_fqns = {n for n, _ in build(kind, **SHAPES[kind]).named_parameters()}
-        covered = set().union(*(r["fqns"] for r in per_rank))
-        if covered != all_fqns:
-            errors.append(f"[{name}] gradients not checked for {sorted(all_fqns - covered)}")
-        if len({tuple(r["losses"]) for r in per_rank}) != 1:
-            errors.append(f"[{name}] ranks report different losses")
+        errors += case_errors(name, [r[name] for r in results], all_fqns)
     assert not errors, "\n".join(errors)
 
 
@@ -192,15 +184,11 @@ CONFIGS_4: dict[str, dict[str, Any]] = {
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_process_splits_equal_one_process(run_distributed: Any) -> None:
-    cases = _cases(CONFIGS_2)
-    results = run_distributed(run_cases, 2, cases, timeout_s=280)
-    check_results(results, cases)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_four_process_splits_equal_one_process(run_distributed: Any) -> None:
-    cases = _cases(CONFIGS_4)
-    results = run_distributed(run_cases, 4, cases, timeout_s=280)
+@pytest.mark.parametrize(("world_size", "configs"), [(2, CONFIGS_2), (4, CONFIGS_4)],
+                         ids=["two_process", "four_process"])
+def test_splits_equal_one_process(
+    run_distributed: Any, world_size: int, configs: dict[str, dict[str, Any]]
+) -> None:
+    cases = _cases(configs)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=280)
     check_results(results, cases)

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import case_errors
+
 SHAPE: dict[str, Any] = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64,
                          "seq_len": 8, "experts": 4, "top_k": 2, "shared_experts": 1}
 GLOBAL_BATCH = 8
@@ -89,16 +91,7 @@ def check_results(results: list[dict], cases: dict[str, dict[str, Any]]) -> None
     errors = []
     all_fqns = {n for n, _ in build("llama", **SHAPE).named_parameters()}
     for name in cases:
-        per_rank = [r[name] for r in results]
-        errors += [f"[{name}] rank {i}: {r['error']}" for i, r in enumerate(per_rank)
-                   if "error" in r]
-        if any("error" in r for r in per_rank):
-            continue
-        covered = set().union(*(r["fqns"] for r in per_rank))
-        if covered != all_fqns:
-            errors.append(f"[{name}] gradients not checked for {sorted(all_fqns - covered)}")
-        if len({tuple(r["losses"]) for r in per_rank}) != 1:
-            errors.append(f"[{name}] ranks report different losses")
+        errors += case_errors(name, [r[name] for r in results], all_fqns)
     assert not errors, "\n".join(errors)
 
 

@@ -17,6 +17,7 @@ import autopar
 import autopar.plan  # the Plan module; must not shadow the package's plan() function
 from autopar.cli import main
 from autopar.cli.common import cluster_from_args, load_profile
+from tests.helpers import one_error_line
 
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "models"
@@ -72,30 +73,20 @@ MODEL_FILE_CASES = [
 ]
 
 
-def _one_line_error(capfd: pytest.CaptureFixture[str], code: int, needle: str) -> str:
-    out, err = capfd.readouterr()
-    assert code == 2, err
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
-    assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 @pytest.mark.parametrize(("text", "needle"), MODEL_FILE_CASES,
                          ids=["syntax", "import", "no-build-model", "build-raises", "untraceable"])
 def test_bad_model_files_end_with_one_line(tmp_path, capfd, text, needle):
     path = tmp_path / "model.py"
     path.write_text(text)
     code = main(["plan", str(path), "--gpus", "2", "--global-batch", "8", "--seq-len", "8"])
-    line = _one_line_error(capfd, code, needle)
+    line = one_error_line(code, *capfd.readouterr(), needle)
     if "Gate" in needle:  # the untraceable model: names the construct and the fix
         assert "Tensor.item()" in line and "shapes, not values" in line
 
 
 def test_missing_model_file(tmp_path, capfd):
     code = main(["plan", str(tmp_path / "nope.py"), "--gpus", "2", "--global-batch", "8"])
-    _one_line_error(capfd, code, "does not exist")
+    one_error_line(code, *capfd.readouterr(), "does not exist")
 
 
 def _cluster(*argv: str):
@@ -124,7 +115,7 @@ def test_gpus_nodes_and_memory_semantics(tmp_path):
 
 def test_gpus_and_nodes_are_exclusive(capfd):
     code = main(["plan", TINY, "--gpus", "8", "--nodes", "1", "--global-batch", "8"])
-    _one_line_error(capfd, code, "argument --nodes: not allowed with argument --gpus")
+    one_error_line(code, *capfd.readouterr(), "argument --nodes: not allowed with argument --gpus")
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +144,11 @@ def test_cli_plan_json_equals_autopar_plan(capfd, tiny_profile):
 
 def test_estimate_errors_name_the_constraint(capfd):
     code = main(["estimate", TINY, "--tp", "3", "--global-batch", "8"])
-    _one_line_error(capfd, code, "heads")
+    one_error_line(code, *capfd.readouterr(), "heads")
     code = main(["estimate", TINY, "--dp", "2", "--gpus", "4", "--global-batch", "8"])
-    _one_line_error(capfd, code, "world size")
+    one_error_line(code, *capfd.readouterr(), "world size")
     code = main(["estimate", TINY, "--pp", "4", "--schedule", "1f1b", "--global-batch", "2"])
-    _one_line_error(capfd, code, "1f1b needs")
+    one_error_line(code, *capfd.readouterr(), "1f1b needs")
 
 
 def test_explain_refuses_an_edited_cluster(tmp_path, capfd):
@@ -171,7 +162,8 @@ def test_explain_refuses_an_edited_cluster(tmp_path, capfd):
     doc = json.loads(path.read_text())
     doc["cluster"]["memory_headroom_fraction"] = 0.5
     path.write_text(json.dumps(doc))
-    _one_line_error(capfd, main(["explain", str(path)]), "does not match its cluster fingerprint")
+    code = main(["explain", str(path)])
+    one_error_line(code, *capfd.readouterr(), "does not match its cluster fingerprint")
 
 
 def test_model_file_is_profiled_on_its_example_inputs(capfd):
@@ -184,7 +176,7 @@ def test_model_file_is_profiled_on_its_example_inputs(capfd):
     # The profile `autopar run` makes of the file, so a plan's fingerprint matches its run.
     assert doc["profile_fingerprint"] == _build_and_profile(path)[1].fingerprint()
     code = main(["estimate", path, "--global-batch", "8", "--seq-len", "32"])
-    _one_line_error(capfd, code, "differs from the 16 tokens")
+    one_error_line(code, *capfd.readouterr(), "differs from the 16 tokens")
 
 
 def test_hf_config_is_a_model(tmp_path, capfd):

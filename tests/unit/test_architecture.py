@@ -1,8 +1,9 @@
-"""The layering rule: cost_model/ and search/ never import torch.distributed."""
+"""The architecture rules: layer order, pure packages, size budget, README names every module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,46 @@ def test_a_back_edge_fails_the_check() -> None:
     }
     assert _back_edges(planted) == {("autopar.cost_model.memory", "autopar.plan"),
                                     ("autopar.runtime.apply", "autopar.search.planner")}
+
+
+# README's architecture section names every module and package of autopar/ by its path, and
+# only paths that exist.
+README = ROOT.parent / "README.md"
+README_PATH = re.compile(r"`(autopar/[A-Za-z0-9_./]*)`")
+
+
+def _architecture_section(readme: str) -> str:
+    start = readme.index("\n## Architecture\n")
+    end = readme.find("\n## ", start + 1)
+    return readme[start:] if end == -1 else readme[start:end]
+
+
+def _tree_paths(root: Path) -> set[str]:
+    """``autopar/`` and every package (``autopar/x/``) and module (``__init__.py`` aside)."""
+    paths = {"autopar/"}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).as_posix()
+        paths.add(rel.removesuffix("__init__.py") if path.name == "__init__.py" else rel)
+    return paths
+
+
+def _section_problems(section: str, root: Path) -> tuple[list[str], list[str]]:
+    """(tree paths the section does not name, paths it names that do not exist)."""
+    named = set(README_PATH.findall(section))
+    unnamed = sorted(_tree_paths(root) - named)
+    missing = sorted(p for p in named if not (root.parent / p).exists())
+    return unnamed, missing
+
+
+def test_readme_architecture_names_every_module() -> None:
+    unnamed, missing = _section_problems(_architecture_section(README.read_text()), ROOT)
+    assert not unnamed, f"README's Architecture section does not name: {unnamed}"
+    assert not missing, f"README's Architecture section names paths that do not exist: {missing}"
+
+
+def test_readme_architecture_check_can_fail() -> None:
+    section = _architecture_section(README.read_text())
+    dropped = section.replace("`autopar/units.py`", "units")
+    planted = section + "\n- `autopar/cost_model/nowhere.py`: gone\n"
+    assert _section_problems(dropped, ROOT) == (["autopar/units.py"], [])
+    assert _section_problems(planted, ROOT) == ([], ["autopar/cost_model/nowhere.py"])

@@ -13,6 +13,7 @@ from autopar.cli import main
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.search.space import divisors
+from tests.helpers import one_error_line
 
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "a100_2nodes.yaml"
@@ -24,12 +25,7 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     start = time.monotonic()
     code = main(argv)
     assert time.monotonic() - start < seconds
-    out, err = capfd.readouterr()
-    assert code == 2, err
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
-    assert needle in lines[0], lines[0]
+    one_error_line(code, *capfd.readouterr(), needle)
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -17,6 +17,7 @@ import tomllib
 from report_fixtures import make_plan
 
 from autopar.cli import main
+from tests.helpers import one_error_line
 
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -28,11 +29,7 @@ def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), proc.stderr
-    assert needle in lines[0], lines[0]
+    one_error_line(proc.returncode, proc.stdout, proc.stderr, needle)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.exporters import export_plan
 from autopar.search import plan_from_config
 from tests.fixtures.profiles import analytic_transformer_profile
+from tests.helpers import one_error_line
 
 TINY = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=64"
 PROFILE = analytic_transformer_profile(2, 256, 4, 512, 1024, kv_heads=2, gated_mlp=True,
@@ -59,11 +60,7 @@ def test_bad_dimension_inputs_are_one_line(capfd, extra, needle) -> None:
     argv = ["estimate", TINY, "--global-batch", "8", *extra]
     if "--gpus" not in extra:
         argv += ["--gpus", "8"]
-    code = main(argv)
-    out, err = capfd.readouterr()
-    assert code == 2 and out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and needle in lines[0], err
+    one_error_line(main(argv), *capfd.readouterr(), needle)
 
 
 def _plan(framework: str, **fields):

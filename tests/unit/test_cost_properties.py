@@ -15,6 +15,7 @@ from autopar.cost_model.estimator import estimate
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.memory import layer_state
 from tests.fixtures.profiles import analytic_transformer_profile
+from tests.helpers import with_link_bandwidth_scaled
 
 PROFILE = analytic_transformer_profile(8, 256, 8, 1024, 128)
 SETTINGS = settings(max_examples=15, deadline=None)
@@ -143,10 +144,7 @@ def test_group_placement_tp_innermost():
 def test_time_falls_as_bandwidth_rises(scale, dp, tp, zero):
     cfg = ParallelConfig(dp=dp, tp=tp, pp=2, global_batch=16, zero=zero, schedule="gpipe")
     slow = Cluster.preset("a100-80g", nodes=cfg.world_size // 2, gpus_per_node=2)
-    data = slow.to_dict()
-    for link in ("intra_node", "inter_node"):
-        data[link]["bandwidth_bytes_per_s"] *= scale
-    fast = Cluster.from_dict(data)
+    fast = with_link_bandwidth_scaled(slow, scale)
     assert estimate(PROFILE, fast, cfg).step_time_s < estimate(PROFILE, slow, cfg).step_time_s
 
 

@@ -13,6 +13,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.collectives import expected_collectives
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import charged_collectives
+from tests.helpers import with_link_bandwidth_scaled
 
 SHAPE = dict(layers=4, hidden=64, heads=4, vocab=256, seq_len=32)
 PROFILES = {
@@ -104,10 +105,7 @@ def test_recompute_trades_memory_for_time(kind, tp):
 def test_time_falls_as_bandwidth_rises(kind, scale, dp, tp, zero):
     cfg = ParallelConfig(dp=dp, tp=tp, pp=2, global_batch=16, zero=zero, schedule="gpipe")
     slow = Cluster.preset("a100-80g", nodes=cfg.world_size // 2, gpus_per_node=2)
-    data = slow.to_dict()
-    for link in ("intra_node", "inter_node"):
-        data[link]["bandwidth_bytes_per_s"] *= scale
-    fast = Cluster.from_dict(data)
+    fast = with_link_bandwidth_scaled(slow, scale)
     prof = PROFILES[kind]
     assert autopar.estimate(prof, fast, cfg).step_time_s < autopar.estimate(
         prof, slow, cfg).step_time_s

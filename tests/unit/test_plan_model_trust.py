@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
+from tests.helpers import one_error_line
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny_mlp.py"
 # Appended to the tiny MLP: importing the file leaves a trace next to it.
@@ -33,14 +34,10 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
 
 
 def _refused(capfd: pytest.CaptureFixture[str], code: int, trace: Path) -> str:
-    out, err = capfd.readouterr()
-    assert code == 2, err
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
-    assert "names a model file" in lines[0] and "--model" in lines[0], lines[0]
+    line = one_error_line(code, *capfd.readouterr(), "names a model file")
+    assert "--model" in line, line
     assert not trace.exists(), "the plan's model file ran"
-    return lines[0]
+    return line
 
 
 @pytest.mark.timeout(120)

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
-from autopar.cost_model.frameworks import FITTED_FIELDS, Framework, get_framework  # noqa: E402
+from autopar.cost_model.framework_fit import FITTED_FIELDS, NEUTRAL_FIT  # noqa: E402
+from autopar.cost_model.frameworks import Framework, get_framework  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "data" / "published_runs.json"
 # Fields a record leaves out: one default each, never a per-record choice.
@@ -308,8 +309,6 @@ def fit(records: Iterable[dict], base: Framework) -> Framework:
 def neutral_framework(name: str) -> Framework:
     """The framework's record with its fitted fields at their neutral values (what a fit
     without any record of the framework leaves)."""
-    from autopar.cost_model.frameworks import NEUTRAL_FIT
-
     base = get_framework(name)
     return base.with_fit(**{k: NEUTRAL_FIT[k] for k in FITTED_FIELDS[name]})
 

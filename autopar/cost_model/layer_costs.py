@@ -150,8 +150,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
-    casts = fp8_cast_bytes(fw.fp8_scaling, act[0], held, cfg.num_microbatches) if fp8 else (
-        0.0, 0.0)
+    casts = _fp8_casts(fp8, fw, act[0], held, cfg)
     traffic = tuple(cluster.param_traffic_factor * x + c
                     for x, c in zip(_param_traffic_bytes(cfg, held), casts))
     times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
@@ -315,6 +314,14 @@ def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float) -> 
     if cfg.offload != "none":
         return cpu_adam_s(cluster, cfg, local_params)
     return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * local_params / cluster.device.hbm_bytes_per_s
+
+
+def _fp8_casts(fp8: bool, fw: Framework, act_bytes: float, held: float,
+               cfg: ParallelConfig) -> tuple[float, float]:
+    """(forward, backward) bytes of the fp8 casts under the framework's scaling recipe."""
+    if not fp8:
+        return 0.0, 0.0
+    return fp8_cast_bytes(fw.fp8_scaling, act_bytes, held, cfg.num_microbatches)
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar.cost_model.framework_fit import FITTED_FIELDS
 from autopar.cost_model.frameworks import (
-    FITTED_FIELDS,
     FRAMEWORKS,
     framework_supports,
     get_framework,

@@ -37,6 +37,9 @@ RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 # fp8: fp8 matmuls (torchao float8 / Transformer Engine) with bf16 everywhere else, so its
 # stored tensors (parameters, gradients, activations) are 2 bytes like bf16.
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
+# The token cross entropy's kernel a profile runs (autopar.models.losses): torch's on fp32
+# logits, or a fused one that keeps the logits and a log-sum-exp per token.
+LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 # The torch dtype (``torch.<name>``) of each stored-tensor dtype the runtime and profiler use.
 TORCH_DTYPE_NAMES: Mapping[str, str] = MappingProxyType(

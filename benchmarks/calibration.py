@@ -108,15 +108,17 @@ def model_spec(rec: dict) -> tuple[str, dict]:
 
 
 @functools.cache
-def _profile(kind: str, items: tuple):
+def _profile(kind: str, items: tuple, loss: str = "eager"):
     shape = dict(items)
-    return autopar.profile(autopar.models.build(kind, **shape), seq_len=shape["seq_len"])
+    return autopar.profile(autopar.models.build(kind, **shape), seq_len=shape["seq_len"],
+                           loss=loss)
 
 
 def record_profile(rec: dict):
-    """autopar's traced profile of the record's model (cached per shape)."""
+    """autopar's traced profile of the record's model with the loss kernel its training ran
+    (``model.loss``: "fused" for a fused cross-entropy kernel; cached per shape)."""
     kind, shape = model_spec(rec)
-    return _profile(kind, tuple(sorted(shape.items())))
+    return _profile(kind, tuple(sorted(shape.items())), rec["model"].get("loss") or "eager")
 
 
 def record_cluster(rec: dict) -> autopar.Cluster:
@@ -226,6 +228,8 @@ def cli_args(rec: dict) -> list[str] | None:
         args += ["--gpu-memory", str(rec["cluster"]["memory_GB"])]
     if config.sequence_parallel:
         args.append("--sequence-parallel")
+    if rec["model"].get("loss"):
+        args += ["--loss", rec["model"]["loss"]]
     return args
 
 

@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         cluster = common.cluster_from_args(args, default_gpus=config.world_size)
-        profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout)
+        profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout,
+                                      loss=args.loss)
         plan = plan_from_config(profile, cluster, config, model=args.model,
                                 framework=args.framework)
         common.save_outputs(plan, args)  # first: a closed stdout must not lose the files

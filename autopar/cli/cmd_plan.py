@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     with stream as emit:
         cluster = common.cluster_from_args(args)
         profile = common.load_profile(
-            args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout)
+            args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout), loss=args.loss
         )
         plans = search(args, profile, cluster, clock.left("searching"))
         best = plans[0]

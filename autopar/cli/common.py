@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cli.argtypes import int_in, positive_float
-from autopar.config import MAX_SEQ_LEN
+from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN
 from autopar.cost_model.hardware import MAX_GPU_MEMORY_GB, MAX_GPUS
 from autopar.errors import AutoparError, ClusterConfigError
 from autopar.stdio import document_stdout
@@ -53,6 +53,11 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
         help="tokens per sequence (default: the model's)",
+    )
+    parser.add_argument(
+        "--loss", choices=LOSS_KERNELS, default="eager",
+        help="the training's token cross-entropy kernel: eager (torch's, fp32 log-probabilities "
+        "kept; default) or fused (a fused kernel such as flash-attn's or llm-foundry's default)",
     )
     parser.add_argument(
         "--build-timeout", type=positive_float(MAX_SECONDS), default=DEFAULT_BUILD_TIMEOUT_S,
@@ -156,7 +161,8 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
     return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=args.gpu_memory)
 
 
-def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | None = None) -> Any:
+def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | None = None,
+                 loss: str = "eager") -> Any:
     """Resolve MODEL, build it on the meta device and profile it, within ``timeout_s``.
 
     Args:
@@ -164,6 +170,7 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
         seq_len: tokens per sequence (None: the model's own, from its spec or HF config).
         timeout_s: wall-clock limit on building and profiling (None: none); see
             ``autopar.timelimit`` for how a model file's code is stopped.
+        loss: the token cross-entropy kernel (``autopar.profile``'s ``loss``).
 
     Returns:
         The ModelProfile.
@@ -176,7 +183,7 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
 
     fix = "raise --build-timeout (and --time-budget), or fix the model's build_model()"
     with time_limit(timeout_s, f"building and profiling {model_text}", fix):
-        return build_and_profile(model_text, seq_len=seq_len)[1]
+        return build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
 
 
 def load_plan_file(path: str) -> Any:

@@ -166,8 +166,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     cp_s = _ring_s(profile, layer, cfg, cluster, groups["cp_ring"], attn_flops, shard, fw)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
-    transient = transient_bytes_of(layer, cfg, act, held, shard, ratio, fw, head_elems)
-    transient = tuple(x + ep.buffer_bytes for x in transient)
+    transient = tuple(x + ep.buffer_bytes for x in transient_bytes_of(
+        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss))
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,

@@ -32,13 +32,16 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
         sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer)
         * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
         selective_keeps_gathered=fw.selective_policy != "op",
+        fp32_logprobs=profile.loss != "fused",
     )
 
 
 def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
-                     fw: Framework, head_elems: float) -> tuple[float, float, float]:
+                     fw: Framework, head_elems: float, loss: str = "eager",
+                     ) -> tuple[float, float, float]:
     """The layer's working set beyond its saved activations, by recompute mode (``held``:
-    the parameters the rank holds after tp and ep sharding)."""
+    the parameters the rank holds after tp and ep sharding; ``loss``: the profile's loss
+    kernel, ``ModelProfile.loss``)."""
     w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     fsdp = memory.dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
@@ -59,7 +62,8 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
         gathered_param_bytes=gathered_bytes,
         unsharded_grad_bytes=unsharded_grad_bytes,
         # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
-        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward).
-        logits_bytes=(w + 2 * memory.FP32_LOGPROB_BYTES) * head_elems * b
-        / (shard if fw.loss_parallel else 1),
+        # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward); a
+        # fused loss keeps its logits saved and allocates one gradient at their dtype.
+        logits_bytes=(w if loss == "fused" else w + 2 * memory.FP32_LOGPROB_BYTES)
+        * head_elems * b / (shard if fw.loss_parallel else 1),
     )

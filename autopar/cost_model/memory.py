@@ -169,6 +169,7 @@ def activation_bytes(
     gathered_logits: bool = False,
     sp_gathered_bytes: float = 0.0,
     selective_keeps_gathered: bool = True,
+    fp32_logprobs: bool = True,
 ) -> tuple[float, float, float]:
     """Bytes one rank saves for backward for one micro-batch, by recompute mode.
 
@@ -188,6 +189,9 @@ def activation_bytes(
             gradient (no re-gather in the backward), so under SP that part of the replicated
             bytes stays whole instead of shrinking by tp (Korthikanti's 34/t assumes a
             re-gather; autopar's runtime does not re-gather).
+        fp32_logprobs: the loss keeps fp32 log-probabilities (torch's cross entropy); False for
+            a fused loss kernel, which keeps the logits at the training dtype
+            (``ModelProfile.loss``).
         selective_keeps_gathered: whether the ``selective`` mode keeps those gathered inputs
             (False for per-op checkpointing, whose save list holds no all-gather: they are
             gathered again in the backward).
@@ -206,7 +210,7 @@ def activation_bytes(
                 whole = DTYPE_BYTES[config.dtype] * logprob_elements * b
                 saved += whole * (1.0 - 1.0 / tp)
         # The profile counted the fp32 log-softmax at ratio-scaled size; restore its 4 bytes.
-        if mode != "full":
+        if mode != "full" and fp32_logprobs:
             saved += FP32_LOGPROB_BYTES * logprob_elements * b * (1.0 - dtype_ratio)
         out.append(max(0.0, saved))
     return out[0], out[1], out[2]

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.models.losses import fused_cross_entropy
+
 __all__ = ["Batch", "compute_loss", "logit_positions_short", "make_batch", "seq_len_of"]
 
 
@@ -153,7 +155,8 @@ def logit_positions_short(output: Any, batch: Batch, vocab: int) -> int | None:
 
 
 def compute_loss(
-    output: Any, batch: Batch, vocab: int, loss_fn: Callable[..., Any] | None
+    output: Any, batch: Batch, vocab: int, loss_fn: Callable[..., Any] | None,
+    loss: str = "eager",
 ) -> torch.Tensor:
     """The scalar the profile runs backward from.
 
@@ -162,6 +165,8 @@ def compute_loss(
         batch: the run's inputs.
         vocab: vocabulary size (0 if unknown): a ``[b, s, vocab]`` output is taken as logits.
         loss_fn: the model file's ``loss_fn(output, batch)``, or None.
+        loss: the token cross entropy's kernel without ``loss_fn``: "eager" (torch's, on fp32
+            logits) or "fused" (``autopar.models.losses.fused_cross_entropy``).
 
     Returns:
         A scalar tensor.
@@ -175,6 +180,8 @@ def compute_loss(
     if looks_like_logits and batch.labels is not None and batch.labels.shape == logits.shape[:2]:
         # Token cross entropy with fp32 logits (the zoo's and HF's loss): log_softmax keeps the
         # fp32 log-probabilities (4 s V bytes a sample) for backward.
+        if loss == "fused":
+            return fused_cross_entropy(logits, batch.labels)
         flat = logits.reshape(-1, vocab).float()
         return F.cross_entropy(flat, batch.labels.reshape(-1))
     return logits.float().sum()

@@ -42,7 +42,8 @@ def plan_model_text(plan_model: str, given: str | None) -> str:
 
 
 def build_and_profile(
-    model_text: str, *, seq_len: int | None = None, dtype: Any = None, kernels: str = "cuda"
+    model_text: str, *, seq_len: int | None = None, dtype: Any = None, kernels: str = "cuda",
+    loss: str = "eager",
 ) -> tuple[Any, ModelProfile]:
     """Build ``model_text`` on the meta device and profile it.
 
@@ -53,6 +54,7 @@ def build_and_profile(
         dtype: the dtype the profile counts bytes at (None: ``autopar.profile``'s default).
         kernels: whose kernels' saved tensors the profile counts ("cuda" or "cpu", see
             ``autopar.profile``).
+        loss: the token cross-entropy kernel ("eager" or "fused", see ``autopar.profile``).
 
     Returns:
         (the meta-device model, its ModelProfile).
@@ -87,4 +89,4 @@ def build_and_profile(
         raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
     kwargs = {} if dtype is None else {"dtype": dtype}
     return model, profile(model, seq_len=seq_len, example_inputs=example_inputs, kernels=kernels,
-                          **kwargs)
+                          loss=loss, **kwargs)

@@ -45,6 +45,7 @@ from autopar.graph.structure import find_blocks, group_outside, module_signature
 from autopar.graph.tp import block_tp
 from autopar.graph.trace import CallOrder, trace_call_order
 from autopar.graph.types import ModelProfile
+from autopar.models.losses import LOSS_KERNELS
 
 __all__ = ["KERNELS", "profile"]
 
@@ -145,6 +146,7 @@ def _run_all(
     fake_mode: FakeTensorMode | None,
     fused_rms_norm: bool,
     short: list[int],
+    loss: str = "eager",
 ) -> dict[int, ModelRun]:
     """Run the model at every batch size; append to ``short`` the logit positions of a run
     whose logits cover fewer positions than its tokens (``logit_positions_short``)."""
@@ -159,7 +161,7 @@ def _run_all(
             positions = logit_positions_short(output, batch, vocab)
             if positions is not None:
                 short.append(positions)
-            return compute_loss(output, batch, vocab, loss_fn)
+            return compute_loss(output, batch, vocab, loss_fn, loss)
 
         tokens = batch.args[0] if batch.args else None
         runs[size] = run_model(
@@ -237,6 +239,7 @@ def _run_with_fallback(
     loss_fn: Callable[..., Any] | None,
     trace: CallOrder,
     fused_rms_norm: bool,
+    loss: str = "eager",
 ) -> tuple[dict[int, ModelRun], FakeTensorMode | None]:
     """Run on plain meta tensors; if the model fails there, on fake tensors; else TraceError.
 
@@ -247,7 +250,7 @@ def _run_with_fallback(
     tokens = batches[1].labels.shape[1] if batches[1].labels is not None else 0
     try:
         runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, None, fused_rms_norm,
-                        short)
+                        short, loss)
         if short:
             _warn_short_logits(prelim.name, short[0], int(tokens))
         return runs, None
@@ -258,7 +261,7 @@ def _run_with_fallback(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
             runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode,
-                            fused_rms_norm, short)
+                            fused_rms_norm, short, loss)
             if short:
                 _warn_short_logits(prelim.name, short[0], int(tokens))
             return runs, fake_mode
@@ -274,6 +277,7 @@ def profile(
     *,
     loss_fn: Callable[..., Any] | None = None,
     kernels: str = "cuda",
+    loss: str = "eager",
 ) -> ModelProfile:
     """Profile ``model`` layer by layer on the meta device, per sample of ``seq_len`` tokens.
 
@@ -289,6 +293,10 @@ def profile(
         kernels: whose kernels' saved tensors to count: "cuda" (default; fused RMSNorm,
             flash attention, bool dropout masks) or "cpu" (the same, but RMSNorm as torch's
             CPU composite, which also keeps x * 1/rms: one [b, s, h] more per norm).
+        loss: the token cross entropy's kernel (without ``loss_fn``): "eager" (torch's on fp32
+            logits: keeps the fp32 log-probabilities) or "fused" (a fused kernel such as
+            flash-attn's, llm-foundry's default: keeps the logits and a log-sum-exp per token,
+            its gradient written in place; ``autopar.models.losses``).
 
     Returns:
         The ModelProfile.
@@ -309,12 +317,16 @@ def profile(
         )
     if not seq_len:
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
+    if loss not in LOSS_KERNELS or (loss != "eager" and loss_fn is not None):
+        raise AutoparError(f"profile loss must be one of {LOSS_KERNELS} (and 'eager' with a "
+                           f"loss_fn), got {loss!r}")
     return _profile_meta(_meta_copy(model, torch_dtype), int(seq_len), torch_dtype,
-                         example_inputs, loss_fn, kernels)
+                         example_inputs, loss_fn, kernels, loss)
 
 
 def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, example_inputs: Any,
-                  loss_fn: Callable[..., Any] | None, kernels: str) -> ModelProfile:
+                  loss_fn: Callable[..., Any] | None, kernels: str,
+                  loss: str = "eager") -> ModelProfile:
     """``profile`` of the model's meta copy ``work``."""
     install_expert_standins(work)  # routed experts by formula (graph/moe.py), like SDPA
     container, blocks = find_blocks(work)
@@ -323,7 +335,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
     if kernels not in KERNELS:
         raise AutoparError(f"profile kernels must be one of {KERNELS}, got {kernels!r}")
     fused = kernels == "cuda"
-    runs, fake_mode = _run_with_fallback(work, batches, blocks, loss_fn, trace, fused)
+    runs, fake_mode = _run_with_fallback(work, batches, blocks, loss_fn, trace, fused, loss)
     order = trace.order if trace.method else runs[1].call_order
     structure = group_outside(container, blocks, order)
     representative, measured = _measure_blocks(work, blocks, runs, fake_mode, fused)
@@ -336,7 +348,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         hidden=facts.hidden, heads=facts.heads, kv_heads=facts.kv_heads,
         ffn_hidden=facts.ffn_hidden, vocab=facts.vocab, num_blocks=len(blocks),
         attention=facts.attention, trace_method=trace.method or "modules",
-        tied_embeddings=_tied(work, structure.embedding, structure.head),
+        tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
     )
 
 

@@ -197,6 +197,8 @@ class ModelProfile:
         attention: "sdpa" (costed as the fused kernel) or "eager" (s x s scores kept).
         trace_method: how the structure was captured: "fx", "export" or "modules".
         tied_embeddings: whether the lm head shares the token embedding's weight.
+        loss: the token cross entropy's kernel the profile ran: "eager" (fp32 log-probabilities
+            kept) or "fused" (logits and a log-sum-exp kept, gradient in place).
     """
 
     name: str
@@ -212,6 +214,7 @@ class ModelProfile:
     attention: str = "sdpa"
     trace_method: str = "fx"
     tied_embeddings: bool = False
+    loss: str = "eager"
 
     @property
     def num_params(self) -> int:

@@ -26,14 +26,13 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
-from autopar.cost_model.framework_fit import DS_ZERO3_FETCH_EFFICIENCY, FIT, FITTED_FIELDS
+from autopar.cost_model.framework_fit import DS_ZERO3_FETCH_EFFICIENCY, FIT
 from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
-    OVERLAP_SOURCES,
     SETTING_EFFECTS,
-    SETTING_OFF,
     SETTINGS,
 )
+from autopar.cost_model.framework_sources import default_sources
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.precision import FP8_SCALINGS
@@ -134,6 +133,9 @@ class Framework:
             the amax history, the amax taken inside the cast, fp8 weights cached per step).
         fp8_param_gather: FSDP all-gathers the fp8 linears' weights in fp8 (1 byte each)
             instead of the 16-bit parameter dtype.
+        loss_grad_in_place: the loss's backward turns its saved fp32 softmax into the logits'
+            gradient in place (only the 16-bit copy for the output layer is new), instead of
+            allocating fp32 gradients of the log-probabilities and of the logits.
     """
 
     name: str
@@ -178,6 +180,7 @@ class Framework:
     ep_with_tp: bool = True
     fp8_scaling: str = "dynamic"
     fp8_param_gather: bool = False
+    loss_grad_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -230,6 +233,9 @@ class Framework:
 
 _TORCH_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's, by autopar's names
 
+_MEGATRON_XENT = ("sourced: megatron/core/tensor_parallel/cross_entropy.py "
+                  "_VocabParallelCrossEntropy: saves exp_logits (the softmax of the fp32 "
+                  "logits); backward sets grad_input = softmax and updates it in place")
 _MEGATRON_P2P = ("sourced: Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py "
                  "(_communicate allocates torch.empty receive tensors per transfer)")
 _TORCH_STAGE = ("sourced: torch/distributed/pipelining/stage.py (_setup_forward_recv_info, "
@@ -344,8 +350,9 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
-        expert_parallel=True, fp8_scaling="delayed",
+        expert_parallel=True, fp8_scaling="delayed", loss_grad_in_place=True,
         sources={
+            "loss_grad_in_place": _MEGATRON_XENT,
             "fp8_scaling": "sourced: Megatron-Core --fp8-recipe delayed (default) runs "
                            "Transformer Engine's DelayedScaling recipe; TE user guide "
                            "'Performance Optimizations': FP8 weight caching (is_first_microbatch"
@@ -387,8 +394,9 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
         sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),
-        expert_parallel=True,
+        expert_parallel=True, loss_grad_in_place=True,
         sources={
+            "loss_grad_in_place": _MEGATRON_XENT + " (Megatron-DeepSpeed's)",
             "expert_parallel": "sourced: deepspeed.moe.layer.MoE(ep_size=...) (DeepSpeed-MoE, "
                                "Rajbhandari et al. 2022); set in model code, not in the "
                                "JSON config",
@@ -426,34 +434,7 @@ _RECORDS: dict[str, dict[str, object]] = {
 def _build(name: str) -> Framework:
     fields = {**FIT[name], **_RECORDS[name], **dims.DIMENSIONS[name]}
     sources = {**fields.pop("sources"), **dims.DIMENSION_SOURCES[name]}  # type: ignore[dict-item]
-    for key in (*FITTED_FIELDS[name], "step_time_band"):
-        sources.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
-                                "published runs (benchmarks/data/published_runs.json)")
-    sources.setdefault("memory_band", "measured: autopar's own band (benchmarks/accuracy.py; "
-                                      "no published memory figure of this framework fitted yet)")
-    sources.setdefault("overlap_slowdown", "sourced: arXiv:2507.03114 (18.9% average compute "
-                                          "slowdown under overlapped NCCL collectives)")
-    for key, text in OVERLAP_SOURCES[name].items():
-        sources.setdefault(key, text)
-    sources.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
-    sources.setdefault("fp8_param_gather", SETTING_OFF.format("float8-all-gather") if (
-        "float8-all-gather" in SETTINGS[name]) else "sourced: parameters gathered at their "
-                                                    "16-bit dtype")
-    sources.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "
-                                      "scaling (torchtitan's float8 converter and autopar's "
-                                      "runtime use it)")
-    sources.setdefault("selective_policy", "sourced: the framework's selective recomputation "
-                                           "re-runs the attention core (Korthikanti et al. 2022)")
-    for key in ("kernel_efficiency", "step_overhead_s",
-                "dp_comm_efficiency", "zero3_comm_efficiency"):
-        sources.setdefault(key, "sourced: no such mechanism charged for this framework "
-                                "(neutral value)")
-    for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
-                "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
-                "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
-                "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
-                "ep_needs_sharded_dp", "ep_with_tp"):
-        sources.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
+    sources = {**default_sources(name), **sources}
     return Framework(name=name, sources=MappingProxyType(sources), **fields)  # type: ignore[arg-type]
 
 

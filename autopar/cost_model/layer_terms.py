@@ -63,7 +63,9 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
         unsharded_grad_bytes=unsharded_grad_bytes,
         # The loss's backward: the logits (w) beside two fp32 [b, s, V] gradients, of the
         # log-probabilities (nll_loss_backward) and of the logits (log_softmax_backward); a
-        # fused loss keeps its logits saved and allocates one gradient at their dtype.
-        logits_bytes=(w if loss == "fused" else w + 2 * memory.FP32_LOGPROB_BYTES)
+        # fused loss keeps its logits saved and allocates one gradient at their dtype, and so
+        # does a loss whose backward works in place on its saved softmax.
+        logits_bytes=(w if loss == "fused" or fw.loss_grad_in_place
+                      else w + 2 * memory.FP32_LOGPROB_BYTES)
         * head_elems * b / (shard if fw.loss_parallel else 1),
     )

@@ -210,3 +210,21 @@ def test_torchtitan_selective_is_its_per_op_checkpointing() -> None:
     assert block.op_sac.saved_bytes < block.saved_bytes["selective"]
     assert act["torchtitan"] < act["autopar"]
     assert get_framework("torchtitan").selective_policy == "op"
+
+
+def test_megatron_loss_backward_in_place_needs_less_than_torch_cross_entropy() -> None:
+    """Megatron-LM's vocab-parallel cross entropy turns its saved fp32 softmax into the
+    gradient in place: the head's working set lacks torch's two fp32 [b, s, V] gradients."""
+    import dataclasses
+
+    from autopar.config import ParallelConfig
+
+    profile = analytic_transformer_profile(2, 256, 4, 32000, 1024)
+    cluster = autopar.Cluster.preset("h100")
+    cfg = ParallelConfig(dp=8, global_batch=32, micro_batch=4, zero=1)
+    megatron = get_framework("megatron-lm")
+    torch_loss = dataclasses.replace(megatron, loss_grad_in_place=False)
+    lean = autopar.estimate(profile, cluster, cfg, framework=megatron).memory_per_gpu_bytes
+    eager = autopar.estimate(profile, cluster, cfg, framework=torch_loss).memory_per_gpu_bytes
+    # at least the two fp32 gradients of [b, s, V] minus the allocator's share
+    assert eager - lean >= 0.97 * 2 * 4 * 4 * 1024 * 32000

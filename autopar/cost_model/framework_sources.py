@@ -1,0 +1,46 @@
+"""Where a framework record's fields come from when its record does not say: the fitted fields,
+the bands, the shared overlap sources, each setting's default, and the documentation.
+"""
+
+from __future__ import annotations
+
+from autopar.cost_model.framework_fit import FITTED_FIELDS
+from autopar.cost_model.framework_settings import OVERLAP_SOURCES, SETTING_OFF, SETTINGS
+
+__all__ = ["default_sources"]
+
+
+def default_sources(name: str) -> dict[str, str]:
+    """field -> its source for framework ``name``, for the fields its record leaves unsaid."""
+    out: dict[str, str] = {}
+    for key in (*FITTED_FIELDS[name], "step_time_band"):
+        out.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
+                                "published runs (benchmarks/data/published_runs.json)")
+    out.setdefault("memory_band", "measured: autopar's own band (benchmarks/accuracy.py; "
+                                      "no published memory figure of this framework fitted yet)")
+    out.setdefault("overlap_slowdown", "sourced: arXiv:2507.03114 (18.9% average compute "
+                                          "slowdown under overlapped NCCL collectives)")
+    for key, text in OVERLAP_SOURCES[name].items():
+        out.setdefault(key, text)
+    out.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
+    out.setdefault("fp8_param_gather", SETTING_OFF.format("float8-all-gather") if (
+        "float8-all-gather" in SETTINGS[name]) else "sourced: parameters gathered at their "
+                                                    "16-bit dtype")
+    out.setdefault("loss_grad_in_place", "sourced: torch's cross_entropy on fp32 logits "
+                                             "(log_softmax and nll_loss backward allocate)")
+    out.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "
+                                      "scaling (torchtitan's float8 converter and autopar's "
+                                      "runtime use it)")
+    out.setdefault("selective_policy", "sourced: the framework's selective recomputation "
+                                           "re-runs the attention core (Korthikanti et al. 2022)")
+    for key in ("kernel_efficiency", "step_overhead_s",
+                "dp_comm_efficiency", "zero3_comm_efficiency"):
+        out.setdefault(key, "sourced: no such mechanism charged for this framework "
+                                "(neutral value)")
+    for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
+                "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
+                "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
+                "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
+                "ep_needs_sharded_dp", "ep_with_tp"):
+        out.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")
+    return out

@@ -48,7 +48,10 @@ RUNS = ROOT / "benchmarks" / "data" / "published_runs.json"
 # Fields a record leaves out: one default each, never a per-record choice.
 DEFAULTS = {
     "microbatch": 1,  # Megatron's usual for large runs
-    "virtual_stages": 2,  # "interleaved" without a chunk count (lowered until the layers allow)
+    # "interleaved" without a chunk count: the fewest chunks (>= 2) that split each stage's
+    # blocks evenly, as Megatron-LM requires (validate_args: the blocks per stage divisible by
+    # the blocks per virtual stage); else 2, lowered until the layers allow.
+    "virtual_stages": 2,
     "sequence_parallel": "with tp > 1",  # Megatron-Core's and torchtitan's default
     "zero_stage": {"megatron-lm": 1, "torchtitan": 3, "deepspeed": 1},  # distributed optimizer /
     # FSDP2 / ZeRO-1: each framework's default for data parallelism at scale
@@ -129,12 +132,14 @@ def record_cluster(rec: dict) -> autopar.Cluster:
                                   gpu_memory_gb=c.get("memory_GB"))
 
 
-def _schedule(p: dict, num_layers: int) -> tuple[str, int]:
+def _schedule(p: dict, num_layers: int, blocks: int) -> tuple[str, int]:
     if p["pp"] <= 1:
         return "1f1b", 1
     if "interleaved" not in str(p.get("schedule") or ""):
         return "1f1b", 1
-    v = p.get("virtual_stages") or DEFAULTS["virtual_stages"]
+    per_stage = blocks // p["pp"] if blocks % p["pp"] == 0 else 0
+    even = [v for v in range(2, per_stage + 1) if per_stage % v == 0]
+    v = p.get("virtual_stages") or (even[0] if even else DEFAULTS["virtual_stages"])
     while v > 1 and p["pp"] * v > num_layers:
         v -= 1
     return ("interleaved-1f1b", v) if v > 1 else ("1f1b", 1)
@@ -143,7 +148,7 @@ def _schedule(p: dict, num_layers: int) -> tuple[str, int]:
 def record_configs(rec: dict, num_layers: int) -> list[autopar.ParallelConfig]:
     """The record's split; several when it leaves recompute out (tried in order)."""
     p, fw = rec["plan"], rec["framework"]
-    schedule, v = _schedule(p, num_layers)
+    schedule, v = _schedule(p, num_layers, rec["model"]["layers"])
     zero = p.get("zero_stage")
     zero = DEFAULTS["zero_stage"][fw] if zero is None else int(zero)
     zero = zero if p["dp"] * (p.get("cp") or 1) > 1 else 0  # FSDP shards over dp * cp

@@ -27,8 +27,8 @@ FIT: dict[str, dict[str, object]] = {
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.974, "step_overhead_s": 0.183,
                    "dp_comm_efficiency": 0.917, "step_time_band": (0.82, 1.12)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.986, "step_overhead_s": 0.0,
-                    "step_time_band": (0.89, 1.14)},
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.982, "step_overhead_s": 0.0,
+                    "step_time_band": (0.89, 1.13)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.776, "step_overhead_s": 0.5,
                   "step_time_band": (0.88, 1.25)},
 }

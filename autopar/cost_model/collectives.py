@@ -33,6 +33,11 @@ root if it holds parameters (pp == 1: one root holding the embedding and the hea
 - zero 3: pp == 1: 2 U m all-gathers (forward and backward, the root too), U m reduce-scatters;
   pp > 1: U (m + 1) all-gathers (every forward, and the first backward: the schedule keeps
   parameters unsharded after a backward until the last one), U reduce-scatters.
+HSDP (dp_replicate > 1): after each reduce-scatter one all-reduce of the gradient shard over
+"dp_replicate"; "dp" is then the shard group (dp_shard x cp).
+cp (the all-gather variant, cp_comm.py), per block with attention: one all-gather of K and V
+forward (two with full recompute), one reduce-scatter of their gradient backward, axis "cp";
+dp's collectives run over dp x cp.
 Schedules with several stages per rank (interleaved, V-shaped) with zero >= 1 are not listed:
 torch's schedule runtime inserts its own unshard/reshard actions there (measured 1.75-2x the
 single-stage all-gathers), so ``expected_collectives`` raises ValueError for them.
@@ -60,6 +65,8 @@ __all__ = [
 
 AR, AG, RS = "all_reduce@tp", "all_gather_into_tensor@tp", "reduce_scatter_tensor@tp"
 DP_AR, DP_AG, DP_RS = "all_reduce@dp", "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
+HSDP_AR = "all_reduce@dp_replicate"
+CP_AG, CP_RS = "all_gather_into_tensor@cp", "reduce_scatter_tensor@cp"
 
 
 def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> Counter[str]:
@@ -158,16 +165,24 @@ def multi_stage_fsdp(cfg: ParallelConfig) -> bool:
 
 def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
     m, u = cfg.num_microbatches, units
-    if cfg.dp == 1 or u == 0:
+    if cfg.dp * cfg.cp == 1 or u == 0:
         return Counter()
     reductions = u * grad_reductions_per_step(cfg)
     if cfg.zero == 0:
         replicate = cfg.tp > 1 or cfg.pp > 1
         return Counter({DP_AR: reductions}) if replicate else Counter()
-    if cfg.zero == 3:
-        gathers = 2 * u * m if cfg.pp == 1 else u * (m + 1)
-        return Counter({DP_AG: gathers, DP_RS: reductions})
-    return Counter({DP_AG: u, DP_RS: reductions})
+    gathers = u if cfg.zero < 3 else (2 * u * m if cfg.pp == 1 else u * (m + 1))
+    counts = Counter({DP_AG: gathers, DP_RS: reductions})
+    if cfg.dp_replicate > 1:
+        counts[HSDP_AR] = reductions
+    return counts
+
+
+def _cp_counts(layer: LayerProfile, cfg: ParallelConfig, full: bool) -> Counter[str]:
+    """The all-gather variant's K/V collectives of one block per micro-batch (cp_comm.py)."""
+    if cfg.cp == 1 or layer.kind != "block":
+        return Counter()
+    return Counter({CP_AG: 2 if full else 1, CP_RS: 1})
 
 
 def expected_collectives(
@@ -211,5 +226,8 @@ def expected_collectives(
                     counts[key] += value * m
                 counts[AR] += grad_reductions_per_step(cfg) * sp_norm_tensors(
                     profile.layers[i], cfg)
+        for i in range(a, b + 1) if profile.heads else ():
+            for key, value in _cp_counts(profile.layers[i], cfg, recompute[i] == "full").items():
+                counts[key] += value * m
         counts.update(_dp_counts(cfg, fsdp_units(profile, a, b)))
     return dict(sorted((k, v) for k, v in counts.items() if v))

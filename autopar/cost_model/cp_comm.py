@@ -21,6 +21,16 @@ micro-batch:
 Full and selective recompute re-run the attention core, hence the forward ring, once more.
 The ring is point-to-point between neighbouring cp ranks: inside a node at the NVLink
 bandwidth, across nodes at one GPU's NIC (a rank sends over its own NIC).
+
+All-gather variant (``Framework.cp_comm == "all_gather"``: autopar's runtime,
+runtime/context_parallel.py; Llama 3, arXiv:2407.21783 section 3.3.2): each attention
+all-gathers K and V stacked (one ``all_gather_into_tensor`` over the cp group, output
+``cp * kv`` bytes) and waits for it at once; its autograd rule reduce-scatters their gradient
+(one ``reduce_scatter_tensor`` of the same size). Nothing overlaps them: exposed, ring
+collectives on the cp group (comm.py). Full recompute re-runs the gather; selective saves the
+gathered K/V (recompute.py) and does not. The attention saves the gathered K/V for its
+backward: ``(cp - 1) kv`` bytes beyond the rank's own per block and micro-batch (none and
+selective; with full recompute they live while the block's backward runs).
 """
 
 from __future__ import annotations
@@ -29,11 +39,15 @@ import dataclasses
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm
+from autopar.cost_model.compute import matmul_efficiency
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.overlap import overlapped_s
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["cp_link", "kv_bytes", "local_profile", "ring_exchange_s"]
+__all__ = [
+    "CpTerms", "cp_link", "cp_terms", "gather_collectives", "gather_exchange_s",
+    "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s",
+]
 
 _CACHE: dict[tuple[int, int], tuple[ModelProfile, ModelProfile]] = {}
 
@@ -123,3 +137,69 @@ def ring_exchange_s(kv: float, attn_fwd_s: float, attn_bwd_s: float, config: Par
     fwd = (cp - 1) * overlapped_s(comm.p2p_s(link, kv), attn_fwd_s / cp, slowdown)
     bwd = (cp - 1) * overlapped_s(comm.p2p_s(link, 2.0 * kv), attn_bwd_s / cp, slowdown)
     return fwd + bwd, 2.0 * fwd + bwd, 2.0 * fwd + bwd
+
+
+def gather_collectives(kv: float, config: ParallelConfig) -> tuple[tuple[comm.Collective, ...],
+                                                                  ...]:
+    """The all-gather variant's collectives of one block per micro-batch, by recompute mode
+    (none, selective, full): the K/V all-gather forward (again in full recompute's re-run)
+    and their gradient's reduce-scatter backward, on the "cp" axis (module docstring)."""
+    if config.cp <= 1 or kv <= 0:
+        return (), (), ()
+    size = config.cp * kv
+
+    def call(kind: str, phase: str, calls: int) -> comm.Collective:
+        return comm.Collective(kind=kind, axis="cp", size_bytes=size, calls=calls,
+                               per="microbatch", phase=phase)
+
+    once = (call("all_gather_into_tensor", "forward", 1),
+            call("reduce_scatter_tensor", "backward", 1))
+    full = (call("all_gather_into_tensor", "forward", 2), once[1])
+    return once, once, full
+
+
+def gather_exchange_s(kv: float, config: ParallelConfig,
+                      link: comm.GroupLink) -> tuple[float, float, float]:
+    """Exposed seconds of the all-gather variant per block and micro-batch, by recompute mode
+    (every call waited on at once: nothing overlaps)."""
+    return tuple(sum(c.time_s(link) for c in calls)  # type: ignore[return-value]
+                 for calls in gather_collectives(kv, config))
+
+
+def gathered_kv_bytes(kv: float, config: ParallelConfig) -> tuple[float, float]:
+    """(saved, transient) bytes the gathered K/V add per block and micro-batch: saved for the
+    backward without full recompute, live during a fully recomputed block's backward."""
+    if config.cp <= 1 or kv <= 0:
+        return 0.0, 0.0
+    return (config.cp - 1) * kv, (config.cp - 1) * kv
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CpTerms:
+    """One layer's context-parallel terms per micro-batch, each by recompute mode (none,
+    selective, full): exposed seconds, bytes saved for backward, transient bytes."""
+
+    comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    saved_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    transient_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cluster: Cluster,
+             groups: dict, attn_flops: float, shard: int, fw) -> CpTerms:
+    """The K/V exchange of one layer as ``fw`` runs it (``Framework.cp_comm``): the all-gather
+    variant on the "cp" group, or the ring on ``groups["cp_ring"]`` (``profile``: the local
+    one; ``attn_flops``: the rank's attention-core forward FLOPs per micro-batch)."""
+    if cfg.cp == 1:
+        return CpTerms()
+    kv = kv_bytes(profile, layer, cfg, shard)
+    if fw.cp_comm == "all_gather":
+        saved, live = gathered_kv_bytes(kv, cfg)
+        return CpTerms(comm_s=gather_exchange_s(kv, cfg, groups["cp"]),
+                       saved_bytes=(saved, saved, 0.0), transient_bytes=(0.0, 0.0, live))
+    # The ring's window: the attention core at the 16-bit rate and the layer's efficiency.
+    rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
+    rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+    attn_fwd_s = attn_flops / rate
+    bwd_ratio = layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0
+    return CpTerms(comm_s=ring_exchange_s(kv, attn_fwd_s, bwd_ratio * attn_fwd_s, cfg,
+                                          groups["cp_ring"], fw.overlap_slowdown))

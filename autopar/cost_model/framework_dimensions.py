@@ -1,7 +1,8 @@
 """Which dimensions beyond dp x tp x pp each training framework runs: cp, HSDP, offload, dtypes.
 
 One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framework`` record
-(fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``), each with its source;
+(fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``; for autopar's runtime also
+``cp_comm``, ``ep_with_cp`` and ``offload_optimizer_moves_params``), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -14,7 +15,8 @@ __all__ = ["DIMENSIONS", "DIMENSION_SOURCES", "supports_dimensions"]
 DIMENSIONS: dict[str, dict[str, Any]] = {
     "autopar": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
-        dtypes=("bf16", "fp16", "fp32"),
+        dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
+        offload_optimizer_moves_params=True,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -41,6 +43,18 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                     "both (optimizer offload also keeps parameters and gradients on the host)",
         "dtypes": "sourced: autopar/runtime/step.py autocast / MixedPrecisionPolicy in "
                   "bf16, fp16 or fp32; no fp8 linears",
+        "cp_comm": "sourced: autopar/runtime/context_parallel.py ContextParallel.gather and "
+                   "models/attention.py: one all_gather_into_tensor of K and V stacked per "
+                   "attention, waited on at once (not overlapped), its autograd rule one "
+                   "reduce_scatter_tensor; counted by tests/distributed/"
+                   "test_runtime_dims_collectives.py",
+        "ep_with_cp": "sourced: autopar/runtime/apply.py _check_ep refuses cp > 1 with ep > 1 "
+                      "(the ep groups are cut from the dp axis alone)",
+        "offload_optimizer_moves_params": "sourced: autopar/runtime/data_parallel.py "
+                                          "_offload_policy: FSDP2 CPUOffloadPolicy for "
+                                          "offload='optimizer' too (torch has no "
+                                          "optimizer-only FSDP2 offload): parameters and "
+                                          "gradients live on the host between uses",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -53,6 +67,13 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                   "float32 and the quantize.linear.float8 converter (torchao); fp16 has no "
                   "recipe there and runs as bfloat16 at the same tensor-core rate (the "
                   "exporter says so)",
+        "cp_comm": "sourced: torchtitan v0.2.2 runs torch's context_parallel "
+                   "(_templated_ring_attention): the K/V exchange is issued ahead and "
+                   "overlaps the attention of the block held",
+        "ep_with_cp": "sourced: torchtitan v0.2.2 ParallelDims: ep borrows its ranks from "
+                      "dp_shard * cp",
+        "offload_optimizer_moves_params": "sourced: torchtitan has no optimizer-only "
+                                          "offload (offloads above)",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -64,6 +85,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                     "CPU); parameters stay on the GPU",
         "dtypes": "sourced: Megatron-LM --bf16 / --fp16 and --fp8-format (Transformer "
                   "Engine fp8 linears)",
+        "cp_comm": "sourced: Megatron-LM --cp-comm-type p2p (the default): TE's ring "
+                   "attention, K/V exchange overlapped with attention",
+        "ep_with_cp": "sourced: Megatron-Core MoE README (parallel folding: EP with CP, "
+                      "e.g. CP=8, EP=8 on 64 GPUs)",
+        "offload_optimizer_moves_params": "sourced: Megatron-LM --optimizer-cpu-offload "
+                                          "moves the optimizer state only",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -73,6 +100,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "offloads": "sourced: deepspeed.ai config-json zero_optimization.offload_optimizer "
                     "and offload_param (stage 3)",
         "dtypes": "sourced: deepspeed.ai config-json bf16 / fp16 sections; no fp8 training",
+        "cp_comm": "sourced: no ring-attention context parallelism (above); unused",
+        "ep_with_cp": "sourced: no context parallelism (above)",
+        "offload_optimizer_moves_params": "sourced: deepspeed.ai config-json "
+                                          "offload_optimizer keeps the 16-bit parameters on "
+                                          "the GPU",
     },
 }
 

@@ -48,6 +48,8 @@ def _ep_support(fw: Framework, config) -> str | None:
                 "zero >= 1 with ep > 1")
     if not fw.ep_with_tp and config.tp > 1:
         return f"{fw.name} runs expert parallelism with tp=1 only"
+    if not fw.ep_with_cp and config.cp > 1:
+        return f"{fw.name} runs expert parallelism with cp=1 only"
     return None
 
 

@@ -47,7 +47,13 @@ from autopar.cost_model.compute import (
     matmul_efficiency,
     param_traffic_bytes_per_param,
 )
-from autopar.cost_model.cp_comm import cp_link, kv_bytes, local_profile, ring_exchange_s
+from autopar.cost_model.cp_comm import (
+    cp_link,
+    cp_terms,
+    gather_collectives,
+    kv_bytes,
+    local_profile,
+)
 from autopar.cost_model.dp_comm import (
     dp_collectives,
     dp_head_s,
@@ -60,7 +66,13 @@ from autopar.cost_model.frameworks import Framework, framework_cluster, get_fram
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
 from autopar.cost_model.moe import ep_layer_state, ep_terms
-from autopar.cost_model.offload import cpu_adam_s, host_copies, offload_state, pcie_link
+from autopar.cost_model.offload import (
+    cpu_adam_s,
+    host_copies,
+    offload_state,
+    pcie_link,
+    run_offload,
+)
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import (
@@ -144,9 +156,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
     ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard)
-    act = tuple(a + x for a, x in zip(act, ep.extra_act_bytes))
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
+    cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
+    act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
     fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
@@ -155,19 +168,18 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                     for x, c in zip(_param_traffic_bytes(cfg, held), casts))
     times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
     times = _with_imbalance(times, ep, cluster, cfg, layer.fwd_flops * b / shard)
-    state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held)
-    eta = cluster.dp_overlap_efficiency
+    state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held,
+                                      run_offload(cfg, fw))
     # A framework that waits for its gathers / reductions gives them no compute window.
     step_s, mb_s, tail_s = dp_terms(
         _unit_calls(profile, cfg, index, fw), groups,
         times.forward_s if fw.param_gather_overlapped else 0.0,
-        times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0, eta,
-        fw.overlap_slowdown)
-    cp_s = _ring_s(profile, layer, cfg, cluster, groups["cp_ring"], attn_flops, shard, fw)
+        times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
+        cluster.dp_overlap_efficiency, fw.overlap_slowdown)
     tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
                               loss_parallel=fw.loss_parallel)
-    transient = tuple(x + ep.buffer_bytes for x in transient_bytes_of(
-        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss))
+    transient = tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
+        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes))
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,
@@ -190,9 +202,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
-        optimizer_s=_optimizer_s(cluster, cfg, state.local_params)
+        optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
-        cp_comm_s=cp_s,
+        cp_comm_s=cp.comm_s,
         host_bytes=host_bytes,
     )
     return cost, tail_s
@@ -292,27 +304,16 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     unit = fsdp_unit_params(profile, cfg, index)
     own = dp_collectives(cfg, unit)
     fp8 = cfg.dtype == "fp8" and profile.layers[index].kind == "block"
-    return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(cfg, own, unit)
+    return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(
+        cfg, own, unit, run_offload(cfg, fw))
 
 
-def _ring_s(profile, layer, cfg, cluster, link, attn_flops, shard, fw):
-    """Context parallelism's exposed K/V ring of one layer (cp_comm.ring_exchange_s), its
-    window the attention core at the 16-bit rate and the layer's matmul efficiency."""
-    if cfg.cp == 1:
-        return 0.0, 0.0, 0.0
-    rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
-    rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
-    attn_fwd_s = attn_flops / rate
-    bwd_ratio = layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0
-    return ring_exchange_s(kv_bytes(profile, layer, cfg, shard), attn_fwd_s,
-                           bwd_ratio * attn_fwd_s, cfg, link, fw.overlap_slowdown)
-
-
-def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float) -> float:
+def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float,
+                 offload: str) -> float:
     """The optimizer step over ``local_params``: AdamW's HBM traffic on the device, or the
-    offloaded CPU step (offload.cpu_adam_s)."""
-    if cfg.offload != "none":
-        return cpu_adam_s(cluster, cfg, local_params)
+    offloaded CPU step (offload.cpu_adam_s; ``offload``: what the framework runs)."""
+    if offload != "none":
+        return cpu_adam_s(cluster, cfg, local_params, offload)
     return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * local_params / cluster.device.hbm_bytes_per_s
 
 
@@ -452,7 +453,8 @@ def charged_collectives(
 ) -> dict[str, int]:
     """The collectives per step that this module's time terms charge one rank of ``pp_rank``.
 
-    The same records (``tp_collectives``, ``dp_collectives``) that ``build_cost_table`` times,
+    The same records (``tp_collectives``, ``dp_collectives``, context parallelism's
+    ``cp_comm.gather_collectives``: autopar's runtime) that ``build_cost_table`` times,
     counted like ``collectives.expected_collectives`` (``"kind@axis"`` -> calls per step; DDP's
     buckets, which the runtime's counter cannot see, left out), so tests can hold the two equal.
 
@@ -467,11 +469,14 @@ def charged_collectives(
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     m, first = cfg.num_microbatches, first_block_index(profile)
     counts: Counter[str] = Counter()
+    local = local_profile(profile, cfg.cp)
     for a, b in rank_stages(cfg, split, pp_rank):
         for i in range(a, b + 1):
+            mode = RECOMPUTE_INDEX[recompute[i]]
             tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first)
-            calls = tp[RECOMPUTE_INDEX[recompute[i]]] + dp_collectives(
-                cfg, fsdp_unit_params(profile, cfg, i))
+            shard = cfg.tp if tp_sharded(local.layers[i]) else 1
+            cp = gather_collectives(kv_bytes(local, local.layers[i], cfg, shard), cfg)
+            calls = tp[mode] + cp[mode] + dp_collectives(cfg, fsdp_unit_params(profile, cfg, i))
             for c in calls:
                 if c.counted:
                     counts[f"{c.kind}@{c.axis}"] += round(c.calls) * (

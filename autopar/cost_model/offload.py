@@ -23,6 +23,7 @@ GPUs' processes.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
@@ -36,6 +37,7 @@ __all__ = [
     "host_copies",
     "offload_state",
     "pcie_link",
+    "run_offload",
 ]
 
 # sourced: ZeRO-Offload (arXiv:2101.06840) Table 3: CPU-Adam updates 1 billion parameters in
@@ -46,28 +48,40 @@ HOST_BYTES_PER_PARAM = memory.MASTER_BYTES + memory.ADAM_BYTES + memory.GRAD_BYT
 _H2D, _D2H = "host_to_device", "device_to_host"
 
 
+def run_offload(config: ParallelConfig, fw: Any) -> str:
+    """The offload framework ``fw`` really runs for ``config.offload``: ``optimizer`` as
+    ``params`` where its optimizer offload keeps parameters and gradients on the host too
+    (autopar's runtime: FSDP2 CPUOffloadPolicy for both, at any ZeRO stage;
+    ``Framework.offload_optimizer_moves_params``)."""
+    if config.offload == "optimizer" and fw.offload_optimizer_moves_params:
+        return "params"
+    return config.offload
+
+
 def pcie_link(cluster: Cluster) -> comm.GroupLink:
     """One device's host link (the cluster's ``pcie_bytes_per_s``, no per-copy latency)."""
     return comm.GroupLink(size=1, bandwidth_bytes_per_s=max(cluster.pcie_bytes_per_s, 1.0),
                           latency_s=0.0, spans_nodes=False)
 
 
-def offload_state(state: LayerState, config: ParallelConfig,
-                  params_tp: float) -> tuple[LayerState, float]:
+def offload_state(state: LayerState, config: ParallelConfig, params_tp: float,
+                  mode: str | None = None) -> tuple[LayerState, float]:
     """(device-side state, host bytes) of one layer under ``config.offload``.
 
     Args:
         state: the layer's state without offload (``memory.layer_state``).
         config: the config.
         params_tp: the layer's parameters on this rank after tensor parallelism.
+        mode: the offload run (``run_offload``); default ``config.offload``.
     """
-    if config.offload == "none":
+    mode = mode or config.offload
+    if mode == "none":
         return state, 0.0
     w = DTYPE_BYTES[config.dtype]
     shard = state.local_params
     unsharded = w * params_tp if memory.fsdp_keeps_params_unsharded(config) else 0.0
     host = HOST_BYTES_PER_PARAM * shard
-    if config.offload == "optimizer":
+    if mode == "optimizer":
         device = dataclasses.replace(state, param_bytes=w * shard + unsharded,
                                      optimizer_bytes=0.0)
         return device, host
@@ -78,15 +92,17 @@ def offload_state(state: LayerState, config: ParallelConfig,
 
 
 def host_copies(config: ParallelConfig, dp_calls: tuple[comm.Collective, ...],
-                unit_params: float) -> tuple[comm.Collective, ...]:
+                unit_params: float, mode: str | None = None) -> tuple[comm.Collective, ...]:
     """The host-device copies of one FSDP unit (axis "pcie"), mirroring its dp collectives.
 
     Args:
         config: the config.
         dp_calls: the unit's dp collectives (``dp_comm.dp_collectives``; may be empty).
         unit_params: the unit's parameters on this rank after tp (``fsdp_unit_params``).
+        mode: the offload run (``run_offload``); default ``config.offload``.
     """
-    if config.offload == "none" or unit_params <= 0:
+    mode = mode or config.offload
+    if mode == "none" or unit_params <= 0:
         return ()
     n = config.dp_shard * config.cp if memory.dp_mechanism(config) == "fsdp" else 1
     shard = unit_params / n
@@ -100,16 +116,19 @@ def host_copies(config: ParallelConfig, dp_calls: tuple[comm.Collective, ...],
     out = [copy(_D2H, c.per, c.phase, c.calls) for c in reductions[:1]]
     if not out:
         out.append(copy(_D2H, "step", "backward", 1))
-    if config.offload == "params":
+    if mode == "params":
         gathers = [c for c in dp_calls if c.kind == "all_gather_into_tensor"]
         out += [copy(_H2D, c.per, c.phase, c.calls) for c in gathers] or [
             copy(_H2D, "microbatch", "forward", 1), copy(_H2D, "microbatch", "backward", 1)]
     return tuple(out)
 
 
-def cpu_adam_s(cluster: Cluster, config: ParallelConfig, local_params: float) -> float:
+def cpu_adam_s(cluster: Cluster, config: ParallelConfig, local_params: float,
+               mode: str | None = None) -> float:
     """The offloaded optimizer step of ``local_params`` parameters, per step: the CPU Adam
-    update plus (``optimizer`` offload) the updated w-byte shard's copy up."""
+    update plus (``optimizer`` offload; ``mode`` as in ``offload_state``) the updated w-byte
+    shard's copy up."""
     rate = CPU_ADAM_PARAMS_PER_S_PER_NODE / cluster.gpus_per_node
-    up = DTYPE_BYTES[config.dtype] * local_params if config.offload == "optimizer" else 0.0
+    mode = mode or config.offload
+    up = DTYPE_BYTES[config.dtype] * local_params if mode == "optimizer" else 0.0
     return local_params / rate + comm.host_copy_s(pcie_link(cluster), up)

@@ -53,7 +53,8 @@ CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
 #   dp_shard x cp, or the whole dp x cp axis without HSDP).
 # * HSDP: after each reduce-scatter, one all_reduce of the gradient shard over "dp_replicate".
 # * the reported loss: one all_reduce on the world group.
-# A group is named by its ranks; when two axes have the same ranks (dp_shard x cp with
+# The cost model charges the same calls (``charged_collectives``, compared in the 4-process
+# test). A group is named by its ranks; when two axes have the same ranks (dp_shard x cp with
 # dp_shard = 1 is the cp axis) the first name in LABEL_ORDER is used and the counts add up.
 COUNT_LAYERS, COUNT_N_MB = 2, 2
 COUNT_CASES: list[tuple[str, dict[str, Any]]] = [
@@ -84,6 +85,33 @@ def expected_counts(cfg: dict[str, Any]) -> dict[str, int]:
     counts[f"reduce_scatter_tensor@{shard}"] += scatters
     if rep > 1:
         counts["all_reduce@dp_replicate"] += scatters
+    return dict(sorted(counts.items()))
+
+
+def charged_counts(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
+    """The collectives the cost model charges for one COUNT_CASES config
+    (``layer_costs.charged_collectives`` on the zoo GPT traced on the meta device, the same
+    Plan), each axis named as ``count_case`` names its group, plus the loss's all-reduce."""
+    from test_runtime_equivalence import make_plan
+
+    import autopar
+    from autopar.config import ParallelConfig
+    from autopar.cost_model.layer_costs import charged_collectives
+
+    cfg = ParallelConfig(global_batch=cfg_kwargs["dp"] * COUNT_N_MB, dtype="fp32", **cfg_kwargs)
+    plan = make_plan(cfg, COUNT_LAYERS)
+    shape = {"layers": COUNT_LAYERS, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8}
+    profile = autopar.profile(autopar.models.build("gpt", **shape), seq_len=8)
+    charged = charged_collectives(profile, cfg, split=tuple(s.layers for s in plan.stages),
+                                  recompute=tuple(m for s in plan.stages for m in s.recompute))
+    # The cost model's axes as groups of ranks: "dp" is the ZeRO shard group dp_shard x cp.
+    sizes = {"cp": cfg.cp, "dp": cfg.dp_shard * cfg.cp, "dp_replicate": cfg.dp_replicate}
+    names = {"cp": "cp", "dp_replicate": "dp_replicate",
+             "dp": "cp" if cfg.dp_shard == 1 else "dp_shard"}
+    counts: Counter[str] = Counter({"all_reduce@world": 1})
+    for key, calls in charged.items():
+        kind, axis = key.split("@")
+        counts[f"{kind}@{'world' if sizes[axis] == cfg.world_size else names[axis]}"] += calls
     return dict(sorted(counts.items()))
 
 
@@ -175,4 +203,8 @@ def test_hsdp_cp_offload_four_processes_equal_one_process(run_distributed: Any) 
             got = per_rank[f"count:{name}"]
             if got != want:
                 errors.append(f"[{name}] rank {rank}: measured {got} != closed form {want}")
+        charged = charged_counts(cfg)
+        if charged != results[0][f"count:{name}"]:
+            errors.append(f"[{name}] cost model charges {charged} != measured "
+                          f"{results[0][f'count:{name}']}")
     assert not errors, "\n".join(errors)

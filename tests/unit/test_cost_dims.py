@@ -13,8 +13,10 @@ from autopar.config import ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.cp_comm import cp_link, kv_bytes, local_profile, ring_exchange_s
 from autopar.cost_model.dp_comm import dp_collectives
+from autopar.cost_model.framework_support import framework_supports
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.layer_costs import build_cost_table, charged_collectives
 from autopar.cost_model.offload import (
     CPU_ADAM_PARAMS_PER_S_PER_NODE,
     HOST_BYTES_PER_PARAM,
@@ -47,9 +49,15 @@ def test_cp_divides_activations_and_compute_by_cp() -> None:
     cluster = _flat_device(H100)
     one = ParallelConfig(dp=2, global_batch=8, zero=3)
     two = dataclasses.replace(one, cp=2)
-    a, b = _block(build_cost_table(LLAMA, cluster, one)), _block(build_cost_table(LLAMA, cluster,
-                                                                                     two))
+    # The ring (torchtitan) keeps only the rank's own K/V: activations exactly halve.
+    a, b = (_block(build_cost_table(LLAMA, cluster, cfg, "torchtitan")) for cfg in (one, two))
     assert b.act_bytes == pytest.approx(tuple(x / 2 for x in a.act_bytes))
+    # autopar's all-gather variant saves the gathered K/V too, (cp - 1) kv more (cp_comm.py).
+    a, b = (_block(build_cost_table(LLAMA, cluster, cfg)) for cfg in (one, two))
+    kv = kv_bytes(local_profile(LLAMA, 2), LLAMA.layers[1], two, shard=1)
+    kv *= 1 + get_framework("autopar").fragmentation_fraction
+    assert b.act_bytes == pytest.approx((a.act_bytes[0] / 2 + kv, a.act_bytes[1] / 2 + kv,
+                                         a.act_bytes[2] / 2))
     assert b.model_flops_per_sample == pytest.approx(a.model_flops_per_sample)
     block = LLAMA.layers[1]
     rate = cluster.device.peak_bf16_flops * cluster.device.matmul_efficiency_max
@@ -196,3 +204,46 @@ def test_fp8_delayed_scaling_moves_less_than_dynamic_and_caches_weights() -> Non
             < autopar.estimate(LLAMA, h100, cfg, framework=as_dynamic).step_time_s)
     with pytest.raises(ValueError, match="fp8_scaling"):
         dataclasses.replace(megatron, fp8_scaling="blockwise")
+
+
+def test_autopar_charges_its_kv_all_gather_the_others_their_ring() -> None:
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    cfg = ParallelConfig(dp=2, cp=2, global_batch=8, zero=3)
+    kv = kv_bytes(local_profile(LLAMA, 2), LLAMA.layers[1], cfg, shard=1)
+    link = comm.parallel_groups(cluster, cfg)["cp"]
+    ag = comm.collective_s(link, "all_gather_into_tensor", 2 * kv)
+    rs = comm.collective_s(link, "reduce_scatter_tensor", 2 * kv)
+    own = _block(build_cost_table(LLAMA, cluster, cfg))
+    assert own.cp_comm_s == pytest.approx((ag + rs, ag + rs, 2 * ag + rs))
+    blocks = sum(layer.kind == "block" for layer in LLAMA.layers)
+    counts = charged_collectives(LLAMA, cfg)
+    assert counts["all_gather_into_tensor@cp"] == counts["reduce_scatter_tensor@cp"] == (
+        blocks * cfg.num_microbatches)
+    for name in ("torchtitan", "megatron-lm"):
+        assert get_framework(name).cp_comm == "ring"
+        ring = _block(build_cost_table(LLAMA, cluster, cfg, name)).cp_comm_s
+        assert ring != pytest.approx(own.cp_comm_s)
+
+
+def test_autopar_runs_expert_parallelism_without_cp_only() -> None:
+    cfg = ParallelConfig(dp=4, cp=2, ep=2, zero=1, global_batch=8)
+    assert "cp=1" in framework_supports(get_framework("autopar"), cfg)
+    assert framework_supports(get_framework("autopar"), dataclasses.replace(cfg, cp=1)) is None
+    assert framework_supports(get_framework("megatron-lm"), cfg) is None
+
+
+def test_autopar_optimizer_offload_is_costed_as_what_fsdp2_moves() -> None:
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=2)
+    cfg = ParallelConfig(dp=2, zero=3, offload="optimizer", global_batch=8)
+    params = dataclasses.replace(cfg, offload="params")
+    # autopar's runtime runs both as FSDP2 CPUOffloadPolicy: parameters live on the host too.
+    assert _block(build_cost_table(LLAMA, cluster, cfg)) == _block(
+        build_cost_table(LLAMA, cluster, params))
+    # So does its zero=1 "optimizer" offload: the device keeps only the step's gathered copy.
+    one = _block(build_cost_table(LLAMA, cluster, dataclasses.replace(cfg, zero=1)))
+    assert one.param_bytes == pytest.approx(2 * LLAMA.layers[1].num_params)
+    assert one.optimizer_bytes == 0
+    # Megatron-LM's --optimizer-cpu-offload keeps its parameter shard on the GPU as well.
+    mlm = _block(build_cost_table(LLAMA, cluster, dataclasses.replace(cfg, zero=1),
+                                  "megatron-lm"))
+    assert mlm.param_bytes > one.param_bytes

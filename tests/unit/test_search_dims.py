@@ -58,9 +58,13 @@ def test_v100_plans_are_fp16() -> None:
 @pytest.mark.parametrize(("memory_gb", "offload"), [(0.7, "params"), (0.85, "optimizer")])
 def test_offload_only_when_nothing_fits_without(memory_gb: float, offload: str) -> None:
     cluster = Cluster.preset("a100-80g", gpus_per_node=2, gpu_memory_gb=memory_gb)
-    best = plan(llama(1024, layers=8), cluster, 2)
+    # DeepSpeed's offload_optimizer keeps the 16-bit parameters on the GPU, offload_param not.
+    best = plan(llama(1024, layers=8), cluster, 2, framework="deepspeed")
     assert best.config.offload == offload and best.estimate.fits
     assert 0 < best.estimate.host_memory_per_gpu_bytes <= cluster.host_memory_bytes_per_gpu
+    # autopar's runtime moves the parameters to the host for either (FSDP2 CPUOffloadPolicy).
+    own = plan(llama(1024, layers=8), cluster, 2)
+    assert own.config.offload != "none" and own.estimate.fits
     roomy = plan(llama(1024, layers=8), dataclasses.replace(cluster, device=dataclasses.replace(
         cluster.device, memory_bytes=2 * 2**30)), 2)
     assert roomy.config.offload == "none"

@@ -1,8 +1,12 @@
 """Which dimensions beyond dp x tp x pp each training framework runs: cp, HSDP, offload, dtypes.
 
 One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framework`` record
-(fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``; for autopar's runtime also
-``cp_comm``, ``ep_with_cp`` and ``offload_optimizer_moves_params``), each with its source;
+(fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``, and how it runs them:
+``cp_comm`` "ring" (point-to-point K/V, overlapped with attention) or "all_gather" (one K/V
+all-gather per attention, exposed: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
+calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
+moe.py); ``offload_optimizer_moves_params``, an optimizer offload that also keeps parameters and
+gradients on the host, costed as ``offload="params"`` (offload.py)), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -16,7 +20,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     "autopar": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
-        offload_optimizer_moves_params=True,
+        offload_optimizer_moves_params=True, expert_gemm_calls=2,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -28,7 +32,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
-        dtypes=("bf16", "fp16", "fp32"),
+        dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3,
     ),
 }
 
@@ -55,6 +59,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                           "offload='optimizer' too (torch has no "
                                           "optimizer-only FSDP2 offload): parameters and "
                                           "gradients live on the host between uses",
+        "expert_gemm_calls": "sourced: autopar/models/moe.py Experts.forward and "
+                             "runtime/expert_parallel.py loop over the local experts, two "
+                             "F.linear each (gate_up_proj, down_proj)",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -74,6 +81,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                       "dp_shard * cp",
         "offload_optimizer_moves_params": "sourced: torchtitan has no optimizer-only "
                                           "offload (offloads above)",
+        "expert_gemm_calls": "sourced: torchtitan's GroupedExperts (use_grouped_mm: "
+                             "torch._grouped_mm over all local experts): 0",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -91,6 +100,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                       "e.g. CP=8, EP=8 on 64 GPUs)",
         "offload_optimizer_moves_params": "sourced: Megatron-LM --optimizer-cpu-offload "
                                           "moves the optimizer state only",
+        "expert_gemm_calls": "sourced: Megatron-LM --moe-grouped-gemm (TEGroupedMLP, in "
+                             "examples/mixtral/train_mixtral_8x7b_distributed.sh): 0",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -105,6 +116,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "offload_optimizer_moves_params": "sourced: deepspeed.ai config-json "
                                           "offload_optimizer keeps the 16-bit parameters on "
                                           "the GPU",
+        "expert_gemm_calls": "sourced: deepspeed/moe/experts.py Experts.forward loops over "
+                             "its local expert modules (a SwiGLU expert: 3 linears)",
     },
 }
 

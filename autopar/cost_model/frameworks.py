@@ -120,7 +120,7 @@ class Framework:
         step_time_band: (low, high) factors on the predicted step time that hold 80% of this
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
-        context_parallel, hsdp, offloads, dtypes, ep_with_cp, cp_comm,
+        context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
             offload_optimizer_moves_params: the other dimensions (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
@@ -184,6 +184,7 @@ class Framework:
     ep_with_cp: bool = True
     cp_comm: str = "ring"
     offload_optimizer_moves_params: bool = False
+    expert_gemm_calls: int = 0
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:

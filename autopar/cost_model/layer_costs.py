@@ -65,7 +65,7 @@ from autopar.cost_model.dp_comm import (
 from autopar.cost_model.frameworks import Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
-from autopar.cost_model.moe import ep_layer_state, ep_terms
+from autopar.cost_model.moe import ep_layer_state, ep_terms, expert_call_flops
 from autopar.cost_model.offload import (
     cpu_adam_s,
     host_copies,
@@ -167,7 +167,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     traffic = tuple(cluster.param_traffic_factor * x + c
                     for x, c in zip(_param_traffic_bytes(cfg, held), casts))
     times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
-    times = _with_imbalance(times, ep, cluster, cfg, layer.fwd_flops * b / shard)
+    times = _with_experts(times, ep, cluster, cfg, layer, shard, fw)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held,
                                       run_offload(cfg, fw))
     # A framework that waits for its gathers / reductions gives them no compute window.
@@ -274,14 +274,20 @@ def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
         fw.tp_comm_overlapped) else comm_s
 
 
-def _with_imbalance(times, ep, cluster: Cluster, cfg: ParallelConfig, fwd_flops: float):
+def _with_experts(times, ep, cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
+                  fw: Framework):
     """The busiest ep rank's extra routed-expert FLOPs (cost_model/moe.py), at the rate the
-    layer's own matmuls run (forward, backward, and the re-run forward of full recompute)."""
-    if not ep.extra_fwd_flops:
+    layer's own matmuls run, and the fixed cost of looped experts' GEMM calls
+    (``moe.expert_call_flops``), at the max rate: forward, backward (twice the calls), and the
+    re-run forward of full recompute."""
+    fixed = expert_call_flops(layer, cfg, fw.expert_gemm_calls, cluster.device.matmul_half_flops)
+    if not ep.extra_fwd_flops and not fixed:
         return times
-    rate = cluster.device.peak_flops(cfg.dtype) * matmul_efficiency(cluster.device, fwd_flops)
-    rate *= _pipeline_speedup(cluster, cfg)
-    fwd_s, bwd_s = ep.extra_fwd_flops / rate, ep.extra_bwd_flops / rate
+    fwd_flops = layer.fwd_flops * cfg.micro_batch / shard
+    peak = cluster.device.peak_flops(cfg.dtype) * _pipeline_speedup(cluster, cfg)
+    rate = peak * matmul_efficiency(cluster.device, fwd_flops)
+    fixed_s = fixed / (peak * cluster.device.matmul_efficiency_max)
+    fwd_s, bwd_s = ep.extra_fwd_flops / rate + fixed_s, ep.extra_bwd_flops / rate + 2 * fixed_s
     rec = times.recompute_s
     return dataclasses.replace(times, forward_s=times.forward_s + fwd_s,
                                backward_s=times.backward_s + bwd_s,

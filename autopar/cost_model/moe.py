@@ -25,8 +25,19 @@ width and w the bytes of the training dtype:
   experts wait for their tokens): charged as exposed.
 - load imbalance: a dropless router gives some ranks more tokens than T k' / ep; the busiest
   rank sets the pace. Its routed-expert compute and activations are scaled by
-  ``DROPLESS_IMBALANCE``. With a capacity factor every expert runs exactly its padded capacity
-  (already counted in the profile's FLOPs): no further imbalance.
+  ``DROPLESS_IMBALANCE``, and so is what it receives in each all-to-all (its NIC and NVLink
+  carry that many more rows). With a capacity factor every expert runs exactly its padded
+  capacity (already counted in the profile's FLOPs): no further imbalance.
+- expert GEMM calls (all ep degrees, ep = 1 included): a framework that loops over its local
+  experts (``Framework.expert_gemm_calls`` = c calls per expert; a grouped GEMM is 0) pays each
+  call's fixed cost. The device's half-efficiency work ``w_half`` is the fixed cost of a
+  layer's ``GEMMS_PER_LAYER`` GEMMs (presets.py ``MATMUL_HALF_S``), so the layer's own curve
+  covers one expert's calls and the other ``E / ep - 1`` local experts add, per micro-batch,
+
+      fixed = (E / ep - 1) c w_half / GEMMS_PER_LAYER     (FLOP-equivalents at the max rate)
+
+  forward, twice that backward (a data and a weight gradient GEMM per call), once more in a
+  full recompute. Expert parallelism cuts the local experts ep-fold: fewer, larger GEMMs.
 - activations: the routed experts keep per dispatched row its input, the gate and up outputs,
   the activated product and the output (2 h + 4 f_e elements, what graph/moe.py's stand-in
   keeps); the busiest rank keeps ``DROPLESS_IMBALANCE`` times the average. The all-to-all send
@@ -44,19 +55,27 @@ from autopar.graph.types import LayerProfile, MoEStructure
 
 __all__ = [
     "DROPLESS_IMBALANCE",
+    "GEMMS_PER_LAYER",
     "EpTerms",
     "all_to_all_s",
     "ep_layer_state",
     "ep_terms",
+    "expert_call_flops",
     "expert_dp",
     "routed_params_off_rank",
 ]
 
-# sourced: Switch Transformer (Fedus et al., JMLR 2022, section 2.2 and Table 1) trains with a
-# capacity factor of 1.25: the headroom over a perfectly balanced share that kept dropped
-# tokens small with a load-balancing loss. autopar takes the busiest expert-parallel rank of a
-# dropless router to carry that much over the average (tokens and their activations).
+# measured (published): Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Qwen3-235B-A22B
+# on 256 H100, EP 8, aux-loss dropless routing against --moe-router-force-load-balancing:
+# 237 / 295, 277 / 335, 320 / 368, 357 / 389 TFLOP/s at 16k-128k tokens, the whole step
+# 1.09-1.24x slower dropless; the routed experts and their all-to-all are part of the step, so
+# their own slowdown is at least that. Switch Transformer (Fedus et al., JMLR 2022, section
+# 2.2, Table 1) provisions the same 1.25x headroom (capacity factor) over a balanced share.
+# autopar takes the busiest expert-parallel rank to carry 1.25x the average routed rows.
 DROPLESS_IMBALANCE = 1.25
+# sourced: presets.py MATMUL_HALF_S: the half-efficiency work of a layer is the fixed cost of
+# its ~5 GEMMs (about 1 GFLOP each on A100).
+GEMMS_PER_LAYER = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,7 +164,8 @@ def ep_terms(
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     tokens_div = config.tp if config.sequence_parallel else 1
     size = rows / tokens_div * moe.hidden * w
-    one = all_to_all_s(cluster, config.ep, config.tp, size)
+    # The busiest rank receives (dispatch) and sends back (combine) its imbalanced share.
+    one = all_to_all_s(cluster, config.ep, config.tp, size * _imbalance(moe))
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
     return EpTerms(
         extra_fwd_flops=extra * fwd,
@@ -154,3 +174,14 @@ def ep_terms(
         extra_act_bytes=(act, act, 0.0),
         buffer_bytes=2 * size,
     )
+
+
+def expert_call_flops(layer: LayerProfile, config: ParallelConfig, calls_per_expert: int,
+                      half_flops: float) -> float:
+    """The forward fixed cost, in FLOP-equivalents at the max matmul rate, of the GEMM calls of
+    ``layer``'s local experts beyond one expert's (module docstring): 0 for a dense layer or a
+    grouped GEMM (``calls_per_expert`` 0)."""
+    if layer.moe is None or calls_per_expert <= 0:
+        return 0.0
+    local = layer.moe.experts // max(1, config.ep)
+    return max(0, local - 1) * calls_per_expert * half_flops / GEMMS_PER_LAYER

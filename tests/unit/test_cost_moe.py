@@ -8,10 +8,10 @@ import pytest
 
 import autopar
 from autopar.config import ParallelConfig
-from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.frameworks import framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.moe import DROPLESS_IMBALANCE, all_to_all_s
+from autopar.cost_model.moe import DROPLESS_IMBALANCE, GEMMS_PER_LAYER, all_to_all_s
 from autopar.graph.types import MoEStructure
 from tests.unit.test_search_planner import moe_profile
 
@@ -60,7 +60,8 @@ def test_ep_shards_routed_expert_state():
 def test_all_to_all_time_and_imbalance_in_the_layer():
     base, ep = _block(_cfg(ep=1)), _block(_cfg(ep=8))
     size = 512 * MOE.top_k * H * 2  # one micro-batch's dispatched rows, bf16
-    one = all_to_all_s(CLUSTER, 8, 1, size)
+    # The busiest rank receives (and sends back) DROPLESS_IMBALANCE x its balanced share.
+    one = all_to_all_s(CLUSTER, 8, 1, size * DROPLESS_IMBALANCE)
     assert ep.ep_comm_s == pytest.approx((4 * one, 4 * one, 6 * one))
     assert base.ep_comm_s == (0.0, 0.0, 0.0)
     extra_act = (DROPLESS_IMBALANCE - 1) * 512 * MOE.top_k * (2 * H + 4 * MOE.expert_hidden) * 2
@@ -73,10 +74,30 @@ def test_all_to_all_time_and_imbalance_in_the_layer():
         dataclasses.replace(x, moe=capped) if x.moe else x for x in PROFILE.layers))
     balanced = _block(_cfg(ep=8), prof)
     assert balanced.compute_s <= ep.compute_s
+    assert balanced.ep_comm_s[0] == pytest.approx(4 * all_to_all_s(CLUSTER, 8, 1, size * 1.25))
     # (big enough micro-batches that the matmuls, not the dispatch floor, set the time)
     big = dict(ep=8, micro_batch=16, global_batch=512)
     assert _block(_cfg(**big), prof).compute_s < _block(_cfg(**big)).compute_s
     assert balanced.act_bytes[0] == pytest.approx(base.act_bytes[0])
+
+
+def test_looped_experts_pay_their_gemm_calls_and_ep_cuts_them():
+    own = get_framework("autopar")  # loops over its local experts, 2 GEMM calls each
+    grouped = dataclasses.replace(own, expert_gemm_calls=0)
+    device = framework_cluster(CLUSTER, own).device
+    call_s = device.matmul_half_flops / GEMMS_PER_LAYER / (
+        device.peak_flops("bf16") * device.matmul_efficiency_max)
+    assert MOE.experts == 8
+    for ep, local in ((1, 8), (2, 4), (8, 1)):
+        looped, one_call = (build_cost_table(PROFILE, CLUSTER, _cfg(ep=ep), fw).layers[1]
+                            for fw in (own, grouped))
+        # forward and backward (a data and a weight gradient GEMM per call): 3x the calls
+        assert looped.compute_s - one_call.compute_s == pytest.approx(
+            3 * (local - 1) * own.expert_gemm_calls * call_s)
+        assert looped.recompute_s[2] - one_call.recompute_s[2] == pytest.approx(
+            (local - 1) * own.expert_gemm_calls * call_s)
+    dense = build_cost_table(PROFILE, CLUSTER, _cfg(), own).layers[0]
+    assert dense == build_cost_table(PROFILE, CLUSTER, _cfg(), grouped).layers[0]
 
 
 def test_estimate_reports_ep_and_checks_it():

@@ -56,9 +56,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                       "(the ep groups are cut from the dp axis alone)",
         "offload_optimizer_moves_params": "sourced: autopar/runtime/data_parallel.py "
                                           "_offload_policy: FSDP2 CPUOffloadPolicy for "
-                                          "offload='optimizer' too (torch has no "
-                                          "optimizer-only FSDP2 offload): parameters and "
-                                          "gradients live on the host between uses",
+                                          "offload='optimizer' too, which (its torch 2.13 "
+                                          "docstring) offloads parameters, gradients and "
+                                          "optimizer states, copies the sharded parameters "
+                                          "up before each all-gather and the gradients down",
         "expert_gemm_calls": "sourced: autopar/models/moe.py Experts.forward and "
                              "runtime/expert_parallel.py loop over the local experts, two "
                              "F.linear each (gate_up_proj, down_proj)",

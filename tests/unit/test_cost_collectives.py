@@ -165,3 +165,21 @@ def test_sp_norm_gradients_are_charged_only_with_dp() -> None:
     assert tp_only["all_reduce@tp"] == 2
     assert z3["all_reduce@tp"] == 2 + 10 * 2
     assert z1["all_reduce@tp"] == 2 + 10
+
+
+@pytest.mark.parametrize("kw", [
+    dict(cp=2, dp=2, zero=3), dict(cp=2, dp=2, zero=1, recompute="full"),
+    dict(cp=2, tp=2, sequence_parallel=True, recompute="selective"),
+    dict(dp=4, dp_replicate=2, zero=1), dict(dp=4, dp_replicate=2, zero=3),
+    dict(dp=2, dp_replicate=2, cp=2, zero=2, pp=2, schedule="1f1b")])
+def test_cp_and_hsdp_charged_equal_expected(kw):
+    """Context parallelism's K/V all-gathers and HSDP's replica all-reduces are charged as
+    expected_collectives lists them (held equal to the runtime by test_runtime_dims.py)."""
+    cfg = ParallelConfig(global_batch=4 * kw.get("dp", 1), **kw)
+    for rank in range(cfg.pp):
+        charged = charged_collectives(PROFILE, cfg, pp_rank=rank)
+        assert charged == expected_collectives(PROFILE, cfg, pp_rank=rank)
+        if cfg.cp > 1:
+            assert charged["all_gather_into_tensor@cp"] >= charged["reduce_scatter_tensor@cp"] > 0
+        if cfg.dp_replicate > 1:
+            assert charged["all_reduce@dp_replicate"] == charged["reduce_scatter_tensor@dp"]

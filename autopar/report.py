@@ -29,7 +29,7 @@ TIME_TERMS: tuple[tuple[str, str], ...] = (
     ("compute_s", "compute"),
     ("recompute_s", "recompute"),
     ("tp_comm_s", "TP communication (exposed)"),
-    ("cp_comm_s", "CP ring attention K/V (exposed)"),
+    ("cp_comm_s", "CP K/V exchange (exposed)"),
     ("dp_comm_s", "DP communication (exposed)"),
     ("pp_comm_s", "PP communication (exposed)"),
     ("ep_comm_s", "EP all-to-all (exposed)"),

@@ -38,6 +38,9 @@ HSDP (dp_replicate > 1): after each reduce-scatter one all-reduce of the gradien
 cp (the all-gather variant, cp_comm.py), per block with attention: one all-gather of K and V
 forward (two with full recompute), one reduce-scatter of their gradient backward, axis "cp";
 dp's collectives run over dp x cp.
+ep (moe.py, ep_comm.py), per MoE layer: 6 all-to-alls per micro-batch on "ep" (10 under full
+recompute); the routed experts' gradients over "edp" (dp * cp / ep ranks, when more than one):
+zero 0 one all-reduce per expert tensor and micro-batch, else their own FSDP2 unit's calls.
 Schedules with several stages per rank (interleaved, V-shaped) with zero >= 1 are not listed:
 torch's schedule runtime inserts its own unshard/reshard actions there (measured 1.75-2x the
 single-stage all-gathers), so ``expected_collectives`` raises ValueError for them.
@@ -46,9 +49,11 @@ Not listed either: pipeline send/recv and the loss report's all-reduce of one fl
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.moe import EXPERT_TENSORS
 from autopar.graph.types import LayerProfile, ModelProfile
 from autopar.schedules import rank_of_stage
 
@@ -178,6 +183,24 @@ def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
     return counts
 
 
+def _ep_counts(layer: LayerProfile, cfg: ParallelConfig, full: bool) -> Counter[str]:
+    """Expert parallelism's collectives of one MoE layer per step (moe.py, ep_comm.py): per
+    micro-batch 6 all-to-alls (10 under full recompute); the experts' own gradient reduction
+    over the edp ranks (zero 0: a hook per expert tensor and micro-batch; else an FSDP2 unit)."""
+    if cfg.ep <= 1 or layer.moe is None:
+        return Counter()
+    m = cfg.num_microbatches
+    counts = Counter({"all_to_all_single@ep": (10 if full else 6) * m})
+    if cfg.dp * cfg.cp // cfg.ep <= 1:
+        return counts
+    if cfg.zero == 0:
+        counts["all_reduce@edp"] = EXPERT_TENSORS * m
+        return counts
+    alone = _dp_counts(dataclasses.replace(cfg, dp_replicate=1), 1)
+    counts.update({k.replace("@dp", "@edp"): v for k, v in alone.items()})
+    return counts
+
+
 def _cp_counts(layer: LayerProfile, cfg: ParallelConfig, full: bool) -> Counter[str]:
     """The all-gather variant's K/V collectives of one block per micro-batch (cp_comm.py)."""
     if cfg.cp == 1 or layer.kind != "block":
@@ -229,5 +252,7 @@ def expected_collectives(
         for i in range(a, b + 1) if profile.heads else ():
             for key, value in _cp_counts(profile.layers[i], cfg, recompute[i] == "full").items():
                 counts[key] += value * m
+        for i in range(a, b + 1):
+            counts.update(_ep_counts(profile.layers[i], cfg, recompute[i] == "full"))
         counts.update(_dp_counts(cfg, fsdp_units(profile, a, b)))
     return dict(sorted((k, v) for k, v in counts.items() if v))

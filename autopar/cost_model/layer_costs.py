@@ -55,17 +55,17 @@ from autopar.cost_model.cp_comm import (
     local_profile,
 )
 from autopar.cost_model.dp_comm import (
-    dp_collectives,
     dp_head_s,
     dp_terms,
     framework_dp_collectives,
     fsdp_unit_params,
     params_tp,
 )
+from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.frameworks import Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
-from autopar.cost_model.moe import ep_layer_state, ep_terms, expert_call_flops
+from autopar.cost_model.moe import ep_collectives, ep_layer_state, ep_terms, expert_call_flops
 from autopar.cost_model.offload import (
     cpu_adam_s,
     host_copies,
@@ -308,7 +308,7 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     """The dp collectives of layer ``index``'s FSDP unit as ``fw`` issues them, and offload's
     host copies."""
     unit = fsdp_unit_params(profile, cfg, index)
-    own = dp_collectives(cfg, unit)
+    own = unit_collectives(profile.layers[index], cfg, unit)  # ep: experts on their own group
     fp8 = cfg.dtype == "fp8" and profile.layers[index].kind == "block"
     return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(
         cfg, own, unit, run_offload(cfg, fw))
@@ -364,7 +364,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)
-    for axis in ("dp", "dp_replicate"):
+    groups["edp"] = edp_link(cluster, cfg)
+    for axis in ("dp", "dp_replicate", "edp"):
         link = groups[axis]
         groups[axis] = dataclasses.replace(
             link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * dp_efficiency)
@@ -482,7 +483,9 @@ def charged_collectives(
             tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first)
             shard = cfg.tp if tp_sharded(local.layers[i]) else 1
             cp = gather_collectives(kv_bytes(local, local.layers[i], cfg, shard), cfg)
-            calls = tp[mode] + cp[mode] + dp_collectives(cfg, fsdp_unit_params(profile, cfg, i))
+            ep = ep_collectives(local.layers[i], cfg, seq_len=local.seq_len)
+            calls = tp[mode] + cp[mode] + ep[mode] + unit_collectives(
+                profile.layers[i], cfg, fsdp_unit_params(profile, cfg, i))
             for c in calls:
                 if c.counted:
                     counts[f"{c.kind}@{c.axis}"] += round(c.calls) * (

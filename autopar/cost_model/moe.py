@@ -13,8 +13,10 @@ width and w the bytes of the training dtype:
 - parameters: ``P_dense + E P_e / ep`` per rank (before tp); the routed experts' model state is
   sharded by ZeRO over the expert-data-parallel group of ``dp / ep`` ranks (their gradients are
   reduced there), the dense part over dp as before.
-- all-to-all: a dispatch and a combine in the forward, their transposes in the backward: 4 calls
-  of ``S = T k' h w`` bytes per rank (2 more when full recompute re-runs the forward). Each rank
+- all-to-all (``ep_collectives``, runtime/expert_parallel.py): a dispatch and a combine in the
+  forward, their transposes in the backward: 4 calls of ``S = T k' h w`` bytes per rank, and
+  before them two small ones, the split counts (8 ep bytes) and the rows' expert ids (8 T k'
+  bytes); full recompute re-runs the forward's four. Each rank
   keeps 1/ep of S and sends ``S / ep`` to each other member; members in its node go over the
   intra-node link, the others through its own NIC (inter-node link):
 
@@ -49,15 +51,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
-from autopar.cost_model import memory
+from autopar.cost_model import comm, memory
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import LayerProfile, MoEStructure
 
 __all__ = [
+    "A2A",
     "DROPLESS_IMBALANCE",
+    "EXPERT_TENSORS",
     "GEMMS_PER_LAYER",
     "EpTerms",
     "all_to_all_s",
+    "ep_collectives",
     "ep_layer_state",
     "ep_terms",
     "expert_call_flops",
@@ -73,6 +78,9 @@ __all__ = [
 # 2.2, Table 1) provisions the same 1.25x headroom (capacity factor) over a balanced share.
 # autopar takes the busiest expert-parallel rank to carry 1.25x the average routed rows.
 DROPLESS_IMBALANCE = 1.25
+# sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
+EXPERT_TENSORS = 2
+A2A = "all_to_all_single"
 # sourced: presets.py MATMUL_HALF_S: the half-efficiency work of a layer is the fixed cost of
 # its ~5 GEMMs (about 1 GFLOP each on A100).
 GEMMS_PER_LAYER = 5
@@ -164,13 +172,13 @@ def ep_terms(
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     tokens_div = config.tp if config.sequence_parallel else 1
     size = rows / tokens_div * moe.hidden * w
-    # The busiest rank receives (dispatch) and sends back (combine) its imbalanced share.
-    one = all_to_all_s(cluster, config.ep, config.tp, size * _imbalance(moe))
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
     return EpTerms(
         extra_fwd_flops=extra * fwd,
         extra_bwd_flops=2.0 * extra * fwd,
-        comm_s=(4 * one, 4 * one, 6 * one),
+        comm_s=tuple(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp, c.size_bytes)
+                         for c in calls) for calls in ep_collectives(layer, config,
+                                                                     seq_len=seq_len)),
         extra_act_bytes=(act, act, 0.0),
         buffer_bytes=2 * size,
     )
@@ -185,3 +193,26 @@ def expert_call_flops(layer: LayerProfile, config: ParallelConfig, calls_per_exp
         return 0.0
     local = layer.moe.experts // max(1, config.ep)
     return max(0, local - 1) * calls_per_expert * half_flops / GEMMS_PER_LAYER
+
+
+def ep_collectives(layer: LayerProfile, config: ParallelConfig, *,
+                   seq_len: int) -> tuple[tuple[comm.Collective, ...], ...]:
+    """The all-to-alls of one MoE layer per micro-batch on the "ep" axis, by recompute mode
+    (module docstring); the busiest rank receives (dispatch) and sends back (combine) its
+    imbalanced share."""
+    moe = layer.moe
+    if moe is None or config.ep <= 1:
+        return (), (), ()
+    tokens_div = config.tp if config.sequence_parallel else 1
+    rows = config.micro_batch * seq_len * moe.routed_rows_per_token() / tokens_div
+    rows *= _imbalance(moe)
+    data = rows * moe.hidden * DTYPE_BYTES[config.dtype]
+
+    def call(size: float, phase: str, calls: int) -> comm.Collective:
+        return comm.Collective(kind=A2A, axis="ep", size_bytes=size, calls=calls,
+                               per="microbatch", phase=phase)
+
+    fwd = (call(8.0 * config.ep, "forward", 1), call(8.0 * rows, "forward", 1),
+           call(data, "forward", 2))
+    bwd = (call(data, "backward", 2),)
+    return fwd + bwd, fwd + bwd, fwd + fwd + bwd

@@ -1,7 +1,8 @@
 """Expert parallelism equals the one-process step: the zoo MoE model with its experts sharded
 over ep ranks (all_to_all_single dispatch and combine on gloo) gives the reference gradients
 (fp32, CPU: rtol 1e-5, atol 1e-7; each rank's experts against their slice) and three AdamW
-losses (1e-3 relative). Style of test_runtime_equivalence.py."""
+losses (1e-3 relative), and emits the collectives the cost model charges. Style of
+test_runtime_equivalence.py."""
 
 from __future__ import annotations
 
@@ -105,8 +106,99 @@ CASES_4 = {
 }
 
 
+# Collectives of one step (CommDebugMode's registry, ``autopar.runtime.comm_count``) equal to the
+# calls the cost model charges (``layer_costs.charged_collectives``): the 6 all-to-alls per MoE
+# layer and micro-batch (10 under full recompute) on the ep group, the experts' own FSDP2 unit
+# on the edp group, the dense units on dp, and the loss's all-reduce. A group is named by its
+# ranks ("world" when it spans all 4).
+COUNT_CASES = {
+    "dp4-ep2-zero1": {"dp": 4, "ep": 2, "zero": 1},
+    "dp4-ep2-zero3-full": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
+    "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
+}
+
+
+def count_case(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
+    """``kind@axis`` counts of the second step on this rank (dp x ep only: pp = tp = 1)."""
+    from collections import Counter
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from autopar.config import ParallelConfig
+    from autopar.models import build
+    from autopar.runtime import apply_plan, build_mesh
+    from autopar.runtime.comm_count import _counting_mode, _kind
+    from autopar.runtime.step import local_batch, train_step
+    from tests.distributed.test_runtime_equivalence import make_plan
+
+    cfg = ParallelConfig(global_batch=GLOBAL_BATCH, dtype="fp32", **cfg_kwargs)
+    plan = make_plan(cfg, SHAPE["layers"])
+    pm = apply_plan(build("llama", device="cpu", seed=0, **SHAPE), plan, build_mesh(plan, "cpu"))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    tokens, labels = _batches()[0]
+    x, y = local_batch(pm, tokens), local_batch(pm, labels)
+    train_step(pm, x, y, opt)
+    mode = _counting_mode()
+    with mode:
+        train_step(pm, x, y, opt)
+    rank, ep = dist.get_rank(), cfg.ep
+    axes = {"ep": frozenset(range(rank // ep * ep, rank // ep * ep + ep)),
+            "edp": frozenset(range(rank % ep, cfg.dp, ep))}
+    counts: Counter[str] = Counter()
+    for packet, group in mode.calls:
+        ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
+        names = [a for a, r in axes.items() if r == ranks]
+        label = "world" if len(ranks) == dist.get_world_size() else (names or ["other"])[0]
+        counts[f"{_kind(packet)}@{label}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def charged_counts(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
+    """The cost model's calls for the same Plan, axes named as ``count_case`` names them."""
+    from collections import Counter
+
+    import autopar
+    from autopar.config import ParallelConfig
+    from autopar.cost_model.layer_costs import charged_collectives
+    from autopar.cost_model.moe import expert_dp
+    from tests.distributed.test_runtime_equivalence import make_plan
+
+    cfg = ParallelConfig(global_batch=GLOBAL_BATCH, dtype="fp32", **cfg_kwargs)
+    plan = make_plan(cfg, SHAPE["layers"])
+    profile = autopar.profile(autopar.models.build("llama", **SHAPE), seq_len=SHAPE["seq_len"])
+    charged = charged_collectives(profile, cfg, split=tuple(s.layers for s in plan.stages),
+                                  recompute=tuple(m for s in plan.stages for m in s.recompute))
+    sizes = {"ep": cfg.ep, "edp": expert_dp(cfg), "dp": cfg.dp}
+    counts: Counter[str] = Counter({"all_reduce@world": 1})
+    for key, calls in charged.items():
+        kind, axis = key.split("@")
+        counts[f"{kind}@{'world' if sizes[axis] == cfg.world_size else axis}"] += calls
+    return dict(sorted(counts.items()))
+
+
+def run_all(rank: int, world_size: int, cases: dict, count_cases: dict) -> dict:
+    """The equivalence cases, then the collective counts (or their errors), in one launch."""
+    results = run_cases(rank, world_size, cases)
+    for name, cfg_kwargs in count_cases.items():
+        try:
+            results[f"count:{name}"] = count_case(cfg_kwargs)
+        except Exception:
+            results[f"count:{name}"] = {"error": traceback.format_exc(limit=8)}
+    return results
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_expert_parallel_equals_one_process(run_distributed: Any) -> None:
-    results = run_distributed(run_cases, 4, CASES_4, timeout_s=220)
+    results = run_distributed(run_all, 4, CASES_4, COUNT_CASES, timeout_s=220)
     check_results(results, CASES_4)
+    errors = []
+    for name, cfg_kwargs in COUNT_CASES.items():
+        want = charged_counts(cfg_kwargs)
+        for rank, per_rank in enumerate(results):
+            if per_rank[f"count:{name}"] != want:
+                errors.append(f"[{name}] rank {rank}: measured {per_rank[f'count:{name}']} "
+                              f"!= charged {want}")
+    assert not errors, "\n".join(errors)

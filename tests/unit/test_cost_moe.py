@@ -60,9 +60,12 @@ def test_ep_shards_routed_expert_state():
 def test_all_to_all_time_and_imbalance_in_the_layer():
     base, ep = _block(_cfg(ep=1)), _block(_cfg(ep=8))
     size = 512 * MOE.top_k * H * 2  # one micro-batch's dispatched rows, bf16
-    # The busiest rank receives (and sends back) DROPLESS_IMBALANCE x its balanced share.
+    # The busiest rank receives (and sends back) DROPLESS_IMBALANCE x its balanced share; the
+    # forward first exchanges the split counts and the rows' expert ids (int64).
     one = all_to_all_s(CLUSTER, 8, 1, size * DROPLESS_IMBALANCE)
-    assert ep.ep_comm_s == pytest.approx((4 * one, 4 * one, 6 * one))
+    meta = all_to_all_s(CLUSTER, 8, 1, 8 * 8) + all_to_all_s(
+        CLUSTER, 8, 1, 8 * 512 * MOE.top_k * DROPLESS_IMBALANCE)
+    assert ep.ep_comm_s == pytest.approx((4 * one + meta, 4 * one + meta, 6 * one + 2 * meta))
     assert base.ep_comm_s == (0.0, 0.0, 0.0)
     extra_act = (DROPLESS_IMBALANCE - 1) * 512 * MOE.top_k * (2 * H + 4 * MOE.expert_hidden) * 2
     extra_act *= 1 + get_framework("torchtitan").fragmentation_fraction
@@ -74,7 +77,8 @@ def test_all_to_all_time_and_imbalance_in_the_layer():
         dataclasses.replace(x, moe=capped) if x.moe else x for x in PROFILE.layers))
     balanced = _block(_cfg(ep=8), prof)
     assert balanced.compute_s <= ep.compute_s
-    assert balanced.ep_comm_s[0] == pytest.approx(4 * all_to_all_s(CLUSTER, 8, 1, size * 1.25))
+    assert balanced.ep_comm_s[0] == pytest.approx(4 * all_to_all_s(CLUSTER, 8, 1, size * 1.25)
+                                                  + meta)
     # (big enough micro-batches that the matmuls, not the dispatch floor, set the time)
     big = dict(ep=8, micro_batch=16, global_batch=512)
     assert _block(_cfg(**big), prof).compute_s < _block(_cfg(**big)).compute_s

@@ -1,0 +1,53 @@
+"""Data-parallel collectives of a layer under expert parallelism, as autopar's runtime issues them.
+
+The routed experts are left out of a block's data-parallel unit (runtime/expert_parallel.py:
+``ignored_params``). Their gradients are reduced over the ``edp`` group, the ``dp * cp / ep``
+ranks holding the same experts (ranks ``ep * tp`` apart: the ep ranks of a group are
+consecutive): with zero >= 1 the experts module is its own FSDP2 unit over that group (the
+same all-gathers and reduce-scatters as a block's unit, on the "edp" axis); with zero 0 a hook
+all-reduces each expert tensor's gradient every micro-batch. With ``edp == 1`` nothing is
+reduced. Measured: tests/distributed/test_runtime_moe.py counts them on the running runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.config import ParallelConfig
+from autopar.cost_model import comm, memory
+from autopar.cost_model.dp_comm import dp_collectives
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp
+from autopar.cost_model.tp_comm import tp_sharded
+from autopar.graph.types import LayerProfile
+
+__all__ = ["edp_link", "local_expert_params", "unit_collectives"]
+
+
+def edp_link(cluster: Cluster, config: ParallelConfig) -> comm.GroupLink:
+    """The expert-data-parallel group's link: ``dp * cp / ep`` ranks, ``ep * tp`` apart."""
+    return comm.group_link(cluster, expert_dp(config), config.ep * config.tp)
+
+
+def local_expert_params(layer: LayerProfile, config: ParallelConfig) -> float:
+    """Routed-expert parameters of ``layer`` one rank holds under ep (after tp); 0 at ep 1."""
+    if layer.moe is None or config.ep <= 1:
+        return 0.0
+    return layer.moe.routed_params / config.ep / (config.tp if tp_sharded(layer) else 1)
+
+
+def unit_collectives(layer: LayerProfile, config: ParallelConfig,
+                     unit_params: float) -> tuple[comm.Collective, ...]:
+    """The dp collectives of the unit charged on ``layer`` (``unit_params`` on this rank,
+    ``dp_comm.fsdp_unit_params``) and, under ep, of its routed experts (module docstring)."""
+    experts = local_expert_params(layer, config) if unit_params > 0 else 0.0
+    dense = dp_collectives(config, unit_params - experts)
+    if experts <= 0 or expert_dp(config) <= 1:
+        return dense
+    if config.zero == 0:
+        hook = comm.Collective(kind="all_reduce", axis="edp",
+                               size_bytes=memory.GRAD_BYTES * experts / EXPERT_TENSORS,
+                               calls=EXPERT_TENSORS, per="microbatch", phase="backward")
+        return (*dense, hook)
+    own = dp_collectives(dataclasses.replace(config, dp_replicate=1), experts)
+    return (*dense, *(dataclasses.replace(c, axis="edp") for c in own))

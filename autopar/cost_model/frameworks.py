@@ -26,7 +26,6 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
-from autopar.cost_model.framework_device import framework_cluster
 from autopar.cost_model.framework_fit import DS_ZERO3_FETCH_EFFICIENCY, FIT
 from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
@@ -35,6 +34,7 @@ from autopar.cost_model.framework_settings import (
 )
 from autopar.cost_model.framework_sources import default_sources
 from autopar.cost_model.framework_support import framework_supports
+from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.cost_model.presets import DP_OVERLAP
 from autopar.units import MIB
@@ -460,3 +460,24 @@ def get_framework(framework: str | Framework) -> Framework:
             return _BY_NAME[name].with_settings(tuple(settings)) if settings else _BY_NAME[name]
     raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(FRAMEWORKS)} "
                      "(with settings: name+setting+..., see autopar.SETTINGS)")
+
+
+def framework_cluster(cluster: Cluster, framework: Framework) -> Cluster:
+    """The cluster as ``framework`` drives it: its kernels' efficiency and traffic, its
+    parameter traffic and overlap where the record sets them (None keeps the cluster's)."""
+    fw = framework
+    device = dataclasses.replace(
+        cluster.device,
+        matmul_efficiency_max=min(1.0, cluster.device.matmul_efficiency_max
+                                  * fw.kernel_efficiency),
+        elementwise_traffic_factor=cluster.device.elementwise_traffic_factor
+        * fw.elementwise_traffic_scale,
+    )
+    changes: dict[str, object] = {"device": device}
+    if fw.param_traffic_factor is not None:
+        changes["param_traffic_factor"] = fw.param_traffic_factor
+    if fw.dp_overlap_efficiency is not None:
+        changes["dp_overlap_efficiency"] = fw.dp_overlap_efficiency
+    if device == cluster.device and len(changes) == 1:
+        return cluster
+    return dataclasses.replace(cluster, **changes)  # type: ignore[arg-type]

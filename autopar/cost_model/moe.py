@@ -173,12 +173,13 @@ def ep_terms(
     tokens_div = config.tp if config.sequence_parallel else 1
     size = rows / tokens_div * moe.hidden * w
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
+    none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp,
+                                                         c.size_bytes) for c in calls))
+                       for calls in ep_collectives(layer, config, seq_len=seq_len))
     return EpTerms(
         extra_fwd_flops=extra * fwd,
         extra_bwd_flops=2.0 * extra * fwd,
-        comm_s=tuple(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp, c.size_bytes)
-                         for c in calls) for calls in ep_collectives(layer, config,
-                                                                     seq_len=seq_len)),
+        comm_s=(none, sel, full),
         extra_act_bytes=(act, act, 0.0),
         buffer_bytes=2 * size,
     )

@@ -20,7 +20,7 @@ from enum import Enum
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
-from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 from autopar.errors import PlanMismatchError
@@ -150,6 +150,8 @@ class Plan:
         framework: the training framework the plan is made for (``FRAMEWORKS``).
         moe: the model's mixture of experts (its first MoE layer's record), None for a dense
             model; the exports need it (experts, top-k). JSON key ``moe``, absent when None.
+        loss: the token cross-entropy kernel the model was profiled with (``LOSS_KERNELS``:
+            "eager" or "fused"); JSON key ``loss``, absent for "eager".
         schema_version: the plan JSON schema version.
     """
 
@@ -166,6 +168,7 @@ class Plan:
     framework: str = "autopar"
     schema_version: int = SCHEMA_VERSION
     moe: MoEStructure | None = None
+    loss: str = "eager"
 
     def __post_init__(self) -> None:
         known: str | None = None
@@ -288,6 +291,8 @@ class Plan:
         }
         if self.moe is not None:
             data["moe"] = self.moe.to_dict()
+        if self.loss != "eager":
+            data["loss"] = self.loss
         return data
 
     def to_json(self) -> str:
@@ -314,6 +319,7 @@ class Plan:
                 cluster=dict(data.get("cluster", {})),
                 search=SearchInfo(**data.get("search", {})),
                 moe=MoEStructure(**data["moe"]) if data.get("moe") else None,
+                loss=_loss_kernel(data.get("loss", "eager")),
             )
         except PlanFormatError:
             raise
@@ -434,3 +440,11 @@ def collapse_patterns(exact: dict[str, str]) -> dict[str, str]:
             del out[f"{prefix}.{index}.{suffix}"]
         out[pattern] = style
     return dict(sorted(out.items()))
+
+
+def _loss_kernel(value: Any) -> str:
+    """A plan document's ``loss`` (PlanFormatError if not one of ``LOSS_KERNELS``)."""
+    if value not in LOSS_KERNELS:
+        raise PlanFormatError(f"plan field loss must be one of {', '.join(LOSS_KERNELS)}, got "
+                              f"{value!r}")
+    return str(value)

@@ -389,7 +389,7 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tupl
     from autopar.graph.model_text import plan_model_text
 
     text = plan_model_text(plan.model, model_text)
-    profile = load_profile(text, seq_len or plan.seq_len or None)
+    profile = load_profile(text, seq_len or plan.seq_len or None, loss=plan.loss)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model (profile fingerprint "

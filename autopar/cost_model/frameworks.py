@@ -92,7 +92,7 @@ class Framework:
         dp_comm_efficiency: achieved over modelled bus bandwidth of the framework's
             data-parallel collectives (fitted; 1 = the nccl-tests figures).
         zero3_comm_efficiency: the same, further, for ZeRO-3 parameter gathers and gradient
-            reductions (the framework's own fetch machinery; fitted where it has ZeRO-3 runs).
+            reductions (the framework's own fetch machinery; DeepSpeed: its own measurement).
         param_traffic_factor: per-micro-batch traffic over the parameters (weight casts,
             gradient accumulation) relative to autopar's eager runtime; 0 where the weight
             gradient GEMM accumulates in place (Megatron's gradient_accumulation_fusion).

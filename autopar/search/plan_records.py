@@ -41,6 +41,7 @@ def plan_record(profile, cluster, table: CostTable, split, recompute, *, model: 
         cluster_fingerprint=cluster.fingerprint(),
         model=model,
         seq_len=profile.seq_len,
+        loss=profile.loss,
         cluster=cluster.to_dict(),
         search=search or SearchInfo(),
         framework=table.framework.spec,

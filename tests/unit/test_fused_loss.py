@@ -53,3 +53,25 @@ def test_fused_loss_profile_keeps_logits_not_fp32_logprobs() -> None:
             < autopar.estimate(eager, cluster, cfg).memory_per_gpu_bytes)
     with pytest.raises(autopar.AutoparError, match="profile loss"):
         autopar.profile(model, loss="chunked")
+
+
+def test_a_plan_records_its_loss_kernel_and_explain_profiles_with_it(tmp_path) -> None:
+    """A plan made from a fused-loss profile says so (JSON key ``loss``, absent for the eager
+    loss, so earlier plans read the same) and the CLI re-profiles with it: the fingerprints
+    match."""
+    from autopar.cli.common import plan_context
+    from autopar.plan import Plan, PlanFormatError
+
+    spec = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq_len=32"
+    model = autopar.models.build("gpt", layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
+    cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
+    fused = autopar.plan(autopar.profile(model, loss="fused"), cluster, global_batch=4,
+                         model=spec)
+    eager = autopar.plan(autopar.profile(model), cluster, global_batch=4, model=spec)
+    assert fused.to_dict()["loss"] == "fused" and "loss" not in eager.to_dict()
+    again = Plan.from_json(fused.to_json())
+    assert again.loss == "fused" and again.to_json() == fused.to_json()
+    profile, _ = plan_context(again, None, None)
+    assert profile.loss == "fused"
+    with pytest.raises(PlanFormatError, match="loss"):
+        Plan.from_dict({**fused.to_dict(), "loss": "chunked"})

@@ -383,6 +383,15 @@ def _print_rows(rows: list[dict], title: str) -> None:
               f"{r['predicted']:9.1f} {100 * r['error']:6.1f}% {r['memory_gib']:6.1f} {r['fits']}")
 
 
+def _print_sources(rows: list[dict]) -> None:
+    """Median and largest |error| of each publication's runs (docs/frameworks.md quotes them)."""
+    print("\nper publication, left out (runs, median / largest |error|):")
+    for source in sorted({r["source"] for r in rows}):
+        errs = [abs(r["error"]) for r in rows if r["source"] == source]
+        print(f"  {source:32s} {len(errs):3d}  {100 * statistics.median(errs):5.1f}% / "
+              f"{100 * max(errs):5.1f}%")
+
+
 def _print_summary(label: str, s: dict) -> None:
     print(f"{label:28s} runs {s['runs']:3d}  median |error| {100 * s['median']:5.1f}%  p90 "
           f"{100 * s['p90']:5.1f}%  pairs right {100 * s['pairs_right']:5.1f}% of "
@@ -436,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in frameworks:
             _print_summary(f"LOSO {name}", summary([r for r in loso if r["framework"] == name]))
         _print_summary("LOSO all", summary(loso))
+        _print_sources(loso)
     print(f"\nskipped {len(skipped)} runs outside autopar's space: "
           + "; ".join(sorted({why for _, why in skipped})))
     return 0

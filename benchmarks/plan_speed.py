@@ -22,7 +22,9 @@ CASES = [
 # Llama 3 405B's long-context case (131,072 tokens) for torchtitan, whose cp, HSDP and fp8 the
 # search then covers (--long-context). Llama 3 trained this phase at cp=16 tp=8 pp=16
 # (arXiv:2407.21783, section 3.3.4).
-LONG_CONTEXT = ("llama3-405b", "h100", 16384, 2048, 30.0, 131072, "torchtitan")
+# llama3-405b at 131,072 tokens, for torchtitan (cp, fp8) and for autopar's own runtime.
+LONG_CONTEXT = tuple(("llama3-405b", "h100", 16384, 2048, 30.0, 131072, framework)
+                     for framework in ("torchtitan", "autopar"))
 
 
 def run_case(preset: str, gpu: str, gpus: int, global_batch: int, seq_len: int | None = None,
@@ -46,12 +48,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first case")
     parser.add_argument("--only", default=None, help="only this model preset")
     parser.add_argument("--long-context", action="store_true",
-                        help="also llama3-405b at 131,072 tokens for torchtitan (cp, fp8)")
+                        help="also llama3-405b at 131,072 tokens for torchtitan (cp, fp8) "
+                        "and for autopar")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     cases = [(*c, None, "autopar") for c in cases if args.only in (None, c[0])]
     if args.long_context:
-        cases.append(LONG_CONTEXT)
+        cases.extend(LONG_CONTEXT)
     header = (
         f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'cpu s':>6s} {'goal':>5s} "
         f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s} {'gap':>6s}  best split (MFU)"

@@ -5,6 +5,8 @@ Import as ``from tests.helpers import ...`` (the repository root is on ``sys.pat
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,3 +71,22 @@ def write_cpu_plan(model: str, path: Path, **config: Any) -> Path:
     cluster = Cluster.preset("cpu", gpus_per_node=parallel.world_size)
     path.write_text(plan_from_config(profile, cluster, parallel, model=model).to_json())
     return path
+
+
+def with_counts(results: dict[str, Any], counts: Iterable[tuple[str, Callable[[], Any]]],
+                ) -> dict[str, Any]:
+    """A distributed case's ``results`` with each ``count()`` under ``"count:{name}"`` (its
+    traceback instead when it raises), so one launch carries equivalence cases and counts."""
+    for name, count in counts:
+        try:
+            results[f"count:{name}"] = count()
+        except Exception:
+            results[f"count:{name}"] = {"error": traceback.format_exc(limit=8)}
+    return results
+
+
+def count_mismatches(results: list[dict[str, Any]], name: str, want: Any, what: str) -> list[str]:
+    """One line per rank whose measured ``"count:{name}"`` is not ``want`` (``what`` names
+    where ``want`` comes from)."""
+    return [f"[{name}] rank {rank}: measured {per_rank[f'count:{name}']} != {what} {want}"
+            for rank, per_rank in enumerate(results) if per_rank[f"count:{name}"] != want]

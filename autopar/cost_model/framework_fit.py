@@ -6,11 +6,7 @@ framework fits.
 
 from __future__ import annotations
 
-__all__ = ["DS_ZERO3_FETCH_EFFICIENCY", "FIT", "FITTED_FIELDS", "NEUTRAL_FIT", "OVERLAP_SLOWDOWN"]
-
-# DeepSpeed's ZeRO-3 parameter fetch achieves 0.18 of the ring model's bus bandwidth (sources
-# in its record: DeepSpeed PR #1188's measured forward times).
-DS_ZERO3_FETCH_EFFICIENCY = 0.18
+__all__ = ["FIT", "FITTED_FIELDS", "NEUTRAL_FIT", "OVERLAP_SLOWDOWN"]
 
 # ---- values fitted by `benchmarks/calibration.py --fit` (each framework on its own records) ----
 # and their leave-one-source-out error bands; see docs/frameworks.md for the fit and its table.

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
-from autopar.cost_model.framework_fit import DS_ZERO3_FETCH_EFFICIENCY, FIT
+from autopar.cost_model.framework_fit import FIT
 from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
     SETTING_EFFECTS,
@@ -390,7 +390,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         runtime="DeepSpeed 0.x ZeRO stages 0-3 (Megatron-DeepSpeed for tp/pp)",
         selective_policy="attention",
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(3,),
-        param_gather_overlapped=False, zero3_comm_efficiency=DS_ZERO3_FETCH_EFFICIENCY,
+        param_gather_overlapped=False, zero3_comm_efficiency=0.18,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BUCKET,
         zero3_live_params=1e9, reduce_bucket_params=5e8,
         fragmentation_fraction=0.07, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,

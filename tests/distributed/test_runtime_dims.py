@@ -10,12 +10,14 @@ the bytes live.
 
 from __future__ import annotations
 
-import traceback
+import functools
 from collections import Counter
 from typing import Any
 
 import pytest
 from test_runtime_equivalence import check_results, run_cases
+
+from tests.helpers import count_mismatches, with_counts
 
 CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-cp2", "gpt", {"cp": 2, "micro_batch": 4}, None),
@@ -175,13 +177,9 @@ def count_case(name: str, cfg_kwargs: dict[str, Any]) -> dict[str, int]:
 
 def run_all(rank: int, world_size: int, cases: list[Any], count_cases: list[Any]) -> dict:
     """The equivalence cases, then the collective counts (or their errors), in one launch."""
-    results = run_cases(rank, world_size, cases)
-    for name, cfg_kwargs in count_cases:
-        try:
-            results[f"count:{name}"] = count_case(name, cfg_kwargs)
-        except Exception:
-            results[f"count:{name}"] = {"error": traceback.format_exc(limit=6)}
-    return results
+    return with_counts(run_cases(rank, world_size, cases),
+                       ((name, functools.partial(count_case, name, cfg))
+                        for name, cfg in count_cases))
 
 
 @pytest.mark.distributed
@@ -198,11 +196,7 @@ def test_hsdp_cp_offload_four_processes_equal_one_process(run_distributed: Any) 
     check_results(results, CASES_4)
     errors = []
     for name, cfg in COUNT_CASES:
-        want = expected_counts(cfg)
-        for rank, per_rank in enumerate(results):
-            got = per_rank[f"count:{name}"]
-            if got != want:
-                errors.append(f"[{name}] rank {rank}: measured {got} != closed form {want}")
+        errors += count_mismatches(results, name, expected_counts(cfg), "closed form")
         charged = charged_counts(cfg)
         if charged != results[0][f"count:{name}"]:
             errors.append(f"[{name}] cost model charges {charged} != measured "

@@ -6,12 +6,13 @@ test_runtime_equivalence.py."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 from typing import Any
 
 import pytest
 
-from tests.helpers import case_errors
+from tests.helpers import case_errors, count_mismatches, with_counts
 
 SHAPE: dict[str, Any] = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64,
                          "seq_len": 8, "experts": 4, "top_k": 2, "shared_experts": 1}
@@ -180,13 +181,9 @@ def charged_counts(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
 
 def run_all(rank: int, world_size: int, cases: dict, count_cases: dict) -> dict:
     """The equivalence cases, then the collective counts (or their errors), in one launch."""
-    results = run_cases(rank, world_size, cases)
-    for name, cfg_kwargs in count_cases.items():
-        try:
-            results[f"count:{name}"] = count_case(cfg_kwargs)
-        except Exception:
-            results[f"count:{name}"] = {"error": traceback.format_exc(limit=8)}
-    return results
+    return with_counts(run_cases(rank, world_size, cases),
+                       ((name, functools.partial(count_case, cfg))
+                        for name, cfg in count_cases.items()))
 
 
 @pytest.mark.distributed
@@ -196,9 +193,5 @@ def test_expert_parallel_equals_one_process(run_distributed: Any) -> None:
     check_results(results, CASES_4)
     errors = []
     for name, cfg_kwargs in COUNT_CASES.items():
-        want = charged_counts(cfg_kwargs)
-        for rank, per_rank in enumerate(results):
-            if per_rank[f"count:{name}"] != want:
-                errors.append(f"[{name}] rank {rank}: measured {per_rank[f'count:{name}']} "
-                              f"!= charged {want}")
+        errors += count_mismatches(results, name, charged_counts(cfg_kwargs), "charged")
     assert not errors, "\n".join(errors)

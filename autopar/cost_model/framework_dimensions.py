@@ -5,9 +5,12 @@ One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framewor
 ``cp_comm`` "ring" (point-to-point K/V, overlapped with attention) or "all_gather" (one K/V
 all-gather per attention, exposed: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
 calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
-moe.py); ``offload_optimizer_moves_params``, an optimizer offload that also keeps parameters and
-gradients on the host, costed as ``offload="params"`` (offload.py)), each with its source;
-``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
+moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
+runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
+blocks run under sequence parallelism; ``offload_optimizer_moves_params``, an optimizer offload
+that also keeps parameters and gradients on the host, costed as ``offload="params"``
+(offload.py)), each with its source; ``supports_dimensions`` says why a framework cannot run a
+config's cp, HSDP, offload or dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
+        expert_tensor_parallel=False, moe_sequence_parallel=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -32,7 +36,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
-        dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3,
+        dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
     ),
 }
 
@@ -63,6 +67,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_gemm_calls": "sourced: autopar/models/moe.py Experts.forward and "
                              "runtime/expert_parallel.py loop over the local experts, two "
                              "F.linear each (gate_up_proj, down_proj)",
+        "expert_tensor_parallel": "sourced: autopar/runtime/tensor_parallel.py shards "
+                                  "linears only: the zoo's Experts tensors stay whole on "
+                                  "every tp rank, which runs every token's experts "
+                                  "(tests/distributed/test_runtime_moe.py tp case)",
+        "moe_sequence_parallel": "sourced: autopar/runtime/apply.py _check_moe_sp refuses "
+                                 "sequence parallelism for mixture-of-experts models",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -84,6 +94,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                           "offload (offloads above)",
         "expert_gemm_calls": "sourced: torchtitan's GroupedExperts (use_grouped_mm: "
                              "torch._grouped_mm over all local experts): 0",
+        "expert_tensor_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md: with "
+                                  "ep off the routed experts are TP-sharded (colwise / "
+                                  "rowwise), with ep on sharded over ep",
+        "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
+                                 "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -103,6 +118,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                           "moves the optimizer state only",
         "expert_gemm_calls": "sourced: Megatron-LM --moe-grouped-gemm (TEGroupedMLP, in "
                              "examples/mixtral/train_mixtral_8x7b_distributed.sh): 0",
+        "expert_tensor_parallel": "sourced: Megatron-Core ModelParallelConfig."
+                                  "expert_tensor_parallel_size defaults to "
+                                  "tensor_model_parallel_size",
+        "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
+                                 "(training with tp > 1 and MoE expects sequence "
+                                 "parallelism)",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -119,6 +140,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                           "the GPU",
         "expert_gemm_calls": "sourced: deepspeed/moe/experts.py Experts.forward loops over "
                              "its local expert modules (a SwiGLU expert: 3 linears)",
+        "expert_tensor_parallel": "sourced: deepspeed/moe/layer.py MoE("
+                                  "enable_expert_tensor_parallelism=False) by default: experts "
+                                  "whole on every tensor-parallel rank",
+        "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
     },
 }
 

@@ -1,6 +1,7 @@
 """What a training framework can run: ``framework_supports(framework, config)``.
 
-Each answer comes from the framework's record (``frameworks.py``: its schedules, ZeRO stages,
+Each answer (``moe_support``: what it runs of a mixture-of-experts model) comes from the
+framework's record (``frameworks.py``: its schedules, ZeRO stages,
 sequence, expert and the other dimensions' parallelism (``framework_dimensions.py``), each
 field sourced) and from the settings its user switched on
 (the framework's own argument checks); ``plan(framework=...)`` proposes only what it can run.
@@ -15,7 +16,7 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["framework_supports", "settings_support"]
+__all__ = ["framework_supports", "moe_support", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -39,6 +40,15 @@ def framework_supports(framework: Framework, config) -> str | None:
         if reason:
             return reason
     return settings_support(fw, config) or dims.supports_dimensions(fw, config)
+
+
+def moe_support(framework: Framework, config, has_moe: bool) -> str | None:
+    """Why ``framework`` cannot run ``config`` on a mixture-of-experts model (None: it can)."""
+    if has_moe and config.sequence_parallel and config.tp > 1 and not (
+            framework.moe_sequence_parallel):
+        return (f"{framework.name} runs mixture-of-experts models without sequence "
+                "parallelism; use sequence_parallel=False")
+    return None
 
 
 def _ep_support(fw: Framework, config) -> str | None:

@@ -121,7 +121,8 @@ class Framework:
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
-            offload_optimizer_moves_params: the other dimensions (framework_dimensions.py).
+            expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params: the
+            other dimensions (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -185,6 +186,8 @@ class Framework:
     cp_comm: str = "ring"
     offload_optimizer_moves_params: bool = False
     expert_gemm_calls: int = 0
+    expert_tensor_parallel: bool = True
+    moe_sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:

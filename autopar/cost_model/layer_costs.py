@@ -62,6 +62,7 @@ from autopar.cost_model.dp_comm import (
     params_tp,
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
+from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
 from autopar.cost_model.frameworks import Framework, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
@@ -75,11 +76,7 @@ from autopar.cost_model.offload import (
 )
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.precision import (
-    dtype_reason,
-    fp8_cast_bytes,
-    fp8_peak_flops,
-)
+from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_peak_flops
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
@@ -357,7 +354,10 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cfg = config
     fw = get_framework(framework)
     cluster = framework_cluster(cluster, fw)
-    whole, profile = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
+    whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
+    # Routed experts whole on every tp rank where the framework does not shard them
+    # (expert_tp.py).
+    profile = local if fw.expert_tensor_parallel else replicated_experts(local, cfg.tp)
     # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
     # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
     attention = [x.recompute_flops.get("selective", 0.0) for x in profile.layers]
@@ -372,6 +372,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     groups["cp_ring"] = cp_link(cluster, cfg)
     groups["pcie"] = pcie_link(cluster)
     layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, attention)
+    if profile is not local:
+        layers = model_flops_once(layers, local, cfg.cp)
     p2p, recv_bytes = _pipeline_sends(profile, cfg, groups, ratio)
     return CostTable(
         config=cfg,

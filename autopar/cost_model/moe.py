@@ -40,6 +40,8 @@ width and w the bytes of the training dtype:
 
   forward, twice that backward (a data and a weight gradient GEMM per call), once more in a
   full recompute. Expert parallelism cuts the local experts ep-fold: fewer, larger GEMMs.
+- experts whole on every tp rank (a framework without expert tensor parallelism):
+  expert_tp.py.
 - activations: the routed experts keep per dispatched row its input, the gate and up outputs,
   the activated product and the output (2 h + 4 f_e elements, what graph/moe.py's stand-in
   keeps); the busiest rank keeps ``DROPLESS_IMBALANCE`` times the average. The all-to-all send
@@ -217,3 +219,4 @@ def ep_collectives(layer: LayerProfile, config: ParallelConfig, *,
            call(data, "forward", 2))
     bwd = (call(data, "backward", 2),)
     return fwd + bwd, fwd + bwd, fwd + fwd + bwd
+

@@ -153,6 +153,22 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
         raise AutoparError("autopar's runtime runs expert parallelism with cp=1 only")
 
 
+def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
+    """Mixture-of-experts blocks keep their experts whole on every tp rank (tensor
+    parallelism shards linears only) and run without sequence parallelism."""
+    cfg = plan.config
+    if not (cfg.sequence_parallel and cfg.tp > 1):
+        return
+    from autopar.graph.moe import expert_modules
+
+    spec = _spec_of(model_or_spec)
+    moe = spec.is_moe if spec is not None else bool(
+        isinstance(model_or_spec, nn.Module) and expert_modules(model_or_spec))
+    if moe:
+        raise AutoparError("autopar's runtime runs mixture-of-experts models without sequence "
+                           "parallelism; plan with sequence_parallel off (autopar plan does)")
+
+
 def _check_schedule(plan: Plan) -> None:
     cfg = plan.config
     try:
@@ -277,6 +293,7 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
             )
     _check_schedule(plan)
     _check_ep(model_or_spec, plan)
+    _check_moe_sp(model_or_spec, plan)
     if isinstance(model_or_spec, nn.Module):
         _check_model(model_or_spec, plan)
 

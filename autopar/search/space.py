@@ -182,6 +182,8 @@ def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, o
     sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
     if not framework.sequence_parallel:  # the framework has none: plan without it
         sps = [False]
+    if expert_counts and not framework.moe_sequence_parallel:  # none for its MoE models
+        sps = [False]
     # ZeRO shards over dp * cp: with one such rank every stage is the same plan as stage 0.
     zeros = sorted(set(options.zero_stages)) if dp * cp > 1 else [0]
     eps = expert_degrees(dp, cp, expert_counts)

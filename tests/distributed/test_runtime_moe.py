@@ -104,6 +104,9 @@ CASES_4 = {
     "dp4-ep2-zero3-recompute": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
     "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
     "pp2xdp2-ep2-1f1b": {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b", "micro_batch": 2},
+    # tp 2 without ep: every tp rank holds all experts and runs every token's (the cost
+    # model's Framework.expert_tensor_parallel False for autopar).
+    "dp2-tp2": {"dp": 2, "tp": 2},
 }
 
 

@@ -49,6 +49,8 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
       "--steps", "1"], "expert parallelism with tp=1 only"),
     (["run", f"{MOE},top_k=2", "--dp", "2", "--ep", "2", "--global-batch", "4", "--steps", "1",
       "--checkpoint-dir", "ck"], "checkpoints of expert-parallel runs"),
+    (["run", f"{MOE},top_k=2", "--tp", "2", "--sequence-parallel", "--global-batch", "4",
+      "--steps", "1"], "mixture-of-experts models without sequence parallelism"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

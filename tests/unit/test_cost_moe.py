@@ -141,3 +141,34 @@ def test_routed_flops_closed_form():
     moe = MoEStructure(experts=8, top_k=2, hidden=64, expert_hidden=32, expert_params=3 * 64 * 32)
     assert moe.routed_fwd_flops(10) == 2 * 10 * 2 * 3 * 64 * 32
     assert moe.routed_params == 8 * 3 * 64 * 32
+
+
+def test_experts_whole_on_every_tp_rank_without_expert_tensor_parallelism():
+    """autopar's runtime shards linears only: at tp = 2 each rank holds and runs all routed
+    experts (tests/distributed/test_runtime_moe.py), where Megatron-LM and torchtitan shard
+    them; the repeated work is hardware FLOPs, not model FLOPs; no sequence parallelism."""
+    from autopar.search import SearchOptions
+    from autopar.search.planner import _candidates
+
+    cfg = _cfg(dp=8, tp=2)
+    fw = get_framework("autopar")
+    assert not fw.expert_tensor_parallel and get_framework("megatron-lm").expert_tensor_parallel
+    whole = build_cost_table(PROFILE, CLUSTER, cfg, fw).layers[1]
+    split = build_cost_table(PROFILE, CLUSTER, cfg, dataclasses.replace(
+        fw, expert_tensor_parallel=True)).layers[1]
+    assert whole.model_flops_per_sample == pytest.approx(split.model_flops_per_sample)
+    routed_fwd = MOE.routed_fwd_flops(512)  # per sample; tp - 1 = 1 more copy, fwd + bwd
+    for mode in range(3):
+        assert whole.recompute_flops_per_sample[mode] - split.recompute_flops_per_sample[
+            mode] == pytest.approx(3 * routed_fwd + (routed_fwd if mode == 2 else 0.0))
+    # zero 0: fp32 master + bf16 copy of the half of the routed experts tp no longer shards
+    assert whole.param_bytes - split.param_bytes == pytest.approx(6 * MOE.routed_params / 2)
+    assert whole.compute_s > split.compute_s
+    sp = dataclasses.replace(cfg, sequence_parallel=True)
+    with pytest.raises(ValueError, match="without sequence parallelism"):
+        autopar.estimate(PROFILE, CLUSTER, sp, framework="autopar")
+    assert autopar.estimate(PROFILE, CLUSTER, sp, framework="torchtitan").step_time_s > 0
+    opts = SearchOptions(max_virtual_stages=2, framework="autopar")
+    cands = _candidates(PROFILE, Cluster.preset("h100", nodes=1, gpus_per_node=4), 8, opts)
+    assert any(c.tp > 1 for c in cands)
+    assert not any(c.sequence_parallel for c in cands)

@@ -1,0 +1,72 @@
+"""Routed experts a framework keeps whole on every tensor-parallel rank.
+
+A framework without expert tensor parallelism (``Framework.expert_tensor_parallel`` False:
+autopar's runtime shards linears only, DeepSpeed-MoE by default) holds all E / ep routed
+experts on each of its tp ranks and runs them on every token of the (replicated) block input.
+``replicated_experts`` costs that as the same layer with routed experts tp times wider
+(f_e -> tp f_e, so P_e and the routed FLOPs and activations grow tp-fold): divided by tp like
+the rest of the block, they come back whole, and every term of the cost model (compute,
+activations, parameters and their data-parallel traffic, ep's sharding) follows. The model
+FLOPs still count each expert once (``model_flops_once``): the repeated work is hardware work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.config import DTYPE_BYTES
+from autopar.cost_model.tables import LayerCost
+from autopar.cost_model.tp_comm import tp_sharded
+from autopar.graph.types import LayerProfile, ModelProfile
+
+__all__ = ["model_flops_once", "replicated_experts"]
+
+
+def replicated_experts(profile: ModelProfile, tp: int) -> ModelProfile:
+    """``profile`` as a framework that keeps routed experts whole on every one of ``tp`` ranks
+    runs it (module docstring): each tp-sharded MoE layer with its routed experts tp times
+    wider, so that its per-rank share (1 / tp) holds and runs them whole. Its routed
+    activations per dispatched row are moe.py's (2 h + 4 f_e elements)."""
+    if tp <= 1 or not any(layer.moe is not None for layer in profile.layers):
+        return profile
+    w = DTYPE_BYTES[profile.dtype]
+    layers = tuple(_widened(layer, tp, profile.seq_len, w)
+                   if layer.moe is not None and tp_sharded(layer) else layer
+                   for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
+
+
+def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int) -> LayerProfile:
+    moe = layer.moe
+    assert moe is not None
+    more = tp - 1
+    fwd = moe.routed_fwd_flops(seq_len)  # per sample
+    rows = seq_len * moe.routed_rows_per_token()
+    saved = round(rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w)
+    return dataclasses.replace(
+        layer,
+        num_params=layer.num_params + more * moe.routed_params,
+        param_bytes=layer.param_bytes + more * moe.routed_params * w,
+        fwd_flops=layer.fwd_flops + more * fwd,
+        bwd_flops=layer.bwd_flops + 2 * more * fwd,
+        recompute_flops={m: f + (more * fwd if m == "full" else 0.0)
+                         for m, f in layer.recompute_flops.items()},
+        saved_bytes={m: b + (0 if m == "full" else more * saved)
+                     for m, b in layer.saved_bytes.items()},
+        moe=dataclasses.replace(moe, expert_hidden=tp * moe.expert_hidden,
+                                expert_params=tp * moe.expert_params),
+    )
+
+
+def model_flops_once(layers: list[LayerCost], model: ModelProfile, cp: int) -> list[LayerCost]:
+    """Costs of a profile as a framework runs it (``replicated_experts``) with the model FLOPs
+    of ``model`` (each expert once): the work the framework repeats counts as hardware FLOPs
+    (added to every recompute mode's extra FLOPs), not as model FLOPs."""
+    out = []
+    for cost, mine in zip(layers, model.layers):
+        flops = (mine.fwd_flops + mine.bwd_flops) * cp
+        more = cost.model_flops_per_sample - flops
+        out.append(dataclasses.replace(
+            cost, model_flops_per_sample=flops,
+            recompute_flops_per_sample=tuple(x + more for x in cost.recompute_flops_per_sample)))
+    return out

@@ -66,7 +66,8 @@ def model_flops_once(layers: list[LayerCost], model: ModelProfile, cp: int) -> l
     for cost, mine in zip(layers, model.layers):
         flops = (mine.fwd_flops + mine.bwd_flops) * cp
         more = cost.model_flops_per_sample - flops
+        none, selective, full = cost.recompute_flops_per_sample
         out.append(dataclasses.replace(
             cost, model_flops_per_sample=flops,
-            recompute_flops_per_sample=tuple(x + more for x in cost.recompute_flops_per_sample)))
+            recompute_flops_per_sample=(none + more, selective + more, full + more)))
     return out

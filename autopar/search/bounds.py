@@ -20,21 +20,28 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
+from autopar.cost_model.assemble import pipeline_buffer_bytes
 from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp import cost_signature, layer_runs
+from autopar.search.ilp_hull import rank_time_curve
 from autopar.search.ilp_ranks import big_run
+from autopar.units import GIB
+
+FLOAT_SLACK = 1e-9  # relative: keeps float summation order from lifting a bound over the optimum
 
 __all__ = [
     "TableSummary",
     "balanced_split",
     "ilp_key",
     "integer_bottleneck_s",
+    "memory_bottleneck_s",
     "memory_lower_bound",
     "summarize",
     "time_lower_bound",
@@ -157,13 +164,110 @@ def integer_bottleneck_s(table: CostTable) -> float:
     return level
 
 
+def _rank_curves(table: CostTable, runs, big: int) -> list[tuple[float, int, tuple]]:
+    """Per pipeline rank: (its p2p time, blocks its stages need, (c0, f_k: blocks -> time)).
+
+    f_k (``ilp_hull.rank_time_curve``) holds the edge layers that can only sit on rank k; the
+    others are left out (they only add time and memory). Memory is the ILP's: capacity less
+    buffers and the rank's pipeline receive buffers, without the ILP's safety margin.
+    """
+    cfg = table.config
+    p, s, n_layers = cfg.pp, cfg.num_stages, len(table.layers)
+    stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
+    edges: list[list] = [[] for _ in range(p)]
+    reach: set[int] = set()
+    for g, (a, _b) in enumerate(runs):
+        if g != big:
+            window = range(max(0, a - (n_layers - s)), min(a, s - 1) + 1)
+            reach |= set(window)
+            ranks = {stage_rank[j] for j in window}
+            if len(ranks) == 1:
+                edges[ranks.pop()].append(table.layers[a])
+    p2p = table.p2p_s if p > 1 else 0.0
+    block = table.layers[runs[big][0]]
+    size = runs[big][1] - runs[big][0] + 1
+    curves = []
+    for k in range(p):
+        fly = in_flight_microbatches(cfg.schedule, p, cfg.virtual_stages,
+                                     table.num_microbatches, k)
+        room = (table.capacity_bytes - table.buffers_bytes - pipeline_buffer_bytes(table, k)) / GIB
+        need = sum(1 for j in range(s) if stage_rank[j] == k and j not in reach)
+        curve = rank_time_curve(block, edges[k], fly, size, room)
+        curves.append((stage_rank.count(k) * p2p, need, curve))
+    return curves
+
+
+def _most_blocks(base: float, curve, low: int, high: int, level: float) -> int:
+    """The largest x in [low, high] with base + f(x) <= level (true at low; f non-decreasing).
+
+    Bisection over the free regime (closed form), then one count at a time over the binding
+    counts (each an enumeration; few are under the level).
+    """
+    free_max, least_s = curve
+    top = min(free_max, high)
+    if low < top:
+        lo, hi = low, top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if base + least_s(mid) <= level:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < top:
+            return lo
+        low = top
+    while low < high and base + least_s(low + 1) <= level:
+        low += 1
+    return low
+
+
+def memory_bottleneck_s(table: CostTable, start_s: float = 0.0) -> float:
+    """Least possible max_k R_k with whole blocks whose recompute mix fits each rank's memory.
+
+    For profiles of one long run of blocks (0 otherwise). Rank k holding x blocks takes at least
+    v p2p + f_k(x) per micro-batch, f_k the fastest mix of recompute modes of x blocks (and the
+    edge layers only rank k can hold) within its memory at its own in-flight count
+    (``ilp_hull.rank_time_curve``, the ILP's hull); f_k grows with x. The least R >= start_s
+    (itself a lower bound) with sum_k max{x : v p2p + f_k(x) <= R} >= L, each rank at least the
+    blocks its edge-free stages need, is found by raising R through the ranks' next thresholds
+    in order; inf when the blocks fit nowhere. Under tight memory this is far above
+    ``integer_bottleneck_s``: a 1F1B rank near the front holds up to p micro-batches'
+    activations and must recompute or hold fewer blocks.
+    """
+    cfg = table.config
+    runs = layer_runs(table)
+    big = big_run(runs, len(table.layers))
+    if cfg.num_stages == 1 or big is None:
+        return 0.0
+    size = runs[big][1] - runs[big][0] + 1
+    curves = _rank_curves(table, runs, big)
+    level = max(start_s, *(base + curve[1](need) for base, need, curve in curves))
+    if level == math.inf:
+        return level
+    held = [_most_blocks(base, curve, need, size, level) for base, need, curve in curves]
+    heap = [(base + curve[1](held[k] + 1), k) for k, (base, _n, curve) in enumerate(curves)
+            if held[k] < size]
+    heap = [item for item in heap if item[0] < math.inf]
+    heapq.heapify(heap)
+    while sum(held) < size:
+        if not heap:
+            return math.inf
+        level, k = heapq.heappop(heap)
+        held[k] += 1
+        base, _need, (_c0, least_s) = curves[k]
+        if held[k] < size and base + least_s(held[k] + 1) < math.inf:
+            heapq.heappush(heap, (base + least_s(held[k] + 1), k))
+    return level * (1 - FLOAT_SLACK)
+
+
 def time_lower_bound(
     table: CostTable, summary: TableSummary | None = None, *, refined: bool = False
 ) -> float:
     """A step time no split or recompute choice of this candidate can beat (seconds).
 
-    ``refined`` adds the whole-block bottleneck (``integer_bottleneck_s``; slower, used on the
-    candidates that survive the cheap bound).
+    ``refined`` adds the whole-block bottlenecks (``integer_bottleneck_s``, and
+    ``memory_bottleneck_s`` with each rank's memory; slower, used on the candidates that survive
+    the cheap bound).
     """
     summary = summary or summarize(table)
     cfg = table.config
@@ -180,6 +284,7 @@ def time_lower_bound(
     bottleneck = max(total / p, busiest + (s // p) * p2p)
     if refined:
         bottleneck = max(bottleneck, integer_bottleneck_s(table))
+        bottleneck = max(bottleneck, memory_bottleneck_s(table, bottleneck))
     pipeline = table.num_microbatches * bottleneck
     c = bubble_coefficient(cfg.schedule, p, cfg.virtual_stages, cfg.num_microbatches)
     pipeline += c * total

@@ -39,6 +39,7 @@ Only the free regime's fastest modes need no binaries, which keeps the model sma
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,7 +50,7 @@ from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatch
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.units import GIB  # the ILP's memory scale
 
-__all__ = ["RankCase", "add_rank_hull", "best_block_time", "rank_case"]
+__all__ = ["RankCase", "add_rank_hull", "best_block_time", "rank_case", "rank_time_curve"]
 
 _Point = TypeVar("_Point", bound=tuple[float, ...])
 
@@ -207,6 +208,43 @@ def rank_case(
             break  # nothing fits (the least memory grows with c) or too slow: so are larger c
         binding[c] = value
     return RankCase(free_max=free, block_s=t_f, edge_s=t_e, binding=binding)
+
+
+def rank_time_curve(
+    block: LayerCost, edges: list[LayerCost], fly: float, c_max: int, room: float
+) -> tuple[int, Callable[[int], float]]:
+    """(c0, c -> f_k(c, e)) for counts up to ``c_max``, f_k evaluated on demand (memoised).
+
+    c0 is ``RankCase.free_max`` (closed form): f_k is c t_fast + t_e up to it, and binding
+    counts come from ``_least_time`` (inf when nothing fits). f_k is non-decreasing in c.
+    """
+    blocks = _modes(block, fly)
+    combos = _edge_combos(edges, fly)
+    t_f, a_f, tr_f = min(blocks)
+    t_e, m_e, tr_e = combos[0]
+    static = block.static_bytes / GIB
+
+    def free(c: int) -> bool:
+        return c * (static + a_f) + m_e + max(tr_f if c else 0.0, tr_e) <= room
+
+    free_max = -1
+    if free(0):
+        per = static + a_f
+        left = room - m_e - max(tr_f, tr_e)
+        free_max = c_max if per <= 0 else max(0, min(c_max, math.floor(left / per)))
+        while free_max < c_max and free(free_max + 1):  # float rounding of the division
+            free_max += 1
+        while free_max > 0 and not free(free_max):
+            free_max -= 1
+    seen: dict[int, float] = {}
+
+    def least_s(c: int) -> float:
+        if c not in seen:
+            seen[c] = (c * t_f + t_e if c <= free_max
+                       else _least_time(c, blocks, static, combos, room))  # fmt: skip
+        return seen[c]
+
+    return free_max, least_s
 
 
 def _rank_edges(n: dict, big: int, k: int) -> tuple[list[int], list[int], list[int]]:

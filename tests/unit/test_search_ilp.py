@@ -17,7 +17,7 @@ from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
 from autopar.search import ilp
 from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
-from autopar.search.ilp_hull import rank_case
+from autopar.search.ilp_hull import rank_case, rank_time_curve
 from autopar.search.ilp_ranks import rank_aggregable
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
@@ -301,6 +301,8 @@ def test_rank_case_is_the_least_time_of_each_count(data, edges: int, fly: float)
     edge_layers = [random_layer(data.draw, f"e{i}") for i in range(edges)]
     room = data.draw(st.integers(10, 200)) * 1e8 / GIB
     case = rank_case(block, edge_layers, fly, 5, room)
+    free_max, least_s = rank_time_curve(block, edge_layers, fly, 5, room)
+    assert free_max == case.free_max
     for c in range(6):
         expected = _brute_rank_time(block, edge_layers, fly, c, room)
         if c <= case.free_max:
@@ -308,6 +310,7 @@ def test_rank_case_is_the_least_time_of_each_count(data, edges: int, fly: float)
         else:
             got = case.binding.get(c, float("inf"))
         assert got == pytest.approx(expected, rel=1e-9), c
+        assert least_s(c) == pytest.approx(expected, rel=1e-9), c
 
 
 def memory_bound_table(capacity_bytes: float = 1e10) -> CostTable:

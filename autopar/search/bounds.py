@@ -24,9 +24,12 @@ import math
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.assemble import pipeline_buffer_bytes
 from autopar.cost_model.partition import balanced_partition
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
+from autopar.cost_model.pipeline import (
+    bubble_coefficient,
+    in_flight_microbatches,
+    pipeline_buffer_microbatches,
+)
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp import cost_signature, layer_runs
@@ -43,6 +46,8 @@ __all__ = [
     "integer_bottleneck_s",
     "memory_bottleneck_s",
     "memory_lower_bound",
+    "min_in_flight",
+    "recv_buffer_counts",
     "summarize",
     "time_lower_bound",
 ]
@@ -110,12 +115,15 @@ def _min_time_under_memory(runs, in_flight: float, budget_bytes: float) -> float
     )
 
 
+def min_in_flight(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> float:
+    """f_min: the fewest micro-batches whose activations any pipeline rank holds at its peak."""
+    return min(in_flight_microbatches(schedule, pp, virtual_stages, num_microbatches, k)
+               for k in range(pp))
+
+
 def _min_in_flight(table: CostTable) -> float:
     cfg = table.config
-    return min(
-        in_flight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
-        for k in range(cfg.pp)
-    )
+    return min_in_flight(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches)
 
 
 def integer_bottleneck_s(table: CostTable) -> float:
@@ -164,7 +172,20 @@ def integer_bottleneck_s(table: CostTable) -> float:
     return level
 
 
-def _rank_curves(table: CostTable, runs, big: int) -> list[tuple[float, int, tuple]]:
+def recv_buffer_counts(table: CostTable) -> tuple[int, ...]:
+    """Per pipeline rank, its one-micro-batch receive buffers (``pipeline_buffer_bytes`` is this
+    times ``recv_buffer_bytes``); depends only on the schedule, pp, v, m and the policy."""
+    cfg = table.config
+    return tuple(
+        pipeline_buffer_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages,
+                                     table.num_microbatches, k,
+                                     policy=table.framework.pipeline_recv_buffers)
+        for k in range(cfg.pp)
+    )
+
+
+def _rank_curves(table: CostTable, runs, big: int,
+                 recv: tuple[int, ...]) -> list[tuple[float, int, tuple]]:
     """Per pipeline rank: (its p2p time, blocks its stages need, (c0, f_k: blocks -> time)).
 
     f_k (``ilp_hull.rank_time_curve``) holds the edge layers that can only sit on rank k; the
@@ -190,7 +211,8 @@ def _rank_curves(table: CostTable, runs, big: int) -> list[tuple[float, int, tup
     for k in range(p):
         fly = in_flight_microbatches(cfg.schedule, p, cfg.virtual_stages,
                                      table.num_microbatches, k)
-        room = (table.capacity_bytes - table.buffers_bytes - pipeline_buffer_bytes(table, k)) / GIB
+        pbuf = recv[k] * table.recv_buffer_bytes
+        room = (table.capacity_bytes - table.buffers_bytes - pbuf) / GIB
         need = sum(1 for j in range(s) if stage_rank[j] == k and j not in reach)
         curve = rank_time_curve(block, edges[k], fly, size, room)
         curves.append((stage_rank.count(k) * p2p, need, curve))
@@ -221,7 +243,8 @@ def _most_blocks(base: float, curve, low: int, high: int, level: float) -> int:
     return low
 
 
-def memory_bottleneck_s(table: CostTable, start_s: float = 0.0) -> float:
+def memory_bottleneck_s(table: CostTable, start_s: float = 0.0,
+                        recv: tuple[int, ...] | None = None) -> float:
     """Least possible max_k R_k with whole blocks whose recompute mix fits each rank's memory.
 
     For profiles of one long run of blocks (0 otherwise). Rank k holding x blocks takes at least
@@ -240,7 +263,7 @@ def memory_bottleneck_s(table: CostTable, start_s: float = 0.0) -> float:
     if cfg.num_stages == 1 or big is None:
         return 0.0
     size = runs[big][1] - runs[big][0] + 1
-    curves = _rank_curves(table, runs, big)
+    curves = _rank_curves(table, runs, big, recv_buffer_counts(table) if recv is None else recv)
     level = max(start_s, *(base + curve[1](need) for base, need, curve in curves))
     if level == math.inf:
         return level
@@ -261,10 +284,13 @@ def memory_bottleneck_s(table: CostTable, start_s: float = 0.0) -> float:
 
 
 def time_lower_bound(
-    table: CostTable, summary: TableSummary | None = None, *, refined: bool = False
+    table: CostTable, summary: TableSummary | None = None, *, refined: bool = False,
+    in_flight: float | None = None, recv: tuple[int, ...] | None = None,
 ) -> float:
     """A step time no split or recompute choice of this candidate can beat (seconds).
 
+    ``in_flight`` is ``min_in_flight`` of the table's schedule and ``recv`` its
+    ``recv_buffer_counts``, if the caller has them.
     ``refined`` adds the whole-block bottlenecks (``integer_bottleneck_s``, and
     ``memory_bottleneck_s`` with each rank's memory; slower, used on the candidates that survive
     the cheap bound).
@@ -278,13 +304,14 @@ def time_lower_bound(
         p * (table.capacity_bytes - table.buffers_bytes - summary.transient_min_bytes)
         - summary.static_sum_bytes
     )
-    total = _min_time_under_memory(summary.runs, _min_in_flight(table), budget) + s * p2p
+    in_flight = _min_in_flight(table) if in_flight is None else in_flight
+    total = _min_time_under_memory(summary.runs, in_flight, budget) + s * p2p
     # Pigeonhole: some rank holds ceil(L_g / p) layers of run g (and every rank S / p stages).
     busiest = max(-(-count // p) * min(t) for count, t, _ in summary.runs)
     bottleneck = max(total / p, busiest + (s // p) * p2p)
     if refined:
         bottleneck = max(bottleneck, integer_bottleneck_s(table))
-        bottleneck = max(bottleneck, memory_bottleneck_s(table, bottleneck))
+        bottleneck = max(bottleneck, memory_bottleneck_s(table, bottleneck, recv))
     pipeline = table.num_microbatches * bottleneck
     c = bubble_coefficient(cfg.schedule, p, cfg.virtual_stages, cfg.num_microbatches)
     pipeline += c * total
@@ -295,11 +322,13 @@ def time_lower_bound(
     return pipeline + tail + table.step_fixed_s
 
 
-def memory_lower_bound(table: CostTable, summary: TableSummary | None = None) -> float:
-    """A largest-rank memory (bytes) no split or recompute choice of this candidate can beat."""
+def memory_lower_bound(table: CostTable, summary: TableSummary | None = None, *,
+                       in_flight: float | None = None) -> float:
+    """A largest-rank memory (bytes) no split or recompute choice of this candidate can beat
+    (``in_flight`` as in ``time_lower_bound``)."""
     summary = summary or summarize(table)
     p = table.config.pp
-    f = _min_in_flight(table)
+    f = _min_in_flight(table) if in_flight is None else in_flight
     act_min = sum(n * min(a) for n, _, a in summary.runs)
     mean = (summary.static_sum_bytes + f * act_min) / p + summary.transient_min_bytes
     single = max(

@@ -90,11 +90,14 @@ def cost_signature(layer: LayerCost) -> tuple:
 def layer_runs(table: CostTable) -> tuple[tuple[int, int], ...]:
     """(first, last) layer index of each maximal run of layers with identical cost terms."""
     runs: list[tuple[int, int]] = []
+    last = None
     for i, layer in enumerate(table.layers):
-        if runs and cost_signature(table.layers[runs[-1][0]]) == cost_signature(layer):
+        signature = cost_signature(layer)
+        if runs and signature == last:
             runs[-1] = (runs[-1][0], i)
         else:
             runs.append((i, i))
+        last = signature
     return tuple(runs)
 
 

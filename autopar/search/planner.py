@@ -5,11 +5,14 @@ bounds come from it (``bounds.py``): a lower bound on the step time over every s
 recompute choice, and a lower bound on the largest rank's memory. Candidates are visited in
 increasing time bound (ties by enumeration order, so the search is deterministic): a candidate
 whose bound cannot beat the k-th best plan so far ends the search (every later one is pruned too),
-one whose memory bound exceeds the capacity is pruned as infeasible. ILP cutoffs start from a warm
-bound (balanced-uniform splits, and exact optima of single-stage candidates). Survivors first try
-the most balanced split with uniform recompute; when that meets the time bound within the MIP gap
-it is optimal and no ILP is needed, otherwise the ILP (``ilp.py``) decides the split and
-per-layer recompute exactly. Candidates whose ILP inputs are equal share one solution.
+one whose memory bound exceeds the capacity is pruned as infeasible, one whose refined bound
+(whole blocks, each rank's memory: ``time_lower_bound(refined=True)``) cannot beat it is pruned
+without an ILP. The visiting order, hence every ILP's cutoff, does not depend on the refined
+bound: it only skips solves that could not have returned a better split (a tighter bound leaves
+every plan unchanged, even one an ILP stopped within its MIP gap). ILP cutoffs start from a warm
+bound (balanced-uniform splits, and exact optima of single-stage candidates). ``solve.py`` solves
+one candidate: the most balanced split with uniform recompute when it meets the bound within the
+MIP gap, otherwise the ILP (``ilp.py``). Candidates whose ILP inputs are equal share one solution.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -30,54 +32,35 @@ from autopar.plan import Plan, SearchInfo
 from autopar.schedules import DEFAULT_SCHEDULE
 from autopar.search.bounds import (
     TableSummary,
-    balanced_split,
     ilp_key,
     memory_lower_bound,
+    min_in_flight,
+    recv_buffer_counts,
     summarize,
     time_lower_bound,
 )
 from autopar.search.dimensions import dominant_dtypes, dtype_choices, offload_variants
-from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
 from autopar.search.infeasible import infeasible_error
 from autopar.search.options import SearchOptions
 from autopar.search.plan_records import plan_record, robust_order
+from autopar.search.solve import Candidate, Outcome, fits_host, solve_candidate, warm_bound
 from autopar.search.space import enumerate_candidates
-from autopar.units import GIB
 
 __all__ = ["ProgressFn", "plan", "plan_from_config"]
 
 ROBUST_POOL = 8  # plans the robust choice re-ranks
 
 ProgressFn = Callable[[int, int, str], None]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Candidate:
-    index: int
-    table: CostTable
-    time_lb_s: float
-    memory_lb_bytes: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Outcome:
-    """A candidate's best split (or none), and how it was found."""
-
-    split: tuple[tuple[int, int], ...] = ()
-    recompute: tuple[str, ...] = ()
-    step_s: float = float("inf")
-    optimal: bool = True
-    gap: float = 0.0
-    time_limit_hit: bool = False
-    used_ilp: bool = False
-    bound_s: float = 0.0  # lower bound on the candidate's optimum (matters when not proven)
+# The config fields a CostTable depends on: all but the schedule and its virtual stages.
+_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig)
+                      if f.name not in ("schedule", "virtual_stages"))
 
 
 @dataclass(slots=True)
 class _State:
     """Mutable bookkeeping of one search (local to one ``plan`` call)."""
 
-    best: list[tuple[float, int, _Outcome, _Candidate]] = dataclasses.field(default_factory=list)
+    best: list[tuple[float, int, Outcome, Candidate]] = dataclasses.field(default_factory=list)
     considered: int = 0
     pruned: int = 0
     ilps: int = 0
@@ -93,129 +76,6 @@ def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions
         capacity = cluster.device.memory_bytes - options.memory_headroom_bytes
         table = dataclasses.replace(table, capacity_bytes=capacity)
     return table
-
-
-def _best_uniform(table: CostTable) -> _Outcome | None:
-    """The fastest fitting split among the most balanced ones with uniform recompute."""
-    best = None
-    for mode in RECOMPUTE:
-        split = balanced_split(table, mode)
-        est = assemble(table, split, (mode,) * len(table.layers))
-        room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
-        host_ok = est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
-        if est.memory_per_gpu_bytes <= room and host_ok and (
-                best is None or est.step_time_s < best.step_s):
-            best = _Outcome(split=split, recompute=(mode,) * len(table.layers),
-                            step_s=est.step_time_s, optimal=False)  # fmt: skip
-    return best
-
-
-def _warm_bound(
-    order: list[_Candidate],
-    top_k: int,
-    options: SearchOptions,
-    deadline: float | None = None,
-    count: int = 32,
-    exact: int = 16,
-) -> tuple[float, dict[tuple, _Outcome], int]:
-    """An upper bound on the k-th best plan, so ILPs can be cut off before the search has its
-    own incumbents: the k-th best step among the balanced-uniform splits of the first ``count``
-    fitting candidates and the exact optima of the first ``exact`` fitting single-stage ones.
-
-    A single-stage candidate's ILP is a small knapsack over recompute modes (milliseconds), and
-    under a tight memory cap it is often the best plan while the balanced-uniform splits are far
-    from it; without it, multi-stage ILPs run with a loose cutoff and can reach their time limit.
-    Returns (bound, proven outcomes by ``ilp_key`` for the search to reuse, ILPs solved).
-    """
-    steps: list[float] = []
-    seeded: dict[Any, _Outcome] = {}
-    ilps, uniform, singles = 0, 0, 0
-    for cand in order:
-        if uniform >= count and singles >= exact:
-            break
-        if cand.memory_lb_bytes > cand.table.capacity_bytes:
-            continue
-        remaining = float("inf") if deadline is None else deadline - time.monotonic()
-        outcome: _Outcome | None
-        if cand.table.config.num_stages == 1 and singles < exact and remaining > 0:
-            singles += 1
-            outcome = _solve(cand.table, options, min(options.time_limit_s, remaining))
-            ilps += outcome.used_ilp
-            if not _fits_host(cand.table, outcome):
-                outcome = _Outcome()
-            if outcome.split and outcome.optimal and not outcome.time_limit_hit:
-                seeded.setdefault(ilp_key(cand.table), outcome)
-        elif uniform < count:
-            uniform += 1
-            outcome = _best_uniform(cand.table)
-        else:
-            continue
-        steps.append(outcome.step_s if outcome is not None and outcome.split else float("inf"))
-    steps.sort()
-    bound = steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
-    return bound, seeded, ilps
-
-
-def _fits_host(table: CostTable, outcome: _Outcome) -> bool:
-    """Whether an outcome's offloaded state fits the host memory (the ILP bounds the device's)."""
-    if table.config.offload == "none" or not outcome.split:
-        return True
-    est = assemble(table, outcome.split, outcome.recompute)
-    return est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
-
-
-def _solve(
-    table: CostTable, options: SearchOptions, time_limit_s: float, cutoff_s: float | None = None
-) -> _Outcome:
-    """Best split of one candidate: balanced uniform recompute if provably optimal, else the ILP."""
-    lb = time_lower_bound(table, refined=True)
-    if cutoff_s is not None and lb >= cutoff_s:
-        return _Outcome()  # cannot enter the top k
-    best_uniform = _best_uniform(table)
-    if not table.framework.per_layer_recompute:
-        # The framework recomputes every block alike: balanced split, one mode (not proven
-        # optimal over uneven splits).
-        return best_uniform or _Outcome()
-    if best_uniform is not None and best_uniform.step_s <= lb * (1 + options.mip_gap):
-        return dataclasses.replace(best_uniform, optimal=True)  # meets the lower bound
-    from_uniform = best_uniform is not None and (cutoff_s is None or best_uniform.step_s < cutoff_s)
-    if from_uniform and best_uniform is not None:
-        cutoff_s = best_uniform.step_s * (1 + 1e-9)
-    model = build_ilp(table, cutoff_s=cutoff_s)
-    sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
-    if sol.status == "infeasible":
-        # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
-        # enter the top k (or fits nowhere).
-        if from_uniform and best_uniform is not None:
-            return dataclasses.replace(best_uniform, optimal=True, used_ilp=True)
-        return _Outcome(used_ilp=True)
-    if not sol.has_solution:  # the time limit stopped the solver before any solution
-        if best_uniform is not None:
-            return dataclasses.replace(
-                best_uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True,
-                bound_s=lb,
-            )  # fmt: skip
-        return _Outcome(used_ilp=True, time_limit_hit=True, bound_s=lb)
-    split, rec = decode(model, sol)
-    step = assemble(table, split, rec).step_time_s
-    out = _Outcome(
-        split=split,
-        recompute=rec,
-        step_s=step,
-        optimal=sol.status == "optimal",
-        gap=sol.gap,
-        time_limit_hit=sol.time_limit_hit,
-        used_ilp=True,
-        bound_s=max(lb, sol.objective * (1 - sol.gap)),
-    )
-    if best_uniform is not None and best_uniform.step_s < step:  # a limit stopped the solver
-        out = dataclasses.replace(
-            out,
-            split=best_uniform.split,
-            recompute=best_uniform.recompute,
-            step_s=best_uniform.step_s,
-        )
-    return out
 
 
 def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]:
@@ -240,37 +100,52 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
     return [c for c in configs if not (fused and c.tp > 1 and c.dp > 1 and c.zero >= 1)]
 
 
+def _pipe_key(table: CostTable) -> tuple:
+    """What ``recv_buffer_counts`` depends on."""
+    cfg = table.config
+    return (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches,
+            table.framework.pipeline_recv_buffers)
+
+
 def _bounded(profile, cluster, configs, options, progress, deadline,
-             start: int = 0) -> list[_Candidate]:
+             start: int = 0) -> list[Candidate]:
     """Cost every candidate and bound it.
 
     The cost terms do not depend on the schedule or the virtual stages (only the assembly does),
     so one table is built per (dp, tp, pp, micro-batch, ZeRO, SP) and shared by its schedule
     variants; the final plans' estimates are rebuilt from their own config (``_make_plan``).
     """
-    out: list[_Candidate] = []
-    shared: dict[ParallelConfig, tuple[CostTable, TableSummary]] = {}
+    out: list[Candidate] = []
+    shared: dict[tuple, tuple[CostTable, TableSummary]] = {}
+    flights: dict[tuple, float] = {}
     for i, cfg in enumerate(configs, start):
-        base = dataclasses.replace(cfg, schedule=DEFAULT_SCHEDULE, virtual_stages=1)
-        if base not in shared:
+        key = tuple(getattr(cfg, name) for name in _TABLE_FIELDS)
+        if key not in shared:
+            base = dataclasses.replace(cfg, schedule=DEFAULT_SCHEDULE, virtual_stages=1)
             table = _cost_table(profile, cluster, base, options)
-            shared[base] = (table, summarize(table))
+            shared[key] = (table, summarize(table))
             if deadline is not None and time.monotonic() > deadline:
                 break
-        table, summary = shared[base]
+        table, summary = shared[key]
         table = dataclasses.replace(table, config=cfg)
-        out.append(_Candidate(index=i, table=table, time_lb_s=time_lower_bound(table, summary),
-                              memory_lb_bytes=memory_lower_bound(table, summary)))
+        pipe = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches)
+        if pipe not in flights:
+            flights[pipe] = min_in_flight(*pipe)
+        out.append(Candidate(
+            index=i, table=table, summary=summary,
+            time_lb_s=time_lower_bound(table, summary, in_flight=flights[pipe]),
+            memory_lb_bytes=memory_lower_bound(table, summary, in_flight=flights[pipe])))
         if progress is not None and i % 1024 == 1023:
             progress(0, len(configs), f"costing candidates ({i + 1}/{len(configs)})")
     return out
 
 
-def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _State:
+def _search(cands: list[Candidate], top_k, options, progress, deadline) -> _State:
     state = _State()
     order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
     total = len(order)
-    warm, cache, state.ilps = _warm_bound(order, top_k, options, deadline)
+    warm, cache, state.ilps = warm_bound(order, top_k, options, deadline)
+    recv: dict[tuple, tuple[int, ...]] = {}  # receive buffers per rank, by pipeline shape
     for pos, cand in enumerate(order):
         kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
         # Sorted by bound: once it cannot beat the k-th best, no later candidate can either.
@@ -287,36 +162,46 @@ def _search(cands: list[_Candidate], top_k, options, progress, deadline) -> _Sta
         if cand.memory_lb_bytes > cand.table.capacity_bytes:
             state.pruned += 1
             continue
-        key = ilp_key(cand.table)
-        outcome = cache.get(key)
-        if outcome is None:
-            limit = (
-                options.time_limit_s
-                if remaining is None
-                else min(options.time_limit_s, max(remaining, 0.1))
-            )
-            cutoff = min(kth, warm)
-            outcome = _solve(cand.table, options, limit, cutoff if cutoff < float("inf") else None)
-            if not outcome.split:  # a cutoff or infeasibility: the candidate cannot enter
-                state.pruned += 1
-            else:
-                cache[key] = outcome
-            state.ilps += outcome.used_ilp
-            state.time_limit_hit |= outcome.time_limit_hit
-            if outcome.time_limit_hit:  # not proven: its bound limits the whole search's claim
-                state.remaining_lb_s = min(state.remaining_lb_s, outcome.bound_s)
-        if outcome.split and not _fits_host(cand.table, outcome):
-            state.pruned += 1
-        elif outcome.split:
-            step = assemble(cand.table, outcome.split, outcome.recompute).step_time_s
-            state.best.append((step, cand.index, outcome, cand))
-            state.best.sort(key=lambda b: (b[0], b[1]))
-            del state.best[top_k:]
+        pipe = _pipe_key(cand.table)
+        if pipe not in recv:
+            recv[pipe] = recv_buffer_counts(cand.table)
+        lb = time_lower_bound(cand.table, cand.summary, refined=True, recv=recv[pipe])
+        limit = options.time_limit_s if remaining is None else min(options.time_limit_s,
+                                                                   max(remaining, 0.1))
+        _visit(state, cand, cache, options, (limit, min(kth, warm), lb), top_k)
         if progress is not None:
             progress(pos + 1, total, cand.table.config.describe())
     if progress is not None:
         progress(total, total, "done")
     return state
+
+
+def _visit(state: _State, cand: Candidate, cache: dict, options: SearchOptions, limits,
+           top_k: int) -> None:
+    """Solve one candidate (or reuse an equal ILP's solution) and keep it if it is in the top k.
+
+    ``limits``: (solver time limit, cutoff: the k-th best step so far, its refined bound)."""
+    limit, cutoff, lb = limits
+    key = ilp_key(cand.table)
+    outcome = cache.get(key)
+    if outcome is None:
+        outcome = solve_candidate(cand.table, options, limit,
+                                  cutoff if cutoff < float("inf") else None, lb_s=lb)
+        if not outcome.split:  # a cutoff or infeasibility: the candidate cannot enter
+            state.pruned += 1
+        else:
+            cache[key] = outcome
+        state.ilps += outcome.used_ilp
+        state.time_limit_hit |= outcome.time_limit_hit
+        if outcome.time_limit_hit:  # not proven: its bound limits the whole search's claim
+            state.remaining_lb_s = min(state.remaining_lb_s, outcome.bound_s)
+    if outcome.split and not fits_host(cand.table, outcome):
+        state.pruned += 1
+    elif outcome.split:
+        step = assemble(cand.table, outcome.split, outcome.recompute).step_time_s
+        state.best.append((step, cand.index, outcome, cand))
+        state.best.sort(key=lambda b: (b[0], b[1]))
+        del state.best[top_k:]
 
 
 def _make_plan(profile, cluster, config, split, recompute, info, model, options) -> Plan:
@@ -328,7 +213,7 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
     return plan_record(profile, cluster, table, split, recompute, model=model, search=info)
 
 
-def _info(state: _State, outcome: _Outcome, step_s: float) -> SearchInfo:
+def _info(state: _State, outcome: Outcome, step_s: float) -> SearchInfo:
     """The plan's search record; with a time limit hit, the gap bounds the whole search."""
     gap = outcome.gap
     if state.time_limit_hit and state.remaining_lb_s < step_s:

@@ -11,7 +11,8 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.errors import InfeasiblePlanError
 from autopar.search import SearchOptions, plan
-from autopar.search.planner import _best_uniform, _candidates
+from autopar.search.planner import _candidates
+from autopar.search.solve import best_uniform
 from tests.fixtures.profiles import analytic_transformer_profile
 
 
@@ -84,7 +85,7 @@ def test_planner_never_worse_than_any_candidate_of_the_enlarged_space() -> None:
     configs = _candidates(profile, cluster, 4, options)
     assert any(c.cp > 1 for c in configs) and any(c.dp_replicate > 1 for c in configs)
     for cfg in configs:
-        outcome = _best_uniform(build_cost_table(profile, cluster, cfg, "torchtitan"))
+        outcome = best_uniform(build_cost_table(profile, cluster, cfg, "torchtitan"))
         if outcome is not None:
             assert best.estimate.step_time_s <= outcome.step_s * (1 + 1e-9), cfg.describe()
 

@@ -208,15 +208,16 @@ def test_planner_never_worse_than_uniform_partitions(layers, h, gpus, batch, mem
 def test_warm_bound_solves_single_stage_candidates_exactly() -> None:
     """Under a tight memory cap the single-stage optimum mixes recompute modes; the warm bound
     takes it (below every balanced-uniform split) and hands the proven outcome to the search."""
-    from autopar.search.planner import _best_uniform, _bounded, _warm_bound
+    from autopar.search.planner import _bounded
+    from autopar.search.solve import best_uniform, warm_bound
 
     model = gpt_profile(6, 2048, 16, s=2048, vocab=8000)
     cluster = Cluster.preset("a100-80g", nodes=1, gpus_per_node=1, gpu_memory_gb=10)
     cands = _bounded(model, cluster, _candidates(model, cluster, 32, TIGHT_OPTS), TIGHT_OPTS,
                      None, None)  # fmt: skip
     order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
-    warm, seeded, ilps = _warm_bound(order, 1, TIGHT_OPTS)
-    uniform = min(o.step_s for o in map(_best_uniform, (c.table for c in order)) if o)
+    warm, seeded, ilps = warm_bound(order, 1, TIGHT_OPTS)
+    uniform = min(o.step_s for o in map(best_uniform, (c.table for c in order)) if o)
     assert ilps == 1 and len(seeded) == 1
     (outcome,) = seeded.values()
     assert outcome.optimal and len(set(outcome.recompute)) > 1

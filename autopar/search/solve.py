@@ -1,0 +1,175 @@
+"""One outer candidate's best split: the balanced-uniform shortcut, the warm bound, the ILP.
+
+The planner (``planner.py``) orders and prunes the candidates; this module solves one: when the
+most balanced split with uniform recompute meets the candidate's lower bound it is optimal and no
+ILP is needed, otherwise the ILP (``ilp.py``) decides the split and per-layer recompute exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.config import RECOMPUTE
+from autopar.cost_model.assemble import assemble
+from autopar.cost_model.tables import CostTable
+from autopar.search.bounds import TableSummary, balanced_split, ilp_key, time_lower_bound
+from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
+from autopar.search.options import SearchOptions
+from autopar.units import GIB
+
+__all__ = ["Candidate", "Outcome", "best_uniform", "fits_host", "solve_candidate", "warm_bound"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One outer candidate: its cost table (under its own config), summary and cheap bounds."""
+
+    index: int
+    table: CostTable
+    summary: TableSummary
+    time_lb_s: float
+    memory_lb_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """A candidate's best split (or none), and how it was found."""
+
+    split: tuple[tuple[int, int], ...] = ()
+    recompute: tuple[str, ...] = ()
+    step_s: float = float("inf")
+    optimal: bool = True
+    gap: float = 0.0
+    time_limit_hit: bool = False
+    used_ilp: bool = False
+    bound_s: float = 0.0  # lower bound on the candidate's optimum (matters when not proven)
+
+
+def best_uniform(table: CostTable) -> Outcome | None:
+    """The fastest fitting split among the most balanced ones with uniform recompute."""
+    best = None
+    for mode in RECOMPUTE:
+        split = balanced_split(table, mode)
+        est = assemble(table, split, (mode,) * len(table.layers))
+        room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
+        host_ok = est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
+        if est.memory_per_gpu_bytes <= room and host_ok and (
+                best is None or est.step_time_s < best.step_s):
+            best = Outcome(split=split, recompute=(mode,) * len(table.layers),
+                            step_s=est.step_time_s, optimal=False)  # fmt: skip
+    return best
+
+
+def warm_bound(
+    order: list[Candidate],
+    top_k: int,
+    options: SearchOptions,
+    deadline: float | None = None,
+    count: int = 32,
+    exact: int = 16,
+) -> tuple[float, dict[tuple, Outcome], int]:
+    """An upper bound on the k-th best plan, so ILPs can be cut off before the search has its
+    own incumbents: the k-th best step among the balanced-uniform splits of the first ``count``
+    fitting candidates and the exact optima of the first ``exact`` fitting single-stage ones.
+
+    A single-stage candidate's ILP is a small knapsack over recompute modes (milliseconds), and
+    under a tight memory cap it is often the best plan while the balanced-uniform splits are far
+    from it; without it, multi-stage ILPs run with a loose cutoff and can reach their time limit.
+    Returns (bound, proven outcomes by ``ilp_key`` for the search to reuse, ILPs solved).
+    """
+    steps: list[float] = []
+    seeded: dict[Any, Outcome] = {}
+    ilps, uniform, singles = 0, 0, 0
+    for cand in order:
+        if uniform >= count and singles >= exact:
+            break
+        if cand.memory_lb_bytes > cand.table.capacity_bytes:
+            continue
+        remaining = float("inf") if deadline is None else deadline - time.monotonic()
+        outcome: Outcome | None
+        if cand.table.config.num_stages == 1 and singles < exact and remaining > 0:
+            singles += 1
+            lb_s = time_lower_bound(cand.table, cand.summary, refined=True)
+            outcome = solve_candidate(cand.table, options, min(options.time_limit_s, remaining),
+                                      lb_s=lb_s)
+            ilps += outcome.used_ilp
+            if not fits_host(cand.table, outcome):
+                outcome = Outcome()
+            if outcome.split and outcome.optimal and not outcome.time_limit_hit:
+                seeded.setdefault(ilp_key(cand.table), outcome)
+        elif uniform < count:
+            uniform += 1
+            outcome = best_uniform(cand.table)
+        else:
+            continue
+        steps.append(outcome.step_s if outcome is not None and outcome.split else float("inf"))
+    steps.sort()
+    bound = steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
+    return bound, seeded, ilps
+
+
+def fits_host(table: CostTable, outcome: Outcome) -> bool:
+    """Whether an outcome's offloaded state fits the host memory (the ILP bounds the device's)."""
+    if table.config.offload == "none" or not outcome.split:
+        return True
+    est = assemble(table, outcome.split, outcome.recompute)
+    return est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
+
+
+def solve_candidate(
+    table: CostTable, options: SearchOptions, time_limit_s: float, cutoff_s: float | None = None,
+    lb_s: float | None = None,
+) -> Outcome:
+    """Best split of one candidate: balanced uniform recompute if provably optimal, else the ILP
+    (``lb_s``: its refined ``time_lower_bound`` when the caller has it)."""
+    lb = time_lower_bound(table, refined=True) if lb_s is None else lb_s
+    if cutoff_s is not None and lb >= cutoff_s:
+        return Outcome()  # cannot enter the top k
+    uniform = best_uniform(table)
+    if not table.framework.per_layer_recompute:
+        # The framework recomputes every block alike: balanced split, one mode (not proven
+        # optimal over uneven splits).
+        return uniform or Outcome()
+    if uniform is not None and uniform.step_s <= lb * (1 + options.mip_gap):
+        return dataclasses.replace(uniform, optimal=True)  # meets the lower bound
+    from_uniform = uniform is not None and (cutoff_s is None or uniform.step_s < cutoff_s)
+    if from_uniform and uniform is not None:
+        cutoff_s = uniform.step_s * (1 + 1e-9)
+    model = build_ilp(table, cutoff_s=cutoff_s)
+    sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
+    if sol.status == "infeasible":
+        # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
+        # enter the top k (or fits nowhere).
+        if from_uniform and uniform is not None:
+            return dataclasses.replace(uniform, optimal=True, used_ilp=True)
+        return Outcome(used_ilp=True)
+    if not sol.has_solution:  # the time limit stopped the solver before any solution
+        if uniform is not None:
+            return dataclasses.replace(
+                uniform, optimal=False, gap=1.0, time_limit_hit=True, used_ilp=True,
+                bound_s=lb,
+            )  # fmt: skip
+        return Outcome(used_ilp=True, time_limit_hit=True, bound_s=lb)
+    split, rec = decode(model, sol)
+    step = assemble(table, split, rec).step_time_s
+    out = Outcome(
+        split=split,
+        recompute=rec,
+        step_s=step,
+        optimal=sol.status == "optimal",
+        gap=sol.gap,
+        time_limit_hit=sol.time_limit_hit,
+        used_ilp=True,
+        bound_s=max(lb, sol.objective * (1 - sol.gap)),
+    )
+    if uniform is not None and uniform.step_s < step:  # a limit stopped the solver
+        out = dataclasses.replace(
+            out,
+            split=uniform.split,
+            recompute=uniform.recompute,
+            step_s=uniform.step_s,
+        )
+    return out

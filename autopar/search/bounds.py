@@ -45,6 +45,7 @@ __all__ = [
     "ilp_key",
     "integer_bottleneck_s",
     "memory_bottleneck_s",
+    "memory_duals",
     "memory_lower_bound",
     "min_in_flight",
     "recv_buffer_counts",
@@ -96,23 +97,32 @@ def summarize(table: CostTable) -> TableSummary:
     )
 
 
-def _min_time_under_memory(runs, in_flight: float, budget_bytes: float) -> float:
-    """Lagrangian lower bound of min sum_i t_i(r_i) s.t. in_flight sum_i act_i(r_i) <= budget.
-
-    For any lam >= 0: sum_g L_g min_r (t_g(r) + lam f a_g(r)) - lam budget is a lower bound (weak
-    duality); the dual is concave piecewise linear, so its maximum is at a breakpoint.
-    """
+def memory_duals(runs, in_flight: float) -> tuple[tuple[float, float], ...]:
+    """(lam, sum_g L_g min_r (t_g(r) + lam f a_g(r))) at every breakpoint lam of the dual in
+    ``_min_time_under_memory`` (lam = 0 first); they do not depend on the memory budget."""
     lams = {0.0}
     for _, t, a in runs:
         for r, s in itertools.combinations(range(len(t)), 2):
             da = in_flight * (a[r] - a[s])
             if da != 0 and (t[s] - t[r]) / da > 0:
                 lams.add((t[s] - t[r]) / da)
-    return max(
-        sum(n * min(t[r] + lam * in_flight * a[r] for r in range(len(t))) for n, t, a in runs)
-        - lam * budget_bytes
+    return tuple(
+        (lam, sum(n * min(t[r] + lam * in_flight * a[r] for r in range(len(t)))
+                  for n, t, a in runs))
         for lam in sorted(lams)
     )
+
+
+def _min_time_under_memory(runs, in_flight: float, budget_bytes: float,
+                           duals: tuple[tuple[float, float], ...] | None = None) -> float:
+    """Lagrangian lower bound of min sum_i t_i(r_i) s.t. in_flight sum_i act_i(r_i) <= budget.
+
+    For any lam >= 0: sum_g L_g min_r (t_g(r) + lam f a_g(r)) - lam budget is a lower bound (weak
+    duality); the dual is concave piecewise linear, so its maximum is at a breakpoint
+    (``memory_duals``, which a caller bounding many budgets passes in).
+    """
+    duals = memory_duals(runs, in_flight) if duals is None else duals
+    return max(value - lam * budget_bytes for lam, value in duals)
 
 
 def min_in_flight(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> float:
@@ -286,11 +296,12 @@ def memory_bottleneck_s(table: CostTable, start_s: float = 0.0,
 def time_lower_bound(
     table: CostTable, summary: TableSummary | None = None, *, refined: bool = False,
     in_flight: float | None = None, recv: tuple[int, ...] | None = None,
+    duals: tuple[tuple[float, float], ...] | None = None,
 ) -> float:
     """A step time no split or recompute choice of this candidate can beat (seconds).
 
-    ``in_flight`` is ``min_in_flight`` of the table's schedule and ``recv`` its
-    ``recv_buffer_counts``, if the caller has them.
+    ``in_flight`` is ``min_in_flight`` of the table's schedule, ``recv`` its
+    ``recv_buffer_counts`` and ``duals`` its ``memory_duals``, if the caller has them.
     ``refined`` adds the whole-block bottlenecks (``integer_bottleneck_s``, and
     ``memory_bottleneck_s`` with each rank's memory; slower, used on the candidates that survive
     the cheap bound).
@@ -305,7 +316,7 @@ def time_lower_bound(
         - summary.static_sum_bytes
     )
     in_flight = _min_in_flight(table) if in_flight is None else in_flight
-    total = _min_time_under_memory(summary.runs, in_flight, budget) + s * p2p
+    total = _min_time_under_memory(summary.runs, in_flight, budget, duals) + s * p2p
     # Pigeonhole: some rank holds ceil(L_g / p) layers of run g (and every rank S / p stages).
     busiest = max(-(-count // p) * min(t) for count, t, _ in summary.runs)
     bottleneck = max(total / p, busiest + (s // p) * p2p)

@@ -33,6 +33,7 @@ from autopar.schedules import DEFAULT_SCHEDULE
 from autopar.search.bounds import (
     TableSummary,
     ilp_key,
+    memory_duals,
     memory_lower_bound,
     min_in_flight,
     recv_buffer_counts,
@@ -117,7 +118,8 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
     """
     out: list[Candidate] = []
     shared: dict[tuple, tuple[CostTable, TableSummary]] = {}
-    flights: dict[tuple, float] = {}
+    flights: dict[tuple, float] = {}  # least in-flight count, by pipeline shape
+    duals: dict[tuple, tuple] = {}  # memory_duals, by table and in-flight count
     for i, cfg in enumerate(configs, start):
         key = tuple(getattr(cfg, name) for name in _TABLE_FIELDS)
         if key not in shared:
@@ -131,10 +133,13 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
         pipe = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches)
         if pipe not in flights:
             flights[pipe] = min_in_flight(*pipe)
+        fly = flights[pipe]
+        if (key, fly) not in duals:
+            duals[key, fly] = memory_duals(summary.runs, fly)
         out.append(Candidate(
             index=i, table=table, summary=summary,
-            time_lb_s=time_lower_bound(table, summary, in_flight=flights[pipe]),
-            memory_lb_bytes=memory_lower_bound(table, summary, in_flight=flights[pipe])))
+            time_lb_s=time_lower_bound(table, summary, in_flight=fly, duals=duals[key, fly]),
+            memory_lb_bytes=memory_lower_bound(table, summary, in_flight=fly)))
         if progress is not None and i % 1024 == 1023:
             progress(0, len(configs), f"costing candidates ({i + 1}/{len(configs)})")
     return out
@@ -146,6 +151,7 @@ def _search(cands: list[Candidate], top_k, options, progress, deadline) -> _Stat
     total = len(order)
     warm, cache, state.ilps = warm_bound(order, top_k, options, deadline)
     recv: dict[tuple, tuple[int, ...]] = {}  # receive buffers per rank, by pipeline shape
+    refined: dict[tuple, float] = {}  # refined time bounds, by what they read
     for pos, cand in enumerate(order):
         kth = state.best[top_k - 1][0] if len(state.best) >= top_k else float("inf")
         # Sorted by bound: once it cannot beat the k-th best, no later candidate can either.
@@ -165,10 +171,13 @@ def _search(cands: list[Candidate], top_k, options, progress, deadline) -> _Stat
         pipe = _pipe_key(cand.table)
         if pipe not in recv:
             recv[pipe] = recv_buffer_counts(cand.table)
-        lb = time_lower_bound(cand.table, cand.summary, refined=True, recv=recv[pipe])
+        key = (ilp_key(cand.table), recv[pipe])  # all the refined bound reads
+        if key not in refined:
+            refined[key] = time_lower_bound(cand.table, cand.summary, refined=True,
+                                            recv=recv[pipe])
         limit = options.time_limit_s if remaining is None else min(options.time_limit_s,
                                                                    max(remaining, 0.1))
-        _visit(state, cand, cache, options, (limit, min(kth, warm), lb), top_k)
+        _visit(state, cand, cache, options, (limit, min(kth, warm), refined[key], key[0]), top_k)
         if progress is not None:
             progress(pos + 1, total, cand.table.config.describe())
     if progress is not None:
@@ -180,9 +189,9 @@ def _visit(state: _State, cand: Candidate, cache: dict, options: SearchOptions, 
            top_k: int) -> None:
     """Solve one candidate (or reuse an equal ILP's solution) and keep it if it is in the top k.
 
-    ``limits``: (solver time limit, cutoff: the k-th best step so far, its refined bound)."""
-    limit, cutoff, lb = limits
-    key = ilp_key(cand.table)
+    ``limits``: (solver time limit, cutoff: the k-th best step so far, its refined bound, its
+    ``ilp_key``)."""
+    limit, cutoff, lb, key = limits
     outcome = cache.get(key)
     if outcome is None:
         outcome = solve_candidate(cand.table, options, limit,

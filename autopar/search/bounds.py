@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
@@ -86,13 +87,15 @@ def summarize(table: CostTable) -> TableSummary:
         t = tuple(lay.time_per_microbatch_s(r) for r in RECOMPUTE)
         runs.append((b - a + 1, t, tuple(lay.act_bytes)))
         singles.add((lay.static_bytes, tuple(lay.act_bytes), tuple(lay.transient_bytes)))
+    # Sums run over every layer in order (not count x value): the bounds stay bit-for-bit those
+    # of the layer-by-layer formula, so the candidates' order does not shift by a rounding.
     return TableSummary(
         runs=tuple(runs),
         t_min_max_s=max(min(t) for _, t, _ in runs),
-        opt_sum_s=sum(lay.optimizer_s for lay in layers),
+        opt_sum_s=sum(map(operator.attrgetter("optimizer_s"), layers)),
         exposed_sum_s=sum(lay.dp_step_s - eta * lay.backward_s + lay.optimizer_s for lay in layers),
-        static_sum_bytes=sum(lay.static_bytes for lay in layers),
-        transient_min_bytes=min(min(lay.transient_bytes) for lay in layers),
+        static_sum_bytes=sum(map(operator.attrgetter("static_bytes"), layers)),
+        transient_min_bytes=min(min(trans) for _s, _a, trans in singles),
         single_bytes=tuple(sorted(singles)),
     )
 

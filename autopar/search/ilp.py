@@ -39,6 +39,7 @@ infeasible fast; the hull then drops the counts a rank could not afford under it
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sys
 import warnings
@@ -66,33 +67,23 @@ MEM_SAFETY_GIB = 1e-6  # margin keeps solver feasibility tolerance (1e-7) from o
 R = range(len(RECOMPUTE))
 
 
+_SIGNATURE = operator.attrgetter(
+    "compute_s", "backward_s", "recompute_s", "tp_comm_s", "ep_comm_s", "dp_microbatch_s",
+    "act_bytes", "transient_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "dp_step_s",
+    "optimizer_s", "cp_comm_s", "host_bytes",
+)
+
+
 def cost_signature(layer: LayerCost) -> tuple:
     """Every term assemble's step time and memory read; equal signatures are interchangeable."""
-    return (
-        layer.compute_s,
-        layer.backward_s,
-        layer.recompute_s,
-        layer.tp_comm_s,
-        layer.ep_comm_s,
-        layer.dp_microbatch_s,
-        layer.act_bytes,
-        layer.transient_bytes,
-        layer.param_bytes,
-        layer.grad_bytes,
-        layer.optimizer_bytes,
-        layer.dp_step_s,
-        layer.optimizer_s,
-        layer.cp_comm_s,
-        layer.host_bytes,
-    )
+    return _SIGNATURE(layer)
 
 
 def layer_runs(table: CostTable) -> tuple[tuple[int, int], ...]:
     """(first, last) layer index of each maximal run of layers with identical cost terms."""
     runs: list[tuple[int, int]] = []
     last = None
-    for i, layer in enumerate(table.layers):
-        signature = cost_signature(layer)
+    for i, signature in enumerate(map(_SIGNATURE, table.layers)):
         if runs and signature == last:
             runs[-1] = (runs[-1][0], i)
         else:

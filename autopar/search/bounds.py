@@ -9,7 +9,10 @@ bound of that multiple-choice knapsack; without memory pressure it is sum_i min_
 pipeline term
 m max_k R_k + c sum_j T_j >= m max(A / p, max_i min_r t_i + p2p) + c A. The tail
 max_k E_k >= max(dp_tail + sum_i opt_i / p, sum_i (dp_step_i - eta bwd_i + opt_i) / p) (a max is at
-least the mean), or sum_i opt_i / p without data parallelism.
+least the mean), or sum_i opt_i / p without data parallelism. The refined bound (the candidates
+the cheap one does not prune) raises max_k R_k with whole blocks: per rank, its p2p sends plus
+the fastest recompute mix of its blocks that fits its own memory at its own in-flight count
+(``memory_bottleneck_s``); A stays the all-ranks bound of the bubble term.
 
 Memory. max_k mem_k >= mean_k mem_k >= (sum_i static_i + f_min sum_i min_r act_i(r)) / p
 + min_i min_r transient_i(r) + buffers, with f_min the fewest in-flight micro-batches of any rank;

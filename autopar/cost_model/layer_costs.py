@@ -63,7 +63,7 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
-from autopar.cost_model.frameworks import Framework, framework_cluster, get_framework
+from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
 from autopar.cost_model.moe import ep_collectives, ep_layer_state, ep_terms, expert_call_flops
@@ -77,7 +77,14 @@ from autopar.cost_model.offload import (
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_peak_flops
-from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
+from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
+from autopar.cost_model.tables import (
+    RECOMPUTE_INDEX,
+    CostTable,
+    LayerCost,
+    cost_values,
+    named_cost,
+)
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
@@ -86,9 +93,6 @@ __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_col
 # torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost))
-
 
 def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
                            local_params: float, params_tp: float) -> tuple[float, float, float]:
@@ -353,14 +357,14 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     """
     cfg = config
     fw = get_framework(framework)
-    cluster = framework_cluster(cluster, fw)
+    cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search
     whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
     # Routed experts whole on every tp rank where the framework does not shard them
     # (expert_tp.py).
     profile = local if fw.expert_tensor_parallel else replicated_experts(local, cfg.tp)
     # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
     # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
-    attention = [x.recompute_flops.get("selective", 0.0) for x in profile.layers]
+    terms = profile_terms(profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)
@@ -371,10 +375,10 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
             link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * dp_efficiency)
     groups["cp_ring"] = cp_link(cluster, cfg)
     groups["pcie"] = pcie_link(cluster)
-    layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, attention)
+    layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, terms)
     if profile is not local:
         layers = model_flops_once(layers, local, cfg.cp)
-    p2p, recv_bytes = _pipeline_sends(profile, cfg, groups, ratio)
+    p2p, recv_bytes = _pipeline_sends(terms.max_output_bytes, cfg, groups, ratio)
     return CostTable(
         config=cfg,
         layers=tuple(layers),
@@ -399,36 +403,35 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
 
 
 def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, groups, ratio,
-                 fw: Framework, attention) -> tuple[list[LayerCost], list[float]]:
+                 fw: Framework, terms: ProfileTerms) -> tuple[list[LayerCost], list[float]]:
     """Every layer's LayerCost and DP tail, in profile order."""
     layers: list[LayerCost] = []
     tails: list[float] = []
-    done: dict[tuple[str, bool], tuple[dict, float]] = {}
-    first = first_block_index(profile)
-    for index, layer in enumerate(profile.layers):
+    done: dict[int, tuple[tuple, float]] = {}
+    first = terms.first_block
+    for index, source in enumerate(terms.sources):
         # A repeated block shares its first occurrence's measurements, hence its costs (the
         # model's first block apart: with SP it cuts its input, one more collective).
-        key = (layer.repeat_of or layer.name, index == first)
-        if key in done and layer.kind == "block":
-            fields, tail = done[key]
-            fields["name"] = layer.name
-            cost = LayerCost(**fields)
+        if source is not None:
+            values, tail = done[source]
+            cost = named_cost(profile.layers[index].name, values)
         else:
             cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
-                                     fw, attention[index])
-            done[key] = ({f: getattr(cost, f) for f in _FIELDS}, tail)
+                                     fw, terms.attention_flops[index])
+            done[index] = (cost_values(cost), tail)
         layers.append(cost)
         tails.append(tail)
     return layers, tails
 
 
-def _pipeline_sends(profile: ModelProfile, cfg: ParallelConfig, groups, ratio
+def _pipeline_sends(max_output_bytes: float, cfg: ParallelConfig, groups, ratio
                     ) -> tuple[float, float]:
-    """(p2p seconds per micro-batch, one stage-boundary tensor's bytes); zeros when pp == 1."""
+    """(p2p seconds per micro-batch, one stage-boundary tensor's bytes); zeros when pp == 1
+    (``max_output_bytes``: the profile's largest layer output per sample)."""
     if cfg.pp <= 1:
         return 0.0, 0.0
     sp_div = cfg.tp if cfg.sequence_parallel else 1
-    boundary = max(layer.output_bytes for layer in profile.layers) * cfg.micro_batch * ratio
+    boundary = max_output_bytes * cfg.micro_batch * ratio
     recv_bytes = boundary / sp_div  # one stage input (or output gradient) on one rank
     # forward activation send + backward gradient send of one micro-batch
     return 2 * comm.p2p_s(groups["pp"], recv_bytes), recv_bytes

@@ -1,0 +1,102 @@
+"""What every cost table of one profile, cluster and framework shares, computed once.
+
+A search builds thousands of tables (``layer_costs.build_cost_table``) for one profile on one
+cluster with one framework; the terms here read nothing else, so they are computed on the
+first table and reused by the others, the same objects and numbers:
+
+- ``driven_cluster``: the cluster as the framework drives it (``frameworks.framework_cluster``,
+  whose ``Cluster`` re-validates every field on construction);
+- ``profile_terms``: per profile (the cp rank's local one, ``cp_comm.local_profile``, itself
+  cached), each layer's attention-core FLOPs, the largest layer output (the pipeline's
+  stage-boundary tensor) and which layers repeat an earlier one's costs.
+
+The caches follow ``cp_comm.local_profile``'s: keyed on the inputs' identity, each entry holds
+its inputs (so an id is never reused while cached) and a hit checks them; at most 16 entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost_model.collectives import first_block_index
+from autopar.cost_model.frameworks import Framework, framework_cluster
+from autopar.cost_model.hardware import Cluster
+from autopar.graph.types import ModelProfile
+
+__all__ = ["ProfileTerms", "driven_cluster", "profile_terms"]
+
+_MAX_ENTRIES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileTerms:
+    """Per-profile inputs of ``build_cost_table``.
+
+    Attributes:
+        attention_flops: each layer's attention-core FLOPs per sample (its "selective"
+            recompute FLOPs in the traced profile; 0.0 where none), in layer order.
+        max_output_bytes: the largest layer output per sample (the stage-boundary tensor).
+        first_block: index of the first block layer (-1: none).
+        sources: per layer, None where its costs are computed, else the index of the earlier
+            computed layer whose costs it shares (a repeated block: same ``repeat_of`` or name,
+            and not the model's first block, which with SP cuts its input).
+    """
+
+    attention_flops: tuple[float, ...]
+    max_output_bytes: float
+    first_block: int
+    sources: tuple[int | None, ...]
+
+
+def _sources(profile: ModelProfile, first: int) -> tuple[int | None, ...]:
+    """``ProfileTerms.sources``: a block shares the costs of the latest computed layer with its
+    key (``repeat_of`` or name, whether it is the first block)."""
+    computed: dict[tuple[str, bool], int] = {}
+    out: list[int | None] = []
+    for index, layer in enumerate(profile.layers):
+        key = (layer.repeat_of or layer.name, index == first)
+        if key in computed and layer.kind == "block":
+            out.append(computed[key])
+        else:
+            out.append(None)
+            computed[key] = index
+    return tuple(out)
+
+
+def _build_terms(profile: ModelProfile) -> ProfileTerms:
+    first = first_block_index(profile)
+    return ProfileTerms(
+        attention_flops=tuple(x.recompute_flops.get("selective", 0.0) for x in profile.layers),
+        max_output_bytes=max(layer.output_bytes for layer in profile.layers),
+        first_block=first,
+        sources=_sources(profile, first),
+    )
+
+
+_TERMS: dict[int, tuple[ModelProfile, ProfileTerms]] = {}
+_CLUSTERS: dict[tuple[int, int], tuple[Cluster, Framework, Cluster]] = {}
+
+
+def profile_terms(profile: ModelProfile) -> ProfileTerms:
+    """``profile``'s ProfileTerms (cached on its identity)."""
+    hit = _TERMS.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    terms = _build_terms(profile)
+    if len(_TERMS) >= _MAX_ENTRIES:
+        _TERMS.clear()
+    _TERMS[id(profile)] = (profile, terms)
+    return terms
+
+
+def driven_cluster(cluster: Cluster, framework: Framework) -> Cluster:
+    """``frameworks.framework_cluster(cluster, framework)`` (cached on the inputs' identity)."""
+    key = (id(cluster), id(framework))
+    hit = _CLUSTERS.get(key)
+    if hit is not None and hit[0] is cluster and hit[1] is framework:
+        return hit[2]
+    driven = framework_cluster(cluster, framework)
+    if len(_CLUSTERS) >= _MAX_ENTRIES:
+        _CLUSTERS.clear()
+    _CLUSTERS[key] = (cluster, framework, driven)
+    return driven

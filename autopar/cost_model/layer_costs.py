@@ -78,13 +78,7 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_peak_flops
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
-from autopar.cost_model.tables import (
-    RECOMPUTE_INDEX,
-    CostTable,
-    LayerCost,
-    cost_values,
-    named_cost,
-)
+from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
@@ -405,22 +399,18 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
 def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, groups, ratio,
                  fw: Framework, terms: ProfileTerms) -> tuple[list[LayerCost], list[float]]:
     """Every layer's LayerCost and DP tail, in profile order."""
-    layers: list[LayerCost] = []
-    tails: list[float] = []
-    done: dict[int, tuple[tuple, float]] = {}
+    count = len(profile.layers)
+    layers: list = [None] * count
+    tails = [0.0] * count
     first = terms.first_block
-    for index, source in enumerate(terms.sources):
+    for index, shared, names in terms.computed:
         # A repeated block shares its first occurrence's measurements, hence its costs (the
         # model's first block apart: with SP it cuts its input, one more collective).
-        if source is not None:
-            values, tail = done[source]
-            cost = named_cost(profile.layers[index].name, values)
-        else:
-            cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
-                                     fw, terms.attention_flops[index])
-            done[index] = (cost_values(cost), tail)
-        layers.append(cost)
-        tails.append(tail)
+        cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
+                                 fw, terms.attention_flops[index])
+        layers[index], tails[index] = cost, tail
+        for k, copy in zip(shared, named_costs(cost, names)):
+            layers[k], tails[k] = copy, tail
     return layers, tails
 
 

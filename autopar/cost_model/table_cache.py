@@ -37,30 +37,34 @@ class ProfileTerms:
             recompute FLOPs in the traced profile; 0.0 where none), in layer order.
         max_output_bytes: the largest layer output per sample (the stage-boundary tensor).
         first_block: index of the first block layer (-1: none).
-        sources: per layer, None where its costs are computed, else the index of the earlier
-            computed layer whose costs it shares (a repeated block: same ``repeat_of`` or name,
-            and not the model's first block, which with SP cuts its input).
+        computed: the layers whose costs are computed, in layer order, each as (its index,
+            the indices of the later layers that share its costs, their names): a repeated
+            block shares the costs of the latest computed layer with its ``repeat_of`` (or
+            name), the model's first block apart (with SP it cuts its input).
     """
 
     attention_flops: tuple[float, ...]
     max_output_bytes: float
     first_block: int
-    sources: tuple[int | None, ...]
+    computed: tuple[tuple[int, tuple[int, ...], tuple[str, ...]], ...]
 
 
-def _sources(profile: ModelProfile, first: int) -> tuple[int | None, ...]:
-    """``ProfileTerms.sources``: a block shares the costs of the latest computed layer with its
-    key (``repeat_of`` or name, whether it is the first block)."""
-    computed: dict[tuple[str, bool], int] = {}
-    out: list[int | None] = []
+def _computed(profile: ModelProfile, first: int
+              ) -> tuple[tuple[int, tuple[int, ...], tuple[str, ...]], ...]:
+    """``ProfileTerms.computed``: a block shares the costs of the latest computed layer with
+    its key (``repeat_of`` or name, whether it is the first block)."""
+    latest: dict[tuple[str, bool], int] = {}
+    copies: dict[int, list[int]] = {}
     for index, layer in enumerate(profile.layers):
         key = (layer.repeat_of or layer.name, index == first)
-        if key in computed and layer.kind == "block":
-            out.append(computed[key])
+        if key in latest and layer.kind == "block":
+            copies[latest[key]].append(index)
         else:
-            out.append(None)
-            computed[key] = index
-    return tuple(out)
+            latest[key] = index
+            copies[index] = []
+    names = [layer.name for layer in profile.layers]
+    return tuple((index, tuple(shared), tuple(names[k] for k in shared))
+                 for index, shared in copies.items())
 
 
 def _build_terms(profile: ModelProfile) -> ProfileTerms:
@@ -69,7 +73,7 @@ def _build_terms(profile: ModelProfile) -> ProfileTerms:
         attention_flops=tuple(x.recompute_flops.get("selective", 0.0) for x in profile.layers),
         max_output_bytes=max(layer.output_bytes for layer in profile.layers),
         first_block=first,
-        sources=_sources(profile, first),
+        computed=_computed(profile, first),
     )
 
 

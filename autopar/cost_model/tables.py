@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.frameworks import Framework, get_framework
 
-__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "cost_values", "named_cost"]
+__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "named_costs"]
 
 RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 
@@ -89,28 +89,27 @@ class LayerCost:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def cost_values(cost: LayerCost) -> tuple:
-    """Every field of ``cost`` but its name, in field order (``named_cost``'s input)."""
-    return tuple(get(cost) for get in _VALUE_GETTERS)
-
-
-def named_cost(name: str, values: tuple) -> LayerCost:
-    """The LayerCost named ``name`` with the other fields ``values`` (``cost_values``' order):
-    what ``LayerCost(name=name, ...)`` builds, field for field, without the frozen class's
-    generated ``__init__`` (one ``object.__setattr__`` call per field): each slot is written
-    through its descriptor once, as ``__init__`` does. A repeated block's copies are most of a
-    cost table's layers (layer_costs.py), so this halves the tables' construction."""
-    cost = _new(LayerCost)
-    _SET_NAME(cost, name)
-    for setter, value in zip(_VALUE_SETTERS, values):
-        setter(cost, value)
-    return cost
+def named_costs(cost: LayerCost, names: tuple[str, ...]) -> list[LayerCost]:
+    """``cost`` under each of ``names``: what ``dataclasses.replace(cost, name=name)`` builds,
+    field for field, without the frozen class's generated ``__init__`` (one
+    ``object.__setattr__`` call per field): each slot is written through its descriptor once,
+    as ``__init__`` does. A repeated block's copies are most of a cost table's layers
+    (layer_costs.py), so this halves the tables' construction."""
+    pairs = tuple(zip(_VALUE_SETTERS, [get(cost) for get in _VALUE_GETTERS]))
+    out = []
+    for name in names:
+        copy = _new(LayerCost)
+        _SET_NAME(copy, name)
+        for setter, value in pairs:
+            setter(copy, value)
+        out.append(copy)
+    return out
 
 
 _new = object.__new__
 _SLOTS = tuple(LayerCost.__dict__[f.name] for f in dataclasses.fields(LayerCost))
-assert dataclasses.fields(LayerCost)[0].name == "name"  # named_cost sets it apart
-assert not hasattr(LayerCost, "__post_init__")  # named_cost skips nothing but the assignments
+assert dataclasses.fields(LayerCost)[0].name == "name"  # named_costs sets it apart
+assert not hasattr(LayerCost, "__post_init__")  # named_costs skips only the assignments
 _SET_NAME = _SLOTS[0].__set__
 _VALUE_SETTERS = tuple(slot.__set__ for slot in _SLOTS[1:])
 _VALUE_GETTERS = tuple(slot.__get__ for slot in _SLOTS[1:])

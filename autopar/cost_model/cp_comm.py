@@ -41,6 +41,7 @@ from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm
 from autopar.cost_model.compute import matmul_efficiency
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.overlap import overlapped_s
 from autopar.graph.types import LayerProfile, ModelProfile
 
@@ -49,7 +50,7 @@ __all__ = [
     "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s",
 ]
 
-_CACHE: dict[tuple[int, int], tuple[ModelProfile, ModelProfile]] = {}
+_LOCAL: IdentityCache[ModelProfile] = IdentityCache()
 
 
 def _scaled_layer(layer: LayerProfile, cp: int) -> LayerProfile:
@@ -82,19 +83,11 @@ def local_profile(profile: ModelProfile, cp: int) -> ModelProfile:
     """
     if cp == 1:
         return profile
-    key = (id(profile), cp)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    local = dataclasses.replace(
+    return _LOCAL.get((profile,), cp, lambda: dataclasses.replace(
         profile,
         seq_len=profile.seq_len // cp,
         layers=tuple(_scaled_layer(layer, cp) for layer in profile.layers),
-    )
-    if len(_CACHE) > 16:
-        _CACHE.clear()
-    _CACHE[key] = (profile, local)
-    return local
+    ))
 
 
 def cp_link(cluster: Cluster, config: ParallelConfig) -> comm.GroupLink:

@@ -15,11 +15,15 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.config import DTYPE_BYTES
+from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.tables import LayerCost
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["model_flops_once", "replicated_experts"]
+
+# One widened profile per (profile, tp): a search builds thousands of tables from one profile.
+_WIDENED: IdentityCache[ModelProfile] = IdentityCache()
 
 
 def replicated_experts(profile: ModelProfile, tp: int) -> ModelProfile:
@@ -29,6 +33,10 @@ def replicated_experts(profile: ModelProfile, tp: int) -> ModelProfile:
     activations per dispatched row are moe.py's (2 h + 4 f_e elements)."""
     if tp <= 1 or not any(layer.moe is not None for layer in profile.layers):
         return profile
+    return _WIDENED.get((profile,), tp, lambda: _widened_profile(profile, tp))
+
+
+def _widened_profile(profile: ModelProfile, tp: int) -> ModelProfile:
     w = DTYPE_BYTES[profile.dtype]
     layers = tuple(_widened(layer, tp, profile.seq_len, w)
                    if layer.moe is not None and tp_sharded(layer) else layer

@@ -10,8 +10,7 @@ first table and reused by the others, the same objects and numbers:
   cached), each layer's attention-core FLOPs, the largest layer output (the pipeline's
   stage-boundary tensor) and which layers repeat an earlier one's costs.
 
-The caches follow ``cp_comm.local_profile``'s: keyed on the inputs' identity, each entry holds
-its inputs (so an id is never reused while cached) and a hit checks them; at most 16 entries.
+Both are ``identity_cache.IdentityCache`` memos, as ``cp_comm.local_profile`` is.
 """
 
 from __future__ import annotations
@@ -21,12 +20,10 @@ from dataclasses import dataclass
 from autopar.cost_model.collectives import first_block_index
 from autopar.cost_model.frameworks import Framework, framework_cluster
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.identity_cache import IdentityCache
 from autopar.graph.types import ModelProfile
 
 __all__ = ["ProfileTerms", "driven_cluster", "profile_terms"]
-
-_MAX_ENTRIES = 16
-
 
 @dataclass(frozen=True, slots=True)
 class ProfileTerms:
@@ -77,30 +74,17 @@ def _build_terms(profile: ModelProfile) -> ProfileTerms:
     )
 
 
-_TERMS: dict[int, tuple[ModelProfile, ProfileTerms]] = {}
-_CLUSTERS: dict[tuple[int, int], tuple[Cluster, Framework, Cluster]] = {}
+_MAX_ENTRIES = 16
+_TERMS: IdentityCache[ProfileTerms] = IdentityCache(_MAX_ENTRIES)
+_CLUSTERS: IdentityCache[Cluster] = IdentityCache(_MAX_ENTRIES)
 
 
 def profile_terms(profile: ModelProfile) -> ProfileTerms:
     """``profile``'s ProfileTerms (cached on its identity)."""
-    hit = _TERMS.get(id(profile))
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    terms = _build_terms(profile)
-    if len(_TERMS) >= _MAX_ENTRIES:
-        _TERMS.clear()
-    _TERMS[id(profile)] = (profile, terms)
-    return terms
+    return _TERMS.get((profile,), None, lambda: _build_terms(profile))
 
 
 def driven_cluster(cluster: Cluster, framework: Framework) -> Cluster:
     """``frameworks.framework_cluster(cluster, framework)`` (cached on the inputs' identity)."""
-    key = (id(cluster), id(framework))
-    hit = _CLUSTERS.get(key)
-    if hit is not None and hit[0] is cluster and hit[1] is framework:
-        return hit[2]
-    driven = framework_cluster(cluster, framework)
-    if len(_CLUSTERS) >= _MAX_ENTRIES:
-        _CLUSTERS.clear()
-    _CLUSTERS[key] = (cluster, framework, driven)
-    return driven
+    return _CLUSTERS.get((cluster, framework), None,
+                         lambda: framework_cluster(cluster, framework))

@@ -1,0 +1,55 @@
+"""Mixtral 8x7B on 64 H100 (global batch 512): the plan, the best expert-parallel split and how
+the router's load imbalance decides between them (the figures README's "Experts, long context,
+precision" section quotes).
+
+Run: ``python benchmarks/moe_plans.py``. Prints, for autopar's runtime, the planned split; the
+step time of the best ep split (dp=16 pp=4 ep=8, TP 1 PP 4 EP 8) at the dropless router's
+imbalance (``cost_model.moe.DROPLESS_IMBALANCE``, sourced), at 1.1x and at 1.0x (the constant
+set for this sensitivity run only); the split the README showed before (dp=4 tp=4 pp=4) as
+autopar's runtime runs it (experts whole on every tp rank); and megatron-lm's plan.
+"""
+
+from __future__ import annotations
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.cost_model import moe
+
+GPUS, BATCH = 64, 512
+EP_SPLIT = ParallelConfig(dp=16, pp=4, ep=8, zero=1, micro_batch=1, global_batch=BATCH,
+                          schedule="zbv-zero-bubble", virtual_stages=2)
+TP_SPLIT = ParallelConfig(dp=4, tp=4, pp=4, zero=1, micro_batch=4, global_batch=BATCH,
+                          schedule="interleaved-zero-bubble", virtual_stages=2)
+
+
+def _split(cfg) -> str:
+    parts = [f"{k}={getattr(cfg, k)}" for k in ("dp", "cp", "tp", "pp", "ep")
+             if getattr(cfg, k) > 1]
+    return " ".join(parts) + f" zero={cfg.zero} {cfg.dtype}"
+
+
+def main() -> int:
+    profile = autopar.profile(autopar.models.build("mixtral-8x7b"))
+    cluster = autopar.Cluster.preset("h100", nodes=GPUS // 8)
+    best = autopar.plan(profile, cluster, BATCH)
+    print(f"autopar plan: {_split(best.config)}  {best.estimate.step_time_s:.2f} s")
+    sourced = moe.DROPLESS_IMBALANCE
+    for factor in (sourced, 1.1, 1.0):
+        moe.DROPLESS_IMBALANCE = factor
+        try:
+            est = autopar.estimate(profile, cluster, EP_SPLIT)
+        finally:
+            moe.DROPLESS_IMBALANCE = sourced
+        print(f"ep split {_split(EP_SPLIT)} at {factor:.2f}x imbalance: "
+              f"{est.step_time_s:.2f} s ({est.step_time_s / best.estimate.step_time_s - 1:+.1%})"
+              f"  {est.memory_per_gpu_bytes / 2**30:.1f} GiB")
+    tp = autopar.estimate(profile, cluster, TP_SPLIT)
+    print(f"{_split(TP_SPLIT)} as autopar's runtime runs it: {tp.step_time_s:.2f} s, "
+          f"{tp.memory_per_gpu_bytes / 2**30:.0f} GiB a GPU (fits: {tp.fits})")
+    mega = autopar.plan(profile, cluster, BATCH, framework="megatron-lm")
+    print(f"megatron-lm plan: {_split(mega.config)}  {mega.estimate.step_time_s:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """Mixture-of-experts layers as a known operation while profiling on the meta device.
 
 Which expert runs which token depends on the router's values, which meta tensors do not have:
-HF's expert loops find no expert hit (their FLOPs vanish) and the zoo's ``torch.where`` cannot
-run. So, like SDPA (``gpu_kernels.py``), the routed experts are replaced by a stand-in whose
-shapes do not depend on values, and counted by formula.
+HF's expert loops find no expert hit (their FLOPs vanish) and the zoo's per-expert row counts
+(``bincount(...).tolist()``) cannot be read. So, like SDPA (``gpu_kernels.py``), the routed
+experts are replaced by a stand-in whose shapes do not depend on values, and counted by formula.
 
 Expert modules are recognised by their layout, the one of HF transformers 5's ``*Experts``
 modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) and of the zoo's ``models/moe.py``: 3-D

@@ -78,20 +78,30 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """``sum_k w_k expert_k(x)`` for ``x[T, h]``, indices and weights ``[T, k]``."""
-        out = torch.zeros_like(x)
-        capacity = expert_capacity(
-            x.shape[0], top_k_index.shape[1], self.num_experts, self.capacity_factor
-        )
-        for e in range(self.num_experts):
-            token, slot = torch.where(top_k_index == e)
-            if capacity:
-                token, slot = token[:capacity], slot[:capacity]
-            if token.numel() == 0:
-                continue
-            y = self.expert_forward(e, x[token]) * top_k_weights[token, slot, None]
-            out = out.index_add(0, token, y.to(out.dtype))
-        return out
+        """``sum_k w_k expert_k(x)`` for ``x[T, h]``, indices and weights ``[T, k]``.
+
+        The T k assignments are sorted by expert once (stable: token order within an expert,
+        which is the order the capacity keeps) and gathered once; each expert runs on its
+        contiguous slice and the weighted results are summed into the tokens by one
+        ``index_add``, in expert order per token as a loop over experts would add them.
+        """
+        top_k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        capacity = expert_capacity(x.shape[0], top_k, self.num_experts, self.capacity_factor)
+        if capacity:  # keep each expert's first ``capacity`` assignments in token order
+            starts = [sum(counts[:e]) for e in range(self.num_experts)]
+            kept = [order[s : s + min(n, capacity)] for s, n in zip(starts, counts, strict=True)]
+            counts = [min(n, capacity) for n in counts]
+            order = torch.cat(kept)
+        token = order // top_k
+        rows = x.index_select(0, token)
+        pieces = [self.expert_forward(e, part)
+                  for e, part in enumerate(rows.split(counts)) if part.shape[0]]
+        y = torch.cat(pieces) if pieces else rows[:0]
+        y = y * top_k_weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 
 class MoE(nn.Module):

@@ -10,8 +10,9 @@ Forward of an experts module (``models/moe.py::Experts``) on ``x[T, h]`` routed 
 the T k (token, expert) assignments are sorted by expert, hence by the rank that holds it; their
 counts are exchanged (``all_to_all_single``); the token rows go to their experts' ranks
 (``all_to_all_single_autograd``: the dispatch; its backward sends the gradients back), each
-rank runs its local experts on what it received, and the results come back the same way (the
-combine), are weighted by the router and summed per token, exactly as the one-process module.
+rank runs its local experts on what it received (sorted by local expert once, each expert on
+its contiguous slice), and the results come back the same way (the combine), are weighted by
+the router and summed per token, exactly as the one-process module.
 
 Gradients: the routed experts are left out of the dense layers' data-parallel wrappers
 (``ignored_params``; they differ per ep rank). A rank's expert gradient already sums the
@@ -115,11 +116,14 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
         # experts received no rows, or autograd would skip both all-to-alls' backward there
         # while the other ranks of the group wait in theirs.
+        # The received rows sorted by local expert once; each expert runs on its slice.
+        by_expert = torch.argsort(recv_expert, stable=True)
+        counts = torch.bincount(recv_expert, minlength=local).tolist()
+        pieces = [module.expert_forward(e, part) for e, part in
+                  enumerate(recv.index_select(0, by_expert).split(counts)) if part.shape[0]]
         y = recv * 0
-        for e in range(local):
-            rows = torch.nonzero(recv_expert == e).flatten()
-            if rows.numel():
-                y = y.index_add(0, rows, module.expert_forward(e, recv.index_select(0, rows)))
+        if pieces:
+            y = y.index_add(0, by_expert, torch.cat(pieces))
         back = funcol.wait_tensor(
             funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         weights = top_k_weights.reshape(-1).index_select(0, order)

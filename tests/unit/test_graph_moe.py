@@ -123,3 +123,45 @@ def test_hf_qwen2_moe_is_qwen2_plus_experts():
     gates = 2 * SEQ * 64 * 4 + 2 * SEQ * 64  # router and the shared expert's sigmoid gate
     assert moe.fwd_flops == pytest.approx(dense.fwd_flops + 2 * mlp + gates, rel=0.01)
     assert moe.moe.shared_experts == 1 and moe.moe.experts == 4
+
+
+def _reference_experts(module, x, index, weights):
+    """The module docstring's rule, token by token: ``sum_k w_k expert_k(x)``, an expert taking
+    its assignments in (token, slot) order up to its capacity."""
+    import torch
+
+    from autopar.models.moe import expert_capacity
+
+    tokens, top_k = index.shape
+    cap = expert_capacity(tokens, top_k, module.num_experts, module.capacity_factor)
+    taken = [0] * module.num_experts
+    out = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(index[t, j])
+            taken[e] += 1
+            if cap and taken[e] > cap:
+                continue
+            out[t] += weights[t, j] * module.expert_forward(e, x[t : t + 1])[0]
+    return out
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(tokens=st.integers(1, 24), experts=st.integers(1, 6), top_k=st.integers(1, 3),
+       capacity_factor=st.sampled_from([0.0, 0.5, 1.0, 1.25]), seed=st.integers(0, 99))
+def test_experts_forward_is_the_routed_sum(tokens, experts, top_k, capacity_factor, seed):
+    import torch
+
+    from autopar.models.moe import Experts
+
+    top_k = min(top_k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    module = Experts(8, 6, experts, capacity_factor)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen))
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen))
+    x = torch.randn(tokens, 8, generator=gen, dtype=torch.float64)
+    probs = torch.rand(tokens, experts, generator=gen, dtype=torch.float64)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    got = module(x, index, weights)
+    torch.testing.assert_close(got, _reference_experts(module, x, index, weights))

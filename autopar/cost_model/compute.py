@@ -34,13 +34,29 @@ from dataclasses import dataclass
 from autopar.cost_model.hardware import DeviceSpec
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "LayerCompute",
+    "attention_ratio",
     "busy_speedup",
     "framework_overheads_s",
     "layer_compute",
     "matmul_efficiency",
     "param_traffic_bytes_per_param",
 ]
+
+# The attention kernels a framework runs for a fused (SDPA) attention core: "fused" (cuDNN /
+# FlashAttention-3 class, what the device's matmul curve stands for) or "flash2" (the
+# FlashAttention-2 kernel of torch's SDPA flash backend).
+ATTENTION_KERNELS = ("fused", "flash2")
+
+
+def attention_ratio(device: DeviceSpec, kernel: str, attention: str) -> float:
+    """Speed of a layer's attention core relative to the layer's matmul rate: the device's
+    ``flash2_attention_ratio`` for ``kernel`` "flash2" on a fused (``attention`` "sdpa")
+    core; 1 for the fused kernels and for eager attention (its score matmuls are matmuls)."""
+    if kernel == "flash2" and attention == "sdpa":
+        return device.flash2_attention_ratio
+    return 1.0
 
 # Share of a layer's elementwise traffic in the forward pass (backward touches ~2x: gradients of
 # every elementwise op read the saved input and the output gradient and write the input gradient).

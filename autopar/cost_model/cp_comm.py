@@ -39,7 +39,7 @@ import dataclasses
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm
-from autopar.cost_model.compute import matmul_efficiency
+from autopar.cost_model.compute import attention_ratio, matmul_efficiency
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.overlap import overlapped_s
@@ -189,9 +189,11 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
         saved, live = gathered_kv_bytes(kv, cfg)
         return CpTerms(comm_s=gather_exchange_s(kv, cfg, groups["cp"]),
                        saved_bytes=(saved, saved, 0.0), transient_bytes=(0.0, 0.0, live))
-    # The ring's window: the attention core at the 16-bit rate and the layer's efficiency.
+    # The ring's window: the attention core at the 16-bit rate, the layer's efficiency and its
+    # kernel's speed (compute.attention_ratio).
     rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
     rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+    rate *= attention_ratio(cluster.device, fw.attention_kernel, profile.attention)
     attn_fwd_s = attn_flops / rate
     bwd_ratio = layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0
     return CpTerms(comm_s=ring_exchange_s(kv, attn_fwd_s, bwd_ratio * attn_fwd_s, cfg,

@@ -9,8 +9,10 @@ moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every 
 runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
 blocks run under sequence parallelism; ``offload_optimizer_moves_params``, an optimizer offload
 that also keeps parameters and gradients on the host, costed as ``offload="params"``
-(offload.py)), each with its source; ``supports_dimensions`` says why a framework cannot run a
-config's cp, HSDP, offload or dtype.
+(offload.py); ``attention_kernel``, the kernel of a fused attention core: "fused" (cuDNN /
+FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the device's
+``flash2_attention_ratio`` of it: compute.attention_ratio)), each with its source;
+``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
 from __future__ import annotations
@@ -19,24 +21,31 @@ from typing import Any
 
 __all__ = ["DIMENSIONS", "DIMENSION_SOURCES", "supports_dimensions"]
 
+# measured: torch 2.13's SDPA tries its flash backend (FlashAttention-2's kernels) first
+# (torch._C._get_sdp_priority_order() == [FLASH, EFFICIENT, MATH, CUDNN, OVERRIDEABLE]) and
+# leaves FlashAttention-3 off (torch._C._get_fa3_sdp_enabled() is False).
+_TORCH_SDPA = ("measured: F.scaled_dot_product_attention runs torch's flash backend "
+               "(FlashAttention-2) first; FlashAttention-3 is opt-in (torch 2.13)")
+
 DIMENSIONS: dict[str, dict[str, Any]] = {
     "autopar": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
-        expert_tensor_parallel=False, moe_sequence_parallel=False,
+        expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
-        dtypes=("bf16", "fp16", "fp32", "fp8"),
+        dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
-        dtypes=("bf16", "fp16", "fp32", "fp8"),
+        dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused",
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
+        attention_kernel="flash2",
     ),
 }
 
@@ -73,6 +82,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "(tests/distributed/test_runtime_moe.py tp case)",
         "moe_sequence_parallel": "sourced: autopar/runtime/apply.py _check_moe_sp refuses "
                                  "sequence parallelism for mixture-of-experts models",
+        "attention_kernel": _TORCH_SDPA,
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -99,6 +109,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "rowwise), with ep on sharded over ep",
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
+        "attention_kernel": _TORCH_SDPA,
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -124,6 +135,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
                                  "(training with tp > 1 and MoE expects sequence "
                                  "parallelism)",
+        "attention_kernel": "sourced: Megatron-Core's TEDotProductAttention (Transformer "
+                            "Engine): cuDNN fused attention or FlashAttention-3 on Hopper",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -144,6 +157,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "enable_expert_tensor_parallelism=False) by default: experts "
                                   "whole on every tensor-parallel rank",
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
+        "attention_kernel": "sourced: Megatron-DeepSpeed --use-flash-attn-v2 "
+                            "(FlashAttention-2's kernels)",
     },
 }
 

@@ -26,6 +26,7 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
+from autopar.cost_model.compute import ATTENTION_KERNELS
 from autopar.cost_model.framework_fit import FIT
 from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
@@ -121,8 +122,8 @@ class Framework:
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
-            expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params: the
-            other dimensions (framework_dimensions.py).
+            expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
+            attention_kernel: the other dimensions and kernels (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -188,8 +189,12 @@ class Framework:
     expert_gemm_calls: int = 0
     expert_tensor_parallel: bool = True
     moe_sequence_parallel: bool = True
+    attention_kernel: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} unknown; use one of "
+                             f"{ATTENTION_KERNELS}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8_scaling {self.fp8_scaling!r} unknown; use one of "
                              f"{FP8_SCALINGS}")

@@ -95,6 +95,11 @@ class DeviceSpec:
             bubble) runs up to this many times faster.
         peak_fp8_flops: dense fp8 tensor-core peak FLOP/s; 0 for parts without fp8 tensor
             cores (fp8 training is then refused).
+        flash2_attention_ratio: speed of FlashAttention-2 (the kernel of torch's SDPA flash
+            backend) relative to the fused attention kernels (cuDNN, FlashAttention-3) that
+            the device's matmul curve stands for; a framework whose ``attention_kernel`` is
+            ``flash2`` runs a fused (SDPA) attention core at this fraction of the layer's rate
+            (sourced per preset, presets.py).
     """
 
     name: str
@@ -117,6 +122,7 @@ class DeviceSpec:
     shared_compute_processes: float = 1.0
     dispatch_floor_s: float = 0.0
     peak_fp8_flops: float = 0.0
+    flash2_attention_ratio: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of a dtype ("bf16", "fp16", "fp32", "tf32" or "fp8": the fp8 matmul rate,
@@ -346,6 +352,7 @@ _DEVICE_OPTIONAL_RULES: dict[str, tuple[str, str]] = {
                     "dtensor_optimizer_layer_overhead_s", "recompute_layer_overhead_s",
                     "dispatch_floor_s", "peak_fp8_flops")},
     "shared_compute_processes": ("float", "atleast1"),
+    "flash2_attention_ratio": ("float", "eff"),
 }
 _DEVICE_FIELDS = MappingProxyType({**_DEVICE_REQUIRED, **_DEVICE_OPTIONAL_RULES})
 _LINK_FIELDS = MappingProxyType({

@@ -41,6 +41,7 @@ from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
 from autopar.cost_model.compute import (
+    attention_ratio,
     busy_speedup,
     framework_overheads_s,
     layer_compute,
@@ -76,7 +77,7 @@ from autopar.cost_model.offload import (
 )
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_peak_flops
+from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, layer_peak_flops
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
@@ -155,7 +156,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
     act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
-    fp8, peak = _peak_flops(cluster, cfg, layer, layer.fwd_flops * b / shard, attn_flops)
+    fp8, peak = _peak_flops(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     casts = _fp8_casts(fp8, fw, act[0], held, cfg)
@@ -289,14 +290,19 @@ def _with_experts(times, ep, cluster: Cluster, cfg: ParallelConfig, layer, shard
                                recompute_s=(rec[0], rec[1], rec[2] + fwd_s))
 
 
-def _peak_flops(cluster: Cluster, cfg: ParallelConfig, layer, fwd_flops: float,
-                attn_flops: float) -> tuple[bool, float]:
-    """(fp8 linears?, the rate of the layer's FLOPs): fp8 on the blocks' linears only
-    (precision.fp8_peak_flops), else the training dtype's (bf16 for fp8 runs)."""
+def _peak_flops(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: ModelProfile,
+                layer, scale: float, attn_flops: float) -> tuple[bool, float]:
+    """(fp8 linears?, the rate of the layer's FLOPs (``scale`` times its per-sample ones,
+    ``attn_flops`` of them its attention core)): the linears at the training dtype's rate
+    (fp8 on the blocks' linears only), the attention core at the 16-bit rate times its
+    kernel's speed (compute.attention_ratio; precision.layer_peak_flops)."""
+    device = cluster.device
+    half = device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
     fp8 = cfg.dtype == "fp8" and layer.kind == "block"
-    if fp8:
-        return True, fp8_peak_flops(cluster.device, fwd_flops - attn_flops, attn_flops)
-    return False, cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+    matmul_peak = device.peak_fp8_flops if fp8 else half
+    ratio = attention_ratio(device, fw.attention_kernel, profile.attention)
+    return fp8, layer_peak_flops(matmul_peak, half * ratio, layer.fwd_flops * scale - attn_flops,
+                                 attn_flops)
 
 
 def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):

@@ -43,7 +43,7 @@ __all__ = [
     "FP8_SCALINGS",
     "dtype_reason",
     "fp8_cast_bytes",
-    "fp8_peak_flops",
+    "layer_peak_flops",
     "supported_dtypes",
 ]
 
@@ -79,14 +79,16 @@ def supported_dtypes(device: DeviceSpec) -> tuple[str, ...]:
     return tuple(out)
 
 
-def fp8_peak_flops(device: DeviceSpec, matmul_flops: float, attention_flops: float) -> float:
-    """The rate at which a layer's FLOPs run under fp8: linears at the fp8 rate, the attention
-    core at bf16 (a harmonic mean weighted by FLOPs)."""
-    total = matmul_flops + attention_flops
-    if total <= 0:
-        return device.peak_fp8_flops
-    return total / (matmul_flops / device.peak_fp8_flops
-                    + attention_flops / device.peak_bf16_flops)
+def layer_peak_flops(matmul_peak_flops: float, attention_peak_flops: float,
+                     matmul_flops: float, attention_flops: float) -> float:
+    """The rate at which a layer's FLOPs run: its linears at ``matmul_peak_flops`` (the
+    training dtype's; fp8 linears at the fp8 rate), its attention core at
+    ``attention_peak_flops`` (the 16-bit rate times its kernel's ``compute.attention_ratio``):
+    a harmonic mean weighted by FLOPs."""
+    if attention_flops <= 0 or attention_peak_flops == matmul_peak_flops:
+        return matmul_peak_flops
+    return (matmul_flops + attention_flops) / (max(0.0, matmul_flops) / matmul_peak_flops
+                                               + attention_flops / attention_peak_flops)
 
 
 def dtype_reason(device: DeviceSpec, dtype: str) -> str:

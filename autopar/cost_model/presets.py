@@ -53,6 +53,14 @@ DP_OVERLAP = 0.8
 # 1.5-3 ms whatever their FLOPs), block-time MAPE 6.5% (the H100 fit above gave 17.3%).
 H200_EFFICIENCY_MAX = 0.70
 H200_HALF_FLOPS = 3.7e10
+# sourced: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Figure 5, H100 SXM5 bf16
+# forward, head dim 128, causal: FlashAttention-2 333 / 335 TFLOP/s at 8k / 16k tokens, cuDNN
+# 529 / 539 (FlashAttention-3 602 / 616): FA2 runs at 0.63 of the fused kernels on Hopper. The
+# H100 curve above was fitted to runs of fused-attention frameworks (and long-sequence
+# Megatron-LM runs, whose attention is nearly all the work, hold at the matmul rate), so FA2's
+# share is 0.63 of it. The H200 curve was measured on autopar's runtime, whose attention is
+# SDPA's FA2 (torch 2.13: flash backend first, FA3 off): FA2's rate is already inside it (1.0).
+H100_FLASH2_ATTENTION_RATIO = 0.63
 DISPATCH_FLOOR_S = 2.0e-3  # eager PyTorch, one block forward + backward (any GPU's host)
 HEADROOM = 0.05  # CUDA context (~0.5-1 GiB) + allocator fragmentation, of device memory
 # NCCL allocates its channel buffers per communicator (NCCL_BUFFSIZE 4 MiB per channel and
@@ -76,6 +84,7 @@ def _gpu(
     eff: float,
     half_flops: float | None = None,
     fp8: float = 0.0,
+    flash2: float = 1.0,
 ) -> dict[str, Any]:
     return {
         "name": name,
@@ -90,6 +99,7 @@ def _gpu(
         "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
         "dispatch_floor_s": DISPATCH_FLOOR_S,
         "peak_fp8_flops": fp8,
+        "flash2_attention_ratio": flash2,
     }
 
 
@@ -183,12 +193,13 @@ _A100_80G = {**_A100_40G, "name": "A100-SXM4-80GB", "memory_bytes": 80 * GIB,
 _H100 = _gpu(
     "H100-SXM5-80GB", bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12,
     memory_bytes=81559 * MIB, hbm=3.35e12, eff=H100_EFFICIENCY_MAX, fp8=1979e12,
+    flash2=H100_FLASH2_ATTENTION_RATIO,
 )
 # H200 SXM 141GB: same compute as H100 SXM (H200 datasheet: 989 TFLOP/s dense bf16),
 # HBM3e 4.8 TB/s; nvidia-smi reports 143,771 MiB. Efficiency measured on one H200.
 _H200 = {**_H100, "name": "H200-SXM-141GB", "memory_bytes": 143771 * MIB,
          "hbm_bytes_per_s": 4.8e12, "matmul_efficiency_max": H200_EFFICIENCY_MAX,
-         "matmul_half_flops": H200_HALF_FLOPS}
+         "matmul_half_flops": H200_HALF_FLOPS, "flash2_attention_ratio": 1.0}
 # No calibration record: efficiency as A100 (assumption).
 _V100 = _gpu(
     "V100-SXM2-32GB", bf16=15.7e12, fp16=125e12, tf32=15.7e12, fp32=15.7e12,

@@ -39,9 +39,11 @@ def _block(table):
 
 
 def _flat_device(cluster: Cluster) -> Cluster:
-    """No matmul-size curve, elementwise traffic, dispatch floor: compute = FLOPs / rate."""
+    """No matmul-size curve, elementwise traffic, dispatch floor, slower attention kernel:
+    compute = FLOPs / rate."""
     device = dataclasses.replace(cluster.device, matmul_half_flops=0.0,
-                                 elementwise_traffic_factor=0.0, dispatch_floor_s=0.0)
+                                 elementwise_traffic_factor=0.0, dispatch_floor_s=0.0,
+                                 flash2_attention_ratio=1.0)
     return dataclasses.replace(cluster, device=device, param_traffic_factor=0.0)
 
 

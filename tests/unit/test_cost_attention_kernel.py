@@ -1,0 +1,58 @@
+"""The attention kernel a framework runs: FlashAttention-2's rate on Hopper against the fused
+kernels the matmul curve stands for (compute.attention_ratio, precision.layer_peak_flops)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.compute import attention_ratio, matmul_efficiency
+from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.presets import H100_FLASH2_ATTENTION_RATIO
+from tests.fixtures.profiles import analytic_transformer_profile
+
+H100 = Cluster.preset("h100", nodes=1)
+
+
+def test_flash2_is_slower_on_hopper_only():
+    assert attention_ratio(H100.device, "flash2", "sdpa") == H100_FLASH2_ATTENTION_RATIO
+    assert 0.6 < H100_FLASH2_ATTENTION_RATIO < 0.65  # FA2 333 of cuDNN 529 TFLOP/s (FA3 Fig. 5)
+    assert attention_ratio(H100.device, "fused", "sdpa") == 1.0
+    assert attention_ratio(H100.device, "flash2", "eager") == 1.0  # score matmuls are matmuls
+    for gpu in ("a100-80g", "h200"):  # FA2 is A100's kernel; the H200 curve was measured on it
+        assert attention_ratio(Cluster.preset(gpu, nodes=1).device, "flash2", "sdpa") == 1.0
+
+
+def test_every_framework_names_its_attention_kernel():
+    for name in FRAMEWORKS:
+        fw = get_framework(name)
+        assert fw.attention_kernel in ("fused", "flash2")
+        assert fw.sources["attention_kernel"].startswith(("sourced:", "measured:"))
+    with pytest.raises(ValueError, match="attention_kernel"):
+        dataclasses.replace(get_framework("torchtitan"), attention_kernel="flash9")
+
+
+@pytest.mark.parametrize("seq_len", [2048, 32768])
+def test_a_block_pays_the_attention_core_at_the_kernels_rate(seq_len):
+    """The block's forward under FlashAttention-2 exceeds the fused kernel's by exactly its
+    attention FLOPs at (1 / ratio - 1) of the layer's rate; longer sequences pay more."""
+    profile = analytic_transformer_profile(2, 4096, 32, 32000, seq_len, gated_mlp=True,
+                                           kv_heads=8, dropout=False)
+    cfg = ParallelConfig(dp=8, global_batch=32, micro_batch=4)
+    flash2 = get_framework("torchtitan")
+    fused = dataclasses.replace(flash2, attention_kernel="fused")
+    slow, fast = (build_cost_table(profile, H100, cfg, fw).layers for fw in (flash2, fused))
+    index = next(i for i, x in enumerate(profile.layers) if x.kind == "block")
+    block = profile.layers[index]
+    attn = 4 * block.recompute_flops["selective"]  # the attention core (4 samples)
+    rate = H100.device.peak_bf16_flops * matmul_efficiency(H100.device, 4 * block.fwd_flops)
+    extra = attn / rate * (1 / H100_FLASH2_ATTENTION_RATIO - 1)
+    fwd = [c.compute_s - c.backward_s for c in (slow[index], fast[index])]
+    assert fwd[0] - fwd[1] == pytest.approx(extra, rel=0.02)
+    assert slow[index].backward_s > fast[index].backward_s
+    embed = next(i for i, x in enumerate(profile.layers) if x.kind != "block")
+    assert slow[embed].compute_s == fast[embed].compute_s  # no attention, no change

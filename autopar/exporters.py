@@ -163,8 +163,11 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
         # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
         parallelism["expert_parallel_degree"] = cfg.ep
         parallelism["expert_tensor_parallel_degree"] = cfg.tp
-    if cfg.cp > 1:  # K/V shards passed around the ring (what the cost model charges)
-        parallelism["context_parallel_rotate_method"] = "alltoall"
+    if cfg.cp > 1:  # how the prediction exchanged K/V: the ring, or torchtitan's all-gather
+        from autopar.cost_model.frameworks import get_framework
+
+        ring = get_framework(plan.framework).cp_comm == "ring"
+        parallelism["context_parallel_rotate_method"] = "alltoall" if ring else "allgather"
         if cfg.zero == 0:
             notes.append("torchtitan shards parameters (FSDP) over dp_shard * cp whenever cp > 1; "
                          "the plan's zero=0 runs as FSDP there")

@@ -15,8 +15,7 @@ count) and its split. A record becomes exactly what a user would type (``record_
     estimate = autopar.estimate(profile, cluster, config, framework=record["framework"])
 
 with fixed, documented defaults for fields a record leaves out (``DEFAULTS``, docs/frameworks.md)
-and no rule keyed on a record's id. Records outside autopar's space (fp8 matmuls, context
-parallelism) are listed and skipped.
+and no rule keyed on a record's id. Records outside autopar's space are listed and skipped.
 
 The fit (``--fit``): for each framework, its own records only, the few fitted fields of its
 ``Framework`` record (``FITTED``) minimise the squared log error of tokens/s per GPU
@@ -81,8 +80,6 @@ def load_records(path: Path = RUNS) -> list[dict]:
 
 def out_of_space(rec: dict) -> str | None:
     """Why autopar cannot express a record yet (None when it can)."""
-    if rec["plan"].get("cp_rotate_method") == "allgather":
-        return "context parallelism with all-gathered K/V (autopar charges the ring rotation)"
     m = rec["model"]
     if m["kind"] == "gpt" and m.get("kv_heads") and m["kv_heads"] != m["heads"]:
         return "grouped-query attention in a GPT block (the zoo's gpt kind is multi-head)"
@@ -183,7 +180,10 @@ def record_framework(rec: dict, framework: Framework | None = None) -> Framework
     """The record's framework with the settings its source states (``framework_settings``:
     e.g. Megatron-LM's --tp-comm-overlap); none stated: the framework's defaults."""
     fw = framework or get_framework(rec["framework"])
-    return fw.with_settings(tuple(rec.get("framework_settings") or ()))
+    settings = tuple(rec.get("framework_settings") or ())
+    if rec["plan"].get("cp_rotate_method") == "alltoall":  # torchtitan's ring (its default:
+        settings += ("cp-rotate-alltoall",)                 # "allgather")
+    return fw.with_settings(settings)
 
 
 def record_inputs(rec: dict, framework: Framework | None = None):

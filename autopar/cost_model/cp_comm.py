@@ -31,6 +31,17 @@ collectives on the cp group (comm.py). Full recompute re-runs the gather; select
 gathered K/V (recompute.py) and does not. The attention saves the gathered K/V for its
 backward: ``(cp - 1) kv`` bytes beyond the rank's own per block and micro-batch (none and
 selective; with full recompute they live while the block's backward runs).
+
+Gather-then-compute variant (``Framework.cp_comm == "all_gather_rotate"``: torch's
+``context_parallel`` with its "allgather" rotate method, torchtitan's default): the forward
+issues one all-gather of K and V (``cp * kv`` bytes out) before the attention of the rank's own
+block and waits for it after: it overlaps 1/cp of the attention; the backward gathers K and V
+again the same way and passes the gradients dK and dV around the ring (cp - 1 steps, each
+overlapping one block's backward) in fp32 (``_ContextParallelOptions.convert_to_f32``: twice
+the bytes of K and V). Nothing gathered is saved for backward; the gathered K/V are transient:
+
+    exposed = over(ag(cp kv), a_f / cp) + over(ag(cp kv), a_b / cp)
+              + (cp - 1) * over(p2p(2 kv), a_b / cp)
 """
 
 from __future__ import annotations
@@ -46,9 +57,15 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = [
-    "CpTerms", "cp_link", "cp_terms", "gather_collectives", "gather_exchange_s",
-    "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s",
+    "CP_COMMS", "CpTerms", "cp_link", "cp_terms", "gather_collectives", "gather_exchange_s",
+    "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s", "rotate_gather_s",
 ]
+
+# How a framework exchanges K/V under context parallelism (module docstring).
+CP_COMMS = ("ring", "all_gather", "all_gather_rotate")
+# sourced: torch _ContextParallelOptions.convert_to_f32 = True: the backward accumulates dK and
+# dV in fp32 and passes them so (twice the bytes of 16-bit K and V).
+DKV_FP32_RATIO = 2.0
 
 _LOCAL: IdentityCache[ModelProfile] = IdentityCache()
 
@@ -132,6 +149,21 @@ def ring_exchange_s(kv: float, attn_fwd_s: float, attn_bwd_s: float, config: Par
     return fwd + bwd, 2.0 * fwd + bwd, 2.0 * fwd + bwd
 
 
+def rotate_gather_s(kv: float, attn_fwd_s: float, attn_bwd_s: float, config: ParallelConfig,
+                    gather_link: comm.GroupLink, ring_link: comm.GroupLink,
+                    slowdown: float) -> tuple[float, float, float]:
+    """Exposed seconds of the gather-then-compute variant per block and micro-batch, by
+    recompute mode (module docstring; recompute re-runs the forward's gather)."""
+    cp = config.cp
+    if cp <= 1 or kv <= 0:
+        return 0.0, 0.0, 0.0
+    gather = comm.collective_s(gather_link, "all_gather_into_tensor", cp * kv)
+    fwd = overlapped_s(gather, attn_fwd_s / cp, slowdown)
+    bwd = overlapped_s(gather, attn_bwd_s / cp, slowdown) + (cp - 1) * overlapped_s(
+        comm.p2p_s(ring_link, DKV_FP32_RATIO * kv), attn_bwd_s / cp, slowdown)
+    return fwd + bwd, 2.0 * fwd + bwd, 2.0 * fwd + bwd
+
+
 def gather_collectives(kv: float, config: ParallelConfig) -> tuple[tuple[comm.Collective, ...],
                                                                   ...]:
     """The all-gather variant's collectives of one block per micro-batch, by recompute mode
@@ -189,12 +221,17 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
         saved, live = gathered_kv_bytes(kv, cfg)
         return CpTerms(comm_s=gather_exchange_s(kv, cfg, groups["cp"]),
                        saved_bytes=(saved, saved, 0.0), transient_bytes=(0.0, 0.0, live))
-    # The ring's window: the attention core at the 16-bit rate, the layer's efficiency and its
+    # The window: the attention core at the 16-bit rate, the layer's efficiency and its
     # kernel's speed (compute.attention_ratio).
     rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
     rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
     rate *= attention_ratio(cluster.device, fw.attention_kernel, profile.attention)
     attn_fwd_s = attn_flops / rate
-    bwd_ratio = layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0
-    return CpTerms(comm_s=ring_exchange_s(kv, attn_fwd_s, bwd_ratio * attn_fwd_s, cfg,
-                                          groups["cp_ring"], fw.overlap_slowdown))
+    attn_bwd_s = attn_fwd_s * (layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0)
+    if fw.cp_comm == "all_gather_rotate":
+        live = (cfg.cp - 1) * kv
+        return CpTerms(comm_s=rotate_gather_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp"],
+                                              groups["cp_ring"], fw.overlap_slowdown),
+                       transient_bytes=(live, live, live))
+    return CpTerms(comm_s=ring_exchange_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp_ring"],
+                                          fw.overlap_slowdown))

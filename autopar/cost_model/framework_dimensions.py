@@ -2,8 +2,9 @@
 
 One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framework`` record
 (fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``, and how it runs them:
-``cp_comm`` "ring" (point-to-point K/V, overlapped with attention) or "all_gather" (one K/V
-all-gather per attention, exposed: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
+``cp_comm`` "ring" (point-to-point K/V, overlapped with attention), "all_gather" (one K/V
+all-gather per attention, exposed) or "all_gather_rotate" (torch's gather under the rank's own
+block: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
 calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
@@ -37,6 +38,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
+        cp_comm="all_gather_rotate",
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
@@ -95,9 +97,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                   "float32 and the quantize.linear.float8 converter (torchao); fp16 has no "
                   "recipe there and runs as bfloat16 at the same tensor-core rate (the "
                   "exporter says so)",
-        "cp_comm": "sourced: torchtitan v0.2.2 runs torch's context_parallel "
-                   "(_templated_ring_attention): the K/V exchange is issued ahead and "
-                   "overlaps the attention of the block held",
+        "cp_comm": "sourced: torchtitan v0.2.2 job_config.py context_parallel_rotate_method "
+                   "= 'allgather' (the default) for torch's context_parallel: "
+                   "_AllGatherRotater gathers K/V once under the rank's own block, dK/dV "
+                   "pass the ring in fp32 (_templated_ring_attention_backward); setting "
+                   "'cp-rotate-alltoall': the ring",
         "ep_with_cp": "sourced: torchtitan v0.2.2 ParallelDims: ep borrows its ranks from "
                       "dp_shard * cp",
         "offload_optimizer_moves_params": "sourced: torchtitan has no optimizer-only "

@@ -24,6 +24,10 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                              "enable_fsdp_float8_all_gather (default False, 'recommended for "
                              "tensorwise scaling'): FSDP2 all-gathers the float8 linears' "
                              "weights in float8",
+        "cp-rotate-alltoall": "sourced: torchtitan v0.2.2 job_config.py "
+                              "context_parallel_rotate_method = 'alltoall' (default "
+                              "'allgather'): torch's _AllToAllRotater passes K/V around the "
+                              "ring, each step under one block's attention",
     }),
     "megatron-lm": MappingProxyType({
         "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
@@ -48,6 +52,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "overlap-comm": {"dp_reduce_overlap_stages": (0, 1, 2, 3)},
     "overlap-param-gather": {"param_gather_overlapped": True},
     "float8-all-gather": {"fp8_param_gather": True},
+    "cp-rotate-alltoall": {"cp_comm": "ring"},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

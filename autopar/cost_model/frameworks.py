@@ -27,6 +27,7 @@ from types import MappingProxyType
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
 from autopar.cost_model.compute import ATTENTION_KERNELS
+from autopar.cost_model.cp_comm import CP_COMMS
 from autopar.cost_model.framework_fit import FIT
 from autopar.cost_model.framework_settings import (
     FSDP2_UNIT,
@@ -192,6 +193,8 @@ class Framework:
     attention_kernel: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm {self.cp_comm!r} unknown; use one of {CP_COMMS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r} unknown; use one of "
                              f"{ATTENTION_KERNELS}")

@@ -74,8 +74,11 @@ def test_torchtitan_export_carries_cp_hsdp_offload_and_fp8() -> None:
     for line in ("context_parallel_degree = 2", "data_parallel_replicate_degree = 2",
                  "data_parallel_shard_degree = 2", "enable_cpu_offload = true",
                  'converters = ["quantize.linear.float8"]', "[quantize.linear.float8]",
-                 'recipe_name = "tensorwise"', 'context_parallel_rotate_method = "alltoall"'):
+                 'recipe_name = "tensorwise"', 'context_parallel_rotate_method = "allgather"'):
         assert line in text, line
+    ring = export_plan(_plan("torchtitan+cp-rotate-alltoall", dp=8, cp=2, zero=3),
+                       "torchtitan").text  # what each prediction charged
+    assert 'context_parallel_rotate_method = "alltoall"' in ring
     assert "enable_fsdp_float8_all_gather" not in text  # the setting is off by default
     gathered = export_plan(_plan("torchtitan+float8-all-gather", dp=16, zero=3, dtype="fp8"),
                            "torchtitan").text

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 import autopar
 from autopar.config import ParallelConfig
 from autopar.cost_model import comm, memory
-from autopar.cost_model.cp_comm import cp_link, kv_bytes, local_profile, ring_exchange_s
+from autopar.cost_model.cp_comm import (
+    cp_link,
+    kv_bytes,
+    local_profile,
+    ring_exchange_s,
+    rotate_gather_s,
+)
 from autopar.cost_model.dp_comm import dp_collectives
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.frameworks import get_framework
@@ -221,10 +227,37 @@ def test_autopar_charges_its_kv_all_gather_the_others_their_ring() -> None:
     counts = charged_collectives(LLAMA, cfg)
     assert counts["all_gather_into_tensor@cp"] == counts["reduce_scatter_tensor@cp"] == (
         blocks * cfg.num_microbatches)
-    for name in ("torchtitan", "megatron-lm"):
+    for name in ("torchtitan+cp-rotate-alltoall", "megatron-lm"):
         assert get_framework(name).cp_comm == "ring"
         ring = _block(build_cost_table(LLAMA, cluster, cfg, name)).cp_comm_s
         assert ring != pytest.approx(own.cp_comm_s)
+
+
+def test_torchtitan_gathers_kv_under_its_own_block_and_rings_the_gradients() -> None:
+    """torch's "allgather" rotate method (torchtitan's default): the K/V gather overlaps the
+    rank's own block forward and backward, dK/dV (fp32) pass the ring, nothing is saved."""
+    link = comm.GroupLink(size=4, bandwidth_bytes_per_s=1e9, latency_s=1e-5, spans_nodes=False)
+    cfg = ParallelConfig(dp=1, cp=4, global_batch=1)
+    kv, fwd, bwd = 1e6, 4e-3, 8e-3
+    gather = comm.collective_s(link, "all_gather_into_tensor", 4 * kv)
+    f = overlapped_s(gather, fwd / 4, 0.2)
+    b = overlapped_s(gather, bwd / 4, 0.2) + 3 * overlapped_s(2 * kv / 1e9 + 1e-5, bwd / 4, 0.2)
+    assert rotate_gather_s(kv, fwd, bwd, cfg, link, link, 0.2) == pytest.approx(
+        (f + b, 2 * f + b, 2 * f + b))
+    assert rotate_gather_s(kv, fwd, bwd, dataclasses.replace(cfg, cp=1), link, link, 0.2) == (
+        0.0, 0.0, 0.0)
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    two = ParallelConfig(dp=2, cp=2, global_batch=8, zero=3)
+    titan = get_framework("torchtitan")
+    assert titan.cp_comm == "all_gather_rotate"
+    gathered, ring = (_block(build_cost_table(LLAMA, cluster, two, fw)) for fw in (
+        titan, "torchtitan+cp-rotate-alltoall"))
+    assert gathered.act_bytes == ring.act_bytes  # the gathered K/V are not saved
+    local_kv = kv_bytes(local_profile(LLAMA, 2), LLAMA.layers[1], two, shard=1)
+    frag = 1 + titan.fragmentation_fraction
+    assert gathered.transient_bytes == pytest.approx(tuple(
+        x + local_kv * frag for x in ring.transient_bytes))
+    assert gathered.cp_comm_s[0] > 0 and gathered.cp_comm_s != pytest.approx(ring.cp_comm_s)
 
 
 def test_autopar_runs_expert_parallelism_without_cp_only() -> None:

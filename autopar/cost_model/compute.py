@@ -98,6 +98,7 @@ def layer_compute(
     recompute_extra_s: float = 0.0,
     floor_s: float = 0.0,
     param_traffic_bytes: tuple[float, float] = (0.0, 0.0),
+    selective_rate_ratio: float = 1.0,
 ) -> LayerCompute:
     """Times of one layer, micro-batch and rank (FLOPs and bytes already per rank).
 
@@ -118,6 +119,9 @@ def layer_compute(
         param_traffic_bytes: (forward, backward) memory traffic over the layer's parameters
             per micro-batch (mixed-precision weight casts, gradient accumulation), at HBM
             bandwidth (``param_traffic_bytes_per_param``).
+        selective_rate_ratio: the selective re-run's FLOP rate over ``peak_flops``'s (it re-runs
+            the attention core alone, at its kernel's speed, where ``peak_flops`` blends it
+            with the linears: ``compute.attention_ratio``).
 
     Returns:
         forward, backward and per-mode recompute seconds.
@@ -128,7 +132,8 @@ def layer_compute(
     traffic_s += overhead_s
     fwd_traffic_s = FORWARD_TRAFFIC_SHARE * traffic_s
     fwd_mm = fwd_flops / rate if fwd_flops > 0 else 0.0
-    recompute = _recompute_s(recompute_flops, fwd_flops, rate, fwd_traffic_s + recompute_extra_s)
+    recompute = _recompute_s(recompute_flops, fwd_flops, rate, fwd_traffic_s + recompute_extra_s,
+                             selective_rate_ratio)
     bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
     fwd_s = max(fwd_mm + fwd_traffic_s, FORWARD_TRAFFIC_SHARE * floor_s)
     bwd_s = max(bwd_mm + traffic_s - fwd_traffic_s, (1.0 - FORWARD_TRAFFIC_SHARE) * floor_s)
@@ -142,16 +147,18 @@ def layer_compute(
 
 
 def _recompute_s(recompute_flops: tuple[float, float, float], fwd_flops: float, rate: float,
-                 rerun_fixed_s: float) -> list[float]:
-    """Seconds of each recompute mode's extra forward: its FLOPs at ``rate`` plus its FLOP share
-    of the forward's fixed seconds (a full re-run repeats the elementwise forward traffic)."""
+                 rerun_fixed_s: float, selective_rate_ratio: float = 1.0) -> list[float]:
+    """Seconds of each recompute mode's extra forward: its FLOPs at ``rate`` (the selective
+    mode's at ``selective_rate_ratio`` of it) plus its FLOP share of the forward's fixed
+    seconds (a full re-run repeats the elementwise forward traffic)."""
     out = []
-    for extra in recompute_flops:
+    for mode, extra in enumerate(recompute_flops):
         if extra <= 0:
             out.append(0.0)
             continue
         share = min(1.0, extra / fwd_flops) if fwd_flops > 0 else 1.0
-        out.append(extra / rate + share * rerun_fixed_s)
+        mode_rate = rate * (selective_rate_ratio if mode == 1 else 1.0)
+        out.append(extra / mode_rate + share * rerun_fixed_s)
     return out
 
 

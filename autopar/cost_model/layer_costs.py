@@ -77,7 +77,7 @@ from autopar.cost_model.offload import (
 )
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, layer_peak_flops
+from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
@@ -156,13 +156,13 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
     act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
-    fp8, peak = _peak_flops(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
+    fp8, rates = _peak_flops(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     casts = _fp8_casts(fp8, fw, act[0], held, cfg)
     traffic = tuple(cluster.param_traffic_factor * x + c
                     for x, c in zip(_param_traffic_bytes(cfg, held), casts))
-    times = _layer_times(cluster, cfg, layer, shard, peak, rec_flops, act[0], passes_s, traffic)
+    times = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
     times = _with_experts(times, ep, cluster, cfg, layer, shard, fw)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held,
                                       run_offload(cfg, fw))
@@ -220,13 +220,15 @@ def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
         recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
 
 
-def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak: float,
-                 rec_flops, elementwise_bytes: float, passes_s: float, param_traffic):
-    """Forward, backward and recompute seconds of one micro-batch on one rank."""
+def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
+                 rates: tuple[float, float], rec_flops, elementwise_bytes: float,
+                 passes_s: float, param_traffic):
+    """Forward, backward and recompute seconds of one micro-batch on one rank (``rates``: the
+    layer's peak FLOP rate and its selective re-run's share of it, ``_peak_flops``)."""
     b = cfg.micro_batch
     return layer_compute(
         cluster.device,
-        peak,
+        rates[0],
         fwd_flops=layer.fwd_flops * b / shard,
         bwd_flops=layer.bwd_flops * b / shard,
         recompute_flops=tuple(f * b / shard for f in rec_flops),
@@ -239,6 +241,7 @@ def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int, peak:
         if layer.kind == "block" else 0.0,
         floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
         param_traffic_bytes=param_traffic,
+        selective_rate_ratio=rates[1],
     )
 
 
@@ -291,18 +294,14 @@ def _with_experts(times, ep, cluster: Cluster, cfg: ParallelConfig, layer, shard
 
 
 def _peak_flops(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: ModelProfile,
-                layer, scale: float, attn_flops: float) -> tuple[bool, float]:
-    """(fp8 linears?, the rate of the layer's FLOPs (``scale`` times its per-sample ones,
-    ``attn_flops`` of them its attention core)): the linears at the training dtype's rate
-    (fp8 on the blocks' linears only), the attention core at the 16-bit rate times its
-    kernel's speed (compute.attention_ratio; precision.layer_peak_flops)."""
-    device = cluster.device
-    half = device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
+                layer, scale: float, attn_flops: float) -> tuple[bool, tuple[float, float]]:
+    """(fp8 linears?, precision.layer_rates of the layer's FLOPs (``scale`` times its
+    per-sample ones, ``attn_flops`` of them its attention core) at its kernel's speed)."""
     fp8 = cfg.dtype == "fp8" and layer.kind == "block"
-    matmul_peak = device.peak_fp8_flops if fp8 else half
-    ratio = attention_ratio(device, fw.attention_kernel, profile.attention)
-    return fp8, layer_peak_flops(matmul_peak, half * ratio, layer.fwd_flops * scale - attn_flops,
-                                 attn_flops)
+    return fp8, layer_rates(
+        cluster.device, cfg.dtype, layer.fwd_flops * scale, attn_flops, fp8_linears=fp8,
+        attention_ratio=attention_ratio(cluster.device, fw.attention_kernel, profile.attention),
+        selective_attention_only=fw.selective_policy == "attention")
 
 
 def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):

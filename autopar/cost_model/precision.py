@@ -44,6 +44,7 @@ __all__ = [
     "dtype_reason",
     "fp8_cast_bytes",
     "layer_peak_flops",
+    "layer_rates",
     "supported_dtypes",
 ]
 
@@ -89,6 +90,21 @@ def layer_peak_flops(matmul_peak_flops: float, attention_peak_flops: float,
         return matmul_peak_flops
     return (matmul_flops + attention_flops) / (max(0.0, matmul_flops) / matmul_peak_flops
                                                + attention_flops / attention_peak_flops)
+
+
+def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: float, *,
+                fp8_linears: bool, attention_ratio: float,
+                selective_attention_only: bool) -> tuple[float, float]:
+    """(the rate of a layer's ``flops``, its selective re-run's rate over it): the linears at
+    the training dtype's rate (``fp8_linears``: the fp8 rate), the ``attention_flops`` of its
+    attention core at the 16-bit rate times ``attention_ratio`` (``layer_peak_flops``); a
+    selective mode that re-runs the attention core alone runs at the attention's own rate."""
+    half = device.peak_flops("bf16" if dtype == "fp8" else dtype)
+    attention_peak = half * attention_ratio
+    peak = layer_peak_flops(device.peak_fp8_flops if fp8_linears else half, attention_peak,
+                            flops - attention_flops, attention_flops)
+    selective = attention_peak / peak if selective_attention_only and attention_flops > 0 else 1.0
+    return peak, selective
 
 
 def dtype_reason(device: DeviceSpec, dtype: str) -> str:

@@ -57,3 +57,23 @@ def test_a_block_pays_the_attention_core_at_the_kernels_rate(seq_len):
     assert slow[index].backward_s > fast[index].backward_s
     embed = next(i for i, x in enumerate(profile.layers) if x.kind != "block")
     assert slow[embed].compute_s == fast[embed].compute_s  # no attention, no change
+
+
+def test_selective_recompute_reruns_the_attention_core_at_its_own_rate():
+    """autopar's selective mode re-runs the attention core alone: under FlashAttention-2 that
+    re-run runs at the attention's rate, not at the block's blend of linears and attention."""
+    profile = analytic_transformer_profile(2, 4096, 32, 32000, 8192, gated_mlp=True,
+                                           kv_heads=8, dropout=False)
+    cfg = ParallelConfig(dp=8, global_batch=32, micro_batch=4, recompute="selective")
+    flash2 = get_framework("autopar")
+    assert flash2.selective_policy == "attention" and flash2.attention_kernel == "flash2"
+    fused = dataclasses.replace(flash2, attention_kernel="fused")
+    slow, fast = (build_cost_table(profile, H100, cfg, fw).layers for fw in (flash2, fused))
+    index = next(i for i, x in enumerate(profile.layers) if x.kind == "block")
+    block = profile.layers[index]
+    attn = 4 * block.recompute_flops["selective"]
+    device = framework_cluster(H100, flash2).device
+    rate = device.peak_bf16_flops * matmul_efficiency(device, 4 * block.fwd_flops)
+    extra = attn / rate * (1 / H100_FLASH2_ATTENTION_RATIO - 1)
+    assert slow[index].recompute_s[1] - fast[index].recompute_s[1] == pytest.approx(extra,
+                                                                                   rel=1e-6)

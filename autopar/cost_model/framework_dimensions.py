@@ -12,7 +12,8 @@ blocks run under sequence parallelism; ``offload_optimizer_moves_params``, an op
 that also keeps parameters and gradients on the host, costed as ``offload="params"``
 (offload.py); ``attention_kernel``, the kernel of a fused attention core: "fused" (cuDNN /
 FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the device's
-``flash2_attention_ratio`` of it: compute.attention_ratio)), each with its source;
+``flash2_attention_ratio`` of it: compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
+that recomputes the activated gate instead of keeping it), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -34,20 +35,21 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
+        fused_swiglu=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
-        cp_comm="all_gather_rotate",
+        cp_comm="all_gather_rotate", fused_swiglu=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
-        dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused",
+        dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
-        attention_kernel="flash2",
+        attention_kernel="flash2", fused_swiglu=False,
     ),
 }
 
@@ -85,6 +87,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: autopar/runtime/apply.py _check_moe_sp refuses "
                                  "sequence parallelism for mixture-of-experts models",
         "attention_kernel": _TORCH_SDPA,
+        "fused_swiglu": "sourced: autopar/models/llama.py SwiGLU runs w2(silu(w1(x)) * w3(x)) "
+                        "eagerly: silu's output is kept for the product's backward",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -114,6 +118,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
         "attention_kernel": _TORCH_SDPA,
+        "fused_swiglu": "sourced: torchtitan's FeedForward runs w2(F.silu(w1(x)) * w3(x)) "
+                        "eagerly (torch.compile may fuse it; not costed)",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -141,6 +147,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                  "parallelism)",
         "attention_kernel": "sourced: Megatron-Core's TEDotProductAttention (Transformer "
                             "Engine): cuDNN fused attention or FlashAttention-3 on Hopper",
+        "fused_swiglu": "sourced: Megatron-LM --swiglu with bias_swiglu_fusion on by default "
+                        "(--no-bias-swiglu-fusion turns it off): megatron/core/fusions/"
+                        "fused_bias_swiglu.py keeps the fc1 output and recomputes silu in the "
+                        "backward",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -163,6 +173,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
         "attention_kernel": "sourced: Megatron-DeepSpeed --use-flash-attn-v2 "
                             "(FlashAttention-2's kernels)",
+        "fused_swiglu": "sourced: Megatron-DeepSpeed's swiglu is eager (torch.chunk, "
+                        "F.silu(x[0]) * x[1])",
     },
 }
 

@@ -124,7 +124,8 @@ class Framework:
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
             expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
-            attention_kernel: the other dimensions and kernels (framework_dimensions.py).
+            attention_kernel, fused_swiglu: the other dimensions and kernels
+            (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -191,6 +192,7 @@ class Framework:
     expert_tensor_parallel: bool = True
     moe_sequence_parallel: bool = True
     attention_kernel: str = "fused"
+    fused_swiglu: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_comm not in CP_COMMS:

@@ -207,8 +207,15 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
 
 
 def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
-    """``layer`` as ``fw`` runs it: under per-op selective checkpointing (``selective_policy``
-    "op") a measured block's ``selective`` entries are its ``LayerProfile.op_sac`` counts."""
+    """``layer`` as ``fw`` runs it: a fused SwiGLU kernel (``fused_swiglu``) does not keep the
+    activated gate (``LayerProfile.swiglu_saved_bytes``, sharded like the rest of the MLP);
+    under per-op selective checkpointing (``selective_policy`` "op") a measured block's
+    ``selective`` entries are its ``LayerProfile.op_sac`` counts."""
+    gate = layer.swiglu_saved_bytes if fw.fused_swiglu else 0
+    if gate:
+        layer = dataclasses.replace(layer, saved_bytes={
+            mode: value - gate if mode != "full" else value
+            for mode, value in layer.saved_bytes.items()})
     op = layer.op_sac
     if fw.selective_policy != "op" or op is None:
         return layer

@@ -45,6 +45,7 @@ def per_sample(one: Measured, two: Measured) -> Measured:
             core_replicated_bytes=s2.core_replicated_bytes - s1.core_replicated_bytes,
             op_sac_bytes=s2.op_sac_bytes - s1.op_sac_bytes,
             op_sac_replicated_bytes=s2.op_sac_replicated_bytes - s1.op_sac_replicated_bytes,
+            swiglu_bytes=s2.swiglu_bytes - s1.swiglu_bytes,
         ),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
@@ -112,6 +113,7 @@ def _record(
         repeat_of=repeat_of,
         op_sac=_op_sac(kind, m),
         moe=moe,
+        swiglu_saved_bytes=saved.swiglu_bytes,
     )
 
 

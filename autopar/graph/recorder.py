@@ -19,6 +19,10 @@ kernel's and every odd-numbered ``aten.mm`` (torchtitan's policy recomputes ever
 everything else runs again in the backward. The recorder sums those outputs (``op_sac``) and the
 FLOPs the policy re-runs (the even-numbered matmuls and any activation x activation matmul).
 
+*SwiGLU's activated gate*: the outputs of ``aten.silu`` that are saved (by the gate x up product).
+A fused SwiGLU kernel (Megatron-LM's ``bias_swiglu_fusion``) saves its input and recomputes
+them in the backward; ``swiglu_bytes`` is what it does not keep.
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -78,6 +82,7 @@ class SavedTotals:
         op_sac_bytes: outputs per-op selective checkpointing keeps (module docstring), the
             layer's input not included.
         op_sac_replicated_bytes: the replicated part of ``op_sac_bytes``.
+        swiglu_bytes: the saved outputs of ``aten.silu`` (module docstring).
     """
 
     total_bytes: int
@@ -86,6 +91,7 @@ class SavedTotals:
     core_replicated_bytes: int
     op_sac_bytes: int = 0
     op_sac_replicated_bytes: int = 0
+    swiglu_bytes: int = 0
 
 
 class SavedRecorder(TorchDispatchMode):
@@ -122,6 +128,7 @@ class SavedRecorder(TorchDispatchMode):
         self._op_kept: dict[str, dict[int, int]] = {}
         self.op_sac_recompute_flops: dict[str, int] = {}
         self._mm_count: dict[str, int] = {}
+        self._silu: set[int] = set()  # storages that aten.silu produced
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
@@ -176,6 +183,7 @@ class SavedRecorder(TorchDispatchMode):
     def totals(self, tag: str) -> SavedTotals:
         """Sum the storages first saved under ``tag``."""
         entries = [e for e in self._saved.values() if e.tag == tag]
+        silu = [e for k, e in self._saved.items() if e.tag == tag and k in self._silu]
         kept = self._op_kept.get(tag, {})
         return SavedTotals(
             total_bytes=sum(e.nbytes for e in entries),
@@ -184,6 +192,7 @@ class SavedRecorder(TorchDispatchMode):
             core_replicated_bytes=sum(e.nbytes for e in entries if e.only_core and not e.sharded),
             op_sac_bytes=sum(kept.values()),
             op_sac_replicated_bytes=sum(n for k, n in kept.items() if k not in self._sharded),
+            swiglu_bytes=sum(e.nbytes for e in silu),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -204,6 +213,9 @@ class SavedRecorder(TorchDispatchMode):
             core = not core
         elif self.forward_active and func is _aten.mm.default:
             self._op_policy_mm(args, kwargs, out, keys)
+        elif func is _aten.silu.default and isinstance(out, torch.Tensor):
+            self._alive.append(out)
+            self._silu.add(storage_key(out))
         if sharded or core:
             for leaf in tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):

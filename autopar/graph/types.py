@@ -138,6 +138,9 @@ class LayerProfile:
             e.g. an analytic profile or a non-block layer).
         moe: the layer's mixture of experts (None for a dense layer); its routed experts are
             counted in ``fwd_flops`` / ``num_params`` like everything else (graph/moe.py).
+        swiglu_saved_bytes: the part of ``saved_bytes`` (none, selective) per sample that is
+            SwiGLU's activated gate, silu's output (tensor-parallel sharded): what a fused
+            SwiGLU kernel recomputes instead of keeping (graph/recorder.py).
     """
 
     name: str
@@ -155,6 +158,7 @@ class LayerProfile:
     repeat_of: str = ""
     op_sac: OpSacCounts | None = None
     moe: MoEStructure | None = None
+    swiglu_saved_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""

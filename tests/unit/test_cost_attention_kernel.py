@@ -11,7 +11,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.compute import attention_ratio, matmul_efficiency
 from autopar.cost_model.frameworks import FRAMEWORKS, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.layer_costs import build_cost_table, framework_layer
 from autopar.cost_model.presets import H100_FLASH2_ATTENTION_RATIO
 from tests.fixtures.profiles import analytic_transformer_profile
 
@@ -77,3 +77,36 @@ def test_selective_recompute_reruns_the_attention_core_at_its_own_rate():
     extra = attn / rate * (1 / H100_FLASH2_ATTENTION_RATIO - 1)
     assert slow[index].recompute_s[1] - fast[index].recompute_s[1] == pytest.approx(extra,
                                                                                    rel=1e-6)
+
+
+def test_fused_swiglu_keeps_no_activated_gate():
+    """The profiler counts SwiGLU's activated gate (silu's saved output: s f elements per
+    sample); Megatron-LM's fused kernel recomputes it, so its blocks keep that much less
+    (tensor-parallel sharded, cp-local), and nothing else changes."""
+    import autopar
+
+    profile = autopar.profile(autopar.models.build(
+        "llama", layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seq_len=64,
+        ffn_hidden=512))
+    block = next(x for x in profile.layers if x.kind == "block")
+    assert block.swiglu_saved_bytes == 64 * 512 * 2  # bf16
+    gpt = autopar.profile(autopar.models.build("gpt", layers=2, hidden=256, heads=8,
+                                               vocab=512, seq_len=64))
+    assert all(x.swiglu_saved_bytes == 0 for x in gpt.layers)
+    fused = get_framework("megatron-lm")
+    assert fused.fused_swiglu and not get_framework("torchtitan").fused_swiglu
+    eager = dataclasses.replace(fused, fused_swiglu=False)
+    assert framework_layer(block, fused).saved_bytes == {
+        "none": block.saved_bytes["none"] - block.swiglu_saved_bytes,
+        "selective": block.saved_bytes["selective"] - block.swiglu_saved_bytes,
+        "full": block.saved_bytes["full"]}
+    assert framework_layer(block, eager) == block
+    cluster = Cluster.preset("h100", nodes=1)
+    index = profile.layers.index(block)
+    for cfg, share in ((ParallelConfig(dp=2, tp=2, pp=2, global_batch=16, micro_batch=2), 2 / 2),
+                       (ParallelConfig(dp=2, cp=2, pp=2, global_batch=16, micro_batch=2), 2 / 2)):
+        a, b = (build_cost_table(profile, cluster, cfg, fw).layers[index] for fw in (fused, eager))
+        gate = block.swiglu_saved_bytes * share * (1 + fused.fragmentation_fraction)
+        assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(gate)
+        assert b.act_bytes[1] - a.act_bytes[1] == pytest.approx(gate)
+        assert a.act_bytes[2] == b.act_bytes[2]  # full recompute keeps the block's input only

@@ -54,6 +54,7 @@ from autopar.cost_model.compute import attention_ratio, matmul_efficiency
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.overlap import overlapped_s
+from autopar.cost_model.precision import attention_peak_flops
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = [
@@ -225,8 +226,8 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
     # The window: the attention core at the 16-bit rate, the layer's efficiency and its
     # kernel's speed (compute.attention_ratio).
     rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
-    rate *= cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype)
-    rate *= attention_ratio(cluster.device, fw.attention_kernel, profile.attention)
+    rate *= attention_peak_flops(cluster.device, cfg.dtype, attention_ratio(
+        cluster.device, fw.attention_kernel, profile.attention))
     attn_fwd_s = attn_flops / rate
     attn_bwd_s = attn_fwd_s * (layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0)
     if fw.cp_comm == "all_gather_rotate":

@@ -156,7 +156,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
     act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
-    fp8, rates = _peak_flops(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
+    fp8, rates = _layer_rates(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
     casts = _fp8_casts(fp8, fw, act[0], held, cfg)
@@ -231,7 +231,7 @@ def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
                  rates: tuple[float, float], rec_flops, elementwise_bytes: float,
                  passes_s: float, param_traffic):
     """Forward, backward and recompute seconds of one micro-batch on one rank (``rates``: the
-    layer's peak FLOP rate and its selective re-run's share of it, ``_peak_flops``)."""
+    layer's peak FLOP rate and its selective re-run's share of it, ``_layer_rates``)."""
     b = cfg.micro_batch
     return layer_compute(
         cluster.device,
@@ -300,7 +300,7 @@ def _with_experts(times, ep, cluster: Cluster, cfg: ParallelConfig, layer, shard
                                recompute_s=(rec[0], rec[1], rec[2] + fwd_s))
 
 
-def _peak_flops(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: ModelProfile,
+def _layer_rates(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: ModelProfile,
                 layer, scale: float, attn_flops: float) -> tuple[bool, tuple[float, float]]:
     """(fp8 linears?, precision.layer_rates of the layer's FLOPs (``scale`` times its
     per-sample ones, ``attn_flops`` of them its attention core) at its kernel's speed)."""

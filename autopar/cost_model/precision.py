@@ -41,6 +41,7 @@ __all__ = [
     "FP8_CAST_BYTES_PER_ACT_BYTE",
     "FP8_CAST_BYTES_PER_PARAM",
     "FP8_SCALINGS",
+    "attention_peak_flops",
     "dtype_reason",
     "fp8_cast_bytes",
     "layer_peak_flops",
@@ -92,6 +93,12 @@ def layer_peak_flops(matmul_peak_flops: float, attention_peak_flops: float,
                                                + attention_flops / attention_peak_flops)
 
 
+def attention_peak_flops(device: DeviceSpec, dtype: str, attention_ratio: float) -> float:
+    """The attention core's peak rate: the 16-bit rate of the training dtype (bf16 under fp8)
+    times its kernel's speed (``compute.attention_ratio``)."""
+    return device.peak_flops("bf16" if dtype == "fp8" else dtype) * attention_ratio
+
+
 def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: float, *,
                 fp8_linears: bool, attention_ratio: float,
                 selective_attention_only: bool) -> tuple[float, float]:
@@ -100,7 +107,7 @@ def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: f
     attention core at the 16-bit rate times ``attention_ratio`` (``layer_peak_flops``); a
     selective mode that re-runs the attention core alone runs at the attention's own rate."""
     half = device.peak_flops("bf16" if dtype == "fp8" else dtype)
-    attention_peak = half * attention_ratio
+    attention_peak = attention_peak_flops(device, dtype, attention_ratio)
     peak = layer_peak_flops(device.peak_fp8_flops if fp8_linears else half, attention_peak,
                             flops - attention_flops, attention_flops)
     selective = attention_peak / peak if selective_attention_only and attention_flops > 0 else 1.0

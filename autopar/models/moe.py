@@ -75,6 +75,13 @@ class Experts(nn.Module):
         gate, up = F.linear(x, self.gate_up_proj[index].to(x.dtype)).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[index].to(x.dtype))
 
+    def run_sorted(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each local expert on its contiguous slice of ``rows`` (sorted by expert, ``counts``
+        rows each), the outputs in the same order."""
+        pieces = [self.expert_forward(e, part)
+                  for e, part in enumerate(rows.split(counts)) if part.shape[0]]
+        return torch.cat(pieces) if pieces else rows[:0]
+
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -91,15 +98,11 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         capacity = expert_capacity(x.shape[0], top_k, self.num_experts, self.capacity_factor)
         if capacity:  # keep each expert's first ``capacity`` assignments in token order
-            starts = [sum(counts[:e]) for e in range(self.num_experts)]
-            kept = [order[s : s + min(n, capacity)] for s, n in zip(starts, counts, strict=True)]
+            kept = [part[:capacity] for part in order.split(counts)]
             counts = [min(n, capacity) for n in counts]
             order = torch.cat(kept)
         token = order // top_k
-        rows = x.index_select(0, token)
-        pieces = [self.expert_forward(e, part)
-                  for e, part in enumerate(rows.split(counts)) if part.shape[0]]
-        y = torch.cat(pieces) if pieces else rows[:0]
+        y = self.run_sorted(x.index_select(0, token), counts)
         y = y * top_k_weights.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 

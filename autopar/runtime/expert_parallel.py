@@ -113,17 +113,16 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         dist.all_to_all_single(recv_expert, expert, out_splits, in_splits, group=group)
         recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(
             x.index_select(0, token), out_splits, in_splits, group))
-        # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
-        # experts received no rows, or autograd would skip both all-to-alls' backward there
-        # while the other ranks of the group wait in theirs.
         # The received rows sorted by local expert once; each expert runs on its slice.
         by_expert = torch.argsort(recv_expert, stable=True)
         counts = torch.bincount(recv_expert, minlength=local).tolist()
-        pieces = [module.expert_forward(e, part) for e, part in
-                  enumerate(recv.index_select(0, by_expert).split(counts)) if part.shape[0]]
+        out = module.run_sorted(recv.index_select(0, by_expert), counts)
+        # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
+        # experts received no rows, or autograd would skip both all-to-alls' backward there
+        # while the other ranks of the group wait in theirs.
         y = recv * 0
-        if pieces:
-            y = y.index_add(0, by_expert, torch.cat(pieces))
+        if out.shape[0]:
+            y = y.index_add(0, by_expert, out)
         back = funcol.wait_tensor(
             funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         weights = top_k_weights.reshape(-1).index_select(0, order)

@@ -82,6 +82,7 @@ def _scaled_layer(layer: LayerProfile, cp: int) -> LayerProfile:
         recompute_flops=div(layer.recompute_flops),
         saved_bytes=div(layer.saved_bytes),
         swiglu_saved_bytes=layer.swiglu_saved_bytes // cp,
+        kv_repeat_saved_bytes=layer.kv_repeat_saved_bytes // cp,
         saved_bytes_replicated=div(layer.saved_bytes_replicated),
         output_bytes=layer.output_bytes / cp,
         tp=dataclasses.replace(layer.tp, allreduce_fwd_bytes=layer.tp.allreduce_fwd_bytes / cp),

@@ -13,7 +13,9 @@ that also keeps parameters and gradients on the host, costed as ``offload="param
 (offload.py); ``attention_kernel``, the kernel of a fused attention core: "fused" (cuDNN /
 FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the device's
 ``flash2_attention_ratio`` of it: compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
-that recomputes the activated gate instead of keeping it), each with its source;
+that recomputes the activated gate instead of keeping it; ``native_gqa``, grouped-query
+attention whose kernel reads the kv heads in place instead of repeated copies), each with its
+source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -35,21 +37,22 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
-        fused_swiglu=False,
+        fused_swiglu=False, native_gqa=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
-        cp_comm="all_gather_rotate", fused_swiglu=False,
+        cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
+        native_gqa=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
-        attention_kernel="flash2", fused_swiglu=False,
+        attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
     ),
 }
 
@@ -89,6 +92,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: autopar/models/llama.py SwiGLU runs w2(silu(w1(x)) * w3(x)) "
                         "eagerly: silu's output is kept for the product's backward",
+        "native_gqa": "sourced: autopar/models/attention.py repeats K/V with "
+                      "torch.repeat_interleave before scaled_dot_product_attention, which "
+                      "keeps the repeated copies for its backward",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -120,6 +126,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: torchtitan's FeedForward runs w2(F.silu(w1(x)) * w3(x)) "
                         "eagerly (torch.compile may fuse it; not costed)",
+        "native_gqa": "sourced: torchtitan v0.2.2 models/llama3/model/model.py passes "
+                      "enable_gqa=n_heads > n_kv_heads to scaled_dot_product_attention "
+                      "(v0.2.0 repeated K/V with repeat_kv); torch's docs: GQA runs in the "
+                      "flash backend on CUDA, which reads the kv heads in place",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -151,6 +161,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                         "(--no-bias-swiglu-fusion turns it off): megatron/core/fusions/"
                         "fused_bias_swiglu.py keeps the fc1 output and recomputes silu in the "
                         "backward",
+        "native_gqa": "sourced: Megatron-Core's TEDotProductAttention passes "
+                      "num_gqa_groups to Transformer Engine, whose fused and flash kernels "
+                      "read the kv heads in place",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -175,6 +188,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                             "(FlashAttention-2's kernels)",
         "fused_swiglu": "sourced: Megatron-DeepSpeed's swiglu is eager (torch.chunk, "
                         "F.silu(x[0]) * x[1])",
+        "native_gqa": "sourced: Megatron-DeepSpeed megatron/model/transformer.py "
+                      "ParallelAttention repeats K/V (repeat_kv, 'Repeat kv' under use_gqa) "
+                      "before the attention kernel",
     },
 }
 

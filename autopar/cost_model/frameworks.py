@@ -124,7 +124,7 @@ class Framework:
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
             expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
-            attention_kernel, fused_swiglu: the other dimensions and kernels
+            attention_kernel, fused_swiglu, native_gqa: the other dimensions and kernels
             (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
@@ -193,6 +193,7 @@ class Framework:
     moe_sequence_parallel: bool = True
     attention_kernel: str = "fused"
     fused_swiglu: bool = False
+    native_gqa: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_comm not in CP_COMMS:

@@ -66,7 +66,11 @@ from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
 from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_terms import activation_bytes_of, transient_bytes_of
+from autopar.cost_model.layer_terms import (
+    activation_bytes_of,
+    framework_layer,
+    transient_bytes_of,
+)
 from autopar.cost_model.moe import ep_collectives, ep_layer_state, ep_terms, expert_call_flops
 from autopar.cost_model.offload import (
     cpu_adam_s,
@@ -81,7 +85,7 @@ from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, layer_rat
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
-from autopar.graph.types import LayerProfile, ModelProfile
+from autopar.graph.types import ModelProfile
 
 __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
 
@@ -204,27 +208,6 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         host_bytes=host_bytes,
     )
     return cost, tail_s
-
-
-def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
-    """``layer`` as ``fw`` runs it: a fused SwiGLU kernel (``fused_swiglu``) does not keep the
-    activated gate (``LayerProfile.swiglu_saved_bytes``, sharded like the rest of the MLP);
-    under per-op selective checkpointing (``selective_policy`` "op") a measured block's
-    ``selective`` entries are its ``LayerProfile.op_sac`` counts."""
-    gate = layer.swiglu_saved_bytes if fw.fused_swiglu else 0
-    if gate:
-        layer = dataclasses.replace(layer, saved_bytes={
-            mode: value - gate if mode != "full" else value
-            for mode, value in layer.saved_bytes.items()})
-    op = layer.op_sac
-    if fw.selective_policy != "op" or op is None:
-        return layer
-    return dataclasses.replace(
-        layer,
-        saved_bytes={**layer.saved_bytes, "selective": op.saved_bytes},
-        saved_bytes_replicated={**layer.saved_bytes_replicated,
-                                "selective": op.saved_bytes_replicated},
-        recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
 
 
 def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,

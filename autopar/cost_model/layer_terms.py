@@ -1,4 +1,5 @@
-"""A layer's memory terms for the cost table: saved activations and transient working set.
+"""A layer's memory terms for the cost table: saved activations and transient working set,
+of the layer as the framework runs it (``framework_layer``: its fused kernels and policies).
 
 Bytes of one micro-batch on one rank, by recompute mode (none, selective, full), from the
 profile's per-sample counts (``memory.activation_bytes``, ``memory.transient_bytes``) and what the
@@ -7,13 +8,15 @@ framework keeps (``Framework``: vocab-parallel loss, SP re-gathers, ZeRO-3 gathe
 
 from __future__ import annotations
 
+import dataclasses
+
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import memory
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
 from autopar.cost_model.tp_comm import sp_gathered_inputs
-from autopar.graph.types import ModelProfile
+from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["activation_bytes_of", "transient_bytes_of"]
+__all__ = ["activation_bytes_of", "framework_layer", "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -69,3 +72,27 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
                       else w + 2 * memory.FP32_LOGPROB_BYTES)
         * head_elems * b / (shard if fw.loss_parallel else 1),
     )
+
+
+def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
+    """``layer`` as ``fw`` runs it: a fused SwiGLU kernel (``fused_swiglu``) does not keep the
+    activated gate (``LayerProfile.swiglu_saved_bytes``, sharded like the rest of the MLP), nor
+    an attention kernel that reads grouped-query attention's kv heads in place (``native_gqa``)
+    their repeated copies (``LayerProfile.kv_repeat_saved_bytes``, sharded like K and V);
+    under per-op selective checkpointing (``selective_policy`` "op") a measured block's
+    ``selective`` entries are its ``LayerProfile.op_sac`` counts."""
+    dropped = (layer.swiglu_saved_bytes if fw.fused_swiglu else 0) + (
+        layer.kv_repeat_saved_bytes if fw.native_gqa else 0)
+    if dropped:
+        layer = dataclasses.replace(layer, saved_bytes={
+            mode: value - dropped if mode != "full" else value
+            for mode, value in layer.saved_bytes.items()})
+    op = layer.op_sac
+    if fw.selective_policy != "op" or op is None:
+        return layer
+    return dataclasses.replace(
+        layer,
+        saved_bytes={**layer.saved_bytes, "selective": op.saved_bytes},
+        saved_bytes_replicated={**layer.saved_bytes_replicated,
+                                "selective": op.saved_bytes_replicated},
+        recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})

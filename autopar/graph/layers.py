@@ -46,6 +46,7 @@ def per_sample(one: Measured, two: Measured) -> Measured:
             op_sac_bytes=s2.op_sac_bytes - s1.op_sac_bytes,
             op_sac_replicated_bytes=s2.op_sac_replicated_bytes - s1.op_sac_replicated_bytes,
             swiglu_bytes=s2.swiglu_bytes - s1.swiglu_bytes,
+            kv_repeat_bytes=s2.kv_repeat_bytes - s1.kv_repeat_bytes,
         ),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
@@ -114,6 +115,7 @@ def _record(
         op_sac=_op_sac(kind, m),
         moe=moe,
         swiglu_saved_bytes=saved.swiglu_bytes,
+        kv_repeat_saved_bytes=saved.kv_repeat_bytes,
     )
 
 

@@ -23,6 +23,13 @@ FLOPs the policy re-runs (the even-numbered matmuls and any activation x activat
 A fused SwiGLU kernel (Megatron-LM's ``bias_swiglu_fusion``) saves its input and recomputes
 them in the backward; ``swiglu_bytes`` is what it does not keep.
 
+*Repeated K/V of grouped-query attention*: a model that repeats its kv heads up to the query
+heads before the attention kernel (the zoo's ``repeat_interleave``, Hugging Face's
+``repeat_kv``: an ``expand`` made contiguous by ``aten.clone``) saves the repeated copies for the
+kernel's backward. The recorder notes every clone of a tensor with a broadcast (stride-0)
+dimension and the factor it repeats by; ``kv_repeat_bytes`` is the saved part beyond one copy,
+what a kernel that reads the kv heads in place (FlashAttention's, cuDNN's) does not keep.
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -83,6 +90,7 @@ class SavedTotals:
             layer's input not included.
         op_sac_replicated_bytes: the replicated part of ``op_sac_bytes``.
         swiglu_bytes: the saved outputs of ``aten.silu`` (module docstring).
+        kv_repeat_bytes: the saved bytes of repeated K/V beyond one copy (module docstring).
     """
 
     total_bytes: int
@@ -92,6 +100,7 @@ class SavedTotals:
     op_sac_bytes: int = 0
     op_sac_replicated_bytes: int = 0
     swiglu_bytes: int = 0
+    kv_repeat_bytes: int = 0
 
 
 class SavedRecorder(TorchDispatchMode):
@@ -129,6 +138,7 @@ class SavedRecorder(TorchDispatchMode):
         self.op_sac_recompute_flops: dict[str, int] = {}
         self._mm_count: dict[str, int] = {}
         self._silu: set[int] = set()  # storages that aten.silu produced
+        self._repeats: dict[int, int] = {}  # storages of materialised broadcasts -> factor
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
@@ -193,6 +203,9 @@ class SavedRecorder(TorchDispatchMode):
             op_sac_bytes=sum(kept.values()),
             op_sac_replicated_bytes=sum(n for k, n in kept.items() if k not in self._sharded),
             swiglu_bytes=sum(e.nbytes for e in silu),
+            kv_repeat_bytes=sum(e.nbytes - e.nbytes // self._repeats[k]
+                                for k, e in self._saved.items()
+                                if e.tag == tag and k in self._repeats),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -216,6 +229,8 @@ class SavedRecorder(TorchDispatchMode):
         elif func is _aten.silu.default and isinstance(out, torch.Tensor):
             self._alive.append(out)
             self._silu.add(storage_key(out))
+        elif func is _aten.clone.default and isinstance(out, torch.Tensor):
+            self._note_repeat(args[0], out)
         if sharded or core:
             for leaf in tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):
@@ -226,6 +241,16 @@ class SavedRecorder(TorchDispatchMode):
                     if core:
                         self._core.add(key)
         return out
+
+    def _note_repeat(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """A clone of a broadcast view: ``out`` repeats ``source``'s elements this many times."""
+        factor = 1
+        for size, stride in zip(source.shape, source.stride(), strict=True):
+            if stride == 0 and size > 1:
+                factor *= size
+        if factor > 1:
+            self._alive.append(out)
+            self._repeats[storage_key(out)] = factor
 
     def _op_recompute(self, flops: int) -> None:
         self.op_sac_recompute_flops[self.tag] = self.op_sac_recompute_flops.get(self.tag, 0) + flops

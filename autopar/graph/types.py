@@ -141,6 +141,10 @@ class LayerProfile:
         swiglu_saved_bytes: the part of ``saved_bytes`` (none, selective) per sample that is
             SwiGLU's activated gate, silu's output (tensor-parallel sharded): what a fused
             SwiGLU kernel recomputes instead of keeping (graph/recorder.py).
+        kv_repeat_saved_bytes: the part of ``saved_bytes`` (none, selective) per sample that
+            repeats grouped-query attention's K/V heads beyond one copy (tensor-parallel
+            sharded): what an attention kernel that reads the kv heads in place does not keep
+            (graph/recorder.py).
     """
 
     name: str
@@ -159,6 +163,7 @@ class LayerProfile:
     op_sac: OpSacCounts | None = None
     moe: MoEStructure | None = None
     swiglu_saved_bytes: int = 0
+    kv_repeat_saved_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""

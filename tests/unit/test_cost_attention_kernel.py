@@ -11,7 +11,8 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.compute import attention_ratio, matmul_efficiency
 from autopar.cost_model.frameworks import FRAMEWORKS, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.layer_costs import build_cost_table, framework_layer
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.layer_terms import framework_layer
 from autopar.cost_model.presets import H100_FLASH2_ATTENTION_RATIO
 from tests.fixtures.profiles import analytic_transformer_profile
 
@@ -93,8 +94,9 @@ def test_fused_swiglu_keeps_no_activated_gate():
     gpt = autopar.profile(autopar.models.build("gpt", layers=2, hidden=256, heads=8,
                                                vocab=512, seq_len=64))
     assert all(x.swiglu_saved_bytes == 0 for x in gpt.layers)
-    fused = get_framework("megatron-lm")
-    assert fused.fused_swiglu and not get_framework("torchtitan").fused_swiglu
+    assert get_framework("megatron-lm").fused_swiglu
+    assert not get_framework("torchtitan").fused_swiglu
+    fused = dataclasses.replace(get_framework("megatron-lm"), native_gqa=False)  # SwiGLU alone
     eager = dataclasses.replace(fused, fused_swiglu=False)
     assert framework_layer(block, fused).saved_bytes == {
         "none": block.saved_bytes["none"] - block.swiglu_saved_bytes,
@@ -110,3 +112,34 @@ def test_fused_swiglu_keeps_no_activated_gate():
         assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(gate)
         assert b.act_bytes[1] - a.act_bytes[1] == pytest.approx(gate)
         assert a.act_bytes[2] == b.act_bytes[2]  # full recompute keeps the block's input only
+
+
+def test_native_gqa_keeps_no_repeated_kv():
+    """A framework whose attention kernel reads the kv heads in place (Megatron-LM's Transformer
+    Engine, torchtitan's enable_gqa) keeps K and V once: a block keeps the profiler's repeated
+    copies less (tensor-parallel sharded, cp-local); autopar's runtime repeats them."""
+    import autopar
+
+    profile = autopar.profile(autopar.models.build(
+        "llama", layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seq_len=64))
+    block = next(x for x in profile.layers if x.kind == "block")
+    assert block.kv_repeat_saved_bytes == 2 * 64 * 256 * 2 * 3 // 4  # K, V; bf16; 3 of 4 copies
+    assert get_framework("torchtitan").native_gqa and get_framework("megatron-lm").native_gqa
+    native = dataclasses.replace(get_framework("megatron-lm"), fused_swiglu=False)  # GQA alone
+    assert not get_framework("autopar").native_gqa and not get_framework("deepspeed").native_gqa
+    repeated = dataclasses.replace(native, native_gqa=False)
+    assert framework_layer(block, native).saved_bytes == {
+        "none": block.saved_bytes["none"] - block.kv_repeat_saved_bytes,
+        "selective": block.saved_bytes["selective"] - block.kv_repeat_saved_bytes,
+        "full": block.saved_bytes["full"]}
+    assert framework_layer(block, repeated) == block
+    cluster = Cluster.preset("h100", nodes=1)
+    index = profile.layers.index(block)
+    for cfg in (ParallelConfig(dp=2, tp=2, pp=2, global_batch=16, micro_batch=2),
+                ParallelConfig(dp=2, cp=2, pp=2, global_batch=16, micro_batch=2)):
+        a, b = (build_cost_table(profile, cluster, cfg, fw).layers[index]
+                for fw in (native, repeated))
+        # micro-batch 2 over a 2-way shard (tp or cp): one sample's copies
+        kept = block.kv_repeat_saved_bytes * (1 + native.fragmentation_fraction)
+        assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(kept)
+        assert a.act_bytes[2] == b.act_bytes[2]

@@ -128,3 +128,16 @@ def test_llama_block_swiglu_and_gqa() -> None:
     assert block.saved_bytes["selective"] == 16 * s * h + 8 * s * f + 8 * s
     assert block.saved_bytes_replicated["none"] == 8 * s * h + 8 * s
     assert block.saved_bytes["full"] == 2 * s * h
+
+
+def test_gqa_repeated_kv_counted() -> None:
+    """The zoo repeats a grouped-query block's K and V up to the query heads before the kernel;
+    the profiler counts the saved copies beyond one (2 x 2sh x (1 - kv / a)) and nothing for
+    multi-head attention (kv = a)."""
+    s, h, a = 32, 128, 8
+    for kv in (1, 2, 4, 8):
+        prof = autopar.profile(build("llama", layers=1, hidden=h, heads=a, kv_heads=kv,
+                                     vocab=96, seq_len=s))
+        block = prof.layers[1]
+        assert block.kv_repeat_saved_bytes == 2 * 2 * s * h * (a - kv) // a
+        assert block.kv_repeat_saved_bytes < block.saved_bytes["selective"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import TORCH_DTYPE_NAMES
+from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.export_rules import (
     DEEPSPEED_COMMIT,
     MEGATRON_COMMIT,
@@ -41,6 +42,7 @@ __all__ = [
     "TORCHTITAN_SCHEDULES",
     "Export",
     "export_plan",
+    "export_refusal",
     "one_line",
     "to_deepspeed",
     "to_megatron",
@@ -71,8 +73,7 @@ class Export:
 # autopar profile layer -> the torchtitan module FQNs it covers (torchtitan's Llama 3 model:
 # ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``; sourced: torchtitan v0.2.2
 # ``distributed/pipeline_parallel.py`` ``generate_llm_fqn_per_model_part``). Zoo layer names are
-# module names, except "embedding" and "head" (the final norm and the output projection;
-# docs/model-structure.md).
+# module names but "embedding" and "head" (final norm, output projection; docs/model-structure.md).
 _TORCHTITAN_FQNS = {"embedding": ("tok_embeddings",), "head": ("norm", "output")}
 
 
@@ -128,12 +129,12 @@ def to_torchtitan(plan: Plan) -> Export:
         notes.append("torchtitan has no fp16 recipe; exported as bfloat16")
     if cfg.offload == "params":  # FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer
         tables["training"]["enable_cpu_offload"] = True
+    if plan.moe is not None and get_framework(plan.framework).moe_force_balance:
+        tables["debug"] = {"moe_force_load_balance": True}  # setting moe-force-balance
     if cfg.dtype == "fp8":
         tables["model"] = {"converters": ["quantize.linear.float8"]}
         tables["quantize.linear.float8"] = {"recipe_name": "tensorwise",
                                             "filter_fqns": ["output"]}
-        from autopar.cost_model.frameworks import get_framework
-
         if get_framework(plan.framework).fp8_param_gather:  # what the prediction assumed
             tables["quantize.linear.float8"].update(
                 enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
@@ -158,14 +159,11 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
         "pipeline_parallel_microbatch_size": cfg.micro_batch,
         "context_parallel_degree": cfg.cp,
     }
-    if cfg.ep > 1:
-        # torchtitan's "partial dp -> ep" layout: experts over ep of the dp_shard (x cp)
-        # ranks, tensor-parallel like the dense layers (etp = tp), as autopar costs them.
-        parallelism["expert_parallel_degree"] = cfg.ep
-        parallelism["expert_tensor_parallel_degree"] = cfg.tp
+    if cfg.ep > 1:  # torchtitan's "partial dp -> ep": experts over ep of dp_shard (x cp), etp = tp
+        parallelism.update(expert_parallel_degree=cfg.ep, expert_tensor_parallel_degree=cfg.tp)
+        if get_framework(plan.framework).ep_dispatch == "hierarchical":  # setting ep-deepep
+            parallelism["expert_parallel_comm_backend"] = "deepep"
     if cfg.cp > 1:  # how the prediction exchanged K/V: the ring, or torchtitan's all-gather
-        from autopar.cost_model.frameworks import get_framework
-
         ring = get_framework(plan.framework).cp_comm == "ring"
         parallelism["context_parallel_rotate_method"] = "alltoall" if ring else "allgather"
         if cfg.zero == 0:
@@ -261,11 +259,10 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
         if cfg.recompute == "full":
             flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
             extra.update(recompute_method="uniform", recompute_num_layers=1)
-    from autopar.cost_model.frameworks import get_framework
-
     fw = get_framework(plan.framework)
     if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
-        flags += [["--" + setting] for setting in fw.settings]
+        flags += [flag for setting in fw.settings
+                  for flag in _MEGATRON_SETTING_FLAGS.get(setting, [["--" + setting]])]
     if cfg.zero in (1, 2) and cfg.dp * cfg.cp > 1:
         flags.append(["--use-distributed-optimizer"])
         extra["distributed_optimizer"] = True
@@ -286,15 +283,24 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
     return flags, extra
 
 
+# Megatron-LM settings whose flags are not ``--<setting>`` (written with the MoE and fp8 flags).
+_MEGATRON_SETTING_FLAGS = {"moe-force-balance": [["--moe-router-force-load-balancing"]],
+                           "ep-deepep": [], "fp8-tensorwise": []}
+
+
 def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
-    """Megatron-Core MoE flags for a mixture-of-experts plan (none for a dense one)."""
+    """Megatron-Core MoE flags for a mixture-of-experts plan (none for a dense one), with the
+    token dispatcher the prediction assumed (the flex dispatcher's DeepEP for ``ep-deepep``)."""
     moe, cfg = plan.moe, plan.config
     if moe is None:
         return []
+    flex = get_framework(plan.framework).ep_dispatch == "hierarchical"
     flags = [["--num-experts", str(moe.experts)], ["--moe-router-topk", str(moe.top_k)],
              ["--moe-ffn-hidden-size", str(moe.expert_hidden)],
              ["--expert-model-parallel-size", str(cfg.ep)],
-             ["--moe-token-dispatcher-type", "alltoall"], ["--moe-grouped-gemm"]]
+             ["--moe-token-dispatcher-type", "flex" if flex else "alltoall"],
+             *([["--moe-flex-dispatcher-backend", "deepep"]] if flex else []),
+             ["--moe-grouped-gemm"]]
     if moe.shared_experts:
         flags.append(["--moe-shared-expert-intermediate-size",
                       str(moe.shared_experts * moe.expert_hidden)])
@@ -334,8 +340,9 @@ def to_megatron(plan: Plan) -> Export:
     flags += _megatron_moe_flags(plan)
     if cfg.dtype in ("bf16", "fp16"):
         flags.append([f"--{cfg.dtype}"])
-    if cfg.dtype == "fp8":  # Transformer Engine fp8 linears, bf16 elsewhere
-        flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", "tensorwise"]]
+    if cfg.dtype == "fp8":  # Transformer Engine fp8 linears, bf16 elsewhere, the costed recipe
+        recipe = {"dynamic": "tensorwise"}.get(get_framework(plan.framework).fp8_scaling, "delayed")
+        flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", recipe]]
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
     return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))
 
@@ -485,8 +492,6 @@ EXPORT_FRAMEWORK = {"torchtitan": "torchtitan", "megatron": "megatron-lm",
 
 def export_refusal(plan: Plan, to: str) -> str | None:
     """Why the tool behind format ``to`` cannot run ``plan`` (None when it can)."""
-    from autopar.cost_model.frameworks import framework_supports, get_framework
-
     target = EXPORT_FRAMEWORK[to]
     reason = framework_supports(get_framework(target), plan.config)
     if reason is None:

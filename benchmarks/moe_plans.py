@@ -6,7 +6,8 @@ Run: ``python benchmarks/moe_plans.py``. Prints, for autopar's runtime, the plan
 step time of the best ep split (dp=16 pp=4 ep=8, TP 1 PP 4 EP 8) at the dropless router's
 imbalance (``cost_model.moe.DROPLESS_IMBALANCE``, sourced), at 1.1x and at 1.0x (the constant
 set for this sensitivity run only); the split the README showed before (dp=4 tp=4 pp=4) as
-autopar's runtime runs it (experts whole on every tp rank); and megatron-lm's plan.
+autopar's runtime runs it (experts whole on every tp rank); megatron-lm's plan; and torchtitan's,
+without and with a force-balanced router and DeepEP's dispatch (its two settings).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main() -> int:
           f"{tp.memory_per_gpu_bytes / 2**30:.0f} GiB a GPU (fits: {tp.fits})")
     mega = autopar.plan(profile, cluster, BATCH, framework="megatron-lm")
     print(f"megatron-lm plan: {_split(mega.config)}  {mega.estimate.step_time_s:.2f} s")
+    for fw in ("torchtitan", "torchtitan+moe-force-balance+ep-deepep"):
+        titan = autopar.plan(profile, cluster, BATCH, framework=fw)
+        print(f"{fw} plan: {_split(titan.config)}  {titan.estimate.step_time_s:.2f} s")
     return 0
 
 

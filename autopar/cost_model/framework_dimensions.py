@@ -14,8 +14,10 @@ that also keeps parameters and gradients on the host, costed as ``offload="param
 FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the device's
 ``flash2_attention_ratio`` of it: compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
 that recomputes the activated gate instead of keeping it; ``native_gqa``, grouped-query
-attention whose kernel reads the kv heads in place instead of repeated copies), each with its
-source;
+attention whose kernel reads the kv heads in place instead of repeated copies;
+``moe_force_balance``, a router forced to spread tokens evenly (a benchmark mode) and
+``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
+setting turns them on), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -37,22 +39,24 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
-        fused_swiglu=False, native_gqa=False,
+        fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True,
+        moe_force_balance=False, ep_dispatch="all_to_all",
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
-        native_gqa=True,
+        native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
+        moe_force_balance=False, ep_dispatch="all_to_all",
     ),
 }
 
@@ -95,6 +99,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "native_gqa": "sourced: autopar/models/attention.py repeats K/V with "
                       "torch.repeat_interleave before scaled_dot_product_attention, which "
                       "keeps the repeated copies for its backward",
+        "moe_force_balance": "sourced: autopar/models/moe.py routes each token to its "
+                             "router's top-k experts; nothing forces the balance",
+        "ep_dispatch": "sourced: autopar/runtime/expert_parallel.py: all_to_all_single of "
+                       "every routed row",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -130,6 +138,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                       "enable_gqa=n_heads > n_kv_heads to scaled_dot_product_attention "
                       "(v0.2.0 repeated K/V with repeat_kv); torch's docs: GQA runs in the "
                       "flash backend on CUDA, which reads the kv heads in place",
+        "moe_force_balance": "sourced: off unless the 'moe-force-balance' setting is on "
+                             "(debug.moe_force_load_balance, default False)",
+        "ep_dispatch": "sourced: torch all-to-all unless the 'ep-deepep' setting is on "
+                       "(parallelism.expert_parallel_comm_backend, default 'standard')",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -164,6 +176,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "native_gqa": "sourced: Megatron-Core's TEDotProductAttention passes "
                       "num_gqa_groups to Transformer Engine, whose fused and flash kernels "
                       "read the kv heads in place",
+        "moe_force_balance": "sourced: off unless the 'moe-force-balance' setting is on "
+                             "(--moe-router-force-load-balancing, default off)",
+        "ep_dispatch": "sourced: the alltoall token dispatcher (--moe-token-dispatcher-type "
+                       "default) unless the 'ep-deepep' setting is on",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -191,6 +207,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "native_gqa": "sourced: Megatron-DeepSpeed megatron/model/transformer.py "
                       "ParallelAttention repeats K/V (repeat_kv, 'Repeat kv' under use_gqa) "
                       "before the attention kernel",
+        "moe_force_balance": "sourced: deepspeed/moe/sharded_moe.py gates route by top-k "
+                             "with a capacity; nothing forces the balance",
+        "ep_dispatch": "sourced: deepspeed/moe/sharded_moe.py _AllToAll (torch "
+                       "all_to_all_single of the dispatched rows)",
     },
 }
 

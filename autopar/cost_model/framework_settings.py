@@ -28,6 +28,12 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                               "context_parallel_rotate_method = 'alltoall' (default "
                               "'allgather'): torch's _AllToAllRotater passes K/V around the "
                               "ring, each step under one block's attention",
+        "moe-force-balance": "sourced: torchtitan v0.2.2 job_config.py "
+                             "debug.moe_force_load_balance (default False): every expert gets "
+                             "the same number of tokens, round-robin",
+        "ep-deepep": "sourced: torchtitan v0.2.2 job_config.py "
+                     "parallelism.expert_parallel_comm_backend = 'deepep' (default "
+                     "'standard', torch all-to-all): DeepEP's dispatch and combine kernels",
     }),
     "megatron-lm": MappingProxyType({
         "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
@@ -38,6 +44,16 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
         "overlap-param-gather": _MEGATRON_ARGS + "--overlap-param-gather: the distributed "
                                 "optimizer's parameter all-gather under the forward (off: "
                                 "before it)",
+        "moe-force-balance": _MEGATRON_ARGS + "--moe-router-force-load-balancing "
+                             "(TransformerConfig.moe_router_force_load_balancing): the router "
+                             "spreads tokens evenly over the experts, a benchmark mode",
+        "fp8-tensorwise": "sourced: Megatron-Core TransformerConfig.fp8_recipe 'tensorwise' "
+                          "(--fp8-recipe; default 'delayed'): per-tensor current scaling, an "
+                          "amax pass before each cast",
+        "ep-deepep": "sourced: Megatron-LM --moe-token-dispatcher-type flex with "
+                     "--moe-flex-dispatcher-backend deepep (the default) or hybridep "
+                     "(megatron/core/transformer/transformer_config.py): DeepEP's or "
+                     "HybridEP's hierarchical dispatch and combine",
     }),
     "deepspeed": MappingProxyType({
         "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
@@ -53,6 +69,9 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "overlap-param-gather": {"param_gather_overlapped": True},
     "float8-all-gather": {"fp8_param_gather": True},
     "cp-rotate-alltoall": {"cp_comm": "ring"},
+    "moe-force-balance": {"moe_force_balance": True},
+    "ep-deepep": {"ep_dispatch": "hierarchical"},
+    "fp8-tensorwise": {"fp8_scaling": "dynamic"},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

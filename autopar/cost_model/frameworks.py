@@ -37,6 +37,7 @@ from autopar.cost_model.framework_settings import (
 from autopar.cost_model.framework_sources import default_sources
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.moe import EP_DISPATCHES
 from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.cost_model.presets import DP_OVERLAP
 from autopar.units import MIB
@@ -124,7 +125,8 @@ class Framework:
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
             expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
-            attention_kernel, fused_swiglu, native_gqa: the other dimensions and kernels
+            attention_kernel, fused_swiglu, native_gqa, moe_force_balance, ep_dispatch: the
+            other dimensions and kernels
             (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
@@ -194,22 +196,18 @@ class Framework:
     attention_kernel: str = "fused"
     fused_swiglu: bool = False
     native_gqa: bool = False
+    moe_force_balance: bool = False
+    ep_dispatch: str = "all_to_all"
 
     def __post_init__(self) -> None:
-        if self.cp_comm not in CP_COMMS:
-            raise ValueError(f"cp_comm {self.cp_comm!r} unknown; use one of {CP_COMMS}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel {self.attention_kernel!r} unknown; use one of "
-                             f"{ATTENTION_KERNELS}")
-        if self.fp8_scaling not in FP8_SCALINGS:
-            raise ValueError(f"fp8_scaling {self.fp8_scaling!r} unknown; use one of "
-                             f"{FP8_SCALINGS}")
-        if self.selective_policy not in ("attention", "op"):
-            raise ValueError(f"selective_policy {self.selective_policy!r} unknown")
-        if self.pipeline_recv_buffers not in (PER_MICROBATCH, IN_FLIGHT):
-            raise ValueError(f"pipeline_recv_buffers {self.pipeline_recv_buffers!r} unknown")
-        if self.zero3_gather not in (GATHER_BLOCK, GATHER_BUCKET):
-            raise ValueError(f"zero3_gather {self.zero3_gather!r} unknown")
+        for name, allowed in (
+                ("cp_comm", CP_COMMS), ("attention_kernel", ATTENTION_KERNELS),
+                ("fp8_scaling", FP8_SCALINGS), ("selective_policy", ("attention", "op")),
+                ("ep_dispatch", EP_DISPATCHES),
+                ("pipeline_recv_buffers", (PER_MICROBATCH, IN_FLIGHT)),
+                ("zero3_gather", (GATHER_BLOCK, GATHER_BUCKET))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} unknown; use one of {allowed}")
         for name in ("kernel_efficiency", "elementwise_traffic_scale", "dp_comm_efficiency",
                      "zero3_comm_efficiency"):
             if not getattr(self, name) > 0:

@@ -155,7 +155,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
-    ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard)
+    ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
+                  force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
@@ -185,8 +186,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         num_params=layer.num_params,
         # Per whole sample: a rank's share of it (the local profile's) times cp.
         model_flops_per_sample=(layer.fwd_flops + layer.bwd_flops) * cfg.cp,
-        recompute_flops_per_sample=(rec_flops[0] * cfg.cp, rec_flops[1] * cfg.cp,
-                                    rec_flops[2] * cfg.cp),
+        recompute_flops_per_sample=tuple(x * cfg.cp for x in rec_flops),
         compute_s=times.forward_s + times.backward_s,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,

@@ -25,11 +25,26 @@ width and w the bytes of the training dtype:
   with g the members per node (NCCL runs all-to-all as concurrent send/recv pairs to every peer;
   nccl-tests' doc/PERFORMANCE.md: busbw = algbw (n - 1) / n). Not overlapped with compute (the
   experts wait for their tokens): charged as exposed.
+- hierarchical dispatch (``Framework.ep_dispatch == "hierarchical"``: DeepEP's normal kernels,
+  Megatron-Core's flex dispatcher with DeepEP or HybridEP; DeepSeek-V3 report, arXiv:2412.19437,
+  section 3.2.2): a token crosses to each other node that hosts one of its experts once, to the
+  GPU of the same in-node index, and NVLink forwards it to its experts there. With the ep group
+  on n nodes of g members and the routing spread evenly over the experts (E / n a node), a
+  token's k distinct experts leave its node for
+
+      r = (n - 1) (1 - C(E - E / n, k) / C(E, k))        (``remote_nodes``)
+
+  other nodes on average instead of k (n - 1) / n rows: the inter-node bytes are ``S (ep - g) /
+  ep`` times ``r / (k (n - 1) / n)`` (``inter_node_share``), the intra-node link carries the rows
+  for the node's other members and those forwarded on arrival, ``S ((g - 1) + (ep - g)
+  (g - 1) / g) / ep``.
 - load imbalance: a dropless router gives some ranks more tokens than T k' / ep; the busiest
-  rank sets the pace. Its routed-expert compute and activations are scaled by
-  ``DROPLESS_IMBALANCE``, and so is what it receives in each all-to-all (its NIC and NVLink
-  carry that many more rows). With a capacity factor every expert runs exactly its padded
-  capacity (already counted in the profile's FLOPs): no further imbalance.
+  rank sets the pace (none where the framework forces the router's balance,
+  ``Framework.moe_force_balance``: its benchmark mode). Its routed-expert compute and
+  activations are scaled by ``DROPLESS_IMBALANCE``, and so is what it receives in each
+  all-to-all (its NIC and NVLink carry that many more rows). With a capacity factor every
+  expert runs exactly its padded capacity (already counted in the profile's FLOPs): no further
+  imbalance.
 - expert GEMM calls (all ep degrees, ep = 1 included): a framework that loops over its local
   experts (``Framework.expert_gemm_calls`` = c calls per expert; a grouped GEMM is 0) pays each
   call's fixed cost. The device's half-efficiency work ``w_half`` is the fixed cost of a
@@ -50,6 +65,7 @@ width and w the bytes of the training dtype:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
@@ -60,15 +76,19 @@ from autopar.graph.types import LayerProfile, MoEStructure
 __all__ = [
     "A2A",
     "DROPLESS_IMBALANCE",
+    "EP_DISPATCHES",
     "EXPERT_TENSORS",
     "GEMMS_PER_LAYER",
     "EpTerms",
     "all_to_all_s",
+    "dispatch_share",
     "ep_collectives",
     "ep_layer_state",
     "ep_terms",
     "expert_call_flops",
     "expert_dp",
+    "inter_node_share",
+    "remote_nodes",
     "routed_params_off_rank",
 ]
 
@@ -83,6 +103,8 @@ DROPLESS_IMBALANCE = 1.25
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
 A2A = "all_to_all_single"
+# How a framework moves the routed rows (module docstring).
+EP_DISPATCHES = ("all_to_all", "hierarchical")
 # sourced: presets.py MATMUL_HALF_S: the half-efficiency work of a layer is the fixed cost of
 # its ~5 GEMMs (about 1 GFLOP each on A100).
 GEMMS_PER_LAYER = 5
@@ -135,26 +157,64 @@ def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> m
     )
 
 
-def all_to_all_s(cluster: Cluster, ep: int, stride: int, size_bytes: float) -> float:
-    """One all-to-all of ``size_bytes`` per rank over ep ranks spaced ``stride`` apart."""
-    if ep <= 1 or size_bytes <= 0:
+def remote_nodes(experts: int, top_k: int, nodes: int) -> float:
+    """Other nodes a token's ``top_k`` distinct experts lie on, on average, with ``experts``
+    spread evenly over ``nodes`` nodes and the routing over the experts (module docstring)."""
+    if nodes <= 1 or top_k <= 0:
         return 0.0
+    per_node = experts // nodes
+    missed = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+    return (nodes - 1) * (1.0 - missed)
+
+
+def inter_node_share(experts: int, top_k: int, nodes: int) -> float:
+    """The hierarchical dispatch's inter-node rows over the plain all-to-all's (module
+    docstring): ``remote_nodes / (k (n - 1) / n)``; 1 on one node."""
+    if nodes <= 1 or top_k <= 0:
+        return 1.0
+    return min(1.0, remote_nodes(experts, top_k, nodes) / (top_k * (nodes - 1) / nodes))
+
+
+def _members_per_node(cluster: Cluster, ep: int, stride: int) -> int:
     gpn = cluster.gpus_per_node
     per_node = ep if cluster.nodes == 1 or ep * stride <= gpn else max(1, gpn // stride)
-    per_node = min(per_node, ep)
+    return min(per_node, ep)
+
+
+def dispatch_share(cluster: Cluster, ep: int, stride: int, moe: MoEStructure,
+                   dispatch: str) -> float:
+    """``inter_node_share`` of ``moe``'s routing over the ep group's nodes for a hierarchical
+    ``dispatch``; 1 for the plain all-to-all."""
+    if dispatch != "hierarchical" or ep <= 1:
+        return 1.0
+    nodes = max(1, ep // _members_per_node(cluster, ep, stride))
+    return inter_node_share(moe.experts, moe.top_k, nodes)
+
+
+def all_to_all_s(cluster: Cluster, ep: int, stride: int, size_bytes: float,
+                 inter_share: float = 1.0) -> float:
+    """One all-to-all of ``size_bytes`` per rank over ep ranks spaced ``stride`` apart;
+    ``inter_share`` < 1: the hierarchical dispatch, which sends that share of the inter-node
+    rows and forwards the rest of its rows over the intra-node link (module docstring)."""
+    if ep <= 1 or size_bytes <= 0:
+        return 0.0
+    per_node = _members_per_node(cluster, ep, stride)
     intra, inter = cluster.intra_node, cluster.inter_node
-    intra_s = size_bytes * (per_node - 1) / ep / intra.bandwidth_bytes_per_s
-    inter_s = size_bytes * (ep - per_node) / ep / inter.bandwidth_bytes_per_s
+    intra_rows = (per_node - 1) + (
+        (ep - per_node) * (per_node - 1) / per_node if inter_share < 1.0 else 0.0)
+    intra_s = size_bytes * intra_rows / ep / intra.bandwidth_bytes_per_s
+    inter_s = size_bytes * (ep - per_node) / ep * inter_share / inter.bandwidth_bytes_per_s
     latency = intra.latency_s if per_node == ep else inter.latency_s
     return max(intra_s, inter_s) + (ep - 1) * latency
 
 
-def _imbalance(moe: MoEStructure) -> float:
-    return 1.0 if moe.capacity_factor > 0 else DROPLESS_IMBALANCE
+def _imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
+    return 1.0 if moe.capacity_factor > 0 or force_balance else DROPLESS_IMBALANCE
 
 
 def ep_terms(
-    layer: LayerProfile, config: ParallelConfig, cluster: Cluster, *, seq_len: int, shard: int
+    layer: LayerProfile, config: ParallelConfig, cluster: Cluster, *, seq_len: int, shard: int,
+    force_balance: bool = False, dispatch: str = "all_to_all",
 ) -> EpTerms:
     """The ep terms of ``layer`` (zero for a dense layer or ep == 1).
 
@@ -164,20 +224,24 @@ def ep_terms(
         cluster: the cluster (its link tiers).
         seq_len: tokens per sample.
         shard: the tp degree the layer's compute is divided by (1 if not tp-sharded).
+        force_balance: the framework forces the router's balance (no imbalance).
+        dispatch: "all_to_all" or "hierarchical" (module docstring).
     """
     moe = layer.moe
     if moe is None or config.ep <= 1:
         return EpTerms()
     b, w = config.micro_batch, DTYPE_BYTES[config.dtype]
     rows = b * seq_len * moe.routed_rows_per_token()
-    extra = _imbalance(moe) - 1.0
+    extra = _imbalance(moe, force_balance) - 1.0
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     tokens_div = config.tp if config.sequence_parallel else 1
     size = rows / tokens_div * moe.hidden * w
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
+    share = dispatch_share(cluster, config.ep, config.tp, moe, dispatch)
     none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp,
-                                                         c.size_bytes) for c in calls))
-                       for calls in ep_collectives(layer, config, seq_len=seq_len))
+                                                         c.size_bytes, share) for c in calls))
+                       for calls in ep_collectives(layer, config, seq_len=seq_len,
+                                                   force_balance=force_balance))
     return EpTerms(
         extra_fwd_flops=extra * fwd,
         extra_bwd_flops=2.0 * extra * fwd,
@@ -198,17 +262,17 @@ def expert_call_flops(layer: LayerProfile, config: ParallelConfig, calls_per_exp
     return max(0, local - 1) * calls_per_expert * half_flops / GEMMS_PER_LAYER
 
 
-def ep_collectives(layer: LayerProfile, config: ParallelConfig, *,
-                   seq_len: int) -> tuple[tuple[comm.Collective, ...], ...]:
+def ep_collectives(layer: LayerProfile, config: ParallelConfig, *, seq_len: int,
+                   force_balance: bool = False) -> tuple[tuple[comm.Collective, ...], ...]:
     """The all-to-alls of one MoE layer per micro-batch on the "ep" axis, by recompute mode
     (module docstring); the busiest rank receives (dispatch) and sends back (combine) its
-    imbalanced share."""
+    imbalanced share (its even share where the router's balance is forced)."""
     moe = layer.moe
     if moe is None or config.ep <= 1:
         return (), (), ()
     tokens_div = config.tp if config.sequence_parallel else 1
     rows = config.micro_batch * seq_len * moe.routed_rows_per_token() / tokens_div
-    rows *= _imbalance(moe)
+    rows *= _imbalance(moe, force_balance)
     data = rows * moe.hidden * DTYPE_BYTES[config.dtype]
 
     def call(size: float, phase: str, calls: int) -> comm.Collective:

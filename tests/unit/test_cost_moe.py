@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopar
 from autopar.config import ParallelConfig
 from autopar.cost_model.frameworks import framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.moe import DROPLESS_IMBALANCE, GEMMS_PER_LAYER, all_to_all_s
+from autopar.cost_model.moe import (
+    DROPLESS_IMBALANCE,
+    GEMMS_PER_LAYER,
+    all_to_all_s,
+    inter_node_share,
+    remote_nodes,
+)
 from autopar.graph.types import MoEStructure
 from tests.unit.test_search_planner import moe_profile
 
@@ -188,3 +197,66 @@ def test_nemo_recommended_mixtral_split_fits_on_80gb_under_megatron() -> None:
     assert est.fits, est.memory_per_gpu_bytes / 2**30
     per_rank = [sum(dataclasses.astuple(s.memory)) for s in est.stages]
     assert per_rank[0] == max(per_rank)
+
+
+@settings(max_examples=40, deadline=None)
+@given(nodes=st.sampled_from([1, 2, 4]), per_node=st.integers(1, 3), top_k=st.integers(1, 4))
+def test_remote_nodes_equals_the_enumerated_mean(nodes, per_node, top_k):
+    """The hierarchical dispatch's remote nodes per token: the mean, over every set of k distinct
+    experts, of the other nodes (not node 0) holding one of them."""
+    experts = nodes * per_node
+    if top_k > experts:
+        return
+    sets = list(itertools.combinations(range(experts), top_k))
+    mean = sum(len({e // per_node for e in s} - {0}) for s in sets) / len(sets)
+    assert remote_nodes(experts, top_k, nodes) == pytest.approx(mean)
+    share = inter_node_share(experts, top_k, nodes)
+    assert 0.0 < share <= 1.0
+    if nodes == 1 or top_k == 1:  # one row a token already crosses once
+        assert share == pytest.approx(1.0)
+
+
+def test_hierarchical_dispatch_and_forced_balance_in_the_layer():
+    """``ep-deepep`` sends each token once to each other node its experts are on (share r /
+    (k (n - 1) / n) of the inter-node rows) and forwards over NVLink; ``moe-force-balance``
+    drops the dropless imbalance. Settings of torchtitan and Megatron-LM both."""
+    size = 512 * MOE.top_k * H * 2
+    for name in ("torchtitan", "megatron-lm"):
+        fw = get_framework(name)
+        both = fw.with_settings(("ep-deepep", "moe-force-balance"))
+        assert both.ep_dispatch == "hierarchical" and both.moe_force_balance
+        plain, fast = (build_cost_table(PROFILE, CLUSTER, _cfg(ep=16), f).layers[1]
+                       for f in (fw, both))
+        assert fast.ep_comm_s[0] < plain.ep_comm_s[0]
+        assert fast.compute_s < plain.compute_s  # the busiest rank's extra rows are gone
+        assert fast.act_bytes[0] < plain.act_bytes[0]
+        dense = [build_cost_table(PROFILE, CLUSTER, _cfg(ep=1), f).layers[1] for f in (fw, both)]
+        assert dense[0] == dense[1]
+    # ep 16 over 2 nodes of 8, 8 experts (4 a node), top-2
+    share = inter_node_share(8, MOE.top_k, 2)
+    assert share == pytest.approx((1 - 6 / 28) / (2 * 1 / 2))
+    one = all_to_all_s(CLUSTER, 16, 1, size, share)
+    intra = size * (7 + 8 * 7 / 8) / 16 / CLUSTER.intra_node.bandwidth_bytes_per_s
+    inter = size * 8 / 16 * share / CLUSTER.inter_node.bandwidth_bytes_per_s
+    assert one == pytest.approx(max(intra, inter) + 15 * CLUSTER.inter_node.latency_s)
+    assert one < all_to_all_s(CLUSTER, 16, 1, size)
+
+
+def test_published_moe_runs_name_what_autopar_expresses():
+    """The published MoE records (benchmarks/moe_published.py) are data: sourced, and every
+    framework setting they state is one the framework has; fp8-tensorwise is Megatron-LM's
+    current scaling, costed as torchao's dynamic scaling."""
+    import json
+    from pathlib import Path
+
+    runs = json.loads((Path(__file__).parents[2] / "benchmarks" / "data"
+                       / "published_moe_runs.json").read_text())
+    assert runs
+    for rec in runs:
+        assert rec["source"] and rec["measured"]["tokens_per_s_per_gpu"] > 0
+        fw = get_framework(rec["framework"]).with_settings(tuple(rec["framework_settings"]))
+        p = rec["plan"]
+        assert p["dp"] * p["tp"] * p["pp"] * p["cp"] == rec["cluster"]["n_gpus"]
+        assert fw.moe_force_balance and fw.ep_dispatch == "hierarchical"
+    assert get_framework("megatron-lm").fp8_scaling == "delayed"
+    assert get_framework("megatron-lm+fp8-tensorwise").fp8_scaling == "dynamic"

@@ -72,3 +72,21 @@ def _dense():
 
     return dataclasses.replace(PROFILE, layers=tuple(
         dataclasses.replace(x, moe=None) for x in PROFILE.layers))
+
+
+def test_exports_write_the_moe_settings_the_prediction_assumed():
+    """The flags of the settings a plan's framework carries: DeepEP's hierarchical dispatch,
+    the forced router balance, and Megatron-LM's fp8 recipe (delayed unless fp8-tensorwise)."""
+    spec = "megatron-lm+ep-deepep+fp8-tensorwise+moe-force-balance"
+    text = export_plan(_plan(spec, dtype="fp8"), "megatron").text
+    for flag in ("--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep",
+                 "--moe-router-force-load-balancing", "--fp8-recipe tensorwise"):
+        assert flag in text
+    for bad in ("--ep-deepep", "--moe-force-balance", "--fp8-tensorwise", "alltoall"):
+        assert bad not in text
+    plain = export_plan(_plan("megatron-lm", dtype="fp8"), "megatron").text
+    assert "--fp8-recipe delayed" in plain and "--moe-router-force" not in plain
+    titan = export_plan(_plan("torchtitan+ep-deepep+moe-force-balance"), "torchtitan").text
+    assert 'expert_parallel_comm_backend = "deepep"' in titan
+    assert "moe_force_load_balance = true" in titan
+    assert "deepep" not in export_plan(_plan("torchtitan"), "torchtitan").text

@@ -1,7 +1,8 @@
 """Write a Plan in other tools' formats: torchtitan TOML, Megatron-LM flags, DeepSpeed JSON, slurm.
 
 Each exporter is a pure function ``Plan -> Export`` (the document text, plus notes about what the
-target tool cannot express, which the CLI prints on stderr). Mappings of autopar's knobs:
+target tool cannot express, which the CLI prints on stderr; Megatron-LM's lives in
+export_megatron.py). Mappings of autopar's knobs:
 
 - ``zero`` 0: replicated data parallel (torchtitan ``data_parallel_replicate_degree``; DDP);
   1 and 2: FSDP2 keeping parameters unsharded between forward and backward (torchtitan shard
@@ -19,19 +20,17 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import TORCH_DTYPE_NAMES
 from autopar.cost_model.frameworks import framework_supports, get_framework
+from autopar.export_base import Export, header, seq_len
+from autopar.export_megatron import to_megatron
 from autopar.export_rules import (
     DEEPSPEED_COMMIT,
-    MEGATRON_COMMIT,
     TORCHTITAN_COMMIT,
     TORCHTITAN_RELEASE,
-    MegatronArgs,
     deepspeed_unknown_keys,
-    megatron_violations,
 )
 from autopar.plan import Plan
 from autopar.schedules import SCHEDULES
@@ -55,19 +54,6 @@ __all__ = [
 TORCHTITAN_SCHEDULES: dict[str, str] = {n: s.torchtitan_name for n, s in SCHEDULES.items()}
 TORCH_DTYPES: dict[str, str] = dict(TORCH_DTYPE_NAMES)
 RDZV_PORT = 29500  # torchrun's default rendezvous port
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Export:
-    """An exported document.
-
-    Attributes:
-        text: the document, exactly as it should be written.
-        notes: what the target cannot express or what the user must still do (for stderr).
-    """
-
-    text: str
-    notes: tuple[str, ...] = ()
 
 
 # autopar profile layer -> the torchtitan module FQNs it covers (torchtitan's Llama 3 model:
@@ -112,7 +98,7 @@ def to_torchtitan(plan: Plan) -> Export:
             f"most common ({cfg.recompute})"
         )
     tables = {
-        "job": {"description": _header(plan)},
+        "job": {"description": header(plan)},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": cfg.recompute, "selective_ac_option": "op"},
         "training": {
@@ -120,7 +106,7 @@ def to_torchtitan(plan: Plan) -> Export:
             # micro-batch a forward, train.py accumulates global // (local * dp) of them.
             "local_batch_size": cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.micro_batch,
             "global_batch_size": cfg.global_batch,
-            "seq_len": _seq_len(plan),
+            "seq_len": seq_len(plan),
             "mixed_precision_param": TORCH_DTYPES["fp32" if cfg.dtype == "fp32" else "bf16"],
             "mixed_precision_reduce": "float32",
         },
@@ -140,8 +126,8 @@ def to_torchtitan(plan: Plan) -> Export:
                 enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
         notes.append("fp8 (torchao float8, tensorwise) casts fastest under torch.compile: "
                      "consider [compile] enable = true")
-    header = f"{_header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
-    return Export(text=toml_document(tables, header), notes=tuple(notes))
+    title = f"{header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
+    return Export(text=toml_document(tables, title), notes=tuple(notes))
 
 
 def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
@@ -178,173 +164,6 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
             notes.append(f"stages {names} are not all embedding, blocks and head; set "
                          "module_fqns_per_model_part by hand")
     return parallelism
-
-
-def _seq_len(plan: Plan) -> int:
-    """Tokens per sequence: tokens/s x step time / global batch (the Estimate's own identity)."""
-    est = plan.estimate
-    return round(est.tokens_per_s * est.step_time_s / plan.config.global_batch)
-
-
-def _header(plan: Plan) -> str:
-    """One sentence naming the plan; raw text (quote or ``one_line`` it where it is written)."""
-    model = plan.model or "model"
-    return f"autopar plan for {model}: {plan.config.describe()}"
-
-
-def _blocks_per_stage(plan: Plan) -> list[int]:
-    return [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
-
-
-def _megatron_pipeline(plan: Plan, notes: list[str]) -> dict[str, int]:
-    """The pipeline layout flags (flag -> value) Megatron accepts for the plan's stages."""
-    cfg = plan.config
-    blocks = _blocks_per_stage(plan)
-    total = sum(blocks)
-    if cfg.pp == 1:
-        return {}
-    if cfg.virtual_stages > 1:
-        chunks = cfg.pp * cfg.virtual_stages
-        if len(set(blocks)) > 1:
-            notes.append(f"autopar's chunks hold {blocks} blocks; Megatron interleaving splits "
-                         "the blocks evenly over the chunks")
-        if cfg.schedule != "interleaved-1f1b":
-            notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
-        if total % chunks == 0:
-            return {"--num-layers-per-virtual-pipeline-stage": total // chunks}
-        return {"--num-virtual-stages-per-pipeline-rank": cfg.virtual_stages}
-    if cfg.schedule == "gpipe":
-        notes.append("Megatron runs 1F1B; GPipe's bubble is the same, its memory is higher")
-    if len(set(blocks)) == 1:
-        return {}
-    uneven = {"--decoder-first-pipeline-num-layers": blocks[0],
-              "--decoder-last-pipeline-num-layers": blocks[-1]}
-    if not megatron_violations(_megatron_args(plan, uneven, {})):
-        if len(set(blocks[1:-1])) > 1:
-            notes.append(f"middle stages hold {blocks[1:-1]} blocks; Megatron splits them evenly")
-        return uneven
-    notes.append(f"stages hold {blocks} blocks, a split Megatron cannot set (its first/last "
-                 "stage flags need the middle blocks to divide evenly); Megatron splits evenly")
-    return {}
-
-
-def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) -> MegatronArgs:
-    """The MegatronArgs the exported flags set (``extra``: MegatronArgs fields)."""
-    cfg = plan.config
-    return MegatronArgs(
-        world_size=cfg.world_size, num_layers=sum(_blocks_per_stage(plan)), tp=cfg.tp,
-        pp=cfg.pp, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
-        layers_per_virtual=pipeline.get("--num-layers-per-virtual-pipeline-stage"),
-        virtual_per_rank=pipeline.get("--num-virtual-stages-per-pipeline-rank"),
-        first_layers=pipeline.get("--decoder-first-pipeline-num-layers"),
-        last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
-        bf16=cfg.dtype in ("bf16", "fp8"), fp16=cfg.dtype == "fp16", cp=cfg.cp,
-        seq_length=_seq_len(plan), fp8=cfg.dtype == "fp8",
-        num_experts=plan.moe.experts if plan.moe is not None else None, ep=cfg.ep, **extra)
-
-
-def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], dict[str, Any]]:
-    """Sequence parallel, recompute, optimizer sharding: flags and the MegatronArgs they set."""
-    cfg = plan.config
-    flags: list[list[str]] = []
-    extra: dict[str, Any] = {}
-    if cfg.sequence_parallel and cfg.tp > 1:
-        flags.append(["--sequence-parallel"])
-        extra["sequence_parallel"] = True
-    elif cfg.sequence_parallel:
-        notes.append("Megatron turns sequence parallelism off at tp=1; --sequence-parallel dropped")
-    if cfg.recompute != "none":
-        flags.append(["--recompute-granularity", cfg.recompute])
-        extra["recompute_granularity"] = cfg.recompute
-        if cfg.recompute == "full":
-            flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
-            extra.update(recompute_method="uniform", recompute_num_layers=1)
-    fw = get_framework(plan.framework)
-    if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
-        flags += [flag for setting in fw.settings
-                  for flag in _MEGATRON_SETTING_FLAGS.get(setting, [["--" + setting]])]
-    if cfg.zero in (1, 2) and cfg.dp * cfg.cp > 1:
-        flags.append(["--use-distributed-optimizer"])
-        extra["distributed_optimizer"] = True
-        if cfg.dp_replicate > 1:  # HSDP of the optimizer: instances, all-reduced across
-            flags.append(["--num-distributed-optimizer-instances", str(cfg.dp_replicate)])
-            extra["optimizer_instances"] = cfg.dp_replicate
-    elif cfg.zero == 3 and cfg.dp * cfg.cp > 1:
-        flags += [["--use-torch-fsdp2"], ["--no-gradient-accumulation-fusion"],
-                  ["--untie-embeddings-and-output-weights"]]
-        extra.update(torch_fsdp2=True, gradient_accumulation_fusion=False, untie_embeddings=True)
-        notes.append("Megatron's --use-torch-fsdp2 needs --no-gradient-accumulation-fusion (added; "
-                     "the weight-gradient GEMM no longer accumulates in place) and "
-                     "--untie-embeddings-and-output-weights (added; a model that ties its output "
-                     "layer to the embedding gains a vocab x hidden output matrix)")
-    if cfg.offload == "optimizer":
-        flags += [["--optimizer-cpu-offload"], ["--use-precision-aware-optimizer"]]
-        extra["optimizer_cpu_offload"] = True
-    return flags, extra
-
-
-# Megatron-LM settings whose flags are not ``--<setting>`` (written with the MoE and fp8 flags).
-_MEGATRON_SETTING_FLAGS = {"moe-force-balance": [["--moe-router-force-load-balancing"]],
-                           "ep-deepep": [], "fp8-tensorwise": []}
-
-
-def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
-    """Megatron-Core MoE flags for a mixture-of-experts plan (none for a dense one), with the
-    token dispatcher the prediction assumed (the flex dispatcher's DeepEP for ``ep-deepep``)."""
-    moe, cfg = plan.moe, plan.config
-    if moe is None:
-        return []
-    flex = get_framework(plan.framework).ep_dispatch == "hierarchical"
-    flags = [["--num-experts", str(moe.experts)], ["--moe-router-topk", str(moe.top_k)],
-             ["--moe-ffn-hidden-size", str(moe.expert_hidden)],
-             ["--expert-model-parallel-size", str(cfg.ep)],
-             ["--moe-token-dispatcher-type", "flex" if flex else "alltoall"],
-             *([["--moe-flex-dispatcher-backend", "deepep"]] if flex else []),
-             ["--moe-grouped-gemm"]]
-    if moe.shared_experts:
-        flags.append(["--moe-shared-expert-intermediate-size",
-                      str(moe.shared_experts * moe.expert_hidden)])
-    if moe.capacity_factor > 0:
-        flags.append(["--moe-expert-capacity-factor", f"{moe.capacity_factor:g}"])
-    return flags
-
-
-def to_megatron(plan: Plan) -> Export:
-    """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations.
-
-    The flags are checked against Megatron-LM's ``validate_args`` rules (``export_rules``,
-    commit ``MEGATRON_COMMIT``); where Megatron has an equivalent the flags are rewritten (a
-    note says so), otherwise the plan is refused.
-
-    Raises:
-        ValueError: the flags break a Megatron-LM rule (each rule and its fix named).
-    """
-    cfg = plan.config
-    notes: list[str] = []
-    pipeline = _megatron_pipeline(plan, notes)
-    options, extra = _megatron_options(plan, notes)
-    broken = megatron_violations(_megatron_args(plan, pipeline, extra))
-    if broken:
-        raise ValueError(f"Megatron-LM ({MEGATRON_COMMIT[:12]}) validate_args would reject "
-                         f"this plan: {'; '.join(broken)}")
-    flags: list[list[str]] = [
-        ["--tensor-model-parallel-size", str(cfg.tp)],
-        ["--pipeline-model-parallel-size", str(cfg.pp)],
-        *([["--context-parallel-size", str(cfg.cp)]] if cfg.cp > 1 else []),
-        ["--micro-batch-size", str(cfg.micro_batch)],
-        ["--global-batch-size", str(cfg.global_batch)],
-        ["--seq-length", str(_seq_len(plan))],
-    ]
-    flags += [[flag, str(value)] for flag, value in pipeline.items()]
-    flags += options
-    flags += _megatron_moe_flags(plan)
-    if cfg.dtype in ("bf16", "fp16"):
-        flags.append([f"--{cfg.dtype}"])
-    if cfg.dtype == "fp8":  # Transformer Engine fp8 linears, bf16 elsewhere, the costed recipe
-        recipe = {"dynamic": "tensorwise"}.get(get_framework(plan.framework).fp8_scaling, "delayed")
-        flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", recipe]]
-    lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
-    return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))
 
 
 def _deepspeed_ep(cfg: Any) -> None:
@@ -433,7 +252,7 @@ def to_slurm(plan: Plan, *, plan_path: str = "plan.json", steps: int = 100) -> E
     nodes, per_node = cluster_shape(plan)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in (plan.model or "autopar"))
     text = f"""#!/bin/bash
-# {one_line(_header(plan))}
+# {one_line(header(plan))}
 #SBATCH --job-name=autopar-{name[:32]}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1

@@ -114,11 +114,23 @@ def _profile(kind: str, items: tuple, loss: str = "eager"):
                            loss=loss)
 
 
+@functools.cache
+def _hf_profile(config_json: str, seq_len: int, loss: str):
+    model = autopar.models.from_hf_config(json.loads(config_json))
+    return autopar.profile(model, seq_len=seq_len, loss=loss)
+
+
 def record_profile(rec: dict):
     """autopar's traced profile of the record's model with the loss kernel its training ran
-    (``model.loss``: "fused" for a fused cross-entropy kernel; cached per shape)."""
+    (``model.loss``: "fused" for a fused cross-entropy kernel; cached per shape): a zoo kind
+    with its shape, or ``kind: "hf"`` with the Hugging Face config the run trained
+    (``models.from_hf_config``, no download)."""
+    loss = rec["model"].get("loss") or "eager"
+    if rec["model"]["kind"] == "hf":
+        config = json.dumps(rec["model"]["hf_config"], sort_keys=True)
+        return _hf_profile(config, rec["model"]["seq_len"], loss)
     kind, shape = model_spec(rec)
-    return _profile(kind, tuple(sorted(shape.items())), rec["model"].get("loss") or "eager")
+    return _profile(kind, tuple(sorted(shape.items())), loss)
 
 
 def record_cluster(rec: dict) -> autopar.Cluster:
@@ -154,7 +166,7 @@ def record_configs(rec: dict, num_layers: int) -> list[autopar.ParallelConfig]:
     dtype = p.get("precision") if p.get("precision") in ("fp16", "fp8") else "bf16"
     modes = [p["recompute"]] if p.get("recompute") else ["none", "selective", "full"]
     return [autopar.ParallelConfig(
-        dp=p["dp"], cp=p.get("cp") or 1, tp=p["tp"], pp=p["pp"],
+        dp=p["dp"], cp=p.get("cp") or 1, tp=p["tp"], pp=p["pp"], ep=p.get("ep") or 1,
         dp_replicate=p.get("dp_replicate") or 1,
         micro_batch=p.get("microbatch") or DEFAULTS[
             "microbatch"], global_batch=p["global_batch"], schedule=schedule, virtual_stages=v,
@@ -217,8 +229,8 @@ def cli_args(rec: dict) -> list[str] | None:
     """The ``autopar estimate`` command line of a record (None when it needs a per-layer
     recompute plan, which the command line does not express)."""
     _profile_unused, cluster, config, fw = record_inputs(rec)
-    if not isinstance(config, autopar.ParallelConfig):
-        return None
+    if not isinstance(config, autopar.ParallelConfig) or rec["model"]["kind"] == "hf":
+        return None  # a per-layer recompute plan, or a model the CLI reads from a config file
     kind, shape = model_spec(rec)
     spec = kind + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                                  for k, v in shape.items())
@@ -227,7 +239,8 @@ def cli_args(rec: dict) -> list[str] | None:
             "--micro-batch", str(config.micro_batch), "--global-batch", str(config.global_batch),
             "--schedule", config.schedule, "--virtual-stages", str(config.virtual_stages),
             "--recompute", config.recompute, "--zero", str(config.zero), "--dtype", config.dtype,
-            "--cp", str(config.cp), "--dp-replicate", str(config.dp_replicate),
+            "--cp", str(config.cp), "--ep", str(config.ep),
+            "--dp-replicate", str(config.dp_replicate),
             "--framework", fw.spec, "--json"]
     if rec["cluster"].get("memory_GB"):
         args += ["--gpu-memory", str(rec["cluster"]["memory_GB"])]

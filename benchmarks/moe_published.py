@@ -1,8 +1,9 @@
-"""Published mixture-of-experts runs against autopar's predictions, side by side (not in the
-calibration set: no MoE term is fitted; docs/frameworks.md says what is missing).
+"""Published mixture-of-experts runs against autopar's predictions, one row per framework
+setting left out, so each mechanism's share shows (the runs are in ``calibration.py``'s set too;
+no MoE term is fitted; docs/frameworks.md).
 
-Run: ``python benchmarks/moe_published.py``. For each record of
-``benchmarks/data/published_moe_runs.json`` (each number with its source), the calls a user makes
+Run: ``python benchmarks/moe_published.py``. For each expert-parallel record of
+``benchmarks/data/published_runs.json`` (each number with its source), the calls a user makes
 (``models.from_hf_config``, ``profile``, ``Cluster.preset``, ``estimate(..., framework=...)``
 with the framework settings the source states), printed once with the record's settings and once
 with each left out, so each mechanism's share shows: measured and predicted tokens/s per GPU,
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import autopar
 
-RUNS = Path(__file__).parent / "data" / "published_moe_runs.json"
+RUNS = Path(__file__).parent / "data" / "published_runs.json"
 
 
 def _config(rec: dict) -> autopar.ParallelConfig:
@@ -52,14 +53,14 @@ def rows(rec: dict) -> list[dict]:
 
 
 def main() -> int:
-    for rec in json.loads(RUNS.read_text()):
+    for rec in (r for r in json.loads(RUNS.read_text()) if (r["plan"].get("ep") or 1) > 1):
         print(f"{rec['id']} ({rec['model']['name']}, {rec['cluster']['n_gpus']} "
               f"{rec['cluster']['gpu']}, measured {rec['measured']['tokens_per_s_per_gpu']:.0f} "
               "tokens/s per GPU)")
-        print(f"  {'framework and settings':<62} {'predicted':>9} {'error':>7} "
+        print(f"  {'framework and settings':<72} {'predicted':>9} {'error':>7} "
               f"{'all-to-all':>10} {'step':>8} {'memory':>10}")
         for r in rows(rec):
-            print(f"  {r['framework']:<62} {r['predicted']:>9.0f} {r['error']:>+7.1%} "
+            print(f"  {r['framework']:<72} {r['predicted']:>9.0f} {r['error']:>+7.1%} "
                   f"{r['ep_comm_s']:>9.2f}s {r['step_s']:>7.2f}s {r['memory_gib']:>6.1f} GiB"
                   f"{'' if r['fits'] else ' (does not fit)'}")
     return 0

@@ -15,6 +15,7 @@ FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the de
 ``flash2_attention_ratio`` of it: compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
 that recomputes the activated gate instead of keeping it; ``native_gqa``, grouped-query
 attention whose kernel reads the kv heads in place instead of repeated copies;
+``fp8_saves_inputs``, fp8 linears that keep their fp8 input for the weight gradient;
 ``moe_force_balance``, a router forced to spread tokens evenly (a benchmark mode) and
 ``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
 setting turns them on), each with its source;
@@ -40,23 +41,25 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
+        fp8_saves_inputs=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True,
-        moe_force_balance=False, ep_dispatch="all_to_all",
+        moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
+        fp8_saves_inputs=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
-        moe_force_balance=False, ep_dispatch="all_to_all",
+        moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
     ),
 }
 
@@ -103,6 +106,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                              "router's top-k experts; nothing forces the balance",
         "ep_dispatch": "sourced: autopar/runtime/expert_parallel.py: all_to_all_single of "
                        "every routed row",
+        "fp8_saves_inputs": "sourced: autopar's runtime has no fp8 linears (dtypes above)",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -142,6 +146,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                              "(debug.moe_force_load_balance, default False)",
         "ep_dispatch": "sourced: torch all-to-all unless the 'ep-deepep' setting is on "
                        "(parallelism.expert_parallel_comm_backend, default 'standard')",
+        "fp8_saves_inputs": "sourced: torchao float8/float8_linear.py "
+                            "matmul_with_hp_or_float8_args saves input_hp (the 16-bit input) "
+                            "for the backward",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -180,6 +187,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                              "(--moe-router-force-load-balancing, default off)",
         "ep_dispatch": "sourced: the alltoall token dispatcher (--moe-token-dispatcher-type "
                        "default) unless the 'ep-deepep' setting is on",
+        "fp8_saves_inputs": "sourced: Transformer Engine pytorch/module/linear.py, "
+                            "layernorm_linear.py, grouped_linear.py: an fp8 linear saves its "
+                            "quantized input (column-wise fp8 data, 'Discard row-wise data "
+                            "since it is not needed in backward pass') for the weight gradient",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -211,6 +222,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                              "with a capacity; nothing forces the balance",
         "ep_dispatch": "sourced: deepspeed/moe/sharded_moe.py _AllToAll (torch "
                        "all_to_all_single of the dispatched rows)",
+        "fp8_saves_inputs": "sourced: no fp8 training (dtypes above)",
     },
 }
 

@@ -47,6 +47,10 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
         "moe-force-balance": _MEGATRON_ARGS + "--moe-router-force-load-balancing "
                              "(TransformerConfig.moe_router_force_load_balancing): the router "
                              "spreads tokens evenly over the experts, a benchmark mode",
+        "expandable-segments": "sourced: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in "
+                               "the launch environment (Megatron-LM does not set it; "
+                               "Megatron-Bridge's performance recipes do): the caching "
+                               "allocator's fragmentation as torchtitan's (3%)",
         "fp8-tensorwise": "sourced: Megatron-Core TransformerConfig.fp8_recipe 'tensorwise' "
                           "(--fp8-recipe; default 'delayed'): per-tensor current scaling, an "
                           "amax pass before each cast",
@@ -72,6 +76,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "moe-force-balance": {"moe_force_balance": True},
     "ep-deepep": {"ep_dispatch": "hierarchical"},
     "fp8-tensorwise": {"fp8_scaling": "dynamic"},
+    "expandable-segments": {"fragmentation_fraction": 0.03},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

@@ -125,8 +125,8 @@ class Framework:
             over predicted step time).
         context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
             expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
-            attention_kernel, fused_swiglu, native_gqa, moe_force_balance, ep_dispatch: the
-            other dimensions and kernels
+            attention_kernel, fused_swiglu, native_gqa, fp8_saves_inputs, moe_force_balance,
+            ep_dispatch: the other dimensions and kernels
             (framework_dimensions.py).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
@@ -196,6 +196,7 @@ class Framework:
     attention_kernel: str = "fused"
     fused_swiglu: bool = False
     native_gqa: bool = False
+    fp8_saves_inputs: bool = False
     moe_force_balance: bool = False
     ep_dispatch: str = "all_to_all"
 

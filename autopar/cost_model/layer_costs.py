@@ -68,6 +68,7 @@ from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
     activation_bytes_of,
+    fp8_kept_less,
     framework_layer,
     transient_bytes_of,
 )
@@ -81,7 +82,7 @@ from autopar.cost_model.offload import (
 )
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, layer_rates
+from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
@@ -177,8 +178,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         times.forward_s if fw.param_gather_overlapped else 0.0,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         cluster.dp_overlap_efficiency, fw.overlap_slowdown)
-    tp_calls = tp_collectives(profile, layer, cfg, ratio, first_block=first_block,
-                              loss_parallel=fw.loss_parallel)
+    kept_less = fp8_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems)
     transient = tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
         layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes))
     cost = LayerCost(
@@ -191,10 +191,11 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=_tp_comm_s(fw, cfg, tp_calls, groups["tp"], times),
+        tp_comm_s=_tp_comm_s(fw, cfg, tp_collectives(profile, layer, cfg, ratio, first_block=(
+            first_block), loss_parallel=fw.loss_parallel), groups["tp"], times),
         dp_microbatch_s=mb_s,
-        act_bytes=_fragmented(_net_of_backward_state(act, cfg, state.local_params, held),
-                              cluster, fw),
+        act_bytes=_fragmented(_net_of_backward_state(tuple(a - k for a, k in zip(
+            act, kept_less)), cfg, state.local_params, held), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         # Gradients kept at the framework's reduce dtype (autopar's runtime: fp32).
@@ -287,7 +288,7 @@ def _layer_rates(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: 
                 layer, scale: float, attn_flops: float) -> tuple[bool, tuple[float, float]]:
     """(fp8 linears?, precision.layer_rates of the layer's FLOPs (``scale`` times its
     per-sample ones, ``attn_flops`` of them its attention core) at its kernel's speed)."""
-    fp8 = cfg.dtype == "fp8" and layer.kind == "block"
+    fp8 = fp8_linears(cfg.dtype, layer.kind)
     return fp8, layer_rates(
         cluster.device, cfg.dtype, layer.fwd_flops * scale, attn_flops, fp8_linears=fp8,
         attention_ratio=attention_ratio(cluster.device, fw.attention_kernel, profile.attention),
@@ -299,7 +300,7 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     host copies."""
     unit = fsdp_unit_params(profile, cfg, index)
     own = unit_collectives(profile.layers[index], cfg, unit)  # ep: experts on their own group
-    fp8 = cfg.dtype == "fp8" and profile.layers[index].kind == "block"
+    fp8 = fp8_linears(cfg.dtype, profile.layers[index].kind)
     return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(
         cfg, own, unit, run_offload(cfg, fw))
 

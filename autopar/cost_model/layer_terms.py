@@ -13,10 +13,11 @@ import dataclasses
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import memory
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
+from autopar.cost_model.precision import fp8_linears
 from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["activation_bytes_of", "framework_layer", "transient_bytes_of"]
+__all__ = ["activation_bytes_of", "fp8_kept_less", "framework_layer", "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -84,9 +85,7 @@ def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
     dropped = (layer.swiglu_saved_bytes if fw.fused_swiglu else 0) + (
         layer.kv_repeat_saved_bytes if fw.native_gqa else 0)
     if dropped:
-        layer = dataclasses.replace(layer, saved_bytes={
-            mode: value - dropped if mode != "full" else value
-            for mode, value in layer.saved_bytes.items()})
+        layer = _less_saved(layer, dropped, 0)
     op = layer.op_sac
     if fw.selective_policy != "op" or op is None:
         return layer
@@ -96,3 +95,30 @@ def framework_layer(layer: LayerProfile, fw: Framework) -> LayerProfile:
         saved_bytes_replicated={**layer.saved_bytes_replicated,
                                 "selective": op.saved_bytes_replicated},
         recompute_flops={**layer.recompute_flops, "selective": op.recompute_flops})
+
+
+def _less_saved(layer: LayerProfile, dropped: int, dropped_replicated: int) -> LayerProfile:
+    """``layer`` keeping ``dropped`` bytes less (``dropped_replicated`` of them replicated) per
+    sample without recompute and under selective recompute (full keeps the input only)."""
+    def less(values: dict[str, int], by: int) -> dict[str, int]:
+        return {mode: value - by if mode != "full" else value for mode, value in values.items()}
+
+    return dataclasses.replace(
+        layer, saved_bytes=less(layer.saved_bytes, dropped),
+        saved_bytes_replicated=less(layer.saved_bytes_replicated, dropped_replicated))
+
+
+def fp8_kept_less(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float, shard: int,
+                  fw: Framework, head_elems: float) -> tuple[float, float, float]:
+    """Activation bytes (none, selective, full) that fp8 linears keeping their fp8 input
+    (``Framework.fp8_saves_inputs``) hold less than the 16-bit count: what only linears save
+    at half its bytes, plus an fp8 copy of what they share with another op
+    (``LayerProfile.linear_saved_bytes``, ``linear_shared_bytes``; graph/recorder.py). Memory
+    only: the casts and elementwise passes still read and write the 16-bit tensors."""
+    if not (fw.fp8_saves_inputs and fp8_linears(cfg.dtype, layer.kind)):
+        return (0.0, 0.0, 0.0)
+    (only, only_rep), (shared, shared_rep) = layer.linear_saved_bytes, layer.linear_shared_bytes
+    kept = _less_saved(layer, (only - shared) // 2, (only_rep - shared_rep) // 2)
+    full, less = (activation_bytes_of(profile, x, cfg, ratio, shard, fw, head_elems)
+                  for x in (layer, kept))
+    return (full[0] - less[0], full[1] - less[1], full[2] - less[2])

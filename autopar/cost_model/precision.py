@@ -44,6 +44,7 @@ __all__ = [
     "attention_peak_flops",
     "dtype_reason",
     "fp8_cast_bytes",
+    "fp8_linears",
     "layer_peak_flops",
     "layer_rates",
     "supported_dtypes",
@@ -57,6 +58,12 @@ FP8_CAST_BYTES_PER_ACT_BYTE = MappingProxyType({"dynamic": 2 * 2.5, "delayed": 2
 # sourced: a weight's cast, bytes per parameter: dynamic 5 per micro-batch (amax read, cast);
 # delayed 3 once per step (TE's cached fp8 weights).
 FP8_CAST_BYTES_PER_PARAM = MappingProxyType({"dynamic": 5.0, "delayed": 3.0})
+
+
+def fp8_linears(dtype: str, layer_kind: str) -> bool:
+    """Whether a layer's linears run fp8: the blocks' under an fp8 split; the embedding, the
+    output head and everything outside the linears stay 16-bit (module docstring)."""
+    return dtype == "fp8" and layer_kind == "block"
 
 
 def fp8_cast_bytes(scaling: str, act_bytes: float, params: float,

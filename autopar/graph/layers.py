@@ -47,6 +47,11 @@ def per_sample(one: Measured, two: Measured) -> Measured:
             op_sac_replicated_bytes=s2.op_sac_replicated_bytes - s1.op_sac_replicated_bytes,
             swiglu_bytes=s2.swiglu_bytes - s1.swiglu_bytes,
             kv_repeat_bytes=s2.kv_repeat_bytes - s1.kv_repeat_bytes,
+            linear_bytes=s2.linear_bytes - s1.linear_bytes,
+            linear_replicated_bytes=s2.linear_replicated_bytes - s1.linear_replicated_bytes,
+            linear_shared_bytes=s2.linear_shared_bytes - s1.linear_shared_bytes,
+            linear_shared_replicated_bytes=(s2.linear_shared_replicated_bytes
+                                            - s1.linear_shared_replicated_bytes),
         ),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
@@ -116,6 +121,8 @@ def _record(
         moe=moe,
         swiglu_saved_bytes=saved.swiglu_bytes,
         kv_repeat_saved_bytes=saved.kv_repeat_bytes,
+        linear_saved_bytes=(saved.linear_bytes, saved.linear_replicated_bytes),
+        linear_shared_bytes=(saved.linear_shared_bytes, saved.linear_shared_replicated_bytes),
     )
 
 

@@ -30,6 +30,15 @@ kernel's backward. The recorder notes every clone of a tensor with a broadcast (
 dimension and the factor it repeats by; ``kv_repeat_bytes`` is the saved part beyond one copy,
 what a kernel that reads the kv heads in place (FlashAttention's, cuDNN's) does not keep.
 
+*Inputs of the weight matmuls*: a tensor saved by a matmul whose other operand is a parameter
+(a linear's input, kept for its weight gradient) is noted as a linear's; ``linear_bytes`` is
+what only linears keep, ``linear_shared_bytes`` what a linear and another op both keep (the
+attention output, kept by the attention's backward too). A framework whose fp8 linears keep
+their fp8 input instead (Transformer Engine) keeps the first at half and adds half of the
+second (cost_model/layer_terms.py). Autograd packs an op's inputs just before the op reaches
+the dispatch modes (and its outputs just after), so the packs since the last dispatched op are
+attributed when the next op arrives: to it if it is a weight matmul taking them, else to others.
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -52,6 +61,8 @@ __all__ = ["SavedRecorder", "SavedTotals", "storage_key"]
 _aten = torch.ops.aten
 # Matmuls whose two operands may both be activations (attention's q k^T and probs @ v).
 _MATMULS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.baddbmm: (1, 2), _aten.addmm: (1, 2)}
+# Matmuls a linear layer runs (its weight, a parameter, one operand).
+_WEIGHT_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -75,6 +86,8 @@ class _Saved:
     tag: str
     sharded: bool
     only_core: bool
+    by_linear: bool = False
+    by_other: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +104,10 @@ class SavedTotals:
         op_sac_replicated_bytes: the replicated part of ``op_sac_bytes``.
         swiglu_bytes: the saved outputs of ``aten.silu`` (module docstring).
         kv_repeat_bytes: the saved bytes of repeated K/V beyond one copy (module docstring).
+        linear_bytes, linear_replicated_bytes: saved only as weight-matmul inputs (module
+            docstring), and its replicated part.
+        linear_shared_bytes, linear_shared_replicated_bytes: saved as a weight-matmul input
+            and by another op, and its replicated part.
     """
 
     total_bytes: int
@@ -101,6 +118,10 @@ class SavedTotals:
     op_sac_replicated_bytes: int = 0
     swiglu_bytes: int = 0
     kv_repeat_bytes: int = 0
+    linear_bytes: int = 0
+    linear_replicated_bytes: int = 0
+    linear_shared_bytes: int = 0
+    linear_shared_replicated_bytes: int = 0
 
 
 class SavedRecorder(TorchDispatchMode):
@@ -139,6 +160,7 @@ class SavedRecorder(TorchDispatchMode):
         self._mm_count: dict[str, int] = {}
         self._silu: set[int] = set()  # storages that aten.silu produced
         self._repeats: dict[int, int] = {}  # storages of materialised broadcasts -> factor
+        self._recent: list[int] = []  # storages packed since the last dispatched op
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
@@ -164,6 +186,7 @@ class SavedRecorder(TorchDispatchMode):
         else:
             entry.sharded = entry.sharded or key in self._sharded
             entry.only_core = entry.only_core and is_core
+        self._recent.append(key)
         return tensor
 
     @staticmethod
@@ -194,6 +217,8 @@ class SavedRecorder(TorchDispatchMode):
         """Sum the storages first saved under ``tag``."""
         entries = [e for e in self._saved.values() if e.tag == tag]
         silu = [e for k, e in self._saved.items() if e.tag == tag and k in self._silu]
+        only = [e for e in entries if e.by_linear and not e.by_other]
+        shared = [e for e in entries if e.by_linear and e.by_other]
         kept = self._op_kept.get(tag, {})
         return SavedTotals(
             total_bytes=sum(e.nbytes for e in entries),
@@ -206,6 +231,10 @@ class SavedRecorder(TorchDispatchMode):
             kv_repeat_bytes=sum(e.nbytes - e.nbytes // self._repeats[k]
                                 for k, e in self._saved.items()
                                 if e.tag == tag and k in self._repeats),
+            linear_bytes=sum(e.nbytes for e in only),
+            linear_replicated_bytes=sum(e.nbytes for e in only if not e.sharded),
+            linear_shared_bytes=sum(e.nbytes for e in shared),
+            linear_shared_replicated_bytes=sum(e.nbytes for e in shared if not e.sharded),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -218,6 +247,8 @@ class SavedRecorder(TorchDispatchMode):
         keys = [storage_key(t) for t in inputs]
         sharded = any(k in self._sharded for k in keys)
         core = any(k in self._core for k in keys)
+        if self._recent:
+            self._attribute_packs(func, keys)
         if self.forward_active and self._is_activation_matmul(func, args):
             # q k^T starts the core; probs @ v (one operand already core) ends it.
             flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
@@ -241,6 +272,20 @@ class SavedRecorder(TorchDispatchMode):
                     if core:
                         self._core.add(key)
         return out
+
+    def _attribute_packs(self, func: Any, keys: list[int]) -> None:
+        """The packs since the last op: a weight matmul's activation operands (one pack each)
+        are a linear's, every other pack another op's (module docstring)."""
+        weights = func in _WEIGHT_MATMULS and any(k in self._excluded for k in keys)
+        operands = {k for k in keys if k not in self._excluded} if weights else set()
+        for key in self._recent:
+            entry = self._saved[key]
+            if key in operands:
+                entry.by_linear = True
+                operands.discard(key)
+            else:
+                entry.by_other = True
+        self._recent = []
 
     def _note_repeat(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """A clone of a broadcast view: ``out`` repeats ``source``'s elements this many times."""

@@ -145,6 +145,11 @@ class LayerProfile:
             repeats grouped-query attention's K/V heads beyond one copy (tensor-parallel
             sharded): what an attention kernel that reads the kv heads in place does not keep
             (graph/recorder.py).
+        linear_saved_bytes: (all, replicated part) of ``saved_bytes`` (none, selective) per
+            sample that only weight matmuls keep, their inputs for the weight gradient.
+        linear_shared_bytes: (all, replicated part) per sample that a weight matmul keeps and
+            another op keeps too (graph/recorder.py): with the first, what an fp8 linear that
+            keeps its fp8 input changes (cost_model/layer_terms.py).
     """
 
     name: str
@@ -164,6 +169,8 @@ class LayerProfile:
     moe: MoEStructure | None = None
     swiglu_saved_bytes: int = 0
     kv_repeat_saved_bytes: int = 0
+    linear_saved_bytes: tuple[int, int] = (0, 0)
+    linear_shared_bytes: tuple[int, int] = (0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""
@@ -182,6 +189,9 @@ class LayerProfile:
         }
         tp = TPStructure(**tp_fields)
         data["module_fqns"] = tuple(data["module_fqns"])
+        for name in ("linear_saved_bytes", "linear_shared_bytes"):
+            if name in data:
+                data[name] = tuple(data[name])
         op_sac = data.pop("op_sac", None)
         moe = data.pop("moe", None)
         return cls(tp=tp, op_sac=OpSacCounts(**op_sac) if op_sac else None,

@@ -72,7 +72,8 @@ MODULE_LAYERS = {
     "config": "base", "errors": "base", "export_rules": "base", "lazy": "base",
     "schedules": "base", "stdio": "base", "timelimit": "base", "toml_text": "base",
     "units": "base",
-    "costing": "plan", "exporters": "plan", "plan": "plan", "plotting": "plan", "report": "plan",
+    "costing": "plan", "exporters": "plan", "export_base": "plan", "export_megatron": "plan",
+    "plan": "plan", "plotting": "plan", "report": "plan",
     "__init__": "search", "sweep": "search",
 }
 

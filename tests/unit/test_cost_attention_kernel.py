@@ -143,3 +143,33 @@ def test_native_gqa_keeps_no_repeated_kv():
         kept = block.kv_repeat_saved_bytes * (1 + native.fragmentation_fraction)
         assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(kept)
         assert a.act_bytes[2] == b.act_bytes[2]
+
+
+def test_fp8_linears_keep_their_fp8_input_under_transformer_engine():
+    """Megatron-LM's fp8 linears (Transformer Engine) keep their fp8 input for the weight
+    gradient: what only linears save at half, plus an fp8 copy of what they share; memory only
+    (the casts and elementwise passes are the 16-bit ones); torchtitan's torchao keeps the
+    16-bit input; nothing changes at bf16 or for the head."""
+    import autopar
+
+    profile = autopar.profile(autopar.models.build(
+        "llama", layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seq_len=64))
+    block = next(x for x in profile.layers if x.kind == "block")
+    index = profile.layers.index(block)
+    te = get_framework("megatron-lm")
+    assert te.fp8_saves_inputs and not get_framework("torchtitan").fp8_saves_inputs
+    hp = dataclasses.replace(te, fp8_saves_inputs=False)
+    (only, _), (shared, _) = block.linear_saved_bytes, block.linear_shared_bytes
+    cfg = ParallelConfig(dp=2, pp=2, global_batch=16, micro_batch=2, dtype="fp8")
+    a, b = (build_cost_table(profile, H100, cfg, fw).layers[index] for fw in (te, hp))
+    kept = 2 * (only - shared) // 2 * (1 + te.fragmentation_fraction)  # micro-batch 2
+    assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(kept)
+    assert b.act_bytes[1] - a.act_bytes[1] == pytest.approx(kept)
+    assert a.act_bytes[2] == b.act_bytes[2]
+    assert a.compute_s == b.compute_s  # memory only
+    bf16 = dataclasses.replace(cfg, dtype="bf16")
+    assert (build_cost_table(profile, H100, bf16, te).layers[index].act_bytes
+            == build_cost_table(profile, H100, bf16, hp).layers[index].act_bytes)
+    head = len(profile.layers) - 1
+    assert (build_cost_table(profile, H100, cfg, te).layers[head].act_bytes
+            == build_cost_table(profile, H100, cfg, hp).layers[head].act_bytes)

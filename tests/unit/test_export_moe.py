@@ -90,3 +90,13 @@ def test_exports_write_the_moe_settings_the_prediction_assumed():
     assert 'expert_parallel_comm_backend = "deepep"' in titan
     assert "moe_force_load_balance = true" in titan
     assert "deepep" not in export_plan(_plan("torchtitan"), "torchtitan").text
+
+
+def test_expandable_segments_is_a_launch_note_and_three_percent():
+    from autopar.cost_model.frameworks import get_framework
+
+    fw = get_framework("megatron-lm+expandable-segments")
+    assert fw.fragmentation_fraction == 0.03 < get_framework("megatron-lm").fragmentation_fraction
+    out = export_plan(_plan("megatron-lm+expandable-segments"), "megatron")
+    assert "--expandable-segments" not in out.text
+    assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in n for n in out.notes)

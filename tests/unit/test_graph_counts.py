@@ -141,3 +141,19 @@ def test_gqa_repeated_kv_counted() -> None:
         block = prof.layers[1]
         assert block.kv_repeat_saved_bytes == 2 * 2 * s * h * (a - kv) // a
         assert block.kv_repeat_saved_bytes < block.saved_bytes["selective"]
+
+
+def test_linear_inputs_counted_by_who_keeps_them() -> None:
+    """What only weight matmuls keep (a GPT block: both norm outputs and the GELU output, 12 s h
+    bytes, the norm outputs replicated) and what a linear shares with another op (the attention
+    output, which the attention's backward keeps too: 2 s h)."""
+    s, h = 32, 64
+    gpt = build("gpt", layers=1, hidden=h, heads=4, vocab=96, seq_len=s)
+    block = autopar.profile(gpt).layers[1]
+    assert block.linear_saved_bytes == (12 * s * h, 4 * s * h)
+    assert block.linear_shared_bytes == (2 * s * h, 0)
+    f = 96
+    llama = autopar.profile(build("llama", layers=1, hidden=h, heads=4, kv_heads=2, ffn_hidden=f,
+                                  vocab=96, seq_len=s)).layers[1]
+    # w1 and w3 share one input; w2 takes the SwiGLU product (2 s f)
+    assert llama.linear_saved_bytes == (4 * s * h + 2 * s * f, 4 * s * h)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF"]
+__all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS",
+           "SETTING_EFFECTS", "SETTING_OFF"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
 # what each one changes is in ``SETTING_EFFECTS``.
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
@@ -65,6 +66,9 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                         "gradient reductions under the backward",
     }),
 })
+# sourced: the caching allocator's unusable share of churning memory with expandable segments
+# (frameworks.py _EXPANDABLE): the runtimes that set them, and Megatron-LM's setting.
+EXPANDABLE_FRAGMENTATION = 0.03
 # setting -> the Framework fields it sets.
 SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "tp-comm-overlap": {"tp_comm_overlapped": True},
@@ -76,7 +80,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "moe-force-balance": {"moe_force_balance": True},
     "ep-deepep": {"ep_dispatch": "hierarchical"},
     "fp8-tensorwise": {"fp8_scaling": "dynamic"},
-    "expandable-segments": {"fragmentation_fraction": 0.03},
+    "expandable-segments": {"fragmentation_fraction": EXPANDABLE_FRAGMENTATION},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

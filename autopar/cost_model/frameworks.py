@@ -30,6 +30,7 @@ from autopar.cost_model.compute import ATTENTION_KERNELS
 from autopar.cost_model.cp_comm import CP_COMMS
 from autopar.cost_model.framework_fit import FIT
 from autopar.cost_model.framework_settings import (
+    EXPANDABLE_FRAGMENTATION,
     FSDP2_UNIT,
     SETTING_EFFECTS,
     SETTINGS,
@@ -273,7 +274,8 @@ _RECORDS: dict[str, dict[str, object]] = {
         param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
-        fragmentation_fraction=0.03, param_traffic_factor=None, elementwise_traffic_scale=1.0,
+        fragmentation_fraction=EXPANDABLE_FRAGMENTATION,
+        param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=False, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
@@ -319,7 +321,8 @@ _RECORDS: dict[str, dict[str, object]] = {
         param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
         zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
-        fragmentation_fraction=0.03, param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
+        fragmentation_fraction=EXPANDABLE_FRAGMENTATION,
+        param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,

@@ -156,6 +156,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
+    kept_less = fp8_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems, act)
     ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
                   force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
@@ -178,7 +179,6 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         times.forward_s if fw.param_gather_overlapped else 0.0,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         cluster.dp_overlap_efficiency, fw.overlap_slowdown)
-    kept_less = fp8_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems)
     transient = tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
         layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes))
     cost = LayerCost(

@@ -109,16 +109,17 @@ def _less_saved(layer: LayerProfile, dropped: int, dropped_replicated: int) -> L
 
 
 def fp8_kept_less(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float, shard: int,
-                  fw: Framework, head_elems: float) -> tuple[float, float, float]:
+                  fw: Framework, head_elems: float,
+                  full: tuple[float, float, float]) -> tuple[float, float, float]:
     """Activation bytes (none, selective, full) that fp8 linears keeping their fp8 input
-    (``Framework.fp8_saves_inputs``) hold less than the 16-bit count: what only linears save
-    at half its bytes, plus an fp8 copy of what they share with another op
-    (``LayerProfile.linear_saved_bytes``, ``linear_shared_bytes``; graph/recorder.py). Memory
-    only: the casts and elementwise passes still read and write the 16-bit tensors."""
+    (``Framework.fp8_saves_inputs``) hold less than the 16-bit count ``full``
+    (``activation_bytes_of`` the layer): what only linears save at half its bytes, plus an fp8
+    copy of what they share with another op (``LayerProfile.linear_saved_bytes``,
+    ``linear_shared_bytes``; graph/recorder.py). Memory only: the casts and elementwise passes
+    still read and write the 16-bit tensors."""
     if not (fw.fp8_saves_inputs and fp8_linears(cfg.dtype, layer.kind)):
         return (0.0, 0.0, 0.0)
     (only, only_rep), (shared, shared_rep) = layer.linear_saved_bytes, layer.linear_shared_bytes
     kept = _less_saved(layer, (only - shared) // 2, (only_rep - shared_rep) // 2)
-    full, less = (activation_bytes_of(profile, x, cfg, ratio, shard, fw, head_elems)
-                  for x in (layer, kept))
+    less = activation_bytes_of(profile, kept, cfg, ratio, shard, fw, head_elems)
     return (full[0] - less[0], full[1] - less[1], full[2] - less[2])

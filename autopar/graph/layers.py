@@ -15,6 +15,7 @@ embedding); parameters of no called module go to the embedding layer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -38,21 +39,8 @@ def per_sample(one: Measured, two: Measured) -> Measured:
         fwd_flops=two.fwd_flops - one.fwd_flops,
         bwd_flops=two.bwd_flops - one.bwd_flops,
         core_fwd_flops=two.core_fwd_flops - one.core_fwd_flops,
-        saved=SavedTotals(
-            total_bytes=s2.total_bytes - s1.total_bytes,
-            replicated_bytes=s2.replicated_bytes - s1.replicated_bytes,
-            core_bytes=s2.core_bytes - s1.core_bytes,
-            core_replicated_bytes=s2.core_replicated_bytes - s1.core_replicated_bytes,
-            op_sac_bytes=s2.op_sac_bytes - s1.op_sac_bytes,
-            op_sac_replicated_bytes=s2.op_sac_replicated_bytes - s1.op_sac_replicated_bytes,
-            swiglu_bytes=s2.swiglu_bytes - s1.swiglu_bytes,
-            kv_repeat_bytes=s2.kv_repeat_bytes - s1.kv_repeat_bytes,
-            linear_bytes=s2.linear_bytes - s1.linear_bytes,
-            linear_replicated_bytes=s2.linear_replicated_bytes - s1.linear_replicated_bytes,
-            linear_shared_bytes=s2.linear_shared_bytes - s1.linear_shared_bytes,
-            linear_shared_replicated_bytes=(s2.linear_shared_replicated_bytes
-                                            - s1.linear_shared_replicated_bytes),
-        ),
+        saved=SavedTotals(**{f.name: getattr(s2, f.name) - getattr(s1, f.name)
+                             for f in dataclasses.fields(SavedTotals)}),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
         attention=one.attention,

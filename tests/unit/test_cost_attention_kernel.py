@@ -80,6 +80,30 @@ def test_selective_recompute_reruns_the_attention_core_at_its_own_rate():
                                                                                    rel=1e-6)
 
 
+def _keeps_less(profile, block, lean, plain, dropped: int) -> list:
+    """``lean`` keeps ``dropped`` bytes of ``block`` less per sample than ``plain`` without and
+    with selective recompute (full keeps the block's input only), and ``plain`` keeps the
+    profile's count; under tp 2 and cp 2 with micro-batch 2 (one sample's worth a rank) the
+    cost table's activations differ by that much, fragmentation included. Returns the (lean,
+    plain) cost-table rows of both splits."""
+    assert framework_layer(block, lean).saved_bytes == {
+        "none": block.saved_bytes["none"] - dropped,
+        "selective": block.saved_bytes["selective"] - dropped,
+        "full": block.saved_bytes["full"]}
+    assert framework_layer(block, plain) == block
+    cluster = Cluster.preset("h100", nodes=1)
+    index = profile.layers.index(block)
+    rows = []
+    for cfg in (ParallelConfig(dp=2, tp=2, pp=2, global_batch=16, micro_batch=2),
+                ParallelConfig(dp=2, cp=2, pp=2, global_batch=16, micro_batch=2)):
+        a, b = (build_cost_table(profile, cluster, cfg, fw).layers[index] for fw in (lean, plain))
+        kept = dropped * (1 + lean.fragmentation_fraction)
+        assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(kept)
+        assert a.act_bytes[2] == b.act_bytes[2]
+        rows.append((a, b))
+    return rows
+
+
 def test_fused_swiglu_keeps_no_activated_gate():
     """The profiler counts SwiGLU's activated gate (silu's saved output: s f elements per
     sample); Megatron-LM's fused kernel recomputes it, so its blocks keep that much less
@@ -98,20 +122,9 @@ def test_fused_swiglu_keeps_no_activated_gate():
     assert not get_framework("torchtitan").fused_swiglu
     fused = dataclasses.replace(get_framework("megatron-lm"), native_gqa=False)  # SwiGLU alone
     eager = dataclasses.replace(fused, fused_swiglu=False)
-    assert framework_layer(block, fused).saved_bytes == {
-        "none": block.saved_bytes["none"] - block.swiglu_saved_bytes,
-        "selective": block.saved_bytes["selective"] - block.swiglu_saved_bytes,
-        "full": block.saved_bytes["full"]}
-    assert framework_layer(block, eager) == block
-    cluster = Cluster.preset("h100", nodes=1)
-    index = profile.layers.index(block)
-    for cfg, share in ((ParallelConfig(dp=2, tp=2, pp=2, global_batch=16, micro_batch=2), 2 / 2),
-                       (ParallelConfig(dp=2, cp=2, pp=2, global_batch=16, micro_batch=2), 2 / 2)):
-        a, b = (build_cost_table(profile, cluster, cfg, fw).layers[index] for fw in (fused, eager))
-        gate = block.swiglu_saved_bytes * share * (1 + fused.fragmentation_fraction)
-        assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(gate)
+    for a, b in _keeps_less(profile, block, fused, eager, block.swiglu_saved_bytes):
+        gate = block.swiglu_saved_bytes * (1 + fused.fragmentation_fraction)
         assert b.act_bytes[1] - a.act_bytes[1] == pytest.approx(gate)
-        assert a.act_bytes[2] == b.act_bytes[2]  # full recompute keeps the block's input only
 
 
 def test_native_gqa_keeps_no_repeated_kv():
@@ -128,21 +141,7 @@ def test_native_gqa_keeps_no_repeated_kv():
     native = dataclasses.replace(get_framework("megatron-lm"), fused_swiglu=False)  # GQA alone
     assert not get_framework("autopar").native_gqa and not get_framework("deepspeed").native_gqa
     repeated = dataclasses.replace(native, native_gqa=False)
-    assert framework_layer(block, native).saved_bytes == {
-        "none": block.saved_bytes["none"] - block.kv_repeat_saved_bytes,
-        "selective": block.saved_bytes["selective"] - block.kv_repeat_saved_bytes,
-        "full": block.saved_bytes["full"]}
-    assert framework_layer(block, repeated) == block
-    cluster = Cluster.preset("h100", nodes=1)
-    index = profile.layers.index(block)
-    for cfg in (ParallelConfig(dp=2, tp=2, pp=2, global_batch=16, micro_batch=2),
-                ParallelConfig(dp=2, cp=2, pp=2, global_batch=16, micro_batch=2)):
-        a, b = (build_cost_table(profile, cluster, cfg, fw).layers[index]
-                for fw in (native, repeated))
-        # micro-batch 2 over a 2-way shard (tp or cp): one sample's copies
-        kept = block.kv_repeat_saved_bytes * (1 + native.fragmentation_fraction)
-        assert b.act_bytes[0] - a.act_bytes[0] == pytest.approx(kept)
-        assert a.act_bytes[2] == b.act_bytes[2]
+    _keeps_less(profile, block, native, repeated, block.kv_repeat_saved_bytes)
 
 
 def test_fp8_linears_keep_their_fp8_input_under_transformer_engine():

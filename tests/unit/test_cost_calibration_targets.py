@@ -43,6 +43,16 @@ def test_every_record_names_its_source_framework_and_split() -> None:
     assert len({r["source_key"] for r in RECORDS}) >= 10
 
 
+def test_records_outside_the_space_are_skipped_with_their_reason() -> None:
+    every = BENCH.load_records()
+    master16 = [r for r in every if r["plan"].get("master_weights", "fp32") != "fp32"]
+    assert master16, "the NeMo AutoModel records step on bf16 weights"
+    for r in master16:
+        assert "fp32 master" in BENCH.out_of_space(r) and r not in RECORDS, r["id"]
+    fp32 = dict(master16[0], plan=dict(master16[0]["plan"], master_weights="fp32"))
+    assert BENCH.out_of_space(fp32) is None
+
+
 def test_published_runs_in_sample() -> None:
     rows = [BENCH.predict(r) for r in RECORDS]
     by_framework = {}

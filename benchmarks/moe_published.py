@@ -1,6 +1,6 @@
 """Published mixture-of-experts runs against autopar's predictions, one row per framework
-setting left out, so each mechanism's share shows (the runs are in ``calibration.py``'s set too;
-no MoE term is fitted; docs/frameworks.md).
+setting left out, so each mechanism's share shows (the runs are in ``calibration.py``'s set too,
+unless outside autopar's space, which is printed; no MoE term is fitted; docs/frameworks.md).
 
 Run: ``python benchmarks/moe_published.py``. For each expert-parallel record of
 ``benchmarks/data/published_runs.json`` (each number with its source), the calls a user makes
@@ -57,6 +57,10 @@ def main() -> int:
         print(f"{rec['id']} ({rec['model']['name']}, {rec['cluster']['n_gpus']} "
               f"{rec['cluster']['gpu']}, measured {rec['measured']['tokens_per_s_per_gpu']:.0f} "
               "tokens/s per GPU)")
+        if rec["plan"].get("master_weights", "fp32") != "fp32":
+            print(f"  outside autopar's space, skipped by calibration.py: it steps on "
+                  f"{rec['plan']['master_weights']} weights with no fp32 master copy; costed "
+                  "below as if it kept one")
         print(f"  {'framework and settings':<72} {'predicted':>9} {'error':>7} "
               f"{'all-to-all':>10} {'step':>8} {'memory':>10}")
         for r in rows(rec):

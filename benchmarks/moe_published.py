@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from calibration import out_of_space
+
 import autopar
 
 RUNS = Path(__file__).parent / "data" / "published_runs.json"
@@ -57,10 +59,9 @@ def main() -> int:
         print(f"{rec['id']} ({rec['model']['name']}, {rec['cluster']['n_gpus']} "
               f"{rec['cluster']['gpu']}, measured {rec['measured']['tokens_per_s_per_gpu']:.0f} "
               "tokens/s per GPU)")
-        if rec["plan"].get("master_weights", "fp32") != "fp32":
-            print(f"  outside autopar's space, skipped by calibration.py: it steps on "
-                  f"{rec['plan']['master_weights']} weights with no fp32 master copy; costed "
-                  "below as if it kept one")
+        if why := out_of_space(rec):
+            print(f"  outside autopar's space, skipped by calibration.py: {why}; costed below "
+                  "as if it were not")
         print(f"  {'framework and settings':<72} {'predicted':>9} {'error':>7} "
               f"{'all-to-all':>10} {'step':>8} {'memory':>10}")
         for r in rows(rec):

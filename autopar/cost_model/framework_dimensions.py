@@ -16,6 +16,9 @@ FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the de
 that recomputes the activated gate instead of keeping it; ``native_gqa``, grouped-query
 attention whose kernel reads the kv heads in place instead of repeated copies;
 ``fp8_saves_inputs``, fp8 linears that keep their fp8 input for the weight gradient;
+``fused_norms``, norm kernels that keep their input and statistics only, not a composite norm's
+fp32 copies; ``scatter_combine``, a mixture-of-experts combine that scatters the expert outputs
+back (keeping the indices only), not index_add's copy of them (graph/recorder.py);
 ``moe_force_balance``, a router forced to spread tokens evenly (a benchmark mode) and
 ``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
 setting turns them on), each with its source;
@@ -41,25 +44,27 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
-        fp8_saves_inputs=False,
+        fp8_saves_inputs=False, fused_norms=False, scatter_combine=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
+        fused_norms=True, scatter_combine=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
-        fp8_saves_inputs=True,
+        fp8_saves_inputs=True, fused_norms=True, scatter_combine=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
+        fused_norms=True, scatter_combine=False,
     ),
 }
 
@@ -107,6 +112,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "ep_dispatch": "sourced: autopar/runtime/expert_parallel.py: all_to_all_single of "
                        "every routed row",
         "fp8_saves_inputs": "sourced: autopar's runtime has no fp8 linears (dtypes above)",
+        "fused_norms": "sourced: autopar's runtime runs the model's own norm modules (a "
+                       "Hugging Face *RMSNorm as its elementwise ops; the zoo's F.rms_norm / "
+                       "F.layer_norm as one kernel)",
+        "scatter_combine": "sourced: autopar's runtime runs the model's own experts (Hugging "
+                           "Face's and graph/moe.py's combine with index_add, which keeps its "
+                           "source)",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -149,6 +160,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "fp8_saves_inputs": "sourced: torchao float8/float8_linear.py "
                             "matmul_with_hp_or_float8_args saves input_hp (the 16-bit input) "
                             "for the backward",
+        "fused_norms": "sourced: torchtitan v0.2.2 models (llama3, qwen3, deepseek_v3) build "
+                       "their norms as nn.RMSNorm (F.rms_norm, one kernel on GPU)",
+        "scatter_combine": "sourced: torchtitan v0.2.2 models/moe/moe.py MoE.forward keeps an "
+                           "fp32 copy of the routed rows for the scores (before the experts "
+                           "by default, the bmm after them otherwise): as many bytes as the "
+                           "index_add copy, kept as counted",
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -191,6 +208,13 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                             "layernorm_linear.py, grouped_linear.py: an fp8 linear saves its "
                             "quantized input (column-wise fp8 data, 'Discard row-wise data "
                             "since it is not needed in backward pass') for the weight gradient",
+        "fused_norms": "sourced: Megatron-Core's Transformer Engine layers (TENorm, "
+                       "LayerNormLinear; the qk-layernorm too) run fused norm kernels that "
+                       "keep their input and 1/rms",
+        "scatter_combine": "sourced: megatron/core/transformer/moe/moe_utils.py unpermute "
+                           "(and TE's fused moe_unpermute) weights the expert outputs by the "
+                           "probabilities and scatter_add_s them back: the outputs are kept, "
+                           "no index_add copy",
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -223,6 +247,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "ep_dispatch": "sourced: deepspeed/moe/sharded_moe.py _AllToAll (torch "
                        "all_to_all_single of the dispatched rows)",
         "fp8_saves_inputs": "sourced: no fp8 training (dtypes above)",
+        "fused_norms": "sourced: Megatron-DeepSpeed's LayerNorm is apex's "
+                       "MixedFusedLayerNorm (megatron/model/fused_layer_norm.py)",
+        "scatter_combine": "sourced: deepspeed/moe/sharded_moe.py MOELayer combines with "
+                           "einsum('sec,ecm->sm'), keeping the expert outputs and the dense "
+                           "combine weights: no less than the index_add copy, kept as counted",
     },
 }
 

@@ -124,11 +124,8 @@ class Framework:
         step_time_band: (low, high) factors on the predicted step time that hold 80% of this
             framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
             over predicted step time).
-        context_parallel, hsdp, offloads, dtypes, cp_comm, ep_with_cp, expert_gemm_calls,
-            expert_tensor_parallel, moe_sequence_parallel, offload_optimizer_moves_params,
-            attention_kernel, fused_swiglu, native_gqa, fp8_saves_inputs, moe_force_balance,
-            ep_dispatch: the other dimensions and kernels
-            (framework_dimensions.py).
+        context_parallel ... scatter_combine: the other dimensions and kernels, each field of
+            framework_dimensions.DIMENSIONS (documented there).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -198,6 +195,8 @@ class Framework:
     fused_swiglu: bool = False
     native_gqa: bool = False
     fp8_saves_inputs: bool = False
+    fused_norms: bool = False
+    scatter_combine: bool = False
     moe_force_balance: bool = False
     ep_dispatch: str = "all_to_all"
 

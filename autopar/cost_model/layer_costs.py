@@ -68,8 +68,8 @@ from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
     activation_bytes_of,
-    fp8_kept_less,
     framework_layer,
+    kept_less_of,
     transient_bytes_of,
 )
 from autopar.cost_model.moe import ep_collectives, ep_layer_state, ep_terms, expert_call_flops
@@ -156,7 +156,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
-    kept_less = fp8_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems, act)
+    kept_less = kept_less_of(profile, layer, cfg, ratio, shard, fw, head_elems, act)
     ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
                   force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)

@@ -111,6 +111,8 @@ def _record(
         kv_repeat_saved_bytes=saved.kv_repeat_bytes,
         linear_saved_bytes=(saved.linear_bytes, saved.linear_replicated_bytes),
         linear_shared_bytes=(saved.linear_shared_bytes, saved.linear_shared_replicated_bytes),
+        norm_saved_bytes=(saved.norm_bytes, saved.norm_replicated_bytes),
+        combine_saved_bytes=(saved.combine_bytes, saved.combine_replicated_bytes),
     )
 
 

@@ -153,6 +153,39 @@ def _reduce_hooks(modules: Sequence[nn.Module], recorder: SavedRecorder) -> Iter
             handle.remove()
 
 
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation module: torch's, or one named like Hugging Face's (``*RMSNorm``,
+    ``*LayerNorm``), which may be written as elementwise ops (recorder.py)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
+        ("RMSNorm", "LayerNorm"))
+
+
+@contextlib.contextmanager
+def _norm_hooks(block: nn.Module, recorder: SavedRecorder) -> Iterator[None]:
+    # Each norm module's call is a recorder.norm_scope (composite norms, recorder.py).
+    scopes: list[contextlib.ExitStack] = []
+
+    def enter(_m: nn.Module, args: tuple) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(recorder.norm_scope(args))
+        scopes.append(stack)
+
+    def leave(_m: nn.Module, _args: tuple, _out: Any) -> None:
+        if scopes:
+            scopes.pop().close()
+
+    norms = [m for m in block.modules() if is_norm(m)]
+    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter),
+                                          m.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while scopes:
+            scopes.pop().close()
+
+
 def measure_block(
     block: nn.Module,
     call: BlockCall,
@@ -190,6 +223,7 @@ def measure_block(
     with (
         _instruments(recorder, fake_mode) as (flops, attention),
         _reduce_hooks(reduce_modules, recorder),
+        _norm_hooks(block, recorder),
     ):
         out = block(*args, **kwargs)
         fwd = flops.get_total_flops()

@@ -39,6 +39,18 @@ second (cost_model/layer_terms.py). Autograd packs an op's inputs just before th
 the dispatch modes (and its outputs just after), so the packs since the last dispatched op are
 attributed when the next op arrives: to it if it is a weight matmul taking them, else to others.
 
+*Composite norms*: a norm written as elementwise ops (Hugging Face's ``*RMSNorm``: an fp32 copy
+of its input, ``rsqrt``, the normalised 16-bit product) keeps more than a fused norm kernel,
+which keeps its input and at most two fp32 statistics a row (mean, ``1/rms``). While a norm
+module runs (``norm_scope``, opened by graph/measure.py), the storages first saved inside it
+are noted; ``norm_bytes`` is what they hold beyond the fused kernel's input and statistics (0
+for a norm that already runs as one kernel: ``F.rms_norm`` as ``GpuKernelMode`` stands it in,
+``F.layer_norm``).
+
+*Combine copies*: ``index_add`` (Hugging Face's experts, graph/moe.py's stand-in) keeps its
+source for the backward, where only its shape is used; ``combine_bytes`` is what it keeps, a
+copy a combine that scatters (``scatter_add``, keeping the indices only) does not.
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -108,6 +120,10 @@ class SavedTotals:
             docstring), and its replicated part.
         linear_shared_bytes, linear_shared_replicated_bytes: saved as a weight-matmul input
             and by another op, and its replicated part.
+        norm_bytes, norm_replicated_bytes: kept by composite norms beyond a fused kernel's
+            input and statistics (module docstring), and its replicated part.
+        combine_bytes, combine_replicated_bytes: sources kept by ``index_add`` (module
+            docstring), and its replicated part.
     """
 
     total_bytes: int
@@ -122,6 +138,21 @@ class SavedTotals:
     linear_replicated_bytes: int = 0
     linear_shared_bytes: int = 0
     linear_shared_replicated_bytes: int = 0
+    norm_bytes: int = 0
+    norm_replicated_bytes: int = 0
+    combine_bytes: int = 0
+    combine_replicated_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _NormScope:
+    """One norm module's call: its input and the storages first saved inside it."""
+
+    tag: str
+    input_key: int
+    input_bytes: int
+    rows: int
+    new: list[int]
 
 
 class SavedRecorder(TorchDispatchMode):
@@ -161,6 +192,9 @@ class SavedRecorder(TorchDispatchMode):
         self._silu: set[int] = set()  # storages that aten.silu produced
         self._repeats: dict[int, int] = {}  # storages of materialised broadcasts -> factor
         self._recent: list[int] = []  # storages packed since the last dispatched op
+        self._norm: _NormScope | None = None  # the norm module running now
+        self._norms: list[_NormScope] = []
+        self._combine: set[int] = set()  # storages index_add kept as its source
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (shared inputs, parameters seen as fakes)."""
@@ -183,6 +217,8 @@ class SavedRecorder(TorchDispatchMode):
             self._alive.append(tensor)
             entry = _Saved(_storage_nbytes(tensor), self.tag, key in self._sharded, is_core)
             self._saved[key] = entry
+            if self._norm is not None:
+                self._norm.new.append(key)
         else:
             entry.sharded = entry.sharded or key in self._sharded
             entry.only_core = entry.only_core and is_core
@@ -206,6 +242,38 @@ class SavedRecorder(TorchDispatchMode):
         finally:
             self._core_inputs = previous
 
+    @contextlib.contextmanager
+    def norm_scope(self, inputs: tuple) -> Iterator[None]:
+        """While active, storages first saved belong to this norm call (module docstring);
+        a nested norm belongs to the outer one."""
+        tensor = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+        if self._norm is not None or tensor is None or not self.forward_active:
+            yield
+            return
+        self._alive.append(tensor)
+        rows = tensor.numel() // max(1, tensor.shape[-1]) if tensor.dim() else 1
+        self._norm = _NormScope(self.tag, storage_key(tensor),
+                                tensor.numel() * tensor.element_size(), rows, [])
+        try:
+            yield
+        finally:
+            self._norms.append(self._norm)
+            self._norm = None
+
+    def _norm_totals(self, tag: str) -> tuple[int, int]:
+        """(bytes, replicated part) composite norms of ``tag`` keep beyond fused kernels."""
+        total = replicated = 0
+        for scope in (s for s in self._norms if s.tag == tag):
+            new = [(k, self._saved[k]) for k in scope.new]
+            kept = sum(e.nbytes for _, e in new)
+            extra = kept - scope.input_bytes - 8 * scope.rows  # a fused kernel's input, stats
+            if extra <= 0 or not kept:
+                continue
+            rep = sum(e.nbytes for _, e in new if not e.sharded)
+            total += extra
+            replicated += extra * rep // kept
+        return total, replicated
+
     def clear_sharded(self, tensors: Any) -> None:
         """Mark ``tensors`` (a pytree) as reduced over tp: replicated from here on."""
         for leaf in tree_flatten(tensors)[0]:
@@ -220,6 +288,8 @@ class SavedRecorder(TorchDispatchMode):
         only = [e for e in entries if e.by_linear and not e.by_other]
         shared = [e for e in entries if e.by_linear and e.by_other]
         kept = self._op_kept.get(tag, {})
+        norm = self._norm_totals(tag)
+        combine = [e for k, e in self._saved.items() if e.tag == tag and k in self._combine]
         return SavedTotals(
             total_bytes=sum(e.nbytes for e in entries),
             replicated_bytes=sum(e.nbytes for e in entries if not e.sharded),
@@ -235,6 +305,10 @@ class SavedRecorder(TorchDispatchMode):
             linear_replicated_bytes=sum(e.nbytes for e in only if not e.sharded),
             linear_shared_bytes=sum(e.nbytes for e in shared),
             linear_shared_replicated_bytes=sum(e.nbytes for e in shared if not e.sharded),
+            norm_bytes=norm[0],
+            norm_replicated_bytes=norm[1],
+            combine_bytes=sum(e.nbytes for e in combine),
+            combine_replicated_bytes=sum(e.nbytes for e in combine if not e.sharded),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -248,6 +322,9 @@ class SavedRecorder(TorchDispatchMode):
         sharded = any(k in self._sharded for k in keys)
         core = any(k in self._core for k in keys)
         if self._recent:
+            if func is _aten.index_add.default and len(args) > 3:
+                source = storage_key(args[3])
+                self._combine.update(k for k in self._recent if k == source)
             self._attribute_packs(func, keys)
         if self.forward_active and self._is_activation_matmul(func, args):
             # q k^T starts the core; probs @ v (one operand already core) ends it.

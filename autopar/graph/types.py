@@ -150,6 +150,10 @@ class LayerProfile:
         linear_shared_bytes: (all, replicated part) per sample that a weight matmul keeps and
             another op keeps too (graph/recorder.py): with the first, what an fp8 linear that
             keeps its fp8 input changes (cost_model/layer_terms.py).
+        norm_saved_bytes: (all, replicated part) of ``saved_bytes`` (none, selective) per
+            sample that composite norms keep beyond a fused norm kernel (graph/recorder.py).
+        combine_saved_bytes: (all, replicated part) per sample that ``index_add`` keeps of
+            the expert outputs it combines, which a scatter combine does not (recorder.py).
     """
 
     name: str
@@ -171,6 +175,8 @@ class LayerProfile:
     kv_repeat_saved_bytes: int = 0
     linear_saved_bytes: tuple[int, int] = (0, 0)
     linear_shared_bytes: tuple[int, int] = (0, 0)
+    norm_saved_bytes: tuple[int, int] = (0, 0)
+    combine_saved_bytes: tuple[int, int] = (0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""
@@ -189,7 +195,8 @@ class LayerProfile:
         }
         tp = TPStructure(**tp_fields)
         data["module_fqns"] = tuple(data["module_fqns"])
-        for name in ("linear_saved_bytes", "linear_shared_bytes"):
+        for name in ("linear_saved_bytes", "linear_shared_bytes", "norm_saved_bytes",
+                     "combine_saved_bytes"):
             if name in data:
                 data[name] = tuple(data[name])
         op_sac = data.pop("op_sac", None)

@@ -17,8 +17,7 @@ from autopar.cost_model.precision import fp8_linears
 from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["activation_bytes_of", "fp8_kept_less", "framework_layer", "kept_less_of",
-           "kernels_kept_less", "transient_bytes_of"]
+__all__ = ["activation_bytes_of", "framework_layer", "kept_less_of", "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -109,48 +108,40 @@ def _less_saved(layer: LayerProfile, dropped: int, dropped_replicated: int) -> L
         saved_bytes_replicated=less(layer.saved_bytes_replicated, dropped_replicated))
 
 
-def fp8_kept_less(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float, shard: int,
-                  fw: Framework, head_elems: float,
-                  full: tuple[float, float, float]) -> tuple[float, float, float]:
-    """Activation bytes (none, selective, full) that fp8 linears keeping their fp8 input
-    (``Framework.fp8_saves_inputs``) hold less than the 16-bit count ``full``
-    (``activation_bytes_of`` the layer): what only linears save at half its bytes, plus an fp8
-    copy of what they share with another op (``LayerProfile.linear_saved_bytes``,
-    ``linear_shared_bytes``; graph/recorder.py). Memory only: the casts and elementwise passes
-    still read and write the 16-bit tensors."""
+def _fp8_dropped(layer, cfg: ParallelConfig, fw: Framework) -> tuple[int, int]:
+    """(bytes, replicated part) per sample that fp8 linears keeping their fp8 input
+    (``Framework.fp8_saves_inputs``) hold less than the 16-bit count: what only linears save at
+    half its bytes, plus an fp8 copy of what they share with another op
+    (``LayerProfile.linear_saved_bytes``, ``linear_shared_bytes``; graph/recorder.py). Memory
+    only: the casts and elementwise passes still read and write the 16-bit tensors."""
     if not (fw.fp8_saves_inputs and fp8_linears(cfg.dtype, layer.kind)):
-        return (0.0, 0.0, 0.0)
+        return (0, 0)
     (only, only_rep), (shared, shared_rep) = layer.linear_saved_bytes, layer.linear_shared_bytes
-    kept = _less_saved(layer, (only - shared) // 2, (only_rep - shared_rep) // 2)
-    less = activation_bytes_of(profile, kept, cfg, ratio, shard, fw, head_elems)
-    return (full[0] - less[0], full[1] - less[1], full[2] - less[2])
+    return ((only - shared) // 2, (only_rep - shared_rep) // 2)
 
 
-def kernels_kept_less(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
-                      shard: int, fw: Framework, head_elems: float,
-                      full: tuple[float, float, float]) -> tuple[float, float, float]:
-    """Activation bytes (none, selective, full) that ``fw``'s own kernels hold less than the
-    traced module's count ``full``: fused norms (``Framework.fused_norms``) keep no composite
-    norm's fp32 copies (``LayerProfile.norm_saved_bytes``), a scatter combine
-    (``Framework.scatter_combine``) no index_add copy of the expert outputs
-    (``LayerProfile.combine_saved_bytes``; graph/recorder.py). Memory only, as
-    ``fp8_kept_less``: keeping index_add's source moves no bytes, and the elementwise traffic
-    term stays the one fitted on the traced counts."""
+def _kernels_dropped(layer, fw: Framework) -> tuple[int, int]:
+    """(bytes, replicated part) per sample that ``fw``'s own kernels hold less than the traced
+    module: fused norms (``Framework.fused_norms``) keep no composite norm's fp32 copies
+    (``LayerProfile.norm_saved_bytes``), a scatter combine (``Framework.scatter_combine``) no
+    index_add copy of the expert outputs (``LayerProfile.combine_saved_bytes``;
+    graph/recorder.py). Memory only: keeping index_add's source moves no bytes, and the
+    elementwise traffic term stays the one fitted on the traced counts."""
     norm = layer.norm_saved_bytes if fw.fused_norms else (0, 0)
     combine = layer.combine_saved_bytes if fw.scatter_combine else (0, 0)
-    if not (norm[0] or combine[0]):
-        return (0.0, 0.0, 0.0)
-    kept = _less_saved(layer, norm[0] + combine[0], norm[1] + combine[1])
-    less = activation_bytes_of(profile, kept, cfg, ratio, shard, fw, head_elems)
-    return (full[0] - less[0], full[1] - less[1], full[2] - less[2])
+    return (norm[0] + combine[0], norm[1] + combine[1])
 
 
 def kept_less_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float, shard: int,
                  fw: Framework, head_elems: float,
                  full: tuple[float, float, float]) -> tuple[float, float, float]:
-    """Activation bytes (none, selective, full) the framework keeps less than ``full``, the
-    traced count: its fp8 linears' inputs (``fp8_kept_less``) and its own kernels
-    (``kernels_kept_less``)."""
-    fp8 = fp8_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems, full)
-    own = kernels_kept_less(profile, layer, cfg, ratio, shard, fw, head_elems, full)
-    return (fp8[0] + own[0], fp8[1] + own[1], fp8[2] + own[2])
+    """Activation bytes (none, selective, full) the framework keeps less than ``full``
+    (``activation_bytes_of`` the traced layer): its fp8 linears' inputs and its own kernels
+    (``_fp8_dropped``, ``_kernels_dropped``); memory only."""
+    fp8, own = _fp8_dropped(layer, cfg, fw), _kernels_dropped(layer, fw)
+    dropped, dropped_rep = fp8[0] + own[0], fp8[1] + own[1]
+    if not dropped:
+        return (0.0, 0.0, 0.0)
+    kept = _less_saved(layer, dropped, dropped_rep)
+    less = activation_bytes_of(profile, kept, cfg, ratio, shard, fw, head_elems)
+    return (full[0] - less[0], full[1] - less[1], full[2] - less[2])

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.graph.gpu_kernels import AttentionCall, GpuKernelMode
 from autopar.graph.recorder import SavedRecorder, SavedTotals
+from autopar.graph.tp import is_norm
 
 __all__ = [
     "BlockCall",
@@ -153,37 +154,17 @@ def _reduce_hooks(modules: Sequence[nn.Module], recorder: SavedRecorder) -> Iter
             handle.remove()
 
 
-def is_norm(module: nn.Module) -> bool:
-    """A normalisation module: torch's, or one named like Hugging Face's (``*RMSNorm``,
-    ``*LayerNorm``), which may be written as elementwise ops (recorder.py)."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
-        ("RMSNorm", "LayerNorm"))
-
-
 @contextlib.contextmanager
 def _norm_hooks(block: nn.Module, recorder: SavedRecorder) -> Iterator[None]:
-    # Each norm module's call is a recorder.norm_scope (composite norms, recorder.py).
-    scopes: list[contextlib.ExitStack] = []
-
-    def enter(_m: nn.Module, args: tuple) -> None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(recorder.norm_scope(args))
-        scopes.append(stack)
-
-    def leave(_m: nn.Module, _args: tuple, _out: Any) -> None:
-        if scopes:
-            scopes.pop().close()
-
-    norms = [m for m in block.modules() if is_norm(m)]
-    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter),
-                                          m.register_forward_hook(leave))]
+    # Each norm module's call opens and closes a recorder norm scope (composite norms).
+    handles = [h for m in block.modules() if is_norm(m) for h in (
+        m.register_forward_pre_hook(lambda _m, args: recorder.begin_norm(args)),
+        m.register_forward_hook(lambda _m, _args, _out: recorder.end_norm()))]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        while scopes:
-            scopes.pop().close()
 
 
 def measure_block(

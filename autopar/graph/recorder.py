@@ -42,10 +42,10 @@ attributed when the next op arrives: to it if it is a weight matmul taking them,
 *Composite norms*: a norm written as elementwise ops (Hugging Face's ``*RMSNorm``: an fp32 copy
 of its input, ``rsqrt``, the normalised 16-bit product) keeps more than a fused norm kernel,
 which keeps its input and at most two fp32 statistics a row (mean, ``1/rms``). While a norm
-module runs (``norm_scope``, opened by graph/measure.py), the storages first saved inside it
-are noted; ``norm_bytes`` is what they hold beyond the fused kernel's input and statistics (0
-for a norm that already runs as one kernel: ``F.rms_norm`` as ``GpuKernelMode`` stands it in,
-``F.layer_norm``).
+module runs (``begin_norm`` to ``end_norm``, called by graph/measure.py), the storages first
+saved inside it are noted; ``norm_bytes`` is what they hold beyond the fused kernel's input and
+statistics (0 for a norm that already runs as one kernel: ``F.rms_norm`` as ``GpuKernelMode``
+stands it in, ``F.layer_norm``).
 
 *Combine copies*: ``index_add`` (Hugging Face's experts, graph/moe.py's stand-in) keeps its
 source for the backward, where only its shape is used; ``combine_bytes`` is what it keeps, a
@@ -149,7 +149,6 @@ class _NormScope:
     """One norm module's call: its input and the storages first saved inside it."""
 
     tag: str
-    input_key: int
     input_bytes: int
     rows: int
     new: list[int]
@@ -193,6 +192,7 @@ class SavedRecorder(TorchDispatchMode):
         self._repeats: dict[int, int] = {}  # storages of materialised broadcasts -> factor
         self._recent: list[int] = []  # storages packed since the last dispatched op
         self._norm: _NormScope | None = None  # the norm module running now
+        self._norm_depth = 0  # norm modules running, nested ones included
         self._norms: list[_NormScope] = []
         self._combine: set[int] = set()  # storages index_add kept as its source
 
@@ -242,21 +242,21 @@ class SavedRecorder(TorchDispatchMode):
         finally:
             self._core_inputs = previous
 
-    @contextlib.contextmanager
-    def norm_scope(self, inputs: tuple) -> Iterator[None]:
-        """While active, storages first saved belong to this norm call (module docstring);
-        a nested norm belongs to the outer one."""
+    def begin_norm(self, inputs: tuple) -> None:
+        """A norm module's call starts (graph/measure.py's hooks): storages first saved until
+        its ``end_norm`` belong to it (module docstring); a nested norm belongs to the outer."""
+        self._norm_depth += 1
         tensor = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-        if self._norm is not None or tensor is None or not self.forward_active:
-            yield
+        if self._norm_depth > 1 or tensor is None or not self.forward_active:
             return
         self._alive.append(tensor)
         rows = tensor.numel() // max(1, tensor.shape[-1]) if tensor.dim() else 1
-        self._norm = _NormScope(self.tag, storage_key(tensor),
-                                tensor.numel() * tensor.element_size(), rows, [])
-        try:
-            yield
-        finally:
+        self._norm = _NormScope(self.tag, tensor.numel() * tensor.element_size(), rows, [])
+
+    def end_norm(self) -> None:
+        """The norm module's call that ``begin_norm`` opened ends."""
+        self._norm_depth = max(0, self._norm_depth - 1)
+        if self._norm_depth == 0 and self._norm is not None:
             self._norms.append(self._norm)
             self._norm = None
 
@@ -322,9 +322,8 @@ class SavedRecorder(TorchDispatchMode):
         sharded = any(k in self._sharded for k in keys)
         core = any(k in self._core for k in keys)
         if self._recent:
-            if func is _aten.index_add.default and len(args) > 3:
-                source = storage_key(args[3])
-                self._combine.update(k for k in self._recent if k == source)
+            if func is _aten.index_add.default and storage_key(args[3]) in self._recent:
+                self._combine.add(storage_key(args[3]))
             self._attribute_packs(func, keys)
         if self.forward_active and self._is_activation_matmul(func, args):
             # q k^T starts the core; probs @ v (one operand already core) ends it.

@@ -4,7 +4,7 @@ A Hugging Face model is traced as written: its ``*RMSNorm`` keeps an fp32 copy o
 the normalised product, and its experts combine with ``index_add``, which keeps its source. A
 framework that runs its own fused norm kernels and a scatter combine (Megatron-LM) keeps
 neither; autopar's runtime runs the traced modules and keeps both (graph/recorder.py,
-cost_model/layer_terms.py ``kernels_kept_less``).
+cost_model/layer_terms.py ``kept_less_of``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.graph.gpu_kernels import AttentionCall, GpuKernelMode
 from autopar.graph.recorder import SavedRecorder, SavedTotals
 from autopar.graph.tp import is_norm
+from autopar.graph.trace import quiet
 
 __all__ = [
     "BlockCall",
@@ -374,6 +375,7 @@ def run_model(
         relays.installed(),
         _instruments(recorder, fake_mode) as (flops, _),
         _reduce_hooks(reduce_modules, recorder),
+        quiet(stderr=False),  # a failure is raised as RunFailure, not logged too
     ):
         relays.flops = flops
         try:

@@ -5,10 +5,23 @@ HF's expert loops find no expert hit (their FLOPs vanish) and the zoo's per-expe
 (``bincount(...).tolist()``) cannot be read. So, like SDPA (``gpu_kernels.py``), the routed
 experts are replaced by a stand-in whose shapes do not depend on values, and counted by formula.
 
-Expert modules are recognised by their layout, the one of HF transformers 5's ``*Experts``
-modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) and of the zoo's ``models/moe.py``: 3-D
-parameters ``gate_up_proj[E, 2 f_e, h]`` (or ``[E, f_e, h]`` without a gate) and
-``down_proj[E, h, f_e]``, called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``.
+Expert modules are recognised by the layouts transformers 5 and the zoo store them in
+(``expert_weights``), E experts of width h and inner width f_e:
+
+- stacked ``[E, out, in]`` (Mixtral, Qwen2/3-MoE, DeepSeek-V3, OLMoE, Jamba, most families,
+  and the zoo's ``models/moe.py``): ``gate_up_proj[E, 2 f_e, h]`` (``up_proj[E, f_e, h]``
+  without a gate: Nemotron-H) and ``down_proj[E, h, f_e]``;
+- stacked ``[E, in, out]`` (gpt-oss, Llama 4, Aria): ``gate_up_proj[E, h, 2 f_e]`` and
+  ``down_proj[E, f_e, h]``, with optional ``gate_up_proj_bias`` / ``down_proj_bias`` (gpt-oss);
+- DBRX: an ``mlp`` holding ``w1``, ``v1`` (gate, up) and ``w2`` as ``[E f_e, h]`` matrices.
+
+A gated ``[E, in, out]`` module is told from an ``[E, out, in]`` one by which dimension the two
+tensors share; an ungated module whose shapes fit both reads as ``[E, out, in]``.
+
+They are called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``, or, in
+Llama 4, on rows already repeated per expert and weighted by the router,
+``experts(x[E T, h])`` (transformers runs every expert on every token there; a training
+framework runs the k the router picks, as the stand-in counts).
 
 The stand-in applies one expert's weights to the R dispatched rows: every token repeated for
 each of its k experts (R = T k), or, with a capacity factor c > 0, every expert padded to its
@@ -20,12 +33,15 @@ backward 2x), so the routed experts of one MoE layer cost, per sample of s token
 
 which ``FlopCounterMode`` counts on the stand-in's matmuls; what it saves for backward (the
 dispatched input, the gate/up outputs, the product fed to the down projection, the expert
-outputs) is counted by the saved-tensor recorder like any other tensor.
+outputs) is counted by the saved-tensor recorder like any other tensor. The gate's activation
+is the module's own (``act_fn``; SiLU where the module's is not a plain function, as gpt-oss's
+clamped sigmoid gate).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,51 +50,140 @@ from torch import nn
 
 from autopar.graph.types import MoEStructure
 
-__all__ = ["MoEStructure", "block_moe", "expert_modules", "install_expert_standins"]
+__all__ = ["ExpertWeights", "MoEStructure", "block_moe", "expert_modules", "expert_weights",
+           "install_expert_standins"]
 
 
-def _is_experts(module: nn.Module) -> bool:
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-        and gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0]
-    )
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """The first expert of an experts module, as ``F.linear`` takes its weights.
+
+    Attributes:
+        experts: routed experts E.
+        hidden: model width h.
+        inner: inner width f_e.
+        gated: whether the expert is gated (SwiGLU-like).
+        ins: the input projections ``[out, h]``: one (gate and up fused, or up alone) or two
+            (gate, up).
+        in_biases: their biases (None where absent).
+        down: the output projection ``[h, f_e]``.
+        down_bias: its bias (None where absent).
+    """
+
+    experts: int
+    hidden: int
+    inner: int
+    gated: bool
+    ins: tuple[torch.Tensor, ...]
+    in_biases: tuple[torch.Tensor | None, ...]
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @property
+    def params(self) -> int:
+        """Parameters of one expert (weights and biases)."""
+        tensors = [*self.ins, *self.in_biases, self.down, self.down_bias]
+        return sum(t.numel() for t in tensors if t is not None)
+
+
+def _tensor(module: Any, name: str, dims: int) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) and value.dim() == dims else None
+
+
+def _stacked(module: nn.Module) -> ExpertWeights | None:
+    up = _tensor(module, "gate_up_proj", 3)
+    up = up if up is not None else _tensor(module, "up_proj", 3)
+    down = _tensor(module, "down_proj", 3)
+    if up is None or down is None or up.shape[0] != down.shape[0]:
+        return None
+    if up.shape[2] == down.shape[1] and up.shape[1] in (down.shape[2], 2 * down.shape[2]):
+        w_in, w_down = up[0], down[0]  # [E, out, in]
+    elif up.shape[1] == down.shape[2] and up.shape[2] in (down.shape[1], 2 * down.shape[1]):
+        w_in, w_down = up[0].T, down[0].T  # [E, in, out]
+    else:
+        return None
+    bias_in, bias_down = _tensor(module, "gate_up_proj_bias", 2), _tensor(
+        module, "down_proj_bias", 2)
+    hidden, inner = w_down.shape
+    return ExpertWeights(
+        experts=int(up.shape[0]), hidden=int(hidden), inner=int(inner),
+        gated=w_in.shape[0] == 2 * inner, ins=(w_in,),
+        in_biases=(None if bias_in is None else bias_in[0],), down=w_down,
+        down_bias=None if bias_down is None else bias_down[0])
+
+
+def _glu_mlp(module: nn.Module) -> ExpertWeights | None:
+    mlp, experts = getattr(module, "mlp", None), getattr(module, "num_experts", None)
+    weights = [_tensor(mlp, name, 2) for name in ("w1", "v1", "w2")]
+    if not isinstance(experts, int) or experts <= 0 or any(w is None for w in weights):
+        return None
+    w1, v1, w2 = (w for w in weights if w is not None)
+    if not (w1.shape == v1.shape == w2.shape and w1.shape[0] % experts == 0):
+        return None
+    inner, hidden = w1.shape[0] // experts, w1.shape[1]
+    first = [w.view(experts, inner, hidden)[0] for w in (w1, v1, w2)]
+    return ExpertWeights(experts=experts, hidden=int(hidden), inner=int(inner), gated=True,
+                         ins=(first[0], first[1]), in_biases=(None, None), down=first[2].T,
+                         down_bias=None)
+
+
+def expert_weights(module: nn.Module) -> ExpertWeights | None:
+    """The first expert of ``module`` if it is a grouped-experts module (module docstring's
+    layouts), else None."""
+    return _stacked(module) or _glu_mlp(module)
 
 
 def expert_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """(FQN relative to ``root``, module) of every grouped-experts module under ``root``."""
-    return [(name, m) for name, m in root.named_modules() if _is_experts(m)]
+    return [(name, m) for name, m in root.named_modules() if expert_weights(m) is not None]
 
 
-def _rows(module: Any, tokens: int, top_k: int) -> int:
-    experts = module.gate_up_proj.shape[0]
+def _rows(module: Any, experts: int, tokens: int, top_k: int) -> int:
     cf = float(getattr(module, "capacity_factor", 0.0) or 0.0)
     if cf > 0:
         return experts * math.ceil(cf * tokens * top_k / experts)
     return tokens * top_k
 
 
-def _standin(module: Any):
-    act = getattr(module, "act_fn", F.silu)
+def _activation(module: nn.Module):
+    for owner in (module, getattr(module, "mlp", None)):
+        for name in ("act_fn", "activation_fn"):
+            act = getattr(owner, name, None)
+            if callable(act):
+                return act
+    return F.silu
 
-    def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        tokens, top_k = top_k_index.shape
-        rows = _rows(module, tokens, top_k)
-        # Static-shape dispatch: row r takes token r % T (values do not matter on meta).
-        index = torch.arange(rows, device=x.device) % tokens
-        dispatched = x.index_select(0, index)
-        gate_up = F.linear(dispatched, module.gate_up_proj[0])
-        f_e = module.down_proj.shape[2]
-        if gate_up.shape[-1] == 2 * f_e:
-            gate, up = gate_up.chunk(2, dim=-1)
+
+def _standin(module: nn.Module, routed_top_k: int):
+    act = _activation(module)
+
+    def forward(x: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None):
+        w = expert_weights(module)
+        assert w is not None  # installed on recognised modules only
+        flat = x.reshape(-1, x.shape[-1])
+        if top_k_index is None:  # rows repeated per expert, router weights applied (Llama 4)
+            tokens, top_k = flat.shape[0] // w.experts, routed_top_k
+        else:
+            tokens, top_k = top_k_index.shape
+        rows = _rows(module, w.experts, tokens, top_k)
+        # Static-shape dispatch: row r takes input row r % rows-in (values do not matter).
+        index = torch.arange(rows, device=x.device) % flat.shape[0]
+        dispatched = flat.index_select(0, index)
+        outs = [F.linear(dispatched, p, b) for p, b in zip(w.ins, w.in_biases)]
+        if len(outs) == 2:
+            inner = act(outs[0]) * outs[1]
+        elif w.gated:
+            gate, up = outs[0].chunk(2, dim=-1)
             inner = act(gate) * up
         else:
-            inner = act(gate_up)
-        y = F.linear(inner, module.down_proj[0])
-        weights = top_k_weights.reshape(-1).index_select(0, index % (tokens * top_k))
-        y = y * weights[:, None].to(y.dtype)
-        return torch.zeros_like(x).index_add(0, index, y.to(x.dtype))
+            inner = act(outs[0])
+        y = F.linear(inner, w.down, w.down_bias)
+        if top_k_weights is not None:
+            weights = top_k_weights.reshape(-1).index_select(0, index % (tokens * top_k))
+            y = y * weights[:, None].to(y.dtype)
+        return torch.zeros_like(flat).index_add(0, index, y.to(flat.dtype)).view(x.shape)
 
     return forward
 
@@ -87,8 +192,9 @@ def install_expert_standins(model: nn.Module) -> int:
     """Replace the forward of every experts module of ``model`` (a private meta copy) by the
     stand-in; return how many were replaced."""
     found = expert_modules(model)
-    for _, module in found:
-        module.forward = _standin(module)
+    for name, module in found:
+        parent = model.get_submodule(name.rpartition(".")[0])
+        module.forward = _standin(module, _int_attr(parent, ("top_k", "num_experts_per_tok")))
     return len(found)
 
 
@@ -123,16 +229,14 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
     found = expert_modules(block)
     if not found:
         return None
-    experts: Any = found[0][1]  # HF grouped experts: gate_up_proj, down_proj parameters
-    num, hidden, f_e = experts.down_proj.shape
-    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
-    top_k = _int_attr(block, ("top_k", "num_experts_per_tok"))
+    weights = expert_weights(found[0][1])
+    assert weights is not None  # expert_modules keeps recognised modules only
     return MoEStructure(
-        experts=int(num),
-        top_k=top_k,
-        shared_experts=round(_shared_width(block) / f_e) if f_e else 0,
-        hidden=int(hidden),
-        expert_hidden=int(f_e),
-        expert_params=int(per_expert),
-        capacity_factor=float(getattr(experts, "capacity_factor", 0.0) or 0.0),
+        experts=weights.experts,
+        top_k=_int_attr(block, ("top_k", "num_experts_per_tok")),
+        shared_experts=round(_shared_width(block) / weights.inner) if weights.inner else 0,
+        hidden=weights.hidden,
+        expert_hidden=weights.inner,
+        expert_params=weights.params,
+        capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
     )

@@ -1,7 +1,9 @@
 """A model's layer structure: the repeated blocks, and what runs before and after them.
 
 The blocks are the children of the largest ``nn.ModuleList`` / ``nn.ModuleDict`` whose children are
-all alike (same class and printed structure). Every other module the model calls is *outside*: the
+all alike: of one class. Their insides may differ (DeepSeek-V3's first layers are dense and the
+rest mixtures of experts, Llama 4 interleaves layers without rotary embeddings); each distinct
+block is measured on its own. Every other module the model calls is *outside*: the
 ones called before the first block make the ``embedding`` layer, the ones called after the last
 block the ``head`` layer (final norm, lm head; the loss is computed there too). Blocks with the same
 structure, parameter shapes and input shapes are repeats: measured once, shared.
@@ -58,7 +60,7 @@ def find_blocks(model: nn.Module) -> tuple[str, tuple[str, ...]]:
             continue
         children = list(module.named_children())
         first = children[0][1]
-        if not all(type(c) is type(first) and repr(c) == repr(first) for _, c in children):
+        if not all(type(c) is type(first) for _, c in children):
             continue
         if isinstance(first, (nn.ModuleList, nn.ModuleDict)):
             continue

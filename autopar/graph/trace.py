@@ -9,7 +9,10 @@ modules form the embedding layer (called before the first block) and the head (a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import io
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["CallOrder", "trace_call_order"]
+__all__ = ["CallOrder", "quiet", "trace_call_order"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,8 +76,22 @@ def _fx_order(model: nn.Module, blocks: Sequence[str]) -> tuple[str, ...]:
     return tuple(order)
 
 
+@contextlib.contextmanager
+def quiet(stderr: bool = True) -> Iterator[None]:
+    """Silence what a failing trace or meta run prints (torch.export's partial graph on stderr,
+    fake tensors' error logs): the profiler reports the failure once, as one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if stderr else contextlib.nullcontext():
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def _export_order(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
-    program = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    with quiet():
+        program = torch.export.export(model, args, kwargs=kwargs, strict=False)
     order: list[str] = []
     for node in program.graph.nodes:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():

@@ -129,13 +129,24 @@ def from_hf_config(
             model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
         except ValueError as err:
             if "Unrecognized configuration class" not in str(err):
-                raise
+                raise _unbuildable(cfg, err) from None
             raise AutoparError(
                 f"HF model_type {cfg.model_type!r} has no causal-LM model in transformers; "
                 f"autopar plans decoder-only language models"
             ) from None
+        except (AssertionError, AttributeError, IndexError, KeyError, TypeError) as err:
+            raise _unbuildable(cfg, err) from None
     model.train()
     return model
+
+
+def _unbuildable(cfg: Any, err: BaseException) -> AutoparError:
+    """transformers could not build the model from ``cfg`` (a field missing or out of range,
+    such as a pad_token_id outside the vocabulary): the config is what to fix."""
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    return AutoparError(
+        f"transformers cannot build a {cfg.model_type} model from this config "
+        f"({type(err).__name__}: {first}); fix the config")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

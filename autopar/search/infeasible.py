@@ -22,28 +22,35 @@ __all__ = ["closest_split", "infeasible_error"]
 
 
 def closest_split(cands, options: SearchOptions, deadline) -> tuple[float, str]:
-    """Smallest largest-rank memory any candidate reaches (memory ILPs, best bound first)."""
+    """Smallest largest-rank memory any candidate reaches (memory ILPs, best bound first),
+    among those whose host memory fits (an offloaded split that overflows the host is named
+    only when nothing else is left, with its host memory)."""
     best_mem, best_desc = float("inf"), ""
+    host_mem, host_desc = float("inf"), ""
     for cand in sorted(cands, key=lambda c: (c.memory_lb_bytes, c.index)):
         if cand.memory_lb_bytes >= best_mem:
             break
-        if deadline is not None and time.monotonic() > deadline and best_desc:
+        if deadline is not None and time.monotonic() > deadline and (best_desc or host_desc):
             break
         model = build_ilp(cand.table, objective="memory")
         sol = solve_ilp(model, options)
         if not sol.has_solution:
             continue
         split, rec = decode(model, sol)
-        mem = assemble(cand.table, split, rec).memory_per_gpu_bytes
-        if mem < best_mem:
-            sizes = "/".join(str(b - a + 1) for a, b in split)
-            modes = sorted(set(rec), key=RECOMPUTE.index)
-            best_mem = mem
-            best_desc = (
-                f"{cand.table.config.describe()} with stages of {sizes} layers and "
-                f"recompute {'+'.join(modes)}"
-            )
-    return best_mem, best_desc
+        est = assemble(cand.table, split, rec)
+        mem = est.memory_per_gpu_bytes
+        sizes = "/".join(str(b - a + 1) for a, b in split)
+        modes = sorted(set(rec), key=RECOMPUTE.index)
+        desc = (f"{cand.table.config.describe()} with stages of {sizes} layers and "
+                f"recompute {'+'.join(modes)}")
+        if est.host_memory_per_gpu_bytes > est.host_memory_capacity_bytes:
+            if mem < host_mem:
+                host_mem, host_desc = mem, (
+                    f"{desc} (and {est.host_memory_per_gpu_bytes / GIB:.1f} GiB of host memory "
+                    f"per GPU, {est.host_memory_capacity_bytes / GIB:.1f} GiB there)")
+        elif mem < best_mem:
+            best_mem, best_desc = mem, desc
+    return (best_mem, best_desc) if best_desc else (host_mem, host_desc)
 
 
 def infeasible_error(

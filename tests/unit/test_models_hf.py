@@ -116,6 +116,9 @@ def test_errors(monkeypatch, tmp_path):
         from_hf_config(tmp_path / "missing.json")
     with pytest.raises(AutoparError, match="no causal-LM model"):
         from_hf_config({"model_type": "vit"})
+    # transformers accepts the config but cannot build from it: the config is what to fix.
+    with pytest.raises(AutoparError, match=r"cannot build a llama model .*Padding_idx.*fix the"):
+        from_hf_config({**TINY, "model_type": "llama", "pad_token_id": 500})
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(AutoparError, match=r"pip install 'autopar\[hf\]'"):
         from_hf_config({"model_type": "llama"})

@@ -160,6 +160,19 @@ def test_infeasible_names_memory_and_closest_split() -> None:
     assert "dp=" in err.closest and err.closest in str(err)
 
 
+def test_infeasible_closest_split_fits_the_host() -> None:
+    """Offloading fits any GPU; where it overflows the host it is not the closest split."""
+    big = gpt_profile(8, 8192, 64, s=256, vocab=32000)
+    roomy = Cluster.preset("a100-80g", nodes=1, gpus_per_node=2, gpu_memory_gb=16)
+    assert "offload" in plan(big, roomy, global_batch=8, options=OPTS).config.describe()
+    tight = dataclasses.replace(roomy, host_memory_bytes_per_gpu=16 * 2**30)
+    with pytest.raises(InfeasiblePlanError) as info:
+        plan(big, tight, global_batch=8, options=OPTS)
+    err = info.value
+    assert err.min_memory_bytes > tight.usable_memory_bytes
+    assert "offload" not in err.closest and err.closest in str(err)
+
+
 def test_progress_and_time_budget() -> None:
     calls = []
     cluster = Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)

@@ -104,6 +104,9 @@ class _NoEmbedding(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.dim = dim
+        # Models that read the embedding's device or dtype off its weight (transformers'
+        # Llama 4: ``input_ids.to(self.embed_tokens.weight.device)``) find an empty one.
+        self.register_buffer("weight", torch.empty(0), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.dim, device=ids.device)

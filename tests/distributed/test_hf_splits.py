@@ -1,7 +1,8 @@
 """Hugging Face decoders and a nanoGPT-shaped model file under every split equal one process.
 
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
-from a config object with transformers (no download), and
+from a config object with transformers (no download), the mixture-of-experts gpt-oss, Llama 4 and
+DeepSeek-V3 (FSDP and PP 1F1B), and
 ``tests/fixtures/models/tiny_nanogpt_split.py`` (blocks at ``transformer.h``, fused ``c_attn``).
 Each case builds the model twice from one seed, runs the one-process step on the global batch and
 the split under ``apply_plan`` (the layout the graph finds, ``default_tp_layout``, which is what
@@ -39,8 +40,34 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0,
         "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
     },
+    # Mixture-of-experts families whose experts transformers stores [E, in, out] (gpt-oss, with
+    # biases; Llama 4, called on rows repeated per expert) or whose first layers are dense
+    # (DeepSeek-V3): decoder layers of one class with different insides.
+    "gpt_oss": {
+        "model_type": "gpt_oss", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64,
+        "max_position_embeddings": 16, "tie_word_embeddings": False,
+    },
+    "llama4": {
+        "model_type": "llama4_text", "hidden_size": 32, "intermediate_size": 64,
+        "intermediate_size_mlp": 64, "head_dim": 8, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "vocab_size": 64, "max_position_embeddings": 16,
+        "tie_word_embeddings": False,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+        "v_head_dim": 8, "vocab_size": 64, "max_position_embeddings": 16,
+        "tie_word_embeddings": False,
+    },
 }
 MODELS = ("llama", "qwen2", "gpt2", "nanogpt")
+MOE_MODELS = ("gpt_oss", "llama4", "deepseek_v3")
 NUM_BLOCKS = 2
 VOCAB = 64
 SEQ_LEN = 8
@@ -157,15 +184,21 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def _cases(splits: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict]]:
-    return [(f"{name}-{split}", name, cfg) for name in MODELS for split, cfg in splits.items()]
+def _cases(splits: dict[str, dict[str, Any]],
+           models: tuple[str, ...] = MODELS) -> list[tuple[str, str, dict]]:
+    return [(f"{name}-{split}", name, cfg) for name in models for split, cfg in splits.items()]
+
+
+# The mixture-of-experts families run their experts as transformers writes them (dp and pp;
+# tp splits linears only and is refused where a norm sits inside the attention: DeepSeek-V3).
+MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: Any) -> None:
     pytest.importorskip("transformers")
-    cases = _cases(SPLITS_2)
+    cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS)
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 
 

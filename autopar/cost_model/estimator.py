@@ -10,7 +10,7 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.estimate import Estimate
-from autopar.cost_model.framework_support import moe_support
+from autopar.cost_model.framework_support import model_support
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
@@ -39,8 +39,7 @@ def checked_table(
     ``framework`` runs (ValueError naming the broken constraint)."""
     fw = get_framework(framework)
     check_config(profile, cluster, config)
-    has_moe = any(layer.moe is not None for layer in profile.layers)
-    reason = framework_supports(fw, config) or moe_support(fw, config, has_moe)
+    reason = framework_supports(fw, config) or model_support(fw, config, profile)
     if reason:
         raise ValueError(reason)
     return build_cost_table(profile, cluster, config, fw)

@@ -1,6 +1,6 @@
 """What a training framework can run: ``framework_supports(framework, config)``.
 
-Each answer (``moe_support``: what it runs of a mixture-of-experts model) comes from the
+Each answer (``model_support``: what it runs of this model) comes from the
 framework's record (``frameworks.py``: its schedules, ZeRO stages,
 sequence, expert and the other dimensions' parallelism (``framework_dimensions.py``), each
 field sourced) and from the settings its user switched on
@@ -16,7 +16,7 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["framework_supports", "moe_support", "settings_support"]
+__all__ = ["framework_supports", "model_support", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -42,12 +42,18 @@ def framework_supports(framework: Framework, config) -> str | None:
     return settings_support(fw, config) or dims.supports_dimensions(fw, config)
 
 
-def moe_support(framework: Framework, config, has_moe: bool) -> str | None:
-    """Why ``framework`` cannot run ``config`` on a mixture-of-experts model (None: it can)."""
-    if has_moe and config.sequence_parallel and config.tp > 1 and not (
+def model_support(framework: Framework, config, profile) -> str | None:
+    """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
+    blocks under sequence parallelism, and context or expert parallelism of a model that is not
+    a zoo transformer where the framework shards the zoo's modules only."""
+    if profile.is_moe and config.sequence_parallel and config.tp > 1 and not (
             framework.moe_sequence_parallel):
         return (f"{framework.name} runs mixture-of-experts models without sequence "
                 "parallelism; use sequence_parallel=False")
+    if framework.cp_ep_zoo_only and not profile.zoo_modules and max(config.cp, config.ep) > 1:
+        return (f"{framework.name} runs context and expert parallelism on zoo models only "
+                f"(not {profile.name}); use cp=1 and ep=1, or plan for a framework that runs "
+                "its own implementation of the model (--framework torchtitan or megatron-lm)")
     return None
 
 

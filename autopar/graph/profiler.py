@@ -349,7 +349,15 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         ffn_hidden=facts.ffn_hidden, vocab=facts.vocab, num_blocks=len(blocks),
         attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
+        zoo_modules=_is_zoo(work),
     )
+
+
+def _is_zoo(model: nn.Module) -> bool:
+    """Whether ``model`` is a zoo transformer (its attention and experts are autopar's)."""
+    from autopar.models.transformer import Transformer
+
+    return isinstance(model, Transformer)
 
 
 def _warn_short_logits(name: str, positions: int, seq_len: int) -> None:

@@ -225,6 +225,9 @@ class ModelProfile:
         tied_embeddings: whether the lm head shares the token embedding's weight.
         loss: the token cross entropy's kernel the profile ran: "eager" (fp32 log-probabilities
             kept) or "fused" (logits and a log-sum-exp kept, gradient in place).
+        zoo_modules: whether the model is a zoo transformer, whose attention and experts
+            autopar's runtime shards over cp and ep (a Hugging Face model or a model file is
+            not; written to JSON only when False, so zoo profiles keep their fingerprints).
     """
 
     name: str
@@ -241,6 +244,7 @@ class ModelProfile:
     trace_method: str = "fx"
     tied_embeddings: bool = False
     loss: str = "eager"
+    zoo_modules: bool = True
 
     @property
     def num_params(self) -> int:
@@ -261,6 +265,8 @@ class ModelProfile:
         """A JSON-ready dict of the profile."""
         data = dataclasses.asdict(self)
         data["layers"] = [layer.to_dict() for layer in self.layers]
+        if self.zoo_modules:
+            del data["zoo_modules"]
         return data
 
     def to_json(self) -> str:

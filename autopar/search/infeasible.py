@@ -70,13 +70,16 @@ def infeasible_error(
 
 
 def _cp_hint(profile, options: SearchOptions) -> str:
-    """Where the framework runs no context parallelism and the sequence is long enough for it,
-    say which frameworks would shard each sequence."""
+    """Where the framework runs no context parallelism for this model and the sequence is long
+    enough for it, say which frameworks would shard each sequence."""
     from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 
-    if get_framework(options.framework).context_parallel or (
-            profile.seq_len < 2 * options.min_cp_tokens):
+    def shards(name: str) -> bool:
+        fw = get_framework(name)
+        return fw.context_parallel and (profile.zoo_modules or not fw.cp_ep_zoo_only)
+
+    if shards(options.framework) or profile.seq_len < 2 * options.min_cp_tokens:
         return ""
-    runs = [name for name in FRAMEWORKS if get_framework(name).context_parallel]
+    runs = [name for name in FRAMEWORKS if shards(name)]
     return (f", or shard each {profile.seq_len}-token sequence with context parallelism "
             f"(--framework {' or '.join(runs)})")

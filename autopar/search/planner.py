@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
+from autopar.cost_model.framework_support import model_support
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.tables import CostTable
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import Plan, SearchInfo
@@ -98,7 +100,9 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
     # A fused q/k/v split over tp is a strided shard FSDP2 cannot cut again over dp: the runtime
     # refuses zero >= 1 with dp > 1 there (runtime/tp_checks.py), so the search does not offer it.
     fused = any(layer.tp.fused_qkv for layer in profile.layers)
-    return [c for c in configs if not (fused and c.tp > 1 and c.dp > 1 and c.zero >= 1)]
+    fw = get_framework(options.framework)
+    return [c for c in configs if not (fused and c.tp > 1 and c.dp > 1 and c.zero >= 1)
+            and model_support(fw, c, profile) is None]
 
 
 def _pipe_key(table: CostTable) -> tuple:

@@ -84,7 +84,8 @@ def block_tp(
     Returns:
         The TPStructure.
     """
-    colwise, rowwise, sequence, fused, allreduce = [], [], [], [], 0
+    colwise, rowwise, sequence, fused = [], [], [], []
+    widths: dict[str, int] = {}
     for name, module in _named(model, [fqn]):
         leaf = name.rpartition(".")[2]
         if is_linear(module) and leaf in FUSED_QKV_NAMES and out_features(module) % 3 == 0:
@@ -94,9 +95,17 @@ def block_tp(
             colwise.append(name)
         elif is_linear(module) and leaf in ROWWISE_NAMES:
             rowwise.append(name)
-            allreduce += seq_len * out_features(module) * dtype_bytes
+            widths[name] = out_features(module)
         elif is_norm(module):
             sequence.append(name)
+    # A region opens and closes in one module (attention: q/k/v and o; MLP: up/gate and down):
+    # a row-parallel linear whose module splits no input projection (GLM-4's and Phi-3's fused
+    # gate_up_proj, which no name marks) would read a full-width input, so both stay whole.
+    opened = {_parent(n) for n in colwise} & {_parent(n) for n in rowwise}
+    colwise = [n for n in colwise if _parent(n) in opened]
+    fused = [n for n in fused if _parent(n) in opened]
+    rowwise = [n for n in rowwise if _parent(n) in opened]
+    allreduce = sum(seq_len * widths[n] * dtype_bytes for n in rowwise)
     if not colwise or not rowwise:
         return TPStructure(heads=heads, kv_heads=kv_heads)
     tensors, elements = _norm_params(model, sequence)
@@ -111,6 +120,10 @@ def block_tp(
         sequence_param_tensors=tensors,
         sequence_param_elements=elements,
     )
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
 
 
 def _norm_params(model: nn.Module, fqns: Sequence[str]) -> tuple[int, int]:

@@ -24,7 +24,8 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
     """Raise an AutoparError if tp > 1 cannot split ``model`` as ``plan`` says.
 
     Checks the layout against the modules (a style each can take), the head counts against tp,
-    norms with weights inside the split region, sequence parallelism's norms, a fused q/k/v
+    norms with weights inside the split region, parameters of a split module's own (attention
+    sinks), sequence parallelism's norms, a fused q/k/v
     attention that must run on one rank's shapes (and FSDP over it), and that the layout splits
     something in the blocks. Every message names the part and the split that works.
     """
@@ -36,6 +37,7 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
     resolved = resolve_layout(model, layout)
     _check_tp_heads(model, resolved, cfg.tp, structure.container)
     _check_norms_inside_split(model, resolved, cfg.tp, structure.container)
+    _check_own_params_of_split(model, resolved, cfg.tp)
     if sp:
         for fqn, module in model.named_modules():
             if is_norm(module) and resolved.get(fqn) != "sequence" and not _inside(fqn, resolved):
@@ -98,6 +100,21 @@ def _check_norms_inside_split(
                 f"{type(model).__name__} cannot be split with tp={tp}: the norm {fqn} sits inside "
                 "the tensor-parallel attention/MLP of its blocks at "
                 f"{container!r} and would see 1/tp of the heads; use --pp or --dp (with --zero 3)"
+            )
+
+
+def _check_own_params_of_split(model: nn.Module, resolved: dict[str, str], tp: int) -> None:
+    # A module whose linears tp splits and that holds a parameter of its own (gpt-oss's
+    # attention sinks, one per head) would apply all of it to 1/tp of the heads.
+    parents = {f.rpartition(".")[0] for f, st in resolved.items()
+               if st in ("colwise", "colwise_qkv") and "." in f}
+    for parent in sorted(parents):
+        own = [name for name, _ in model.get_submodule(parent).named_parameters(recurse=False)]
+        if own:
+            raise AutoparError(
+                f"{type(model).__name__} cannot be split with tp={tp}: {parent} holds its own "
+                f"parameter {own[0]!r} beside the linears tensor parallelism splits (one value "
+                "per head would meet 1/tp of the heads); use --pp or --dp (with --zero 3)"
             )
 
 

@@ -1,0 +1,48 @@
+"""Tensor parallelism of Hugging Face blocks whose names do not tell the whole story: GLM-4's
+fused gate_up_proj (its MLP stays whole, graph/tp.py), gpt-oss's attention sinks and Qwen3's
+per-head q_norm (refused before launch, runtime/tp_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.errors import AutoparError
+from autopar.graph.tp import block_tp
+from autopar.runtime.apply import check_plan_runnable
+from tests.unit.test_runtime_checks import _plan
+
+pytest.importorskip("transformers")
+
+_BASE = {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+         "max_position_embeddings": 16, "tie_word_embeddings": False}
+
+
+def _model(model_type: str, **extra):
+    from autopar.models.hf import from_hf_config
+
+    return from_hf_config({**_BASE, "model_type": model_type, **extra})
+
+
+def test_a_down_projection_without_its_input_projection_stays_whole():
+    glm = _model("glm4", pad_token_id=None)  # mlp: gate_up_proj (fused, unmarked), down_proj
+    tp = block_tp(glm, "model.layers.0", heads=4, kv_heads=2, seq_len=8, dtype_bytes=2)
+    assert tp.colwise == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    assert tp.rowwise == ("model.layers.0.self_attn.o_proj",)
+    assert tp.allreduce_fwd_bytes == 8 * 32 * 2  # one row-parallel output of width h
+    llama = block_tp(_model("llama"), "model.layers.0", heads=4, kv_heads=2, seq_len=8,
+                     dtype_bytes=2)
+    assert "model.layers.0.mlp.down_proj" in llama.rowwise
+    assert llama.allreduce_fwd_bytes == 2 * 8 * 32 * 2
+    check_plan_runnable(glm, _plan(tp=2))
+
+
+@pytest.mark.parametrize(("model_type", "extra", "match"), [
+    ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2}, "its own parameter 'sinks'"),
+    ("qwen3", {}, "the norm model.layers.0.self_attn.q_norm sits inside"),
+])
+def test_per_head_parameters_refuse_tp_before_launch(model_type, extra, match):
+    model = _model(model_type, **extra)
+    with pytest.raises(AutoparError, match=match):
+        check_plan_runnable(model, _plan(tp=2))
+    check_plan_runnable(model, _plan(pp=2))

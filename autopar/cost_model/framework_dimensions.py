@@ -21,10 +21,11 @@ fp32 copies; ``scatter_combine``, a mixture-of-experts combine that scatters the
 back (keeping the indices only), not index_add's copy of them (graph/recorder.py);
 ``moe_force_balance``, a router forced to spread tokens evenly (a benchmark mode) and
 ``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
-setting turns them on); ``cp_ep_zoo_only``, context and expert parallelism run on the zoo's
-attention and experts only (autopar's runtime shards its own modules; a framework that trains
-its own implementation of the architecture runs them whatever code was profiled:
-``ModelProfile.zoo_modules``), each with its source;
+setting turns them on); ``runs_traced_modules``, the framework runs the profiled modules
+themselves (autopar's runtime), so it shards only what they let it: cp and ep on the zoo's
+attention and experts (``ModelProfile.zoo_modules``), tp where no per-head weight sits beside
+the split linears (``TPStructure.split_blocker``); a framework that trains its own
+implementation of the architecture splits it whatever code was profiled), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -47,7 +48,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
-        fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, cp_ep_zoo_only=True,
+        fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -71,11 +72,11 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# A framework that trains its own implementation of an architecture runs its cp and ep on it,
-# whatever code (a Hugging Face model, a model file) autopar profiled.
+# A framework that trains its own implementation of an architecture splits it over tp, cp and
+# ep whatever code (a Hugging Face model, a model file) autopar profiled.
 _OWN_MODEL_CODE = ("sourced: the framework runs its own model code (torchtitan's models/, "
                    "Megatron-Core's GPTModel, Megatron-DeepSpeed's GPTModel), not the traced "
-                   "modules: its cp and ep do not depend on them")
+                   "modules: its tp, cp and ep do not depend on them")
 
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
@@ -127,9 +128,12 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "scatter_combine": "sourced: autopar's runtime runs the model's own experts (Hugging "
                            "Face's and graph/moe.py's combine with index_add, which keeps its "
                            "source)",
-        "cp_ep_zoo_only": "sourced: autopar/runtime/apply.py refuses cp > 1 unless the zoo's "
-                          "attention runs it (context_parallel.supports_context_parallel) and "
-                          "ep > 1 unless the model is a zoo mixture of experts (_check_ep)",
+        "runs_traced_modules": "sourced: autopar/runtime/apply.py runs the model's own modules: "
+                               "it refuses cp > 1 unless the zoo's attention runs it "
+                               "(context_parallel.supports_context_parallel), ep > 1 unless "
+                               "the model is a zoo mixture of experts (_check_ep), and tp > 1 "
+                               "where graph.tp.split_blocker names a per-head weight "
+                               "(tp_checks.py)",
     },
     "torchtitan": {
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
@@ -178,7 +182,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                            "fp32 copy of the routed rows for the scores (before the experts "
                            "by default, the bmm after them otherwise): as many bytes as the "
                            "index_add copy, kept as counted",
-        "cp_ep_zoo_only": _OWN_MODEL_CODE,
+        "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "megatron-lm": {
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
@@ -228,7 +232,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                            "(and TE's fused moe_unpermute) weights the expert outputs by the "
                            "probabilities and scatter_add_s them back: the outputs are kept, "
                            "no index_add copy",
-        "cp_ep_zoo_only": _OWN_MODEL_CODE,
+        "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "deepspeed": {
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
@@ -266,7 +270,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "scatter_combine": "sourced: deepspeed/moe/sharded_moe.py MOELayer combines with "
                            "einsum('sec,ecm->sm'), keeping the expert outputs and the dense "
                            "combine weights: no less than the index_add copy, kept as counted",
-        "cp_ep_zoo_only": _OWN_MODEL_CODE,
+        "runs_traced_modules": _OWN_MODEL_CODE,
     },
 }
 

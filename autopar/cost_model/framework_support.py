@@ -44,16 +44,25 @@ def framework_supports(framework: Framework, config) -> str | None:
 
 def model_support(framework: Framework, config, profile) -> str | None:
     """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
-    blocks under sequence parallelism, and context or expert parallelism of a model that is not
-    a zoo transformer where the framework shards the zoo's modules only."""
+    blocks under sequence parallelism; and, where the framework runs the profiled modules
+    themselves (``runs_traced_modules``), context or expert parallelism of a model that is not
+    a zoo transformer, or tensor parallelism of blocks with a per-head weight beside their
+    split linears."""
     if profile.is_moe and config.sequence_parallel and config.tp > 1 and not (
             framework.moe_sequence_parallel):
         return (f"{framework.name} runs mixture-of-experts models without sequence "
                 "parallelism; use sequence_parallel=False")
-    if framework.cp_ep_zoo_only and not profile.zoo_modules and max(config.cp, config.ep) > 1:
+    if not framework.runs_traced_modules:
+        return None
+    own_code = ("or plan for a framework that runs its own implementation of the model "
+                "(--framework torchtitan or megatron-lm)")
+    if not profile.zoo_modules and max(config.cp, config.ep) > 1:
         return (f"{framework.name} runs context and expert parallelism on zoo models only "
-                f"(not {profile.name}); use cp=1 and ep=1, or plan for a framework that runs "
-                "its own implementation of the model (--framework torchtitan or megatron-lm)")
+                f"(not {profile.name}); use cp=1 and ep=1, {own_code}")
+    blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")
+    if config.tp > 1 and blocker:
+        return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "
+                f"use tp=1, {own_code}")
     return None
 
 

@@ -199,7 +199,7 @@ class Framework:
     scatter_combine: bool = False
     moe_force_balance: bool = False
     ep_dispatch: str = "all_to_all"
-    cp_ep_zoo_only: bool = False
+    runs_traced_modules: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (

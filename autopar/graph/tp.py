@@ -15,7 +15,7 @@ rank's heads of the three together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ __all__ = [
     "is_linear",
     "is_norm",
     "out_features",
+    "split_blocker",
 ]
 
 # One matrix computing q, k and v (equal widths): column-parallel, split per q / k / v.
@@ -119,7 +120,27 @@ def block_tp(
         allreduce_fwd_bytes=allreduce,
         sequence_param_tensors=tensors,
         sequence_param_elements=elements,
+        split_blocker=split_blocker(model, {_parent(n) for n in colwise}),
     )
+
+
+def split_blocker(model: nn.Module, parents: Iterable[str]) -> str:
+    """Why splitting the traced modules ``parents`` (those whose linears tensor parallelism
+    splits column-wise) over the heads would be wrong, or "": a norm with weights inside one
+    (Qwen3's per-head ``q_norm`` would see 1/tp of the heads and its weight gradient one rank's
+    share), or a parameter one holds beside its linears (gpt-oss's attention ``sinks``, one
+    value per head)."""
+    for parent in sorted(parents):
+        module = model.get_submodule(parent)
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own:
+            return (f"{parent} holds its own parameter {own[0]!r} beside the linears tensor "
+                    "parallelism splits (one value per head would meet 1/tp of the heads)")
+        for name, inner in module.named_modules():
+            if name and is_norm(inner) and list(inner.parameters()):
+                return (f"the norm {parent}.{name} sits inside the split module {parent} and "
+                        "would see 1/tp of the heads")
+    return ""
 
 
 def _parent(fqn: str) -> str:

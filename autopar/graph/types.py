@@ -37,6 +37,9 @@ class TPStructure:
         sequence_param_elements: elements of those parameters in all.
         fused_qkv: the ``colwise`` linears that compute q, k and v in one matrix (equal widths):
             each rank keeps its share of the heads of each of q, k and v.
+        split_blocker: why the traced modules themselves cannot be split this way ("" when
+            they can; ``graph.tp.split_blocker``): a framework that runs its own code splits
+            them regardless, autopar's runtime does not (in JSON only when set).
     """
 
     colwise: tuple[str, ...] = ()
@@ -49,6 +52,7 @@ class TPStructure:
     allreduce_fwd_bytes: int = 0
     sequence_param_tensors: int = 0
     sequence_param_elements: int = 0
+    split_blocker: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +187,8 @@ class LayerProfile:
         data = dataclasses.asdict(self)
         if data["moe"] is None:
             del data["moe"]
+        if not self.tp.split_blocker:
+            del data["tp"]["split_blocker"]
         return data
 
     @classmethod

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.graph.tp import is_norm
+from autopar.graph.tp import is_norm, split_blocker
 from autopar.runtime.tensor_parallel import build_tp_plan, default_tp_layout, resolve_layout
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
                   first_block=structure.first_block)
     resolved = resolve_layout(model, layout)
     _check_tp_heads(model, resolved, cfg.tp, structure.container)
-    _check_norms_inside_split(model, resolved, cfg.tp, structure.container)
-    _check_own_params_of_split(model, resolved, cfg.tp)
+    _check_split_modules(model, resolved, cfg.tp)
     if sp:
         for fqn, module in model.named_modules():
             if is_norm(module) and resolved.get(fqn) != "sequence" and not _inside(fqn, resolved):
@@ -89,33 +88,15 @@ def _inside(fqn: str, resolved: dict[str, str]) -> bool:
     return any(fqn.startswith(parent + ".") for parent in _colwise_parent_fqns(resolved))
 
 
-def _check_norms_inside_split(
-    model: nn.Module, resolved: dict[str, str], tp: int, container: str
-) -> None:
-    # A norm with weights inside the split (Qwen3's per-head q_norm / k_norm) sees 1/tp of the
-    # heads: its weight gradient would be one rank's share. autopar does not reduce it.
-    for fqn, module in model.named_modules():
-        if is_norm(module) and _inside(fqn, resolved) and list(module.parameters()):
-            raise AutoparError(
-                f"{type(model).__name__} cannot be split with tp={tp}: the norm {fqn} sits inside "
-                "the tensor-parallel attention/MLP of its blocks at "
-                f"{container!r} and would see 1/tp of the heads; use --pp or --dp (with --zero 3)"
-            )
-
-
-def _check_own_params_of_split(model: nn.Module, resolved: dict[str, str], tp: int) -> None:
-    # A module whose linears tp splits and that holds a parameter of its own (gpt-oss's
-    # attention sinks, one per head) would apply all of it to 1/tp of the heads.
+def _check_split_modules(model: nn.Module, resolved: dict[str, str], tp: int) -> None:
+    # The modules whose linears the layout splits must hold nothing per head beside them
+    # (graph.tp.split_blocker: a norm with weights inside, a parameter of their own).
     parents = {f.rpartition(".")[0] for f, st in resolved.items()
                if st in ("colwise", "colwise_qkv") and "." in f}
-    for parent in sorted(parents):
-        own = [name for name, _ in model.get_submodule(parent).named_parameters(recurse=False)]
-        if own:
-            raise AutoparError(
-                f"{type(model).__name__} cannot be split with tp={tp}: {parent} holds its own "
-                f"parameter {own[0]!r} beside the linears tensor parallelism splits (one value "
-                "per head would meet 1/tp of the heads); use --pp or --dp (with --zero 3)"
-            )
+    blocker = split_blocker(model, parents)
+    if blocker:
+        raise AutoparError(f"{type(model).__name__} cannot be split with tp={tp}: {blocker}; "
+                           "use --pp or --dp (with --zero 3)")
 
 
 def _check_tp_heads(

@@ -76,7 +76,7 @@ def _cp_hint(profile, options: SearchOptions) -> str:
 
     def shards(name: str) -> bool:
         fw = get_framework(name)
-        return fw.context_parallel and (profile.zoo_modules or not fw.cp_ep_zoo_only)
+        return fw.context_parallel and (profile.zoo_modules or not fw.runs_traced_modules)
 
     if shards(options.framework) or profile.seq_len < 2 * options.min_cp_tokens:
         return ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from fractions import Fraction
 
 import pytest
@@ -117,13 +116,11 @@ def test_llama_default_ffn_rule():
     assert make_spec("gpt", layers=1, hidden=64, heads=4, vocab=8, seq_len=8).ffn_hidden == 256
 
 
-def test_405b_builds_on_meta_fast():
-    build("llama3-8b")  # warm up torch's lazy imports
-    start = time.process_time()  # CPU time: robust to other processes sharing the machine
+def test_405b_builds_on_meta():
+    # How fast is benchmarks/profile_speed.py's to print; here: no parameter has storage.
     model = build("llama3-405b")
-    elapsed_s = time.process_time() - start
-    assert next(model.parameters()).device.type == "meta"
-    assert elapsed_s < 1.0, elapsed_s
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(405.85e9, rel=1e-3)
 
 
 def test_fqns_follow_model_structure():

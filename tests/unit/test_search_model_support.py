@@ -65,3 +65,46 @@ def test_estimate_names_why(moe_profile):
         with pytest.raises(ValueError, match=r"zoo models only .*--framework torchtitan"):
             autopar.estimate(other, cluster, cfg)
         autopar.estimate(other, cluster, cfg, framework="torchtitan")
+
+
+def _blocked(profile):
+    """The profile as if its blocks held a per-head weight beside their split linears."""
+    layers = tuple(
+        dataclasses.replace(x, tp=dataclasses.replace(x.tp, split_blocker="a per-head norm"))
+        if x.kind == "block" else x for x in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
+
+
+def test_search_offers_tp_only_where_the_traced_modules_split(moe_profile):
+    dense = autopar.profile(autopar.models.build("llama", layers=2, hidden=64, heads=4,
+                                                 kv_heads=2, vocab=256, seq_len=64), seq_len=64)
+    cluster = Cluster.preset("h100", nodes=1)
+
+    def tps(profile, framework):
+        options = SearchOptions(framework=framework, max_virtual_stages=2)
+        return {c.tp for c in _candidates(profile, cluster, 16, options)}
+
+    assert tps(dense, "autopar") > {1}
+    blocked = _blocked(dense)
+    assert tps(blocked, "autopar") == {1} and tps(blocked, "torchtitan") > {1}
+    cfg = ParallelConfig(global_batch=8, micro_batch=1, tp=2, dp=4)
+    with pytest.raises(ValueError, match="splits the model's own modules over tp, and a per-"):
+        autopar.estimate(blocked, cluster, cfg)
+    autopar.estimate(blocked, cluster, cfg, framework="megatron-lm")
+
+
+def test_hf_per_head_norms_are_recorded_in_the_profile():
+    pytest.importorskip("transformers")
+    from autopar.graph.types import ModelProfile
+    from autopar.models.hf import from_hf_config
+
+    model = from_hf_config({"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+                            "head_dim": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "vocab_size": 64,
+                            "max_position_embeddings": 16})
+    profile = autopar.profile(model, seq_len=16)
+    assert "q_norm sits inside" in profile.layers[1].tp.split_blocker
+    assert ModelProfile.from_dict(profile.to_dict()) == profile
+    zoo = autopar.profile(autopar.models.build("llama", layers=1, hidden=32, heads=4, vocab=64,
+                                               seq_len=16), seq_len=16)
+    assert all("split_blocker" not in x["tp"] for x in zoo.to_dict()["layers"])

@@ -160,6 +160,7 @@ def _standin(module: nn.Module, routed_top_k: int):
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None):
+        # Looked up per call: the profiler may swap the parameters (fake tensors) after install.
         w = expert_weights(module)
         assert w is not None  # installed on recognised modules only
         flat = x.reshape(-1, x.shape[-1])

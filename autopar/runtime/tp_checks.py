@@ -91,9 +91,8 @@ def _inside(fqn: str, resolved: dict[str, str]) -> bool:
 def _check_split_modules(model: nn.Module, resolved: dict[str, str], tp: int) -> None:
     # The modules whose linears the layout splits must hold nothing per head beside them
     # (graph.tp.split_blocker: a norm with weights inside, a parameter of their own).
-    parents = {f.rpartition(".")[0] for f, st in resolved.items()
-               if st in ("colwise", "colwise_qkv") and "." in f}
-    blocker = split_blocker(model, parents)
+    # (a top-level vocabulary-parallel head is its own "parent": no module around it)
+    blocker = split_blocker(model, _colwise_parent_fqns(resolved) - set(resolved))
     if blocker:
         raise AutoparError(f"{type(model).__name__} cannot be split with tp={tp}: {blocker}; "
                            "use --pp or --dp (with --zero 3)")

@@ -16,7 +16,7 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["framework_supports", "model_support", "settings_support"]
+__all__ = ["cp_ep_runs_on", "framework_supports", "model_support", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -42,6 +42,12 @@ def framework_supports(framework: Framework, config) -> str | None:
     return settings_support(fw, config) or dims.supports_dimensions(fw, config)
 
 
+def cp_ep_runs_on(framework: Framework, profile) -> bool:
+    """Whether ``framework`` can shard this model's attention and experts over cp and ep at
+    all: its own implementation of the model, or the zoo's modules it runs as traced."""
+    return profile.zoo_modules or not framework.runs_traced_modules
+
+
 def model_support(framework: Framework, config, profile) -> str | None:
     """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
     blocks under sequence parallelism; and, where the framework runs the profiled modules
@@ -56,7 +62,7 @@ def model_support(framework: Framework, config, profile) -> str | None:
         return None
     own_code = ("or plan for a framework that runs its own implementation of the model "
                 "(--framework torchtitan or megatron-lm)")
-    if not profile.zoo_modules and max(config.cp, config.ep) > 1:
+    if not cp_ep_runs_on(framework, profile) and max(config.cp, config.ep) > 1:
         return (f"{framework.name} runs context and expert parallelism on zoo models only "
                 f"(not {profile.name}); use cp=1 and ep=1, {own_code}")
     blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")

@@ -22,9 +22,10 @@ back (keeping the indices only), not index_add's copy of them (graph/recorder.py
 ``moe_force_balance``, a router forced to spread tokens evenly (a benchmark mode) and
 ``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
 setting turns them on); ``runs_traced_modules``, the framework runs the profiled modules
-themselves (autopar's runtime), so it shards only what they let it: cp and ep on the zoo's
-attention and experts (``ModelProfile.zoo_modules``), tp where no per-head weight sits beside
-the split linears (``TPStructure.split_blocker``); a framework that trains its own
+themselves (autopar's runtime), so it shards only what they let it: cp on the zoo's attention
+(``ModelProfile.zoo_modules``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
+tp where no per-head weight sits beside the split linears (``TPStructure.split_blocker``); a
+framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
@@ -131,7 +132,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": "sourced: autopar/runtime/apply.py runs the model's own modules: "
                                "it refuses cp > 1 unless the zoo's attention runs it "
                                "(context_parallel.supports_context_parallel), ep > 1 unless "
-                               "the model is a zoo mixture of experts (_check_ep), and tp > 1 "
+                               "graph.moe.ep_blocker finds the experts runnable one at a time "
+                               "(_check_ep), and tp > 1 "
                                "where graph.tp.split_blocker names a per-head weight "
                                "(tp_checks.py)",
     },

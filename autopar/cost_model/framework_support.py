@@ -16,7 +16,8 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["cp_ep_runs_on", "framework_supports", "model_support", "settings_support"]
+__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_support",
+           "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -42,18 +43,26 @@ def framework_supports(framework: Framework, config) -> str | None:
     return settings_support(fw, config) or dims.supports_dimensions(fw, config)
 
 
-def cp_ep_runs_on(framework: Framework, profile) -> bool:
-    """Whether ``framework`` can shard this model's attention and experts over cp and ep at
-    all: its own implementation of the model, or the zoo's modules it runs as traced."""
+def cp_runs_on(framework: Framework, profile) -> bool:
+    """Whether ``framework`` can shard this model's attention over cp at all: its own
+    implementation of the model, or the zoo's attention it runs as traced."""
     return profile.zoo_modules or not framework.runs_traced_modules
+
+
+def ep_blocker(framework: Framework, profile) -> str:
+    """Why ``framework`` cannot shard this model's experts over ep ("" when it can): where it
+    runs the traced experts themselves, what stops them (``MoEStructure.ep_blocker``)."""
+    if not framework.runs_traced_modules:
+        return ""
+    return next((x.moe.ep_blocker for x in profile.layers if x.moe and x.moe.ep_blocker), "")
 
 
 def model_support(framework: Framework, config, profile) -> str | None:
     """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
     blocks under sequence parallelism; and, where the framework runs the profiled modules
-    themselves (``runs_traced_modules``), context or expert parallelism of a model that is not
-    a zoo transformer, or tensor parallelism of blocks with a per-head weight beside their
-    split linears."""
+    themselves (``runs_traced_modules``), context parallelism of a model that is not a zoo
+    transformer, expert parallelism of experts it cannot run one at a time, or tensor
+    parallelism of blocks with a per-head weight beside their split linears."""
     if profile.is_moe and config.sequence_parallel and config.tp > 1 and not (
             framework.moe_sequence_parallel):
         return (f"{framework.name} runs mixture-of-experts models without sequence "
@@ -62,9 +71,13 @@ def model_support(framework: Framework, config, profile) -> str | None:
         return None
     own_code = ("or plan for a framework that runs its own implementation of the model "
                 "(--framework torchtitan or megatron-lm)")
-    if not cp_ep_runs_on(framework, profile) and max(config.cp, config.ep) > 1:
-        return (f"{framework.name} runs context and expert parallelism on zoo models only "
-                f"(not {profile.name}); use cp=1 and ep=1, {own_code}")
+    if not cp_runs_on(framework, profile) and config.cp > 1:
+        return (f"{framework.name} runs context parallelism on zoo models only "
+                f"(not {profile.name}); use cp=1, {own_code}")
+    experts = ep_blocker(framework, profile)
+    if config.ep > 1 and experts:
+        return (f"{framework.name} shards over ep only the experts it runs one at a time "
+                f"(stacked [E, out, in] without biases), and {experts}; use ep=1, {own_code}")
     blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "

@@ -283,9 +283,10 @@ _RECORDS: dict[str, dict[str, object]] = {
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
         expert_parallel=True, ep_with_tp=False,
         sources={
-            "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's experts "
-                               "over ep ranks, all_to_all_single dispatch and combine; "
-                               "tests/distributed/test_runtime_moe.py)",
+            "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's and "
+                               "Hugging Face's stacked experts over ep ranks, "
+                               "all_to_all_single dispatch and combine; "
+                               "tests/distributed/test_runtime_moe.py, test_hf_splits.py)",
             "ep_with_tp": "sourced: autopar/runtime/apply.py _check_ep (experts are not "
                           "tensor-parallel in autopar's runtime)",
             "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "

@@ -18,6 +18,13 @@ Expert modules are recognised by the layouts transformers 5 and the zoo store th
 A gated ``[E, in, out]`` module is told from an ``[E, out, in]`` one by which dimension the two
 tensors share; an ungated module whose shapes fit both reads as ``[E, out, in]``.
 
+autopar's runtime shards experts over ep ranks where it can run them itself (``ep_blocker``: ""),
+one expert at a time with ``run_expert``: the stacked ``[E, out, in]`` layout without biases,
+dropless, gated by the module's own ``_apply_gate`` (transformers 5) or ``act(gate) * up``; and
+only where the module's own forward, run once on small random weights of the same layout
+(``_probe``), gives what ``run_expert`` gives: a family whose experts compute anything else is
+refused, not run differently.
+
 They are called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``, or, in
 Llama 4, on rows already repeated per expert and weighted by the router,
 ``experts(x[E T, h])`` (transformers runs every expert on every token there; a training
@@ -40,6 +47,7 @@ clamped sigmoid gate).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +58,9 @@ from torch import nn
 
 from autopar.graph.types import MoEStructure
 
-__all__ = ["ExpertWeights", "MoEStructure", "block_moe", "expert_modules", "expert_weights",
-           "install_expert_standins"]
+__all__ = ["ExpertWeights", "MoEStructure", "block_moe", "ep_blocker", "expert_activation",
+           "expert_modules", "expert_weights", "install_expert_standins", "run_expert",
+           "run_sorted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,8 @@ class ExpertWeights:
         in_biases: their biases (None where absent).
         down: the output projection ``[h, f_e]``.
         down_bias: its bias (None where absent).
+        layout: "out-in" (stacked ``[E, out, in]``), "in-out" (stacked ``[E, in, out]``) or
+            "matrices" (DBRX's ``[E f_e, h]``).
     """
 
     experts: int
@@ -78,6 +89,7 @@ class ExpertWeights:
     in_biases: tuple[torch.Tensor | None, ...]
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    layout: str = "out-in"
 
     @property
     def params(self) -> int:
@@ -98,9 +110,9 @@ def _stacked(module: nn.Module) -> ExpertWeights | None:
     if up is None or down is None or up.shape[0] != down.shape[0]:
         return None
     if up.shape[2] == down.shape[1] and up.shape[1] in (down.shape[2], 2 * down.shape[2]):
-        w_in, w_down = up[0], down[0]  # [E, out, in]
+        w_in, w_down, layout = up[0], down[0], "out-in"
     elif up.shape[1] == down.shape[2] and up.shape[2] in (down.shape[1], 2 * down.shape[1]):
-        w_in, w_down = up[0].T, down[0].T  # [E, in, out]
+        w_in, w_down, layout = up[0].T, down[0].T, "in-out"
     else:
         return None
     bias_in, bias_down = _tensor(module, "gate_up_proj_bias", 2), _tensor(
@@ -110,7 +122,7 @@ def _stacked(module: nn.Module) -> ExpertWeights | None:
         experts=int(up.shape[0]), hidden=int(hidden), inner=int(inner),
         gated=w_in.shape[0] == 2 * inner, ins=(w_in,),
         in_biases=(None if bias_in is None else bias_in[0],), down=w_down,
-        down_bias=None if bias_down is None else bias_down[0])
+        down_bias=None if bias_down is None else bias_down[0], layout=layout)
 
 
 def _glu_mlp(module: nn.Module) -> ExpertWeights | None:
@@ -125,7 +137,7 @@ def _glu_mlp(module: nn.Module) -> ExpertWeights | None:
     first = [w.view(experts, inner, hidden)[0] for w in (w1, v1, w2)]
     return ExpertWeights(experts=experts, hidden=int(hidden), inner=int(inner), gated=True,
                          ins=(first[0], first[1]), in_biases=(None, None), down=first[2].T,
-                         down_bias=None)
+                         down_bias=None, layout="matrices")
 
 
 def expert_weights(module: nn.Module) -> ExpertWeights | None:
@@ -146,7 +158,8 @@ def _rows(module: Any, experts: int, tokens: int, top_k: int) -> int:
     return tokens * top_k
 
 
-def _activation(module: nn.Module):
+def expert_activation(module: nn.Module):
+    """The experts' activation: the module's own ``act_fn`` / ``activation_fn``, else SiLU."""
     for owner in (module, getattr(module, "mlp", None)):
         for name in ("act_fn", "activation_fn"):
             act = getattr(owner, name, None)
@@ -155,8 +168,89 @@ def _activation(module: nn.Module):
     return F.silu
 
 
+def run_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``index`` of a stacked ``[E, out, in]`` experts module (``ep_blocker`` "") on
+    its rows ``x[n, h]``: ``down(gate(x))``, the gate the module's own ``_apply_gate`` where
+    it has one (transformers 5), else ``act(gate) * up`` (``act(up)`` ungated)."""
+    w_in = _tensor(module, "gate_up_proj", 3)
+    w_in = w_in if w_in is not None else _tensor(module, "up_proj", 3)
+    w_down = _tensor(module, "down_proj", 3)
+    assert w_in is not None and w_down is not None  # a stacked experts module
+    down = w_down[index].to(x.dtype)
+    h = F.linear(x, w_in[index].to(x.dtype))
+    own_gate = getattr(module, "_apply_gate", None)
+    if h.shape[-1] != 2 * down.shape[-1]:
+        inner = expert_activation(module)(h)
+    elif callable(own_gate):
+        inner = own_gate(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        inner = expert_activation(module)(gate) * up
+    return F.linear(inner, down)
+
+
+def run_sorted(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each of the module's experts on its contiguous slice of ``rows`` (sorted by expert,
+    ``counts`` rows each), the outputs in the same order."""
+    pieces = [run_expert(module, e, part)
+              for e, part in enumerate(rows.split(counts)) if part.shape[0]]
+    return torch.cat(pieces) if pieces else rows[:0]
+
+
+def ep_blocker(module: nn.Module) -> str:
+    """Why autopar's runtime cannot run this experts module's experts one at a time with
+    ``run_expert`` (and so cannot shard them over ep), or "" when it can (module docstring)."""
+    w = expert_weights(module)
+    name = type(module).__name__
+    if w is None:
+        return f"{name} is not a grouped-experts module"
+    if w.layout != "out-in":
+        held = "as [E f, h] matrices" if w.layout == "matrices" else "stacked [E, in, out]"
+        return f"{name} stores its experts' weights {held}"
+    if any(b is not None for b in (*w.in_biases, w.down_bias)):
+        return f"{name}'s experts have biases"
+    if float(getattr(module, "capacity_factor", 0.0) or 0.0) > 0:
+        return f"{name} drops the tokens over its experts' capacity"
+    return _probe(module, w)
+
+
+_PROBE_WIDTH = 4  # the probe's widths and experts (small: the check is on the math)
+
+
+def _probe(module: nn.Module, w: ExpertWeights) -> str:
+    """Run the module's own forward on a copy holding small random weights of its layout (its
+    first few experts, the only ones routed to), and compare it with ``run_expert`` applied
+    per routed token ("" when they agree)."""
+    probe = copy.copy(module)  # its own parameter table: the module's weights are not copied
+    probe._parameters = dict(module._parameters)
+    gen = torch.Generator().manual_seed(0)
+    experts, inner = min(w.experts, _PROBE_WIDTH), _PROBE_WIDTH * (2 if w.gated else 1)
+    fused = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    setattr(probe, "gate_up_proj" if fused else "up_proj", nn.Parameter(
+        torch.randn(experts, inner, _PROBE_WIDTH, generator=gen), requires_grad=False))
+    probe.down_proj = nn.Parameter(torch.randn(experts, _PROBE_WIDTH, _PROBE_WIDTH,
+                                               generator=gen), requires_grad=False)
+    tokens, top_k = 2 * experts, min(2, experts)
+    x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    name = type(module).__name__
+    with torch.no_grad():
+        each = torch.stack([run_expert(probe, e, x) for e in range(experts)])  # [E, T, h]
+        want = (weights[..., None] * each[index, torch.arange(tokens)[:, None]]).sum(dim=1)
+        try:
+            got = type(module).forward(probe, x, index, weights)
+        except Exception as e:  # any failure: not runnable one expert at a time
+            return f"{name}'s forward does not run as stacked experts ({e})"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(
+            got, want, rtol=1e-4, atol=1e-5):
+        return (f"{name}'s forward computes something other than its experts one at a time "
+                "(a norm, a scale or a different gate)")
+    return ""
+
+
 def _standin(module: nn.Module, routed_top_k: int):
-    act = _activation(module)
+    act = expert_activation(module)
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None):
@@ -240,4 +334,5 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
         expert_hidden=weights.inner,
         expert_params=weights.params,
         capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
+        ep_blocker=next((r for r in (ep_blocker(m) for _n, m in found) if r), ""),
     )

@@ -354,7 +354,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
 
 
 def _is_zoo(model: nn.Module) -> bool:
-    """Whether ``model`` is a zoo transformer (its attention and experts are autopar's)."""
+    """Whether ``model`` is a zoo transformer (its attention is autopar's)."""
     from autopar.models.transformer import Transformer
 
     return isinstance(model, Transformer)

@@ -85,6 +85,9 @@ class MoEStructure:
         expert_hidden: inner width f_e of one routed expert.
         expert_params: parameters of one routed expert (SwiGLU: 3 h f_e).
         capacity_factor: c (0: dropless).
+        ep_blocker: why autopar's runtime cannot run the traced experts one at a time and so
+            shard them over ep ("" when it can; ``graph.moe.ep_blocker``): a framework that
+            runs its own code shards them regardless (in JSON only when set).
     """
 
     experts: int
@@ -94,10 +97,14 @@ class MoEStructure:
     expert_hidden: int
     expert_params: int
     capacity_factor: float = 0.0
+    ep_blocker: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record."""
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not self.ep_blocker:
+            del data["ep_blocker"]
+        return data
 
     @property
     def routed_params(self) -> int:
@@ -185,8 +192,10 @@ class LayerProfile:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""
         data = dataclasses.asdict(self)
-        if data["moe"] is None:
+        if self.moe is None:
             del data["moe"]
+        else:
+            data["moe"] = self.moe.to_dict()
         if not self.tp.split_blocker:
             del data["tp"]["split_blocker"]
         return data
@@ -231,9 +240,10 @@ class ModelProfile:
         tied_embeddings: whether the lm head shares the token embedding's weight.
         loss: the token cross entropy's kernel the profile ran: "eager" (fp32 log-probabilities
             kept) or "fused" (logits and a log-sum-exp kept, gradient in place).
-        zoo_modules: whether the model is a zoo transformer, whose attention and experts
-            autopar's runtime shards over cp and ep (a Hugging Face model or a model file is
-            not; written to JSON only when False, so zoo profiles keep their fingerprints).
+        zoo_modules: whether the model is a zoo transformer, whose attention autopar's
+            runtime shards over cp (a Hugging Face model or a model file is not; written to
+            JSON only when False, so zoo profiles keep their fingerprints). Which experts it
+            shards over ep is each layer's ``MoEStructure.ep_blocker``.
     """
 
     name: str

@@ -131,21 +131,32 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
 
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
-    """Expert parallelism runs the zoo's dropless experts, with tp == 1."""
+    """Expert parallelism runs dropless experts the runtime can run one at a time (the zoo's,
+    and the stacked ``[E, out, in]`` experts of Hugging Face families: ``graph.moe``), with
+    tp == 1 and cp == 1."""
     cfg = plan.config
     if cfg.ep == 1:
         return
     spec = _spec_of(model_or_spec)
-    if spec is None or not spec.experts:
-        raise AutoparError(
-            f"ep={cfg.ep} needs a zoo mixture-of-experts model (llama:...,experts=E,top_k=K); "
-            "autopar's runtime shards only the zoo's experts: use ep=1"
-        )
-    if spec.experts % cfg.ep:
-        raise AutoparError(f"ep={cfg.ep} must divide the model's {spec.experts} experts")
-    if spec.capacity_factor:
-        raise AutoparError("expert parallelism runs dropless experts only; build the model "
-                           "with capacity_factor=0 or use ep=1")
+    if spec is not None:
+        experts, blocker = spec.experts, (
+            "the model's experts drop the tokens over their capacity; build it with "
+            "capacity_factor=0" if spec.capacity_factor else "")
+    else:
+        from autopar.graph.moe import ep_blocker, expert_modules, expert_weights
+
+        found = expert_modules(model_or_spec) if isinstance(model_or_spec, nn.Module) else []
+        weights = expert_weights(found[0][1]) if found else None
+        experts = weights.experts if weights else 0
+        blocker = next((r for r in (ep_blocker(m) for _n, m in found) if r), "")
+    if not experts:
+        raise AutoparError(f"ep={cfg.ep} needs a mixture-of-experts model; use ep=1")
+    if blocker:
+        raise AutoparError(f"autopar's runtime cannot shard these experts over ep: {blocker}; "
+                           "use ep=1, or a framework that runs its own implementation "
+                           "(--framework torchtitan or megatron-lm)")
+    if experts % cfg.ep:
+        raise AutoparError(f"ep={cfg.ep} must divide the model's {experts} experts")
     if cfg.tp > 1:
         raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
     if cfg.cp > 1:

@@ -6,7 +6,11 @@ every layer's experts (rank j of the group: experts j E/ep .. (j+1) E/ep - 1, sl
 full model built from the same seed everywhere), and the dp / ep ranks of an ``edp`` group hold
 the same experts.
 
-Forward of an experts module (``models/moe.py::Experts``) on ``x[T, h]`` routed to ``top_k``:
+The experts modules are those the runtime can run one expert at a time (``graph.moe``: the
+zoo's ``models/moe.py::Experts`` and the stacked ``[E, out, in]`` experts of Hugging Face
+families, ``ep_blocker`` "", which ``check_plan_runnable`` checks first).
+
+Forward of an experts module on ``x[T, h]`` routed to ``top_k``:
 the T k (token, expert) assignments are sorted by expert, hence by the rank that holds it; their
 counts are exchanged (``all_to_all_single``); the token rows go to their experts' ranks
 (``all_to_all_single_autograd``: the dispatch; its backward sends the gradients back), each
@@ -33,6 +37,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from autopar.graph.moe import expert_modules, run_sorted
+
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
 
@@ -40,10 +46,14 @@ __all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "experts_modules"]
 
 
 def experts_modules(part: nn.Module) -> list[nn.Module]:
-    """The zoo's grouped-experts modules inside ``part``."""
-    from autopar.models.moe import Experts
+    """The grouped-experts modules inside ``part`` (``graph.moe.expert_modules``)."""
+    return [m for _name, m in expert_modules(part)]
 
-    return [m for m in part.modules() if isinstance(m, Experts)]
+
+def _weight_names(module: nn.Module) -> tuple[str, ...]:
+    """The stacked expert tensors of ``module``: (gate_up_proj or up_proj, down_proj)."""
+    fused = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    return ("gate_up_proj" if fused else "up_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +108,7 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
 
 
 def _ep_forward(module: nn.Module, group: Any, ep: int):
-    local = module.gate_up_proj.shape[0]
+    local = getattr(module, _weight_names(module)[0]).shape[0]
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         top_k = top_k_index.shape[1]
@@ -116,7 +126,7 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         # The received rows sorted by local expert once; each expert runs on its slice.
         by_expert = torch.argsort(recv_expert, stable=True)
         counts = torch.bincount(recv_expert, minlength=local).tolist()
-        out = module.run_sorted(recv.index_select(0, by_expert), counts)
+        out = run_sorted(module, recv.index_select(0, by_expert), counts)
         # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
         # experts received no rows, or autograd would skip both all-to-alls' backward there
         # while the other ranks of the group wait in theirs.
@@ -158,9 +168,10 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
     sharded = cfg.zero >= 1 and cfg.dp > cfg.ep
     for module in modules:
-        local = module.num_experts // cfg.ep
+        names = _weight_names(module)
+        local = getattr(module, names[0]).shape[0] // cfg.ep
         lo, hi = groups.ep_rank * local, (groups.ep_rank + 1) * local
-        for name in ("gate_up_proj", "down_proj"):
+        for name in names:
             full = getattr(module, name)
             param = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
             if not sharded:

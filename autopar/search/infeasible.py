@@ -72,12 +72,12 @@ def infeasible_error(
 def _cp_hint(profile, options: SearchOptions) -> str:
     """Where the framework runs no context parallelism for this model and the sequence is long
     enough for it, say which frameworks would shard each sequence."""
-    from autopar.cost_model.framework_support import cp_ep_runs_on
+    from autopar.cost_model.framework_support import cp_runs_on
     from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 
     def shards(name: str) -> bool:
         fw = get_framework(name)
-        return fw.context_parallel and cp_ep_runs_on(fw, profile)
+        return fw.context_parallel and cp_runs_on(fw, profile)
 
     if shards(options.framework) or profile.seq_len < 2 * options.min_cp_tokens:
         return ""

@@ -2,7 +2,8 @@
 
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
 from a config object with transformers (no download), the mixture-of-experts gpt-oss, Llama 4 and
-DeepSeek-V3 (FSDP and PP 1F1B), and
+DeepSeek-V3 (FSDP and PP 1F1B), Mixtral, Qwen3-MoE and DeepSeek-V3 under expert parallelism (alone,
+with FSDP over the ranks holding the same experts, and under pp), and
 ``tests/fixtures/models/tiny_nanogpt_split.py`` (blocks at ``transformer.h``, fused ``c_attn``).
 Each case builds the model twice from one seed, runs the one-process step on the global batch and
 the split under ``apply_plan`` (the layout the graph finds, ``default_tp_layout``, which is what
@@ -63,6 +64,20 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
         "pad_token_id": None,
+    },
+    # Stacked [E, out, in] experts: autopar's runtime shards them over ep (graph.moe).
+    "mixtral": {
+        "model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64,
+        "max_position_embeddings": 16, "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "head_dim": 8, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+        "num_experts_per_tok": 2, "vocab_size": 64, "max_position_embeddings": 16,
+        "tie_word_embeddings": False,
     },
     "deepseek_v3": {
         "model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
@@ -125,13 +140,25 @@ def run_case(name: str, cfg_kwargs: dict[str, Any]) -> dict[str, Any]:
         if step == 0:
             grads = gathered_grads(pm)
             for fqn, grad in grads.items():
-                assert_close(grad, reference.get_parameter(fqn).grad, rtol=1e-5, atol=1e-7,
+                assert_close(grad, _expected(reference, fqn, cfg, pm), rtol=1e-5, atol=1e-7,
                              msg=lambda m, f=fqn: f"{f}: {m}")
         opt.step()
         ref_opt.step()
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= 1e-4 * abs(want), f"losses {losses} != reference {ref_losses}"
     return {"fqns": sorted(grads), "losses": losses}
+
+
+def _expected(reference: Any, fqn: str, cfg: Any, pm: Any) -> Any:
+    """The one-process gradient of ``fqn``; under ep, of this rank's E / ep experts."""
+    from autopar.graph.moe import expert_modules
+
+    full = reference.get_parameter(fqn).grad
+    if cfg.ep == 1 or fqn.rpartition(".")[0] not in dict(expert_modules(reference)):
+        return full
+    local = full.shape[0] // cfg.ep
+    lo = pm.mesh["dp"].get_local_rank() % cfg.ep * local
+    return full[lo:lo + local]
 
 
 def _check_sharded(pm: Any, tp: int) -> None:
@@ -189,6 +216,10 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
                                              "micro_batch": 2}),
     ("nanogpt-dp2xtp2-sp", "nanogpt", {"dp": 2, "tp": 2, "zero": 0, "micro_batch": 2,
                                        "sequence_parallel": True}),
+    # ep 2 of dp 4 (FSDP2 over the 2 ranks holding each half of the experts) and under pp.
+    ("qwen3_moe-dp4-ep2-zero1", "qwen3_moe", {"dp": 4, "ep": 2, "zero": 1, "micro_batch": 2}),
+    ("mixtral-pp2xdp2-ep2", "mixtral", {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b",
+                                        "micro_batch": 1}),
 ]
 
 
@@ -200,13 +231,20 @@ def _cases(splits: dict[str, dict[str, Any]],
 # The mixture-of-experts families run their experts as transformers writes them (dp and pp;
 # tp splits linears only and is refused where a norm sits inside the attention: DeepSeek-V3).
 MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
+# Expert parallelism of the stacked [E, out, in] families: each rank runs 2 of the 4 experts
+# on the tokens the all-to-all brings it (zero 0: the experts' gradients summed by hooks).
+EP_CASES_2 = [
+    ("mixtral-ep2", "mixtral", {"dp": 2, "ep": 2, "micro_batch": 2}),
+    ("deepseek_v3-ep2-zero3-full", "deepseek_v3", {"dp": 2, "ep": 2, "zero": 3,
+                                                   "micro_batch": 2, "recompute": "full"}),
+]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: Any) -> None:
     pytest.importorskip("transformers")
-    cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + [
+    cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + EP_CASES_2 + [
         ("glm4-tp2", "glm4", SPLITS_2["tp2"])]
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 

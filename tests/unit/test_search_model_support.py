@@ -1,6 +1,7 @@
-"""Plans autopar's runtime can run: it shards the zoo's attention and experts over cp and ep,
-so a Hugging Face model or a model file is planned for it without them (and for a framework
-that runs its own implementation of the architecture, with them)."""
+"""Plans autopar's runtime can run: it shards the zoo's attention over cp, and over ep the
+experts it can run one at a time (the zoo's, and Hugging Face's stacked [E, out, in] experts),
+so other models are planned for it without them (and for a framework that runs its own
+implementation of the architecture, with them)."""
 
 from __future__ import annotations
 
@@ -47,24 +48,37 @@ def _dims(profile, framework: str) -> set[tuple[int, int]]:
     return {(c.cp, c.ep) for c in _candidates(profile, cluster, 16, options)}
 
 
+def _ep_blocked(profile, why="its experts have biases"):
+    """The profile as if its experts were of a layout the runtime cannot run."""
+    layers = tuple(dataclasses.replace(x, moe=dataclasses.replace(x.moe, ep_blocker=why))
+                   if x.moe else x for x in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
+
+
 def test_search_offers_cp_and_ep_only_where_the_runtime_runs_them(moe_profile):
     zoo = _dims(moe_profile, "autopar")
     assert any(cp > 1 for cp, _ in zoo) and any(ep > 1 for _, ep in zoo)
-    other = dataclasses.replace(moe_profile, zoo_modules=False)
-    assert _dims(other, "autopar") == {(1, 1)}
-    titan = _dims(other, "torchtitan")
-    assert any(cp > 1 for cp, _ in titan) and any(ep > 1 for _, ep in titan)
+    other = dataclasses.replace(moe_profile, zoo_modules=False)  # HF attention, zoo-like experts
+    assert {cp for cp, _ in _dims(other, "autopar")} == {1}
+    assert any(ep > 1 for _, ep in _dims(other, "autopar"))
+    assert {ep for _, ep in _dims(_ep_blocked(moe_profile), "autopar")} == {1}
+    for profile in (other, _ep_blocked(other)):
+        titan = _dims(profile, "torchtitan")
+        assert any(cp > 1 for cp, _ in titan) and any(ep > 1 for _, ep in titan)
 
 
 def test_estimate_names_why(moe_profile):
-    other = dataclasses.replace(moe_profile, zoo_modules=False)
     cluster = Cluster.preset("h100", nodes=1)
-    for dims in ({"cp": 2, "dp": 4}, {"ep": 2, "dp": 8, "zero": 1}):
+    for profile, dims, why in (
+            (dataclasses.replace(moe_profile, zoo_modules=False), {"cp": 2, "dp": 4},
+             r"context parallelism on zoo models only .*--framework torchtitan"),
+            (_ep_blocked(moe_profile), {"ep": 2, "dp": 8, "zero": 1},
+             r"one at a time .*, and its experts have biases; use ep=1.*--framework torchtitan")):
         cfg = ParallelConfig(global_batch=8, micro_batch=1, **dims)
         autopar.estimate(moe_profile, cluster, cfg)  # the zoo model runs it
-        with pytest.raises(ValueError, match=r"zoo models only .*--framework torchtitan"):
-            autopar.estimate(other, cluster, cfg)
-        autopar.estimate(other, cluster, cfg, framework="torchtitan")
+        with pytest.raises(ValueError, match=why):
+            autopar.estimate(profile, cluster, cfg)
+        autopar.estimate(profile, cluster, cfg, framework="torchtitan")
 
 
 def _blocked(profile):

@@ -1,0 +1,125 @@
+"""Which experts autopar's runtime shards over ep (graph/moe.py ``ep_blocker``): the stacked
+[E, out, in] experts it runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's,
+DeepSeek-V3's), checked against each module's own forward; the profile records why not for the
+others, and the pre-launch check refuses them with that reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+from autopar.graph.moe import ep_blocker, expert_modules, run_sorted
+from autopar.runtime.apply import check_plan_runnable
+from autopar.search.planner import plan_from_config
+
+pytest.importorskip("transformers")
+
+_BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+             tie_word_embeddings=False)
+CONFIGS = {
+    "mixtral": dict(_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, head_dim=8),
+    "deepseek_v3": dict(_BASE, model_type="deepseek_v3", n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        num_key_value_heads=4),
+    "gpt_oss": dict(_BASE, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                    head_dim=8),
+    "llama4_text": dict(_BASE, model_type="llama4_text", num_local_experts=4, head_dim=8,
+                        intermediate_size_mlp=64, num_experts_per_tok=1),
+}
+RUNNABLE = ("mixtral", "qwen3_moe", "deepseek_v3")
+WHY = {"gpt_oss": "GptOssExperts stores its experts' weights stacked [E, in, out]",
+       "llama4_text": "Llama4TextExperts stores its experts' weights stacked [E, in, out]"}
+
+
+def _model(name: str, device: str = "meta"):
+    return autopar.models.from_hf_config(CONFIGS[name], device=device, seed=0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_profile_records_why_the_experts_cannot_be_sharded(name):
+    profile = autopar.profile(_model(name), seq_len=16)
+    moes = [x.moe for x in profile.layers if x.moe]
+    assert moes and {m.ep_blocker for m in moes} == {WHY.get(name, "")}
+    for layer in (x for x in profile.layers if x.moe):
+        assert ("ep_blocker" in layer.to_dict()["moe"]) == (name in WHY)
+    assert type(profile).from_dict(profile.to_dict()) == profile
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_run_sorted_equals_the_modules_own_forward(name):
+    module = expert_modules(_model(name, "cpu"))[0][1]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 32, generator=gen)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
+    weights = torch.rand(12, 2, generator=gen)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = run_sorted(module, x.index_select(0, order // 2),
+                      torch.bincount(flat, minlength=4).tolist())
+    rows = rows * weights.reshape(-1)[order][:, None]
+    got = torch.zeros_like(x).index_add(0, order // 2, rows)
+    torch.testing.assert_close(got, module(x, index, weights), rtol=1e-5, atol=1e-6)
+
+
+class _Experts(nn.Module):
+    """Stacked [E, out, in] experts whose forward is not one expert at a time as
+    ``run_expert`` runs it: ``mode`` "interleaved" gate and up, or "scaled" outputs."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
+        self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                h = F.linear(x[t], self.gate_up_proj[e])
+                gate, up = (h[::2], h[1::2]) if self.mode == "interleaved" else h.chunk(2)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+                out[t] += top_k_weights[t, j] * (2 * y if self.mode == "scaled" else y)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "scaled"])
+def test_experts_computing_something_else_are_refused(mode):
+    assert "computes something other than its experts" in ep_blocker(_Experts(mode))
+    assert ep_blocker(_Experts("plain")) == ""
+
+
+def test_zoo_capacity_experts_are_refused():
+    kw = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16, experts=4, top_k=2)
+    dropless = autopar.models.build("llama", **kw)
+    assert all(ep_blocker(m) == "" for _n, m in expert_modules(dropless))
+    capped = autopar.models.build("llama", capacity_factor=1.5, **kw)
+    assert "drops the tokens over its experts' capacity" in ep_blocker(
+        expert_modules(capped)[0][1])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_pre_launch_check_runs_or_refuses_ep(name):
+    model = _model(name)
+    profile = autopar.profile(model, seq_len=16)
+    cluster = autopar.Cluster.preset("h100", nodes=1, gpus_per_node=2)
+    cfg = ParallelConfig(dp=2, ep=2, zero=1, global_batch=4, micro_batch=2)
+    plan = plan_from_config(profile, cluster, cfg, framework="torchtitan")
+    if name in WHY:
+        with pytest.raises(AutoparError, match=r"cannot shard these experts over ep: GptOss"):
+            check_plan_runnable(model, plan)
+        with pytest.raises(ValueError, match=r"one at a time .*, and GptOssExperts"):
+            autopar.estimate(profile, cluster, cfg)
+    else:
+        check_plan_runnable(model, plan)
+        assert autopar.estimate(profile, cluster, cfg).fits

@@ -218,17 +218,17 @@ _PROBE_WIDTH = 4  # the probe's widths and experts (small: the check is on the m
 
 
 def _probe(module: nn.Module, w: ExpertWeights) -> str:
-    """Run the module's own forward on a copy holding small random weights of its layout (its
-    first few experts, the only ones routed to), and compare it with ``run_expert`` applied
-    per routed token ("" when they agree)."""
+    """Run the module's own forward on a copy holding small random weights of its layout (all
+    E experts, narrow; tokens routed to the first few), and compare it with ``run_expert``
+    applied per routed token ("" when they agree)."""
     probe = copy.copy(module)  # its own parameter table: the module's weights are not copied
     probe._parameters = dict(module._parameters)
     gen = torch.Generator().manual_seed(0)
     experts, inner = min(w.experts, _PROBE_WIDTH), _PROBE_WIDTH * (2 if w.gated else 1)
     fused = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     setattr(probe, "gate_up_proj" if fused else "up_proj", nn.Parameter(
-        torch.randn(experts, inner, _PROBE_WIDTH, generator=gen), requires_grad=False))
-    probe.down_proj = nn.Parameter(torch.randn(experts, _PROBE_WIDTH, _PROBE_WIDTH,
+        torch.randn(w.experts, inner, _PROBE_WIDTH, generator=gen), requires_grad=False))
+    probe.down_proj = nn.Parameter(torch.randn(w.experts, _PROBE_WIDTH, _PROBE_WIDTH,
                                                generator=gen), requires_grad=False)
     tokens, top_k = 2 * experts, min(2, experts)
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)

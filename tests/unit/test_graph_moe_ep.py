@@ -24,6 +24,9 @@ _BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              tie_word_embeddings=False)
 CONFIGS = {
     "mixtral": dict(_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # More experts than the probe routes to (transformers' default grouped_mm kernel sizes its
+    # groups by the module's num_experts, so the probe keeps all E).
+    "mixtral_e8": dict(_BASE, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": dict(_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, head_dim=8),
     "deepseek_v3": dict(_BASE, model_type="deepseek_v3", n_routed_experts=4,
@@ -36,7 +39,7 @@ CONFIGS = {
     "llama4_text": dict(_BASE, model_type="llama4_text", num_local_experts=4, head_dim=8,
                         intermediate_size_mlp=64, num_experts_per_tok=1),
 }
-RUNNABLE = ("mixtral", "qwen3_moe", "deepseek_v3")
+RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3")
 WHY = {"gpt_oss": "GptOssExperts stores its experts' weights stacked [E, in, out]",
        "llama4_text": "Llama4TextExperts stores its experts' weights stacked [E, in, out]"}
 
@@ -58,14 +61,15 @@ def test_profile_records_why_the_experts_cannot_be_sharded(name):
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_run_sorted_equals_the_modules_own_forward(name):
     module = expert_modules(_model(name, "cpu"))[0][1]
+    experts = module.gate_up_proj.shape[0]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(12, 32, generator=gen)
-    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
+    index = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(12)])
     weights = torch.rand(12, 2, generator=gen)
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = run_sorted(module, x.index_select(0, order // 2),
-                      torch.bincount(flat, minlength=4).tolist())
+                      torch.bincount(flat, minlength=experts).tolist())
     rows = rows * weights.reshape(-1)[order][:, None]
     got = torch.zeros_like(x).index_add(0, order // 2, rows)
     torch.testing.assert_close(got, module(x, index, weights), rtol=1e-5, atol=1e-6)

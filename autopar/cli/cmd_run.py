@@ -127,9 +127,6 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         report = dry_run(job.plan, job.model_text)
         _emit(write, args.json, report.to_dict(), format_report(report))
         return 0
-    if job.plan.config.ep > 1 and args.checkpoint_dir:
-        raise AutoparError("checkpoints of expert-parallel runs are not supported (each rank "
-                           "holds different experts under one name); drop --checkpoint-dir")
     spec = _launch_spec(args, job.plan.config.world_size)
     point = check_checkpoint_dir(
         args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every,

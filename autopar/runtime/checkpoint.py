@@ -8,7 +8,9 @@ Layout of a checkpoint directory::
 What is saved: the model and AdamW state of every model part this rank holds, through
 ``get_state_dict`` / ``set_state_dict`` with flattened optimizer keys (``state.<fqn>.exp_avg``,
 ``param_groups.<fqn>.lr``). Keys are the original model's FQNs, so a checkpoint written under one
-split loads under any other (tp=2 -> dp=2, pp=2 -> one process): DCP reshards on load.
+split loads under any other (tp=2 -> dp=2, pp=2 -> one process): DCP reshards on load. Experts
+sharded over ep ranks (one FQN, different experts per rank) are saved and loaded through
+whole-tensor DTensor views of them (``expert_parallel.expert_state_views``).
 
 Trust: DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``-ed with
 ``weights_only=False``, so loading a checkpoint can run code it contains. Before any
@@ -132,17 +134,22 @@ def read_manifest(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tuple[dict, list]:
-    """One flat state dict over all model parts, and the key sets of each part.
+def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tuple[dict, list, dict]:
+    """One flat state dict over all model parts, the key sets of each part, and the entries
+    replaced by views (expert-parallel experts as whole-tensor DTensors,
+    ``expert_parallel.expert_state_views``) with the values they replaced.
 
     ``get_optimizer_state_dict`` creates the optimizer state if it does not exist yet (a zero-lr
     step), which DCP needs before it can load into it.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from autopar.runtime.expert_parallel import expert_state_views
+
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     merged: dict[str, Any] = {}
     part_keys = []
+    replaced: dict[str, Any] = {}
     for part, optimizer in zip(model_parts, optimizers, strict=True):
         model_sd, optim_sd = get_state_dict(part, optimizer, options=options)
         part_keys.append((tuple(model_sd), tuple(optim_sd)))
@@ -150,7 +157,9 @@ def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tupl
             merged[f"model.{key}"] = value
         for key, state in optim_sd.items():
             merged[f"optim.{key}"] = state
-    return merged, part_keys
+        for key, view in expert_state_views(part, model_sd, optim_sd).items():
+            replaced[key], merged[key] = merged[key], view
+    return merged, part_keys, replaced
 
 
 def save_checkpoint(
@@ -186,7 +195,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state, _ = _merged_state(model_parts, optimizers)
+    state, _, _ = _merged_state(model_parts, optimizers)
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     digests = _shared_digests(tmp)
@@ -267,8 +276,9 @@ def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any]) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state, part_keys = _merged_state(model_parts, optimizers)
+    state, part_keys, replaced = _merged_state(model_parts, optimizers)
     dcp.load(state, checkpoint_id=str(path))
+    state.update(replaced)  # the expert views were loaded in place, into these tensors
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     for part, optimizer, (model_keys, optim_keys) in zip(
         model_parts, optimizers, part_keys, strict=True

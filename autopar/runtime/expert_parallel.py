@@ -42,7 +42,8 @@ from autopar.graph.moe import expert_modules, run_sorted
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
 
-__all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "experts_modules"]
+__all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "expert_state_views",
+           "experts_modules"]
 
 
 def experts_modules(part: nn.Module) -> list[nn.Module]:
@@ -58,13 +59,15 @@ def _weight_names(module: nn.Module) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class EpGroups:
-    """This rank's expert-parallel process groups, its index in its ep group, and the edp
-    group as a 1-D DeviceMesh (for FSDP2)."""
+    """This rank's expert-parallel process groups, its index in its ep group, the edp group as
+    a 1-D DeviceMesh (for FSDP2), and both as the 2-D ("ep", "edp") mesh the experts' rows
+    are laid out on (for checkpoints: ``expert_state_views``)."""
 
     ep: Any
     edp: Any
     ep_rank: int
     edp_mesh: Any
+    expert_mesh: Any
 
 
 def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
@@ -90,6 +93,7 @@ def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine["ep"], ep_rank = group, ranks.index(rank)
+                    mine["layout"] = [[at(bb, j) for bb in range(blocks)] for j in range(cfg.ep)]
             for j in range(cfg.ep):
                 ranks = [at(b, j) for b in range(blocks)]
                 group = dist.new_group(ranks)
@@ -98,7 +102,11 @@ def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
     from torch.distributed.device_mesh import DeviceMesh
 
     edp_mesh = DeviceMesh.from_group(mine["edp"], device_type, mesh_dim_names=("edp",))
-    return EpGroups(ep=mine["ep"], edp=mine["edp"], ep_rank=ep_rank, edp_mesh=edp_mesh)
+    expert_mesh = DeviceMesh.from_group([mine["ep"], mine["edp"]], device_type,
+                                        mesh=torch.tensor(mine["layout"], dtype=torch.int),
+                                        mesh_dim_names=("ep", "edp"))
+    return EpGroups(ep=mine["ep"], edp=mine["edp"], ep_rank=ep_rank, edp_mesh=edp_mesh,
+                    expert_mesh=expert_mesh)
 
 
 def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
@@ -178,6 +186,7 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
                 param.register_hook(_grad_hook(groups.edp, cfg.dp // cfg.ep, cfg.dp))
             setattr(module, name, param)
         module.forward = _ep_forward(module, groups.ep, cfg.ep)
+        module.autopar_expert_mesh = groups.expert_mesh  # read by expert_state_views
         if sharded:
             _shard_experts(module, groups, cfg)
     return {p for module in modules for p in module.parameters()}
@@ -195,3 +204,46 @@ def _shard_experts(module: nn.Module, groups: EpGroups, cfg: ParallelConfig) -> 
     module.set_gradient_divide_factor(float(cfg.dp))
     # A sum then a division (not NCCL's PREMUL_SUM, which gloo lacks): the same result.
     module.set_force_sum_reduction_for_comms(True)
+
+
+def expert_state_views(part: nn.Module, model_sd: dict[str, Any],
+                       optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``part``'s state dicts (``get_state_dict``'s keys; optimizer keys
+    prefixed "optim.", model keys "model.") that hold expert-parallel experts, as DTensors of
+    the whole ``[E, ...]`` tensor on the ("ep", "edp") mesh, so a checkpoint holds every
+    expert once and loads under any split (``runtime/checkpoint.py``).
+
+    Rank (j, b) of the mesh holds experts j E/ep .. (j+1) E/ep - 1: whole on every edp rank
+    (zero 0: ``[Shard(0), Replicate()]``), or their FSDP2 shard over edp (``[Shard(0),
+    Shard(0)]``: the ep block, then FSDP2's chunk of it). The views share the tensors'
+    storage, so ``dcp.load`` into them loads the experts in place.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    owners = {}
+    for module in part.modules():
+        mesh = getattr(module, "autopar_expert_mesh", None)
+        if mesh is not None:
+            for param in module.parameters(recurse=False):
+                owners[_local(param).data_ptr()] = mesh
+    views: dict[str, Any] = {}
+    for key, value in model_sd.items():
+        mesh = owners.get(_local(value).data_ptr()) if isinstance(value, torch.Tensor) else None
+        if mesh is None:
+            continue
+        for name, tensor in ((f"model.{key}", value), *(
+                (f"optim.{k}", v) for k, v in optim_sd.items()
+                if k.startswith(f"state.{key}.") and isinstance(v, torch.Tensor) and v.dim())):
+            sharded = isinstance(tensor, DTensor)
+            local = _local(tensor)
+            shape = (tensor.shape[0] * mesh.size(0), *tensor.shape[1:])
+            views[name] = DTensor.from_local(
+                local, mesh, [Shard(0), Shard(0) if sharded else Replicate()], run_check=False,
+                shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    return views
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -24,7 +24,7 @@ back (keeping the indices only), not index_add's copy of them (graph/recorder.py
 setting turns them on); ``runs_traced_modules``, the framework runs the profiled modules
 themselves (autopar's runtime), so it shards only what they let it: cp on the zoo's attention
 (``ModelProfile.zoo_modules``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
-tp where no per-head weight sits beside the split linears (``TPStructure.split_blocker``); a
+tp where no weight across heads sits beside the split linears (``TPStructure.split_blocker``); a
 framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
@@ -134,7 +134,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                "(context_parallel.supports_context_parallel), ep > 1 unless "
                                "graph.moe.ep_blocker finds the experts runnable one at a time "
                                "(_check_ep), and tp > 1 "
-                               "where graph.tp.split_blocker names a per-head weight "
+                               "where graph.tp.split_blocker names a weight across heads "
                                "(tp_checks.py)",
     },
     "torchtitan": {

@@ -62,7 +62,7 @@ def model_support(framework: Framework, config, profile) -> str | None:
     blocks under sequence parallelism; and, where the framework runs the profiled modules
     themselves (``runs_traced_modules``), context parallelism of a model that is not a zoo
     transformer, expert parallelism of experts it cannot run one at a time, or tensor
-    parallelism of blocks with a per-head weight beside their split linears."""
+    parallelism of blocks with a weight across heads beside their split linears."""
     if profile.is_moe and config.sequence_parallel and config.tp > 1 and not (
             framework.moe_sequence_parallel):
         return (f"{framework.name} runs mixture-of-experts models without sequence "

@@ -32,6 +32,7 @@ __all__ = [
     "is_linear",
     "is_norm",
     "out_features",
+    "per_head_norms",
     "split_blocker",
 ]
 
@@ -127,20 +128,35 @@ def block_tp(
 def split_blocker(model: nn.Module, parents: Iterable[str]) -> str:
     """Why splitting the traced modules ``parents`` (those whose linears tensor parallelism
     splits column-wise) over the heads would be wrong, or "": a norm with weights inside one
-    (Qwen3's per-head ``q_norm`` would see 1/tp of the heads and its weight gradient one rank's
-    share), or a parameter one holds beside its linears (gpt-oss's attention ``sinks``, one
-    value per head)."""
+    that normalises across heads (OLMo 2's ``q_norm`` over all heads' width would see 1/tp of
+    them), or a parameter one holds beside its linears (gpt-oss's attention ``sinks``, one
+    value per head). A per-head norm (``per_head_norms``: Qwen3's and Gemma 3's ``q_norm``
+    and ``k_norm``) splits with its heads."""
     for parent in sorted(parents):
         module = model.get_submodule(parent)
         own = [name for name, _ in module.named_parameters(recurse=False)]
         if own:
             return (f"{parent} holds its own parameter {own[0]!r} beside the linears tensor "
                     "parallelism splits (one value per head would meet 1/tp of the heads)")
+        per_head = set(per_head_norms(module))
         for name, inner in module.named_modules():
-            if name and is_norm(inner) and list(inner.parameters()):
+            if name and is_norm(inner) and list(inner.parameters()) and name not in per_head:
                 return (f"the norm {parent}.{name} sits inside the split module {parent} and "
-                        "would see 1/tp of the heads")
+                        "normalises across heads, which would see 1/tp of them")
     return ""
+
+
+def per_head_norms(parent: nn.Module) -> list[str]:
+    """Names (relative to ``parent``, a module whose linears are split over the heads) of the
+    norms inside it that normalise each head alone: their weights are ``head_dim`` wide
+    (``parent.head_dim``). Each rank runs them on its own heads; only their weight gradient,
+    a sum over every head, needs the other ranks' share (runtime/tensor_parallel.py)."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return []
+    return [name for name, inner in parent.named_modules()
+            if name and is_norm(inner) and list(inner.parameters())
+            and all(p.numel() == head_dim for p in inner.parameters())]
 
 
 def _parent(fqn: str) -> str:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.graph.tp import is_linear, is_norm
+from autopar.graph.tp import is_linear, is_norm, per_head_norms
 from autopar.plan import TPStyle, layout_of
 
 if TYPE_CHECKING:
@@ -151,7 +151,11 @@ def _style_for(
     elif is_linear(module):
         found = _linear_style(module, style, in_block=in_block, sp=sp)
     elif is_norm(module) and style == TPStyle.SEQUENCE.value:
-        return SequenceParallel() if sp else None
+        # In a block, the local shard out: the next consumer (a module preparing its input, or a
+        # residual add after a sandwich norm: Gemma 2 and 3) takes a plain tensor. The final
+        # norm's stays a DTensor of the whole sequence: the model may reshape it by the full
+        # sequence length before the head (GPT-2's view(-1, s, h)), which a local shard breaks.
+        return SequenceParallel(use_local_output=in_block) if sp else None
     if found is not None:
         return found
     raise AutoparError(
@@ -177,6 +181,7 @@ def build_tp_plan(
         FQN -> ParallelStyle for every module to parallelize.
     """
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     from autopar.runtime.tp_styles import PrepareHidden
 
@@ -188,6 +193,14 @@ def build_tp_plan(
         parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block, sp=sp)
         if parallel_style is not None:
             tp_plan[fqn] = parallel_style
+    # A per-head norm inside a split attention (Qwen3's q_norm / k_norm: graph.tp.per_head_norms)
+    # runs on this rank's heads as it is; its weight is replicated and its gradient, a sum over
+    # every row (every head), is partial over tp: SequenceParallel over the leading dimension
+    # gives exactly that (rows of the local tensor split over tp, weight Replicate, gradient
+    # all-reduced), and hands the local tensor back.
+    for parent in _colwise_parents(resolved, container):
+        for name in per_head_norms(modules[parent]):
+            tp_plan[f"{parent}.{name}"] = SequenceParallel(sequence_dim=0, use_local_output=True)
     # The parent of the colwise linears in a block (attention, feed_forward) turns its input into
     # one replicated DTensor that q/k/v (or w1/w3) share, so backward sums their partial input
     # gradients and all-reduces once (Megatron's "f"); with SP it all-gathers the norm's sequence

@@ -1,7 +1,9 @@
 """Hugging Face decoders and a nanoGPT-shaped model file under every split equal one process.
 
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
-from a config object with transformers (no download), the mixture-of-experts gpt-oss, Llama 4 and
+from a config object with transformers (no download), Qwen3 and Gemma 3 (per-head q/k norms) and
+Gemma 2 (sandwich norms) under tp with and without sequence parallelism, the mixture-of-experts
+gpt-oss, Llama 4 and
 DeepSeek-V3 (FSDP and PP 1F1B), Mixtral, Qwen3-MoE and DeepSeek-V3 under expert parallelism (alone,
 with FSDP over the ranks holding the same experts, and under pp), and
 ``tests/fixtures/models/tiny_nanogpt_split.py`` (blocks at ``transformer.h``, fused ``c_attn``).
@@ -64,6 +66,27 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
         "pad_token_id": None,
+    },
+    # Per-head q_norm / k_norm inside the attention (graph.tp.per_head_norms): split with their
+    # heads, their weight gradients summed over tp. Gemma 3 applies them after the transpose.
+    "qwen3": {
+        "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
+    },
+    # Gemma 2 and 3 norm the attention's and the MLP's outputs before the residual add
+    # ("sandwich" norms): under sequence parallelism their output is the local sequence shard.
+    "gemma2": {
+        "model_type": "gemma2", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
+        "sliding_window": 4,
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
+        "sliding_window": 4,
     },
     # Stacked [E, out, in] experts: autopar's runtime shards them over ep (graph.moe).
     "mixtral": {
@@ -216,6 +239,10 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
                                              "micro_batch": 2}),
     ("nanogpt-dp2xtp2-sp", "nanogpt", {"dp": 2, "tp": 2, "zero": 0, "micro_batch": 2,
                                        "sequence_parallel": True}),
+    # Per-head norms under tp with FSDP2 over dp (their weights 2-D DTensors) and under pp.
+    ("qwen3-dp2xtp2-fsdp", "qwen3", {"dp": 2, "tp": 2, "zero": 3, "micro_batch": 2}),
+    ("gemma3-pp2xtp2-sp", "gemma3_text", {"pp": 2, "tp": 2, "sequence_parallel": True,
+                                          "schedule": "1f1b", "micro_batch": 2}),
     # ep 2 of dp 4 (FSDP2 over the 2 ranks holding each half of the experts) and under pp.
     ("qwen3_moe-dp4-ep2-zero1", "qwen3_moe", {"dp": 4, "ep": 2, "zero": 1, "micro_batch": 2}),
     ("mixtral-pp2xdp2-ep2", "mixtral", {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b",
@@ -231,6 +258,10 @@ def _cases(splits: dict[str, dict[str, Any]],
 # The mixture-of-experts families run their experts as transformers writes them (dp and pp;
 # tp splits linears only and is refused where a norm sits inside the attention: DeepSeek-V3).
 MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
+# Tensor parallelism of blocks with per-head norms or sandwich norms, with and without sequence
+# parallelism.
+HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text")
+HEAD_NORM_SPLITS_2 = {key: SPLITS_2[key] for key in ("tp2", "tp2-sp-selective")}
 # Expert parallelism of the stacked [E, out, in] families: each rank runs 2 of the 4 experts
 # on the tokens the all-to-all brings it (zero 0: the experts' gradients summed by hooks).
 EP_CASES_2 = [
@@ -245,7 +276,7 @@ EP_CASES_2 = [
 def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: Any) -> None:
     pytest.importorskip("transformers")
     cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + EP_CASES_2 + [
-        ("glm4-tp2", "glm4", SPLITS_2["tp2"])]
+        ("glm4-tp2", "glm4", SPLITS_2["tp2"])] + _cases(HEAD_NORM_SPLITS_2, HEAD_NORM_MODELS)
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism of Hugging Face blocks whose names do not tell the whole story: GLM-4's
-fused gate_up_proj (its MLP stays whole, graph/tp.py), gpt-oss's attention sinks and Qwen3's
-per-head q_norm (refused before launch, runtime/tp_checks.py)."""
+fused gate_up_proj (its MLP stays whole, graph/tp.py), Qwen3's and Gemma 3's per-head q_norm and
+k_norm (split with their heads), gpt-oss's attention sinks and OLMo 2's q_norm across all heads
+(refused before launch, runtime/tp_checks.py)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,23 @@ def test_a_down_projection_without_its_input_projection_stays_whole():
 
 @pytest.mark.parametrize(("model_type", "extra", "match"), [
     ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2}, "its own parameter 'sinks'"),
-    ("qwen3", {}, "the norm model.layers.0.self_attn.q_norm sits inside"),
+    ("olmo2", {},
+     "the norm model.layers.0.self_attn.q_norm sits inside .* normalises across heads"),
 ])
 def test_per_head_parameters_refuse_tp_before_launch(model_type, extra, match):
     model = _model(model_type, **extra)
     with pytest.raises(AutoparError, match=match):
         check_plan_runnable(model, _plan(tp=2))
     check_plan_runnable(model, _plan(pp=2))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_per_head_norms_split_with_their_heads(model_type):
+    from autopar.graph.tp import per_head_norms, split_blocker
+
+    model = _model(model_type)
+    attention = model.get_submodule("model.layers.0.self_attn")
+    assert per_head_norms(attention) == ["q_norm", "k_norm"]
+    assert split_blocker(model, ["model.layers.0.self_attn"]) == ""
+    check_plan_runnable(model, _plan(tp=2))
+    check_plan_runnable(model, _plan(tp=2, sequence_parallel=True))

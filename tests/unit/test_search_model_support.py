@@ -107,17 +107,22 @@ def test_search_offers_tp_only_where_the_traced_modules_split(moe_profile):
     autopar.estimate(blocked, cluster, cfg, framework="megatron-lm")
 
 
-def test_hf_per_head_norms_are_recorded_in_the_profile():
+def test_hf_norms_across_heads_are_recorded_in_the_profile():
     pytest.importorskip("transformers")
     from autopar.graph.types import ModelProfile
     from autopar.models.hf import from_hf_config
 
-    model = from_hf_config({"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
-                            "head_dim": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
-                            "num_key_value_heads": 2, "vocab_size": 64,
-                            "max_position_embeddings": 16})
-    profile = autopar.profile(model, seq_len=16)
+    def block(model_type: str):
+        model = from_hf_config({"model_type": model_type, "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 64, "max_position_embeddings": 16})
+        return autopar.profile(model, seq_len=16)
+
+    # OLMo 2 norms q over all heads' width; Qwen3 each head alone (it splits with its heads).
+    profile = block("olmo2")
     assert "q_norm sits inside" in profile.layers[1].tp.split_blocker
+    assert block("qwen3").layers[1].tp.split_blocker == ""
     assert ModelProfile.from_dict(profile.to_dict()) == profile
     zoo = autopar.profile(autopar.models.build("llama", layers=1, hidden=32, heads=4, vocab=64,
                                                seq_len=16), seq_len=16)

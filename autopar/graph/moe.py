@@ -60,7 +60,7 @@ from autopar.graph.types import MoEStructure
 
 __all__ = ["ExpertWeights", "MoEStructure", "block_moe", "ep_blocker", "expert_activation",
            "expert_modules", "expert_weights", "install_expert_standins", "run_expert",
-           "run_sorted"]
+           "run_sorted", "stacked_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +103,15 @@ def _tensor(module: Any, name: str, dims: int) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and value.dim() == dims else None
 
 
+def stacked_names(module: nn.Module) -> tuple[str, str]:
+    """The names of a stacked experts module's input and output tensors: ("gate_up_proj", or
+    "up_proj" without a gate, "down_proj")."""
+    fused = _tensor(module, "gate_up_proj", 3) is not None
+    return ("gate_up_proj" if fused else "up_proj", "down_proj")
+
+
 def _stacked(module: nn.Module) -> ExpertWeights | None:
-    up = _tensor(module, "gate_up_proj", 3)
-    up = up if up is not None else _tensor(module, "up_proj", 3)
-    down = _tensor(module, "down_proj", 3)
+    up, down = (_tensor(module, name, 3) for name in stacked_names(module))
     if up is None or down is None or up.shape[0] != down.shape[0]:
         return None
     if up.shape[2] == down.shape[1] and up.shape[1] in (down.shape[2], 2 * down.shape[2]):
@@ -172,9 +177,7 @@ def run_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``index`` of a stacked ``[E, out, in]`` experts module (``ep_blocker`` "") on
     its rows ``x[n, h]``: ``down(gate(x))``, the gate the module's own ``_apply_gate`` where
     it has one (transformers 5), else ``act(gate) * up`` (``act(up)`` ungated)."""
-    w_in = _tensor(module, "gate_up_proj", 3)
-    w_in = w_in if w_in is not None else _tensor(module, "up_proj", 3)
-    w_down = _tensor(module, "down_proj", 3)
+    w_in, w_down = (_tensor(module, name, 3) for name in stacked_names(module))
     assert w_in is not None and w_down is not None  # a stacked experts module
     down = w_down[index].to(x.dtype)
     h = F.linear(x, w_in[index].to(x.dtype))
@@ -225,11 +228,11 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
     probe._parameters = dict(module._parameters)
     gen = torch.Generator().manual_seed(0)
     experts, inner = min(w.experts, _PROBE_WIDTH), _PROBE_WIDTH * (2 if w.gated else 1)
-    fused = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
-    setattr(probe, "gate_up_proj" if fused else "up_proj", nn.Parameter(
+    name_in, name_down = stacked_names(module)
+    setattr(probe, name_in, nn.Parameter(
         torch.randn(w.experts, inner, _PROBE_WIDTH, generator=gen), requires_grad=False))
-    probe.down_proj = nn.Parameter(torch.randn(w.experts, _PROBE_WIDTH, _PROBE_WIDTH,
-                                               generator=gen), requires_grad=False)
+    setattr(probe, name_down, nn.Parameter(torch.randn(w.experts, _PROBE_WIDTH, _PROBE_WIDTH,
+                                                       generator=gen), requires_grad=False))
     tokens, top_k = 2 * experts, min(2, experts)
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
     index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])

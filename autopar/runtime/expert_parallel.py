@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from autopar.graph.moe import expert_modules, run_sorted
+from autopar.graph.moe import expert_modules, run_sorted, stacked_names
 
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
@@ -49,12 +49,6 @@ __all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "expert_state_views
 def experts_modules(part: nn.Module) -> list[nn.Module]:
     """The grouped-experts modules inside ``part`` (``graph.moe.expert_modules``)."""
     return [m for _name, m in expert_modules(part)]
-
-
-def _weight_names(module: nn.Module) -> tuple[str, ...]:
-    """The stacked expert tensors of ``module``: (gate_up_proj or up_proj, down_proj)."""
-    fused = isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
-    return ("gate_up_proj" if fused else "up_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +110,7 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
 
 
 def _ep_forward(module: nn.Module, group: Any, ep: int):
-    local = getattr(module, _weight_names(module)[0]).shape[0]
+    local = getattr(module, stacked_names(module)[0]).shape[0]
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         top_k = top_k_index.shape[1]
@@ -176,7 +170,7 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
     sharded = cfg.zero >= 1 and cfg.dp > cfg.ep
     for module in modules:
-        names = _weight_names(module)
+        names = stacked_names(module)
         local = getattr(module, names[0]).shape[0] // cfg.ep
         lo, hi = groups.ep_rank * local, (groups.ep_rank + 1) * local
         for name in names:

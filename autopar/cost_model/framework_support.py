@@ -77,7 +77,7 @@ def model_support(framework: Framework, config, profile) -> str | None:
     experts = ep_blocker(framework, profile)
     if config.ep > 1 and experts:
         return (f"{framework.name} shards over ep only the experts it runs one at a time "
-                f"(stacked [E, out, in] without biases), and {experts}; use ep=1, {own_code}")
+                f"(stacked, called with the router's choices), and {experts}; use ep=1, {own_code}")
     blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "

@@ -19,11 +19,11 @@ A gated ``[E, in, out]`` module is told from an ``[E, out, in]`` one by which di
 tensors share; an ungated module whose shapes fit both reads as ``[E, out, in]``.
 
 autopar's runtime shards experts over ep ranks where it can run them itself (``ep_blocker``: ""),
-one expert at a time with ``run_expert``: the stacked ``[E, out, in]`` layout without biases,
-dropless, gated by the module's own ``_apply_gate`` (transformers 5) or ``act(gate) * up``; and
-only where the module's own forward, run once on small random weights of the same layout
-(``_probe``), gives what ``run_expert`` gives: a family whose experts compute anything else is
-refused, not run differently.
+one expert at a time with ``run_expert``: the stacked layouts (with their biases), called with
+the router's choices, every parameter per expert, dropless, gated by the module's own
+``_apply_gate`` (transformers 5) or ``act(gate) * up``; and only where the module's own forward,
+run once on small random weights of the same layout (``_probe``), gives what ``run_expert``
+gives: a family whose experts compute anything else is refused, not run differently.
 
 They are called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``, or, in
 Llama 4, on rows already repeated per expert and weighted by the router,
@@ -48,6 +48,7 @@ clamped sigmoid gate).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -173,29 +174,47 @@ def expert_activation(module: nn.Module):
     return F.silu
 
 
-def run_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``index`` of a stacked ``[E, out, in]`` experts module (``ep_blocker`` "") on
-    its rows ``x[n, h]``: ``down(gate(x))``, the gate the module's own ``_apply_gate`` where
-    it has one (transformers 5), else ``act(gate) * up`` (``act(up)`` ungated)."""
-    w_in, w_down = (_tensor(module, name, 3) for name in stacked_names(module))
-    assert w_in is not None and w_down is not None  # a stacked experts module
-    down = w_down[index].to(x.dtype)
-    h = F.linear(x, w_in[index].to(x.dtype))
+def run_expert(module: nn.Module, index: int, x: torch.Tensor,
+               layout: str | None = None) -> torch.Tensor:
+    """Expert ``index`` of a stacked experts module (``ep_blocker`` "") on its rows ``x[n, h]``:
+    ``down(gate(up(x)))`` with the module's biases where it has them, the gate the module's own
+    ``_apply_gate`` where it has one (transformers 5: gpt-oss's clamped, interleaved SwiGLU),
+    else ``act(gate) * up`` (``act(up)`` ungated). ``layout``: ``expert_weights(module).layout``
+    ("out-in" or "in-out"; read when not given)."""
+    layout = layout or _layout(module)
+    names = stacked_names(module)
+    w_in, w_down = (getattr(module, n)[index].to(x.dtype) for n in names)
+    if layout == "in-out":  # to F.linear's [out, in]
+        w_in, w_down = w_in.T, w_down.T
+    b_in, b_down = (_bias(module, n, index, x.dtype) for n in names)
+    h = F.linear(x, w_in, b_in)
     own_gate = getattr(module, "_apply_gate", None)
-    if h.shape[-1] != 2 * down.shape[-1]:
+    if h.shape[-1] != 2 * w_down.shape[-1]:
         inner = expert_activation(module)(h)
     elif callable(own_gate):
         inner = own_gate(h)
     else:
         gate, up = h.chunk(2, dim=-1)
         inner = expert_activation(module)(gate) * up
-    return F.linear(inner, down)
+    return F.linear(inner, w_down, b_down)
+
+
+def _layout(module: nn.Module) -> str:
+    w = expert_weights(module)
+    assert w is not None  # a stacked experts module
+    return w.layout
+
+
+def _bias(module: nn.Module, name: str, index: int, dtype: torch.dtype) -> torch.Tensor | None:
+    bias = _tensor(module, f"{name}_bias", 2)
+    return None if bias is None else bias[index].to(dtype)
 
 
 def run_sorted(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each of the module's experts on its contiguous slice of ``rows`` (sorted by expert,
     ``counts`` rows each), the outputs in the same order."""
-    pieces = [run_expert(module, e, part)
+    layout = _layout(module)
+    pieces = [run_expert(module, e, part, layout)
               for e, part in enumerate(rows.split(counts)) if part.shape[0]]
     return torch.cat(pieces) if pieces else rows[:0]
 
@@ -207,11 +226,15 @@ def ep_blocker(module: nn.Module) -> str:
     name = type(module).__name__
     if w is None:
         return f"{name} is not a grouped-experts module"
-    if w.layout != "out-in":
-        held = "as [E f, h] matrices" if w.layout == "matrices" else "stacked [E, in, out]"
-        return f"{name} stores its experts' weights {held}"
-    if any(b is not None for b in (*w.in_biases, w.down_bias)):
-        return f"{name}'s experts have biases"
+    if w.layout == "matrices":
+        return f"{name} stores its experts' weights as [E f, h] matrices"
+    shared = [n for n, p in module.named_parameters(recurse=False)
+              if p.dim() == 0 or p.shape[0] != w.experts]
+    if shared:
+        return f"{name} holds {shared[0]!r}, shared by its experts"
+    if len(inspect.signature(type(module).forward).parameters) < 4:
+        return (f"{name} is called without the router's choices (on rows already routed to "
+                "every expert)")
     if float(getattr(module, "capacity_factor", 0.0) or 0.0) > 0:
         return f"{name} drops the tokens over its experts' capacity"
     return _probe(module, w)
@@ -228,18 +251,24 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
     probe._parameters = dict(module._parameters)
     gen = torch.Generator().manual_seed(0)
     experts, inner = min(w.experts, _PROBE_WIDTH), _PROBE_WIDTH * (2 if w.gated else 1)
-    name_in, name_down = stacked_names(module)
-    setattr(probe, name_in, nn.Parameter(
-        torch.randn(w.experts, inner, _PROBE_WIDTH, generator=gen), requires_grad=False))
-    setattr(probe, name_down, nn.Parameter(torch.randn(w.experts, _PROBE_WIDTH, _PROBE_WIDTH,
-                                                       generator=gen), requires_grad=False))
+    width = _PROBE_WIDTH
+    shapes = [(w.experts, inner, width), (w.experts, width, inner // (2 if w.gated else 1))]
+    if w.layout == "in-out":
+        shapes = [(e, b, a) for e, a, b in shapes]
+    for name, shape in zip(stacked_names(module), shapes, strict=True):
+        setattr(probe, name, nn.Parameter(torch.randn(shape, generator=gen),
+                                          requires_grad=False))
+        if _tensor(module, f"{name}_bias", 2) is not None:
+            out = shape[1] if w.layout == "out-in" else shape[2]
+            setattr(probe, f"{name}_bias", nn.Parameter(
+                torch.randn(w.experts, out, generator=gen), requires_grad=False))
     tokens, top_k = 2 * experts, min(2, experts)
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
     index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
     name = type(module).__name__
     with torch.no_grad():
-        each = torch.stack([run_expert(probe, e, x) for e in range(experts)])  # [E, T, h]
+        each = torch.stack([run_expert(probe, e, x, w.layout) for e in range(experts)])
         want = (weights[..., None] * each[index, torch.arange(tokens)[:, None]]).sum(dim=1)
         try:
             got = type(module).forward(probe, x, index, weights)

@@ -170,8 +170,9 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
     sharded = cfg.zero >= 1 and cfg.dp > cfg.ep
     for module in modules:
-        names = stacked_names(module)
-        local = getattr(module, names[0]).shape[0] // cfg.ep
+        # Every parameter of the module is per expert (graph.moe.ep_blocker): weights, biases.
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        local = getattr(module, stacked_names(module)[0]).shape[0] // cfg.ep
         lo, hi = groups.ep_rank * local, (groups.ep_rank + 1) * local
         for name in names:
             full = getattr(module, name)

@@ -268,6 +268,8 @@ EP_CASES_2 = [
     ("mixtral-ep2", "mixtral", {"dp": 2, "ep": 2, "micro_batch": 2}),
     ("deepseek_v3-ep2-zero3-full", "deepseek_v3", {"dp": 2, "ep": 2, "zero": 3,
                                                    "micro_batch": 2, "recompute": "full"}),
+    # gpt-oss: [E, in, out] experts with biases and its own clamped, interleaved SwiGLU gate.
+    ("gpt_oss-ep2-zero1", "gpt_oss", {"dp": 2, "ep": 2, "zero": 1, "micro_batch": 2}),
 ]
 
 

@@ -1,7 +1,8 @@
 """Which experts autopar's runtime shards over ep (graph/moe.py ``ep_blocker``): the stacked
-[E, out, in] experts it runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's,
-DeepSeek-V3's), checked against each module's own forward; the profile records why not for the
-others, and the pre-launch check refuses them with that reason."""
+experts it runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's,
+DeepSeek-V3's [E, out, in]; gpt-oss's [E, in, out] with biases and its own clamped gate), checked
+against each module's own forward; the profile records why not for the others (Llama 4's experts
+are called on rows already routed), and the pre-launch check refuses them with that reason."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ CONFIGS = {
     "llama4_text": dict(_BASE, model_type="llama4_text", num_local_experts=4, head_dim=8,
                         intermediate_size_mlp=64, num_experts_per_tok=1),
 }
-RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3")
-WHY = {"gpt_oss": "GptOssExperts stores its experts' weights stacked [E, in, out]",
-       "llama4_text": "Llama4TextExperts stores its experts' weights stacked [E, in, out]"}
+RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3", "gpt_oss")
+WHY = {"llama4_text": "Llama4TextExperts is called without the router's choices (on rows "
+                      "already routed to every expert)"}
 
 
 def _model(name: str, device: str = "meta"):
@@ -62,6 +63,9 @@ def test_profile_records_why_the_experts_cannot_be_sharded(name):
 def test_run_sorted_equals_the_modules_own_forward(name):
     module = expert_modules(_model(name, "cpu"))[0][1]
     experts = module.gate_up_proj.shape[0]
+    if name == "gpt_oss":  # its biases are initialised to zeros: make them count
+        for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+            bias.data.normal_()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(12, 32, generator=gen)
     index = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(12)])
@@ -77,7 +81,8 @@ def test_run_sorted_equals_the_modules_own_forward(name):
 
 class _Experts(nn.Module):
     """Stacked [E, out, in] experts whose forward is not one expert at a time as
-    ``run_expert`` runs it: ``mode`` "interleaved" gate and up, or "scaled" outputs."""
+    ``run_expert`` runs it: ``mode`` "interleaved" gate and up (without gpt-oss's own
+    ``_apply_gate`` that says so), or "scaled" outputs."""
 
     def __init__(self, mode: str) -> None:
         super().__init__()
@@ -112,7 +117,7 @@ def test_zoo_capacity_experts_are_refused():
         expert_modules(capped)[0][1])
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral", "llama4_text"])
 def test_pre_launch_check_runs_or_refuses_ep(name):
     model = _model(name)
     profile = autopar.profile(model, seq_len=16)
@@ -120,10 +125,16 @@ def test_pre_launch_check_runs_or_refuses_ep(name):
     cfg = ParallelConfig(dp=2, ep=2, zero=1, global_batch=4, micro_batch=2)
     plan = plan_from_config(profile, cluster, cfg, framework="torchtitan")
     if name in WHY:
-        with pytest.raises(AutoparError, match=r"cannot shard these experts over ep: GptOss"):
+        with pytest.raises(AutoparError, match=r"cannot shard these experts over ep: Llama4"):
             check_plan_runnable(model, plan)
-        with pytest.raises(ValueError, match=r"one at a time .*, and GptOssExperts"):
+        with pytest.raises(ValueError, match=r"one at a time .*, and Llama4TextExperts"):
             autopar.estimate(profile, cluster, cfg)
     else:
         check_plan_runnable(model, plan)
         assert autopar.estimate(profile, cluster, cfg).fits
+
+
+def test_experts_sharing_a_parameter_are_refused():
+    module = _Experts("plain")
+    module.scale = nn.Parameter(torch.ones(8))
+    assert ep_blocker(module) == "_Experts holds 'scale', shared by its experts"

@@ -23,7 +23,8 @@ back (keeping the indices only), not index_add's copy of them (graph/recorder.py
 ``ep_dispatch``, "all_to_all" or DeepEP's "hierarchical" dispatch (moe.py), both off unless a
 setting turns them on); ``runs_traced_modules``, the framework runs the profiled modules
 themselves (autopar's runtime), so it shards only what they let it: cp on the zoo's attention
-(``ModelProfile.zoo_modules``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
+and on Hugging Face decoders calling transformers' attention interface with rotary positions
+(``ModelProfile.cp_blocker``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
 tp where no weight across heads sits beside the split linears (``TPStructure.split_blocker``); a
 framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
@@ -82,8 +83,9 @@ _OWN_MODEL_CODE = ("sourced: the framework runs its own model code (torchtitan's
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
         "context_parallel": "sourced: autopar/runtime/context_parallel.py (the zoo's "
-                            "attention all-gathers K/V over cp, load-balanced sequence "
-                            "shards; zoo models only, ep=1)",
+                            "attention, or a Hugging Face decoder's through transformers' "
+                            "attention interface, all-gathers K/V over cp, load-balanced "
+                            "sequence shards; graph.cp.cp_blocker; ep=1)",
         "hsdp": "sourced: autopar/runtime/mesh.py data_parallel_mesh: FSDP2 over a 2-D "
                 "(replicate, shard) mesh",
         "offloads": "sourced: autopar/runtime/data_parallel.py: FSDP2 CPUOffloadPolicy for "
@@ -131,7 +133,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                            "source)",
         "runs_traced_modules": "sourced: autopar/runtime/apply.py runs the model's own modules: "
                                "it refuses cp > 1 unless the zoo's attention runs it "
-                               "(context_parallel.supports_context_parallel), ep > 1 unless "
+                               "(graph.cp.cp_blocker), ep > 1 unless "
                                "graph.moe.ep_blocker finds the experts runnable one at a time "
                                "(_check_ep), and tp > 1 "
                                "where graph.tp.split_blocker names a weight across heads "

@@ -45,8 +45,9 @@ def framework_supports(framework: Framework, config) -> str | None:
 
 def cp_runs_on(framework: Framework, profile) -> bool:
     """Whether ``framework`` can shard this model's attention over cp at all: its own
-    implementation of the model, or the zoo's attention it runs as traced."""
-    return profile.zoo_modules or not framework.runs_traced_modules
+    implementation of the model, or the traced attention it runs (``ModelProfile.cp_blocker``
+    "")."""
+    return not profile.cp_blocker or not framework.runs_traced_modules
 
 
 def ep_blocker(framework: Framework, profile) -> str:
@@ -72,8 +73,8 @@ def model_support(framework: Framework, config, profile) -> str | None:
     own_code = ("or plan for a framework that runs its own implementation of the model "
                 "(--framework torchtitan or megatron-lm)")
     if not cp_runs_on(framework, profile) and config.cp > 1:
-        return (f"{framework.name} runs context parallelism on zoo models only "
-                f"(not {profile.name}); use cp=1, {own_code}")
+        return (f"{framework.name} runs context parallelism inside the attention it runs, "
+                f"and {profile.cp_blocker}; use cp=1, {own_code}")
     experts = ep_blocker(framework, profile)
     if config.ep > 1 and experts:
         return (f"{framework.name} shards over ep only the experts it runs one at a time "

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.config import TORCH_DTYPE_NAMES
 from autopar.errors import AutoparError, TraceError
+from autopar.graph.cp import cp_blocker
 from autopar.graph.facts import ModelFacts, default_seq_len, model_facts
 from autopar.graph.inputs import (
     Batch,
@@ -349,15 +350,8 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         ffn_hidden=facts.ffn_hidden, vocab=facts.vocab, num_blocks=len(blocks),
         attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
-        zoo_modules=_is_zoo(work),
+        cp_blocker=cp_blocker(work),
     )
-
-
-def _is_zoo(model: nn.Module) -> bool:
-    """Whether ``model`` is a zoo transformer (its attention is autopar's)."""
-    from autopar.models.transformer import Transformer
-
-    return isinstance(model, Transformer)
 
 
 def _warn_short_logits(name: str, positions: int, seq_len: int) -> None:

@@ -240,10 +240,11 @@ class ModelProfile:
         tied_embeddings: whether the lm head shares the token embedding's weight.
         loss: the token cross entropy's kernel the profile ran: "eager" (fp32 log-probabilities
             kept) or "fused" (logits and a log-sum-exp kept, gradient in place).
-        zoo_modules: whether the model is a zoo transformer, whose attention autopar's
-            runtime shards over cp (a Hugging Face model or a model file is not; written to
-            JSON only when False, so zoo profiles keep their fingerprints). Which experts it
-            shards over ep is each layer's ``MoEStructure.ep_blocker``.
+        cp_blocker: why autopar's runtime cannot shard the traced model's sequences over cp
+            ("" when it can: the zoo's attention, a Hugging Face decoder's through transformers'
+            attention interface with rotary positions; ``graph.cp.cp_blocker``; written to JSON
+            only when set, so those profiles keep their fingerprints). Which experts it shards
+            over ep is each layer's ``MoEStructure.ep_blocker``.
     """
 
     name: str
@@ -260,7 +261,7 @@ class ModelProfile:
     trace_method: str = "fx"
     tied_embeddings: bool = False
     loss: str = "eager"
-    zoo_modules: bool = True
+    cp_blocker: str = ""
 
     @property
     def num_params(self) -> int:
@@ -281,8 +282,8 @@ class ModelProfile:
         """A JSON-ready dict of the profile."""
         data = dataclasses.asdict(self)
         data["layers"] = [layer.to_dict() for layer in self.layers]
-        if self.zoo_modules:
-            del data["zoo_modules"]
+        if not self.cp_blocker:
+            del data["cp_blocker"]
         return data
 
     def to_json(self) -> str:
@@ -294,6 +295,9 @@ class ModelProfile:
         """Inverse of ``to_dict``."""
         data = dict(data)
         layers = tuple(LayerProfile.from_dict(d) for d in data.pop("layers"))
+        if data.pop("zoo_modules", True) is False and "cp_blocker" not in data:
+            # Written before profiles said why: such a model ran context parallelism nowhere.
+            data["cp_blocker"] = "the profile predates autopar's record of it; profile again"
         return cls(layers=layers, **data)
 
     def fingerprint(self) -> str:

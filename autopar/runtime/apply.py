@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.config import uses_autocast
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.runtime.context_parallel import apply_context_parallel, supports_context_parallel
+from autopar.runtime.context_parallel import apply_context_parallel
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
 from autopar.runtime.mesh import data_parallel_mesh
@@ -230,11 +230,15 @@ def _check_any_model(model: nn.Module, plan: Plan, reason: str) -> None:
 
 
 def _check_context_parallel(model: nn.Module, plan: Plan) -> None:
-    if plan.config.cp > 1 and not supports_context_parallel(model):
+    from autopar.graph.cp import cp_blocker
+
+    reason = cp_blocker(model) if plan.config.cp > 1 else ""
+    if reason:
         raise AutoparError(
             f"{type(model).__name__} cannot run with cp={plan.config.cp}: context parallelism "
-            "shards the sequence inside autopar's zoo attention (gpt, llama, their presets), "
-            "which this model does not use; use cp=1 (dp, tp and pp run it)"
+            f"shards the sequence inside the attention autopar runs, and {reason}; use cp=1 "
+            "(dp, tp and pp run it), or a framework that runs its own implementation "
+            "(--framework torchtitan or megatron-lm)"
         )
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ContextParallel", "apply_context_parallel", "shard_sequence", "supports_context_parallel",
+    "HF_ATTENTION", "ContextParallel", "apply_context_parallel", "hf_attention", "shard_sequence",
 ]
 
 
@@ -114,21 +114,17 @@ class ContextParallel:
         return keys[None, :] <= queries[:, None]
 
 
-def supports_context_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is a zoo model whose attention and positions run context-parallel."""
-    from autopar.models.attention import Attention
-    from autopar.models.transformer import Transformer
-
-    return isinstance(model, Transformer) and any(
-        isinstance(m, Attention) for m in model.modules()
-    )
-
-
 def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
-    """Make the zoo model's attention and positions context-parallel (a no-op when cp == 1).
+    """Make the model's attention and positions context-parallel (a no-op when cp == 1).
+
+    The zoo's attention and positions consult ``context_parallel``; a Hugging Face decoder's
+    attention modules call ``hf_attention`` (registered with transformers' attention interface
+    and named in the model's config), and its rotary embeddings take the global positions of
+    the rank's chunks (a forward pre-hook replaces their position ids).
 
     Args:
-        model: a zoo ``Transformer`` (before the pipeline split, so every stage shares it).
+        model: a zoo ``Transformer`` or a Hugging Face decoder (before the pipeline split, so
+            every stage shares it).
         cp_mesh: the 1-D "cp" sub-mesh.
     """
     if cp_mesh.size() == 1:
@@ -138,6 +134,53 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
 
     shard = ContextParallel(rank=cp_mesh.get_local_rank(), size=cp_mesh.size(),
                             group=cp_mesh.get_group())
-    for module in model.modules():
-        if isinstance(module, (Attention, Transformer)):
-            module.context_parallel = shard
+    if isinstance(model, Transformer):
+        for module in model.modules():
+            if isinstance(module, (Attention, Transformer)):
+                module.context_parallel = shard
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    model.config._attn_implementation = HF_ATTENTION
+    for name, module in model.named_modules():
+        if getattr(module, "config", None) is not None:
+            module.context_parallel = shard  # hf_attention reads it from its attention module
+        if name.rpartition(".")[2] == "rotary_emb":
+            module.register_forward_pre_hook(_global_positions(shard), with_kwargs=True)
+
+
+HF_ATTENTION = "autopar_context_parallel"
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                 dropout: float = 0.0, **_kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature (``query[b, hq, s, d]``, ``key`` and
+    ``value[b, hkv, s, d]``): the rank's queries against the keys and values all-gathered over
+    cp, masked by global positions; returns ``[b, s, hq, d_v]`` as transformers' SDPA does.
+    ``attention_mask`` is None here (transformers builds none for an implementation it has no
+    mask function for): the causal mask is the global one."""
+    import torch.nn.functional as F
+
+    cp: ContextParallel = module.context_parallel
+    local = query.shape[2]
+    key, value = (cp.gather(t.transpose(1, 2)).transpose(1, 2) for t in (key, value))
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each kv head serves ``groups`` query heads
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=cp.causal_mask(local, query.device),
+        dropout_p=dropout if module.training else 0.0, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _global_positions(shard: ContextParallel):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs["x"]
+        positions = shard.positions(x.shape[1], x.device)[None].expand(x.shape[0], -1)
+        if len(args) > 1:
+            return (args[0], positions, *args[2:]), kwargs
+        return args, {**kwargs, "position_ids": positions}
+
+    return hook

@@ -2,7 +2,8 @@
 
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
 from a config object with transformers (no download), Qwen3 and Gemma 3 (per-head q/k norms) and
-Gemma 2 (sandwich norms) under tp with and without sequence parallelism, the mixture-of-experts
+Gemma 2 (sandwich norms) under tp with and without sequence parallelism, Llama, Qwen3 and
+DeepSeek-V3 under context parallelism (alone, with FSDP, with tp + SP), the mixture-of-experts
 gpt-oss, Llama 4 and
 DeepSeek-V3 (FSDP and PP 1F1B), Mixtral, Qwen3-MoE and DeepSeek-V3 under expert parallelism (alone,
 with FSDP over the ranks holding the same experts, and under pp), and
@@ -239,6 +240,9 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
                                              "micro_batch": 2}),
     ("nanogpt-dp2xtp2-sp", "nanogpt", {"dp": 2, "tp": 2, "zero": 0, "micro_batch": 2,
                                        "sequence_parallel": True}),
+    ("llama-dp2xcp2-fsdp", "llama", {"dp": 2, "cp": 2, "zero": 3, "micro_batch": 2}),
+    ("qwen2-cp2xtp2-sp", "qwen2", {"cp": 2, "tp": 2, "sequence_parallel": True,
+                                   "micro_batch": 4}),
     # Per-head norms under tp with FSDP2 over dp (their weights 2-D DTensors) and under pp.
     ("qwen3-dp2xtp2-fsdp", "qwen3", {"dp": 2, "tp": 2, "zero": 3, "micro_batch": 2}),
     ("gemma3-pp2xtp2-sp", "gemma3_text", {"pp": 2, "tp": 2, "sequence_parallel": True,
@@ -258,6 +262,10 @@ def _cases(splits: dict[str, dict[str, Any]],
 # The mixture-of-experts families run their experts as transformers writes them (dp and pp;
 # tp splits linears only and is refused where a norm sits inside the attention: DeepSeek-V3).
 MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
+# Context parallelism of decoders calling transformers' attention interface with rotary positions
+# (graph.cp): alone, with dp and with tp + SP (4 processes).
+CP_CASES_2 = [(f"{name}-cp2", name, {"cp": 2, "micro_batch": 4})
+              for name in ("llama", "qwen3", "deepseek_v3")]
 # Tensor parallelism of blocks with per-head norms or sandwich norms, with and without sequence
 # parallelism.
 HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text")
@@ -278,7 +286,8 @@ EP_CASES_2 = [
 def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: Any) -> None:
     pytest.importorskip("transformers")
     cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + EP_CASES_2 + [
-        ("glm4-tp2", "glm4", SPLITS_2["tp2"])] + _cases(HEAD_NORM_SPLITS_2, HEAD_NORM_MODELS)
+        ("glm4-tp2", "glm4", SPLITS_2["tp2"])] + _cases(HEAD_NORM_SPLITS_2, HEAD_NORM_MODELS) + (
+        CP_CASES_2)
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 
 

@@ -1,4 +1,5 @@
-"""Plans autopar's runtime can run: it shards the zoo's attention over cp, and over ep the
+"""Plans autopar's runtime can run: it shards over cp the attention it runs (the zoo's, a Hugging
+Face decoder's through transformers' attention interface with rotary positions), and over ep the
 experts it can run one at a time (the zoo's, and Hugging Face's stacked [E, out, in] experts),
 so other models are planned for it without them (and for a framework that runs its own
 implementation of the architecture, with them)."""
@@ -24,22 +25,33 @@ def moe_profile():
     return autopar.profile(model, seq_len=SEQ)
 
 
-def test_zoo_profiles_say_so_and_keep_their_json(moe_profile):
-    assert moe_profile.zoo_modules and "zoo_modules" not in moe_profile.to_dict()
-    hf = dataclasses.replace(moe_profile, zoo_modules=False)
-    assert hf.to_dict()["zoo_modules"] is False
+NO_CP = "it attends within a sliding window"
+
+
+def test_profiles_say_why_not_cp_and_keep_their_json(moe_profile):
+    assert not moe_profile.cp_blocker and "cp_blocker" not in moe_profile.to_dict()
+    hf = dataclasses.replace(moe_profile, cp_blocker=NO_CP)
+    assert hf.to_dict()["cp_blocker"] == NO_CP
     assert type(hf).from_dict(hf.to_dict()) == hf
     assert type(hf).from_dict(moe_profile.to_dict()) == moe_profile
+    legacy = {**moe_profile.to_dict(), "zoo_modules": False}  # written before cp_blocker
+    assert type(hf).from_dict(legacy).cp_blocker
 
 
-def test_hf_config_profiles_are_not_zoo():
+@pytest.mark.parametrize(("model_type", "why"), [
+    ("llama", ""), ("mistral", "attends within a sliding window"),
+    ("gpt2", "has no rotary embeddings"),
+])
+def test_hf_config_profiles_say_why_not_cp(model_type, why):
     pytest.importorskip("transformers")
     from autopar.models.hf import from_hf_config
 
-    model = from_hf_config({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                            "num_hidden_layers": 1, "num_attention_heads": 4,
-                            "vocab_size": 64, "max_position_embeddings": 16})
-    assert not autopar.profile(model, seq_len=16).zoo_modules
+    model = from_hf_config({"model_type": model_type, "hidden_size": 32, "n_embd": 32,
+                            "intermediate_size": 64, "num_hidden_layers": 1, "n_layer": 1,
+                            "num_attention_heads": 4, "n_head": 4, "vocab_size": 64,
+                            "max_position_embeddings": 16, "n_positions": 16})
+    blocker = autopar.profile(model, seq_len=16).cp_blocker
+    assert (why in blocker) if why else blocker == ""
 
 
 def _dims(profile, framework: str) -> set[tuple[int, int]]:
@@ -58,7 +70,7 @@ def _ep_blocked(profile, why="its experts have biases"):
 def test_search_offers_cp_and_ep_only_where_the_runtime_runs_them(moe_profile):
     zoo = _dims(moe_profile, "autopar")
     assert any(cp > 1 for cp, _ in zoo) and any(ep > 1 for _, ep in zoo)
-    other = dataclasses.replace(moe_profile, zoo_modules=False)  # HF attention, zoo-like experts
+    other = dataclasses.replace(moe_profile, cp_blocker=NO_CP)  # its attention, zoo-like experts
     assert {cp for cp, _ in _dims(other, "autopar")} == {1}
     assert any(ep > 1 for _, ep in _dims(other, "autopar"))
     assert {ep for _, ep in _dims(_ep_blocked(moe_profile), "autopar")} == {1}
@@ -70,8 +82,9 @@ def test_search_offers_cp_and_ep_only_where_the_runtime_runs_them(moe_profile):
 def test_estimate_names_why(moe_profile):
     cluster = Cluster.preset("h100", nodes=1)
     for profile, dims, why in (
-            (dataclasses.replace(moe_profile, zoo_modules=False), {"cp": 2, "dp": 4},
-             r"context parallelism on zoo models only .*--framework torchtitan"),
+            (dataclasses.replace(moe_profile, cp_blocker=NO_CP), {"cp": 2, "dp": 4},
+             r"context parallelism inside the attention it runs, and it attends within a "
+             r"sliding window; use cp=1.*--framework torchtitan"),
             (_ep_blocked(moe_profile), {"ep": 2, "dp": 8, "zero": 1},
              r"one at a time .*, and its experts have biases; use ep=1.*--framework torchtitan")):
         cfg = ParallelConfig(global_batch=8, micro_batch=1, **dims)

@@ -1,0 +1,54 @@
+"""Whether autopar's runtime can shard a traced model's sequences over cp ranks.
+
+autopar's runtime runs context parallelism inside the attention it runs (the all-gather-KV
+variant: ``runtime/context_parallel.py``): the zoo's own attention, and the attention of a
+Hugging Face decoder that calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``,
+which the runtime points at its own function) with rotary positions (a ``rotary_emb`` module,
+whose position ids the runtime replaces by the global positions of the rank's chunks) over the
+whole causal context. ``cp_blocker`` says why not otherwise: learned absolute positions, a
+sliding window, capped attention logits, attention that does not call the interface, or a model
+file's own attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+__all__ = ["cp_blocker"]
+
+
+def cp_blocker(model: nn.Module) -> str:
+    """Why autopar's runtime cannot shard ``model``'s sequences over cp ("" when it can)."""
+    from autopar.models.transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return ""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return f"{name}'s attention is its own code, not autopar's zoo or transformers' interface"
+    if not any(n.rpartition(".")[2] == "rotary_emb" for n, _ in model.named_modules()):
+        return f"{name} has no rotary embeddings (its positions are learned, or none)"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "sliding_window", None) or any("sliding" in str(t) for t in layer_types):
+        return f"{name} attends within a sliding window"
+    if getattr(config, "attention_chunk_size", None):
+        return f"{name} attends within chunks of the sequence"
+    if any(t != "full_attention" for t in layer_types):
+        return f"{name} has layers other than full attention ({sorted(set(layer_types))})"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{name} caps its attention logits"
+    attentions = {type(m) for n, m in model.named_modules()
+                  if type(m).__name__.endswith("Attention")}
+    if not attentions or not all(_calls_interface(c) for c in attentions):
+        return f"{name}'s attention does not call transformers' attention interface"
+    return ""
+
+
+def _calls_interface(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False

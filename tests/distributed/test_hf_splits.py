@@ -243,6 +243,7 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
     ("llama-dp2xcp2-fsdp", "llama", {"dp": 2, "cp": 2, "zero": 3, "micro_batch": 2}),
     ("qwen2-cp2xtp2-sp", "qwen2", {"cp": 2, "tp": 2, "sequence_parallel": True,
                                    "micro_batch": 4}),
+    ("llama-pp2xcp2", "llama", {"pp": 2, "cp": 2, "schedule": "1f1b", "micro_batch": 2}),
     # Per-head norms under tp with FSDP2 over dp (their weights 2-D DTensors) and under pp.
     ("qwen3-dp2xtp2-fsdp", "qwen3", {"dp": 2, "tp": 2, "zero": 3, "micro_batch": 2}),
     ("gemma3-pp2xtp2-sp", "gemma3_text", {"pp": 2, "tp": 2, "sequence_parallel": True,

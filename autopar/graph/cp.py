@@ -5,8 +5,9 @@ variant: ``runtime/context_parallel.py``): the zoo's own attention, and the atte
 Hugging Face decoder that calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``,
 which the runtime points at its own function) with rotary positions (a ``rotary_emb`` module,
 whose position ids the runtime replaces by the global positions of the rank's chunks) over the
-whole causal context. ``cp_blocker`` says why not otherwise: learned absolute positions, a
-sliding window, capped attention logits, attention that does not call the interface, or a model
+causal context, or within the layer's sliding window (Mistral, Gemma 3). ``cp_blocker`` says why
+not otherwise: learned absolute positions, chunked attention, layers that are not attention,
+attention sinks, capped attention logits, attention that does not call the interface, or a model
 file's own attention.
 """
 
@@ -31,13 +32,14 @@ def cp_blocker(model: nn.Module) -> str:
         return f"{name}'s attention is its own code, not autopar's zoo or transformers' interface"
     if not any(n.rpartition(".")[2] == "rotary_emb" for n, _ in model.named_modules()):
         return f"{name} has no rotary embeddings (its positions are learned, or none)"
-    layer_types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "sliding_window", None) or any("sliding" in str(t) for t in layer_types):
-        return f"{name} attends within a sliding window"
+    layer_types = set(getattr(config, "layer_types", None) or ())
     if getattr(config, "attention_chunk_size", None):
         return f"{name} attends within chunks of the sequence"
-    if any(t != "full_attention" for t in layer_types):
-        return f"{name} has layers other than full attention ({sorted(set(layer_types))})"
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"{name} has layers other than attention ({sorted(layer_types)})"
+    sinks = [n for n, _ in model.named_parameters() if n.rpartition(".")[2] == "sinks"]
+    if sinks:
+        return f"{name}'s attention keeps attention sinks ({sinks[0]})"
     if getattr(config, "attn_logit_softcapping", None):
         return f"{name} caps its attention logits"
     attentions = {type(m) for n, m in model.named_modules()

@@ -242,7 +242,8 @@ class ModelProfile:
             kept) or "fused" (logits and a log-sum-exp kept, gradient in place).
         cp_blocker: why autopar's runtime cannot shard the traced model's sequences over cp
             ("" when it can: the zoo's attention, a Hugging Face decoder's through transformers'
-            attention interface with rotary positions; ``graph.cp.cp_blocker``; written to JSON
+            attention interface with rotary positions, sliding windows too;
+            ``graph.cp.cp_blocker``; written to JSON
             only when set, so those profiles keep their fingerprints). Which experts it shards
             over ep is each layer's ``MoEStructure.ep_blocker``.
     """

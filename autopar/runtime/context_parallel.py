@@ -107,11 +107,14 @@ class ContextParallel:
         gathered = functional.all_gather_into_tensor(seq_first, self.size, self.group.group_name)
         return functional.wait_tensor(gathered).transpose(0, 1)
 
-    def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """``[s_local, cp * s_local]`` bool: query i may attend key j (key position <= query's)."""
-        queries = self.positions(local_len, device)
-        keys = self.key_positions(local_len, device)
-        return keys[None, :] <= queries[:, None]
+    def causal_mask(self, local_len: int, device: torch.device,
+                    window: int | None = None) -> torch.Tensor:
+        """``[s_local, cp * s_local]`` bool: query i may attend key j (key position <= query's,
+        and with a sliding ``window``, > query's - window: transformers' sliding window)."""
+        queries = self.positions(local_len, device)[:, None]
+        keys = self.key_positions(local_len, device)[None, :]
+        mask = keys <= queries
+        return mask & (keys > queries - window) if window else mask
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
@@ -155,12 +158,13 @@ HF_ATTENTION = "autopar_context_parallel"
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
-                 dropout: float = 0.0, **_kwargs: Any) -> tuple[torch.Tensor, None]:
+                 dropout: float = 0.0, sliding_window: int | None = None,
+                 **_kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature (``query[b, hq, s, d]``, ``key`` and
     ``value[b, hkv, s, d]``): the rank's queries against the keys and values all-gathered over
-    cp, masked by global positions; returns ``[b, s, hq, d_v]`` as transformers' SDPA does.
-    ``attention_mask`` is None here (transformers builds none for an implementation it has no
-    mask function for): the causal mask is the global one."""
+    cp, masked by global positions (and the layer's sliding window); returns ``[b, s, hq, d_v]``
+    as transformers' SDPA does. ``attention_mask`` is None here (transformers builds none for
+    an implementation it has no mask function for): the causal mask is the global one."""
     import torch.nn.functional as F
 
     cp: ContextParallel = module.context_parallel
@@ -170,7 +174,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if groups > 1:  # grouped-query attention: each kv head serves ``groups`` query heads
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=cp.causal_mask(local, query.device),
+        query, key, value, attn_mask=cp.causal_mask(local, query.device, sliding_window),
         dropout_p=dropout if module.training else 0.0, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

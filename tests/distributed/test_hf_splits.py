@@ -83,6 +83,13 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
         "sliding_window": 4,
     },
+    # Mistral: a sliding window of 4 of the 8 tokens (under cp, masked by global positions).
+    "mistral": {
+        "model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
+        "sliding_window": 4,
+    },
     "gemma3_text": {
         "model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -266,7 +273,7 @@ MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
 # Context parallelism of decoders calling transformers' attention interface with rotary positions
 # (graph.cp): alone, with dp and with tp + SP (4 processes).
 CP_CASES_2 = [(f"{name}-cp2", name, {"cp": 2, "micro_batch": 4})
-              for name in ("llama", "qwen3", "deepseek_v3")]
+              for name in ("llama", "qwen3", "deepseek_v3", "mistral", "gemma3_text")]
 # Tensor parallelism of blocks with per-head norms or sandwich norms, with and without sequence
 # parallelism.
 HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text")

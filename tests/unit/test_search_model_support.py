@@ -39,8 +39,8 @@ def test_profiles_say_why_not_cp_and_keep_their_json(moe_profile):
 
 
 @pytest.mark.parametrize(("model_type", "why"), [
-    ("llama", ""), ("mistral", "attends within a sliding window"),
-    ("gpt2", "has no rotary embeddings"),
+    ("llama", ""), ("mistral", ""), ("gpt2", "has no rotary embeddings"),
+    ("gpt_oss", "keeps attention sinks"), ("gemma2", "caps its attention logits"),
 ])
 def test_hf_config_profiles_say_why_not_cp(model_type, why):
     pytest.importorskip("transformers")
@@ -48,8 +48,10 @@ def test_hf_config_profiles_say_why_not_cp(model_type, why):
 
     model = from_hf_config({"model_type": model_type, "hidden_size": 32, "n_embd": 32,
                             "intermediate_size": 64, "num_hidden_layers": 1, "n_layer": 1,
-                            "num_attention_heads": 4, "n_head": 4, "vocab_size": 64,
-                            "max_position_embeddings": 16, "n_positions": 16})
+                            "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2,
+                            "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 16,
+                            "n_positions": 16, "num_local_experts": 4,
+                            "num_experts_per_tok": 2})
     blocker = autopar.profile(model, seq_len=16).cp_blocker
     assert (why in blocker) if why else blocker == ""
 

@@ -46,7 +46,7 @@ _TORCH_SDPA = ("measured: F.scaled_dot_product_attention runs torch's flash back
 DIMENSIONS: dict[str, dict[str, Any]] = {
     "autopar": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
-        dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=False,
+        dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=True,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
         expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
@@ -97,8 +97,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                    "attention, waited on at once (not overlapped), its autograd rule one "
                    "reduce_scatter_tensor; counted by tests/distributed/"
                    "test_runtime_dims_collectives.py",
-        "ep_with_cp": "sourced: autopar/runtime/apply.py _check_ep refuses cp > 1 with ep > 1 "
-                      "(the ep groups are cut from the dp axis alone)",
+        "ep_with_cp": "sourced: autopar/runtime/expert_parallel.py ep_groups cuts the ep "
+                      "groups from the dp x cp ranks (tests/distributed/test_runtime_moe.py "
+                      "dp2 x cp2 ep2)",
         "offload_optimizer_moves_params": "sourced: autopar/runtime/data_parallel.py "
                                           "_offload_policy: FSDP2 CPUOffloadPolicy for "
                                           "offload='optimizer' too, which (its torch 2.13 "

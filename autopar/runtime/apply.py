@@ -132,8 +132,7 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
     """Expert parallelism runs dropless experts the runtime can run one at a time (the zoo's,
-    and the stacked ``[E, out, in]`` experts of Hugging Face families: ``graph.moe``), with
-    tp == 1 and cp == 1."""
+    and the stacked experts of Hugging Face families: ``graph.moe``), with tp == 1."""
     cfg = plan.config
     if cfg.ep == 1:
         return
@@ -159,9 +158,6 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
         raise AutoparError(f"ep={cfg.ep} must divide the model's {experts} experts")
     if cfg.tp > 1:
         raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
-    if cfg.cp > 1:
-        # The ep groups are cut from the dp axis alone (expert_parallel.ep_groups).
-        raise AutoparError("autopar's runtime runs expert parallelism with cp=1 only")
 
 
 def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:

@@ -1,14 +1,14 @@
 """Expert parallelism: the routed experts of mixture-of-experts layers sharded over ep ranks.
 
-Layout (torchtitan's "dp -> ep"): the dp axis of the ("pp", "dp", "tp") mesh is viewed as
-(dp / ep, ep) (``ep_groups``); the ep consecutive dp ranks of an ``ep`` group each hold E / ep of
-every layer's experts (rank j of the group: experts j E/ep .. (j+1) E/ep - 1, sliced from the
-full model built from the same seed everywhere), and the dp / ep ranks of an ``edp`` group hold
-the same experts.
+Layout (torchtitan's "dp -> ep"): the dp x cp ranks of the ("pp", "dp", "cp", "tp") mesh are
+viewed as (dp cp / ep, ep) (``ep_groups``); the ep consecutive ranks of an ``ep`` group each hold
+E / ep of every layer's experts (rank j of the group: experts j E/ep .. (j+1) E/ep - 1, sliced
+from the full model built from the same seed everywhere), and the dp cp / ep ranks of an ``edp``
+group hold the same experts.
 
 The experts modules are those the runtime can run one expert at a time (``graph.moe``: the
-zoo's ``models/moe.py::Experts`` and the stacked ``[E, out, in]`` experts of Hugging Face
-families, ``ep_blocker`` "", which ``check_plan_runnable`` checks first).
+zoo's ``models/moe.py::Experts`` and the stacked experts of Hugging Face families,
+``ep_blocker`` "", which ``check_plan_runnable`` checks first).
 
 Forward of an experts module on ``x[T, h]`` routed to ``top_k``:
 the T k (token, expert) assignments are sorted by expert, hence by the rank that holds it; their
@@ -21,10 +21,11 @@ the router and summed per token, exactly as the one-process module.
 Gradients: the routed experts are left out of the dense layers' data-parallel wrappers
 (``ignored_params``; they differ per ep rank). A rank's expert gradient already sums the
 contributions of its ep group's tokens (the dispatch's backward); it is then summed over the
-``edp`` group and divided by dp, the data-parallel mean the wrappers take of the dense
-parameters: zero 0 (or ep == dp) by a hook on each expert parameter (all-reduce), zero >= 1 by
-FSDP2 over the edp ranks (``fully_shard`` of the experts module, gradient divide factor dp),
-which also shards their state over those ranks as ZeRO does.
+``edp`` group and divided by dp cp, the data-parallel mean the wrappers take of the dense
+parameters (over dp x cp with context parallelism, whose ranks hold other tokens of the same
+sequences): zero 0 (or ep == dp cp) by a hook on each expert parameter (all-reduce), zero >= 1
+by FSDP2 over the edp ranks (``fully_shard`` of the experts module, gradient divide factor
+dp cp), which also shards their state over those ranks as ZeRO does.
 """
 
 from __future__ import annotations
@@ -67,20 +68,23 @@ class EpGroups:
 def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
     """New process groups for every ep and edp group (every rank creates all, in one order).
 
-    Rank r = pp_i (dp tp) + dp_i tp + tp_i (``build_mesh``), dp_i = b ep + j: the ep group of
-    (pp_i, tp_i, b) holds j = 0 .. ep - 1, the edp group of (pp_i, tp_i, j) holds b = 0 ..
-    dp / ep - 1. Always new groups, never the default one: the data-parallel wrappers' own
-    collectives run on the dp group meanwhile, and sharing a group with them would interleave
-    the two streams differently on different ranks.
+    Rank r = (pp_i dp cp + f) tp + tp_i (``build_mesh``'s ("pp", "dp", "cp", "tp") order, f =
+    dp_i cp + cp_i the rank's place among the dp x cp ranks that share parameters), f = b ep +
+    j: the ep group of (pp_i, tp_i, b) holds j = 0 .. ep - 1, the edp group of (pp_i, tp_i, j)
+    holds b = 0 .. dp cp / ep - 1 (torchtitan borrows ep from dp_shard x cp the same way).
+    Always new groups, never the default one: the data-parallel wrappers' own collectives run
+    on the dp group meanwhile, and sharing a group with them would interleave the two streams
+    differently on different ranks.
     """
     rank = dist.get_rank()
-    blocks = cfg.dp // cfg.ep
+    data = cfg.dp * cfg.cp
+    blocks = data // cfg.ep
     mine: dict[str, Any] = {}
     ep_rank = 0
     for p in range(cfg.pp):
         for t in range(cfg.tp):
             def at(b: int, j: int, p: int = p, t: int = t) -> int:
-                return p * cfg.dp * cfg.tp + (b * cfg.ep + j) * cfg.tp + t
+                return (p * data + b * cfg.ep + j) * cfg.tp + t
 
             for b in range(blocks):
                 ranks = [at(b, j) for j in range(cfg.ep)]
@@ -131,10 +135,14 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         out = run_sorted(module, recv.index_select(0, by_expert), counts)
         # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
         # experts received no rows, or autograd would skip both all-to-alls' backward there
-        # while the other ranks of the group wait in theirs.
+        # while the other ranks of the group wait in theirs. Likewise it depends on the experts'
+        # parameters (a zero times each), so their gradient hooks (zero 0: an all-reduce over
+        # the edp ranks) run on every rank, rows or not.
         y = recv * 0
         if out.shape[0]:
             y = y.index_add(0, by_expert, out)
+        else:
+            y = y + sum(p.reshape(-1)[:1].sum() for p in module.parameters(recurse=False)) * 0
         back = funcol.wait_tensor(
             funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         weights = top_k_weights.reshape(-1).index_select(0, order)
@@ -168,7 +176,8 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
         return set()
     modules = experts_modules(part)
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
-    sharded = cfg.zero >= 1 and cfg.dp > cfg.ep
+    data = cfg.dp * cfg.cp  # the ranks whose gradients the data-parallel mean averages
+    sharded = cfg.zero >= 1 and data > cfg.ep
     for module in modules:
         # Every parameter of the module is per expert (graph.moe.ep_blocker): weights, biases.
         names = [name for name, _ in module.named_parameters(recurse=False)]
@@ -178,7 +187,7 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
             full = getattr(module, name)
             param = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
             if not sharded:
-                param.register_hook(_grad_hook(groups.edp, cfg.dp // cfg.ep, cfg.dp))
+                param.register_hook(_grad_hook(groups.edp, data // cfg.ep, data))
             setattr(module, name, param)
         module.forward = _ep_forward(module, groups.ep, cfg.ep)
         module.autopar_expert_mesh = groups.expert_mesh  # read by expert_state_views
@@ -196,7 +205,7 @@ def _shard_experts(module: nn.Module, groups: EpGroups, cfg: ParallelConfig) -> 
 
     fully_shard(module, mesh=groups.edp_mesh, reshard_after_forward=cfg.zero == 3,
                 mp_policy=mp_policy(cfg))
-    module.set_gradient_divide_factor(float(cfg.dp))
+    module.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
     # A sum then a division (not NCCL's PREMUL_SUM, which gloo lacks): the same result.
     module.set_force_sum_reduction_for_comms(True)
 

@@ -188,7 +188,8 @@ def _expected(reference: Any, fqn: str, cfg: Any, pm: Any) -> Any:
     if cfg.ep == 1 or fqn.rpartition(".")[0] not in dict(expert_modules(reference)):
         return full
     local = full.shape[0] // cfg.ep
-    lo = pm.mesh["dp"].get_local_rank() % cfg.ep * local
+    place = pm.mesh["dp"].get_local_rank() * cfg.cp + pm.mesh["cp"].get_local_rank()
+    lo = place % cfg.ep * local
     return full[lo:lo + local]
 
 

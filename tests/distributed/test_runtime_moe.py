@@ -57,7 +57,8 @@ def run_case(cfg_kwargs: dict[str, Any]) -> dict:
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     pm = apply_plan(build("llama", device="cpu", seed=0, **SHAPE), plan, build_mesh(plan, "cpu"))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    dp_rank = pm.mesh["dp"].get_local_rank()
+    # The rank's place among the dp x cp ranks the ep groups are cut from (ep_groups).
+    dp_rank = pm.mesh["dp"].get_local_rank() * cfg.cp + pm.mesh["cp"].get_local_rank()
     ref_losses, losses, grads = [], [], {}
     for step, (tokens, labels) in enumerate(_batches()):
         ref_losses.append(one_process_reference(reference, tokens, labels))
@@ -104,6 +105,13 @@ CASES_4 = {
     "dp4-ep2-zero3-recompute": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
     "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
     "pp2xdp2-ep2-1f1b": {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b", "micro_batch": 2},
+    # ep cut from the dp x cp ranks: the cp ranks hold other tokens of the same sequences. At
+    # cp 4 a rank routes 2 tokens a micro-batch, so some ranks' experts get no rows: their
+    # gradient hooks (zero 0) and FSDP2's reduction (zero 3) still run there.
+    "dp2xcp2-ep2-ddp": {"dp": 2, "cp": 2, "ep": 2},
+    "dp2xcp2-ep4-zero1": {"dp": 2, "cp": 2, "ep": 4, "zero": 1},
+    "cp4-ep2-ddp": {"cp": 4, "ep": 2},
+    "cp4-ep2-zero3": {"cp": 4, "ep": 2, "zero": 3},
     # tp 2 without ep: every tp rank holds all experts and runs every token's (the cost
     # model's Framework.expert_tensor_parallel False for autopar).
     "dp2-tp2": {"dp": 2, "tp": 2},

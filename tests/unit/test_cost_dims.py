@@ -260,11 +260,12 @@ def test_torchtitan_gathers_kv_under_its_own_block_and_rings_the_gradients() -> 
     assert gathered.cp_comm_s[0] > 0 and gathered.cp_comm_s != pytest.approx(ring.cp_comm_s)
 
 
-def test_autopar_runs_expert_parallelism_without_cp_only() -> None:
+def test_autopar_runs_expert_parallelism_with_cp() -> None:
+    # Its ep groups are cut from the dp x cp ranks (runtime/expert_parallel.py ep_groups).
     cfg = ParallelConfig(dp=4, cp=2, ep=2, zero=1, global_batch=8)
-    assert "cp=1" in framework_supports(get_framework("autopar"), cfg)
-    assert framework_supports(get_framework("autopar"), dataclasses.replace(cfg, cp=1)) is None
+    assert framework_supports(get_framework("autopar"), cfg) is None
     assert framework_supports(get_framework("megatron-lm"), cfg) is None
+    assert framework_supports(get_framework("deepspeed"), cfg) is not None
 
 
 def test_autopar_optimizer_offload_is_costed_as_what_fsdp2_moves() -> None:

@@ -49,7 +49,7 @@ def cp_blocker(model: nn.Module) -> str:
     return ""
 
 
-def _calls_interface(cls: type) -> bool:
+def _calls_interface(cls: type[nn.Module]) -> bool:
     try:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
     except (OSError, TypeError):

@@ -24,7 +24,7 @@ Parameters are replicated over cp; data parallelism reduces their gradients over
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -145,7 +145,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_ATTENTION, hf_attention)
-    model.config._attn_implementation = HF_ATTENTION
+    config: Any = model.config
+    config._attn_implementation = HF_ATTENTION
     for name, module in model.named_modules():
         if getattr(module, "config", None) is not None:
             module.context_parallel = shard  # hf_attention reads it from its attention module
@@ -167,7 +168,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     an implementation it has no mask function for): the causal mask is the global one."""
     import torch.nn.functional as F
 
-    cp: ContextParallel = module.context_parallel
+    cp = cast(ContextParallel, module.context_parallel)
     local = query.shape[2]
     key, value = (cp.gather(t.transpose(1, 2)).transpose(1, 2) for t in (key, value))
     groups = query.shape[1] // key.shape[1]

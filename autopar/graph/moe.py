@@ -60,7 +60,8 @@ from torch import nn
 from autopar.graph.types import MoEStructure
 
 __all__ = ["ExpertWeights", "MoEStructure", "block_moe", "ep_blocker", "expert_activation",
-           "expert_modules", "expert_weights", "install_expert_standins", "run_expert",
+           "expert_modules", "expert_weights", "install_expert_standins", "modules_ep_blocker",
+           "run_expert",
            "run_sorted", "stacked_names"]
 
 
@@ -219,6 +220,11 @@ def run_sorted(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torc
     return torch.cat(pieces) if pieces else rows[:0]
 
 
+def modules_ep_blocker(modules: list[nn.Module]) -> str:
+    """The first reason any of these experts modules cannot be sharded over ep ("" if none)."""
+    return next((r for r in map(ep_blocker, modules) if r), "")
+
+
 def ep_blocker(module: nn.Module) -> str:
     """Why autopar's runtime cannot run this experts module's experts one at a time with
     ``run_expert`` (and so cannot shard them over ep), or "" when it can (module docstring)."""
@@ -366,5 +372,5 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
         expert_hidden=weights.inner,
         expert_params=weights.params,
         capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
-        ep_blocker=next((r for r in (ep_blocker(m) for _n, m in found) if r), ""),
+        ep_blocker=modules_ep_blocker([m for _n, m in found]),
     )

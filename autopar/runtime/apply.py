@@ -142,12 +142,12 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
             "the model's experts drop the tokens over their capacity; build it with "
             "capacity_factor=0" if spec.capacity_factor else "")
     else:
-        from autopar.graph.moe import ep_blocker, expert_modules, expert_weights
+        from autopar.graph.moe import expert_modules, expert_weights, modules_ep_blocker
 
         found = expert_modules(model_or_spec) if isinstance(model_or_spec, nn.Module) else []
         weights = expert_weights(found[0][1]) if found else None
         experts = weights.experts if weights else 0
-        blocker = next((r for r in (ep_blocker(m) for _n, m in found) if r), "")
+        blocker = modules_ep_blocker([m for _n, m in found])
     if not experts:
         raise AutoparError(f"ep={cfg.ep} needs a mixture-of-experts model; use ep=1")
     if blocker:

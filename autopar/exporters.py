@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autopar.config import TORCH_DTYPE_NAMES
+from autopar.cost_model.framework_support import moe_support
 from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.export_base import Export, header, seq_len
 from autopar.export_megatron import to_megatron
@@ -312,7 +313,10 @@ EXPORT_FRAMEWORK = {"torchtitan": "torchtitan", "megatron": "megatron-lm",
 def export_refusal(plan: Plan, to: str) -> str | None:
     """Why the tool behind format ``to`` cannot run ``plan`` (None when it can)."""
     target = EXPORT_FRAMEWORK[to]
-    reason = framework_supports(get_framework(target), plan.config)
+    framework = get_framework(target)
+    moe = plan.moe
+    reason = framework_supports(framework, plan.config) or moe_support(
+        framework, plan.config, moe, moe.ep_blocker if moe else "")
     if reason is None:
         return None
     return (f"cannot export a plan made for {plan.framework} to {to}: {reason}; re-plan for it "

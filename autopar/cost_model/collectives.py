@@ -13,14 +13,17 @@ tp, without sequence parallelism:
   row-parallel linear (R - 1): the non-reentrant checkpoint stops after the last activation
   backward needs, and nothing saves the block's last projection.
 - embedding (vocab-parallel): one all-reduce forward.
-- head (column-parallel, replicated output): the logits all-gather forward, the input-gradient
-  all-reduce backward.
+- head (column-parallel): the input-gradient all-reduce backward; for a model file's own loss
+  (``loss_parallel=False``) the logits all-gather forward. The default loss on the vocab-sharded
+  logits under ``loss_parallel()`` all-reduces three [b, s] tensors (the max, the sum of
+  exponentials, the target's logit: ``LOSS_PARALLEL_REDUCES``) inside DTensor's op dispatch,
+  where CommDebugMode does not see them: charged in time (tp_comm.py), not listed here.
 tp, with sequence parallelism:
 - block: forward one all-gather per parent and one reduce-scatter per row-parallel linear;
   backward the mirror image. Full recompute re-runs the P all-gathers and R - 1 reduce-scatters.
   The model's first block cuts its input to the sequence shard: one all-gather in backward.
-- embedding: one all-reduce forward. Head: all-gathers the sequence and the logits forward,
-  reduce-scatters the input gradient backward.
+- embedding: one all-reduce forward. Head: all-gathers the sequence forward (and the logits,
+  for a model file's own loss), reduce-scatters the input gradient backward.
 - with dp > 1 as well: one all-reduce per sequence-parallel norm parameter at each gradient
   reduction (per step, or per micro-batch for zero 2 and 3 at pp == 1).
 dp, per step, U = FSDP2 / replicate() units of the rank: one per block plus each stage module's
@@ -69,6 +72,10 @@ __all__ = [
 ]
 
 AR, AG, RS = "all_reduce@tp", "all_gather_into_tensor@tp", "reduce_scatter_tensor@tp"
+# A vocab-parallel cross entropy's forward all-reduces (sourced: torch/distributed/tensor/parallel/
+# loss.py, _log_softmax's max and sum of exponentials and _nll_loss_forward's target logit;
+# Megatron-LM's _VocabParallelCrossEntropy the same three), each of fp32 [b, s].
+LOSS_PARALLEL_REDUCES = 3
 DP_AR, DP_AG, DP_RS = "all_reduce@dp", "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
 HSDP_AR = "all_reduce@dp_replicate"
 CP_AG, CP_RS = "all_gather_into_tensor@cp", "reduce_scatter_tensor@cp"
@@ -86,15 +93,17 @@ def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> C
     return Counter({AG: ag, RS: rowwise + parents + rerun})
 
 
-def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool) -> Counter[str]:
+def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool,
+              loss_parallel: bool) -> Counter[str]:
     if layer.kind == "block":
         return _block_tp(layer, sp, recompute == "full", first_block)
     if not layer.tp.vocab_parallel:
         return Counter()
     if layer.kind == "embedding":
         return Counter({AR: 1})
-    if layer.kind == "head":
-        return Counter({AG: 2, RS: 1}) if sp else Counter({AG: 1, AR: 1})
+    if layer.kind == "head":  # the loss's all-reduces run inside DTensor's dispatch: unseen
+        logits = Counter() if loss_parallel else Counter({AG: 1})
+        return logits + (Counter({AG: 1, RS: 1}) if sp else Counter({AR: 1}))
     return Counter()
 
 
@@ -215,6 +224,7 @@ def expected_collectives(
     *,
     split: tuple[tuple[int, int], ...] | None = None,
     recompute: tuple[str, ...] | None = None,
+    loss_parallel: bool = True,
 ) -> dict[str, int]:
     """Collectives per training step on one rank of pipeline rank ``pp_rank``.
 
@@ -224,6 +234,8 @@ def expected_collectives(
         pp_rank: the pipeline rank whose stages to count.
         split: stage layer ranges (a Plan's); default balanced by FLOPs.
         recompute: per-layer recompute (a Plan's); default the config's everywhere.
+        loss_parallel: the default loss on vocab-sharded logits (False: a model file's own
+            loss, on all-gathered logits).
 
     Returns:
         ``"kind@axis"`` -> count, sorted; kinds with no call omitted.
@@ -245,7 +257,8 @@ def expected_collectives(
         if cfg.tp > 1:
             for i in range(a, b + 1):
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,
-                                            recompute[i], i == first_block).items():
+                                            recompute[i], i == first_block,
+                                            loss_parallel).items():
                     counts[key] += value * m
                 counts[AR] += grad_reductions_per_step(cfg) * sp_norm_tensors(
                     profile.layers[i], cfg)

@@ -16,7 +16,7 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_support",
+__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_support", "moe_support",
            "settings_support"]
 
 
@@ -53,8 +53,10 @@ def cp_runs_on(framework: Framework, profile) -> bool:
 def ep_blocker(framework: Framework, profile) -> str:
     """Why ``framework`` cannot shard this model's experts over ep ("" when it can): where it
     runs the traced experts themselves, what stops them (``MoEStructure.ep_blocker``)."""
-    if not framework.runs_traced_modules:
-        return ""
+    return _experts_blocker(profile) if framework.runs_traced_modules else ""
+
+
+def _experts_blocker(profile) -> str:
     return next((x.moe.ep_blocker for x in profile.layers if x.moe and x.moe.ep_blocker), "")
 
 
@@ -64,25 +66,39 @@ def model_support(framework: Framework, config, profile) -> str | None:
     themselves (``runs_traced_modules``), context parallelism of a model that is not a zoo
     transformer, expert parallelism of experts it cannot run one at a time, or tensor
     parallelism of blocks with a weight across heads beside their split linears."""
-    if profile.is_moe and config.sequence_parallel and config.tp > 1 and not (
-            framework.moe_sequence_parallel):
-        return (f"{framework.name} runs mixture-of-experts models without sequence "
-                "parallelism; use sequence_parallel=False")
-    if not framework.runs_traced_modules:
-        return None
-    own_code = ("or plan for a framework that runs its own implementation of the model "
-                "(--framework torchtitan or megatron-lm)")
+    moe = next((x.moe for x in profile.layers if x.moe), None)
+    reason = moe_support(framework, config, moe, _experts_blocker(profile))
+    if reason or not framework.runs_traced_modules:
+        return reason
     if not cp_runs_on(framework, profile) and config.cp > 1:
         return (f"{framework.name} runs context parallelism inside the attention it runs, "
-                f"and {profile.cp_blocker}; use cp=1, {own_code}")
-    experts = ep_blocker(framework, profile)
-    if config.ep > 1 and experts:
-        return (f"{framework.name} shards over ep only the experts it runs one at a time "
-                f"(stacked, called with the router's choices), and {experts}; use ep=1, {own_code}")
+                f"and {profile.cp_blocker}; use cp=1, {_OWN_CODE}")
     blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "
-                f"use tp=1, {own_code}")
+                f"use tp=1, {_OWN_CODE}")
+    return None
+
+
+_OWN_CODE = ("or plan for a framework that runs its own implementation of the model "
+             "(--framework torchtitan or megatron-lm)")
+
+
+def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str | None:
+    """Why ``framework`` cannot run ``config`` on a model whose mixture of experts is ``moe``
+    (a ``MoEStructure``; None for a dense model), or None: its blocks under sequence
+    parallelism, or expert parallelism of experts it runs itself and cannot shard
+    (``ep_blocker``: the first layer's ``MoEStructure.ep_blocker``). What a plan records
+    (``Plan.moe``) is enough, so the exporters ask it too."""
+    if moe is None:
+        return None
+    if config.sequence_parallel and config.tp > 1 and not framework.moe_sequence_parallel:
+        return (f"{framework.name} runs mixture-of-experts models without sequence "
+                "parallelism; use sequence_parallel=False")
+    if config.ep > 1 and ep_blocker and framework.runs_traced_modules:
+        return (f"{framework.name} shards over ep only the experts it runs one at a time "
+                f"(stacked, called with the router's choices), and {ep_blocker}; use ep=1, "
+                f"{_OWN_CODE}")
     return None
 
 

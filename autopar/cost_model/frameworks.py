@@ -277,18 +277,20 @@ _RECORDS: dict[str, dict[str, object]] = {
         fragmentation_fraction=EXPANDABLE_FRAGMENTATION,
         param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
-        loss_parallel=False, grad_reduce_bytes=4, sp_regathers_inputs=False,
+        loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, per_layer_recompute=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
-        expert_parallel=True, ep_with_tp=False,
+        expert_parallel=True, ep_with_tp=True,
         sources={
             "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's and "
                                "Hugging Face's stacked experts over ep ranks, "
                                "all_to_all_single dispatch and combine; "
                                "tests/distributed/test_runtime_moe.py, test_hf_splits.py)",
-            "ep_with_tp": "sourced: autopar/runtime/apply.py _check_ep (experts are not "
-                          "tensor-parallel in autopar's runtime)",
+            "loss_parallel": "sourced: autopar/runtime/loss.py (the default loss under "
+                             "torch's loss_parallel() on Shard(-1) logits)",
+            "ep_with_tp": "sourced: autopar/runtime/expert_parallel.py ep_groups (one ep "
+                          "group per tp index; test_runtime_moe.py dp 2 x tp 2 ep 2)",
             "pipeline_recv_buffers": "measured: autopar/runtime/lean_pipeline.py receives into "
                                      "a tensor per transfer and drops it with its micro-batch "
                                      "(tests/distributed/test_pipeline_buffers.py: pp=4 peak "
@@ -308,8 +310,6 @@ _RECORDS: dict[str, dict[str, object]] = {
                               "(benchmarks/gpu_verify.py)",
             "sp_regathers_inputs": "measured: DTensor's colwise linear keeps the gathered input "
                                    "(tests/unit/test_cost_memory_runtime.py)",
-            "loss_parallel": "sourced: autopar/runtime/tensor_parallel.py all-gathers the "
-                             "vocab-parallel logits (Replicate output) before the loss",
             "grad_reduce_bytes": "sourced: autopar's FSDP2 MixedPrecisionPolicy reduce_dtype "
                                  "float32",
             "memory_band": "measured: benchmarks/accuracy.py, largest memory error 7.2% (CPU)",

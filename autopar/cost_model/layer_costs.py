@@ -448,6 +448,7 @@ def charged_collectives(
     *,
     split: tuple[tuple[int, int], ...] | None = None,
     recompute: tuple[str, ...] | None = None,
+    loss_parallel: bool = True,
 ) -> dict[str, int]:
     """The collectives per step that this module's time terms charge one rank of ``pp_rank``.
 
@@ -462,6 +463,8 @@ def charged_collectives(
         pp_rank: the pipeline rank whose stages to count.
         split, recompute: a Plan's stage ranges and per-layer recompute; defaults as in
             ``collectives.stage_split``.
+        loss_parallel: the runtime's default loss on vocab-sharded logits (the autopar
+            record's ``loss_parallel``); False for a model file's own loss.
     """
     cfg, split, recompute = stage_split(profile, config, split, recompute)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
@@ -471,7 +474,8 @@ def charged_collectives(
     for a, b in rank_stages(cfg, split, pp_rank):
         for i in range(a, b + 1):
             mode = RECOMPUTE_INDEX[recompute[i]]
-            tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first)
+            tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first,
+                                loss_parallel=loss_parallel)
             shard = cfg.tp if tp_sharded(local.layers[i]) else 1
             cp = gather_collectives(kv_bytes(local, local.layers[i], cfg, shard), cfg)
             ep = ep_collectives(local.layers[i], cfg, seq_len=local.seq_len)

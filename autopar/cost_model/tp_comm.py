@@ -6,14 +6,21 @@ counts them, tests hold the two equal), each timed by ``comm.collective_s`` at i
 
 from __future__ import annotations
 
+import dataclasses
+
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
-from autopar.cost_model.collectives import grad_reductions_per_step, sp_norm_tensors
+from autopar.cost_model.collectives import (
+    LOSS_PARALLEL_REDUCES,
+    grad_reductions_per_step,
+    sp_norm_tensors,
+)
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["AG", "AR", "RS", "sp_gathered_inputs", "tp_collectives", "tp_modules", "tp_sharded"]
 
 AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+LOSS_REDUCE_BYTES = 4  # the loss-parallel all-reduces' fp32 [b, s] elements
 _NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
 
 
@@ -59,8 +66,10 @@ def tp_collectives(
         cfg: the config (tp, micro_batch, dtype, sequence_parallel).
         dtype_ratio: training-dtype bytes over profile-dtype bytes.
         first_block: whether this is the model's first block (its SP input cut).
-        loss_parallel: the loss runs on the vocab-parallel logits (no logits all-gather; its
-            [b, s] max and sum all-reduces are negligible).
+        loss_parallel: the loss runs on the vocab-parallel logits: no logits all-gather, but
+            three all-reduces of fp32 [b, s] in the forward (the logits' max, the sum of their
+            exponentials and the target's logit: torch's loss_parallel and Megatron-LM's
+            vocab-parallel cross entropy alike).
 
     Returns:
         One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
@@ -99,8 +108,12 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
         calls = _tp(AR, layer.tp.allreduce_fwd_bytes * b * dtype_ratio or hidden_bytes, 1,
                     "forward")
     elif layer.kind == "head":  # logits all-gathered over the vocabulary
-        logits = () if loss_parallel else _tp(AG, profile.seq_len * profile.vocab * b * w, 1,
-                                              "forward")
+        # The loss's all-reduces run inside DTensor's op dispatch, which the runtime's
+        # collective counter does not see (collectives.py): timed, not counted.
+        logits = (tuple(dataclasses.replace(c, counted=False) for c in _tp(
+            AR, profile.seq_len * b * LOSS_REDUCE_BYTES, LOSS_PARALLEL_REDUCES, "forward"))
+            if loss_parallel
+            else _tp(AG, profile.seq_len * profile.vocab * b * w, 1, "forward"))
         if cfg.sequence_parallel:
             calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
                      + _tp(RS, hidden_bytes, 1, "backward"))

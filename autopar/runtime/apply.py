@@ -19,6 +19,7 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.context_parallel import apply_context_parallel
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
+from autopar.runtime.loss import default_loss, vocab_parallel_loss
 from autopar.runtime.mesh import data_parallel_mesh
 from autopar.runtime.nested_stage import shard_head_stand_ins
 from autopar.runtime.pipeline_parallel import (
@@ -65,6 +66,9 @@ class ParallelizedModel:
         stage_indices: the stage indices of ``model_parts``.
         autocast_dtype: dtype for ``torch.autocast`` around the forward, or None (fp32, or FSDP2
             mixed precision, which casts by itself).
+        loss_parallel: the head's logits stay sharded over tp and the default loss runs under
+            torch's ``loss_parallel()`` (``train_step`` enters it around forward and backward;
+            runtime/tensor_parallel.py).
     """
 
     model_parts: tuple[nn.Module, ...]
@@ -77,6 +81,7 @@ class ParallelizedModel:
     loss_fn: LossFn
     stage_indices: tuple[int, ...]
     autocast_dtype: torch.dtype | None
+    loss_parallel: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         """All parameters of ``model_parts`` (for the optimizer)."""
@@ -132,7 +137,9 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
     """Expert parallelism runs dropless experts the runtime can run one at a time (the zoo's,
-    and the stacked experts of Hugging Face families: ``graph.moe``), with tp == 1."""
+    and the stacked experts of Hugging Face families: ``graph.moe``). With tp > 1 every tp rank
+    of an ep group's member holds the same experts and routes the same (replicated) tokens
+    (``expert_parallel.ep_groups``: one ep group per tp index)."""
     cfg = plan.config
     if cfg.ep == 1:
         return
@@ -156,8 +163,6 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
                            "(--framework torchtitan or megatron-lm)")
     if experts % cfg.ep:
         raise AutoparError(f"ep={cfg.ep} must divide the model's {experts} experts")
-    if cfg.tp > 1:
-        raise AutoparError("autopar's runtime runs expert parallelism with tp=1 only")
 
 
 def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
@@ -309,29 +314,6 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
         _check_model(model_or_spec, plan)
 
 
-def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The LM default: the model's own ``output.loss`` when it returns one, else the mean token
-    cross entropy of its logits (a tensor output, or ``output.logits``) against ``labels``."""
-    from autopar.models.transformer import cross_entropy_loss
-
-    if isinstance(output, torch.Tensor):
-        return cross_entropy_loss(output, labels)
-    own = getattr(output, "loss", None)
-    if isinstance(own, torch.Tensor):
-        return own
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, dict):
-        logits = output.get("logits")
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    if not isinstance(logits, torch.Tensor):
-        raise AutoparError(
-            f"the model returned {type(output).__name__}, with neither a loss nor logits; "
-            "define loss_fn(output, batch) in the model file"
-        )
-    return cross_entropy_loss(logits, labels)
-
-
 def _default_loss() -> LossFn:
     return default_loss
 
@@ -384,10 +366,12 @@ def apply_plan(
     """
     check_plan_runnable(model, plan)
     cfg = plan.config
-    loss = loss_fn or _default_loss()
     structure = _structure_or_none(model)
     if structure is None:
-        return _apply_any_model(model, plan, mesh, loss)
+        return _apply_any_model(model, plan, mesh, loss_fn or _default_loss())
+    # The default loss runs on logits sharded over the vocabulary (tensor_parallel.py).
+    vocab_loss = cfg.tp > 1 and loss_fn is None
+    loss = vocab_parallel_loss if vocab_loss else loss_fn or _default_loss()
     # [CP] the zoo attention all-gathers K/V over "cp"; positions are the shard's global ones.
     apply_context_parallel(model, mesh["cp"])
     dp_mesh = data_parallel_mesh(mesh, cfg)
@@ -395,33 +379,31 @@ def apply_plan(
     stage_plans = plan.stages_for_rank(pp_rank)
     # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
     seq_shards = cfg.tp if cfg.sequence_parallel else 1
-    parts = (
-        [split_stage(model, s, structure, seq_shards=seq_shards) for s in stage_plans]
-        if cfg.pp > 1 else [model]
-    )
+    parts = ([split_stage(model, s, structure, seq_shards=seq_shards) for s in stage_plans]
+             if cfg.pp > 1 else [model])
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
-    wrapped = [_parallelize_part(part, s, structure, layout, mesh, dp_mesh, cfg, experts_groups)
+    wrapped = [_parallelize_part(part, s, structure, layout, mesh, dp_mesh, cfg, experts_groups,
+                                 loss_parallel=vocab_loss)
                for part, s in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
     schedule, stages = None, ()
     if cfg.pp > 1:
-        stages = tuple(
-            build_stages(
-                wrapped, stage_plans, cfg.num_stages, _device_of(mesh), mesh["pp"].get_group()
-            )
-        )
+        stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, _device_of(mesh),
+                                    mesh["pp"].get_group()))
         schedule = build_schedule(list(stages), plan, loss)
     return ParallelizedModel(
         model_parts=tuple(wrapped), schedule=schedule, stages=stages,
         has_first_stage=0 in indices, has_last_stage=cfg.num_stages - 1 in indices, plan=plan,
         mesh=mesh, loss_fn=loss, stage_indices=indices, autocast_dtype=_autocast_dtype(plan),
+        loss_parallel=vocab_loss,
     )
 
 
 def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelStructure,
                       layout: dict[str, str], mesh: DeviceMesh, dp_mesh: DeviceMesh,
-                      cfg: ParallelConfig, experts_groups: Any) -> nn.Module:
+                      cfg: ParallelConfig, experts_groups: Any, *,
+                      loss_parallel: bool = False) -> nn.Module:
     """TP -> EP -> recompute -> DP on one stage module (the fixed order of ``apply_plan``);
     ``dp_mesh`` is ``mesh.data_parallel_mesh`` (dp, dp x cp, or HSDP's 2-D mesh)."""
     # [TP] parallelize_module by the plan's layout.
@@ -432,6 +414,7 @@ def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelSt
         container=structure.container,
         sequence_parallel=cfg.sequence_parallel,
         first_block=structure.first_block,
+        loss_parallel=loss_parallel,
     )
     # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
     # the all-to-alls; before DP: the wrappers leave the experts out).

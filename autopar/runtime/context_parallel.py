@@ -165,12 +165,28 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     ``value[b, hkv, s, d]``): the rank's queries against the keys and values all-gathered over
     cp, masked by global positions (and the layer's sliding window); returns ``[b, s, hq, d_v]``
     as transformers' SDPA does. ``attention_mask`` is None here (transformers builds none for
-    an implementation it has no mask function for): the causal mask is the global one."""
+    an implementation it has no mask function for): the causal mask is the global one.
+
+    Attention that caps its logits (``softcap``: Gemma 2) or keeps attention sinks (``s_aux``:
+    gpt-oss) runs its family's own ``eager_attention_forward`` (``graph.cp.family_eager``) on
+    the gathered keys and values, with the global mask as the additive mask it expects."""
     import torch.nn.functional as F
 
     cp = cast(ContextParallel, module.context_parallel)
     local = query.shape[2]
     key, value = (cp.gather(t.transpose(1, 2)).transpose(1, 2) for t in (key, value))
+    if _kwargs.get("softcap") is not None or _kwargs.get("s_aux") is not None:
+        from autopar.graph.cp import family_eager
+
+        eager = family_eager(type(module))
+        assert eager is not None, "graph.cp.cp_blocker refuses such attention without one"
+        allowed = cp.causal_mask(local, query.device, sliding_window)
+        additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+        additive = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+        out, _ = eager(module, query, key, value, additive,
+                       dropout=dropout if module.training else 0.0, scaling=scaling,
+                       softcap=_kwargs.get("softcap"))
+        return out, None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each kv head serves ``groups`` query heads
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))

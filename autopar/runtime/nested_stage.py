@@ -15,9 +15,14 @@ runs the model's own forward on a copy whose parts outside the stage are stand-i
   hidden states its first block receives (a forward pre-hook), and the model is called on dummy
   token ids of the same batch and sequence shape, so positions, rotary tables and the causal mask
   are made exactly as in the full model;
-* not owning the head: the final norm and lm head become ``nn.Identity``, so the model's output
-  (``.logits`` of an HF output, or the tensor a plain model returns) is the last block's hidden
-  states.
+* not owning the head: the final norm and lm head become pass-through stand-ins, and the stage's
+  output is what reaches the lm head's stand-in: the last block's hidden states, whatever the
+  model does to its logits after the head (Gemma 2 caps them with a tanh);
+* blocks the stage does not own: dropped from the container, unless the model's forward numbers
+  its blocks as it runs them (``for i, layer in enumerate(self.layers)``, most Hugging Face
+  decoders: ``config.layer_types[i]`` picks each layer's mask, full or sliding window). Then
+  they stay in place as pass-through stand-ins (``_SkippedBlock``), so the stage's blocks get
+  their own index and mask.
 
 Nothing is copied but the registries along the path to the blocks; FQNs stay the full model's.
 """
@@ -127,8 +132,15 @@ class _Absent(nn.Module):
         super().__init__()
         self.seq_mesh: Any = None
         self.to_dtensor = False
+        self.capture: dict[str, Any] | None = None  # the lm head's: the stage's output slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._pass(x)
+        if self.capture is not None:
+            self.capture["out"] = out
+        return out
+
+    def _pass(self, x: torch.Tensor) -> torch.Tensor:
         if self.seq_mesh is None:
             return x
         from torch.distributed.tensor import DTensor, Shard
@@ -138,6 +150,45 @@ class _Absent(nn.Module):
         if not self.to_dtensor and isinstance(x, DTensor):
             return x.to_local()
         return x
+
+
+class _SkippedBlock(nn.Module):
+    """Stands in for a block another stage runs: it hands the hidden states on unchanged."""
+
+    autopar_stand_in = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs["hidden_states"]
+
+
+def _numbers_blocks(model: nn.Module, container: str) -> bool:
+    """Whether the forward of the container's parent enumerates the blocks (module docstring),
+    each call's result being the new hidden states (``hidden_states = layer(...)``).
+
+    Raises:
+        AutoparError: it enumerates them, its blocks return tuples, and its layers differ in
+            type (``config.layer_types``): the stand-ins could not keep their masks.
+    """
+    import inspect
+    import re
+
+    parent_fqn, _, leaf = container.rpartition(".")
+    parent = model.get_submodule(parent_fqn) if parent_fqn else model
+    try:
+        source = inspect.getsource(type(parent).forward)
+    except (OSError, TypeError):
+        return False
+    loop = re.search(rf"for\s+\w+\s*,\s*(\w+)\s+in\s+enumerate\(self\.{leaf}\b", source)
+    if not loop:
+        return False
+    if re.search(rf"hidden_states\s*=\s*{loop.group(1)}\(", source):
+        return True
+    kinds = set(getattr(getattr(model, "config", None), "layer_types", None) or ())
+    if len(kinds) > 1:
+        raise AutoparError(
+            f"{type(parent).__name__} picks each block's mask by its index ({sorted(kinds)}) and "
+            "its blocks return tuples, which pipeline stages cannot stand in for; use pp=1")
+    return False
 
 
 def _stand_in(module: nn.Module) -> nn.Module:
@@ -192,15 +243,22 @@ def split_nested_stage(
         node = node._modules[name]
     source = node._modules[path[-1]]
     blocks = type(source)() if isinstance(source, nn.ModuleList) else nn.ModuleDict()
-    blocks._modules = {key: source._modules[key] for key in owned}
+    if _numbers_blocks(model, structure.container):
+        blocks._modules = {key: block if key in owned else _SkippedBlock()
+                           for key, block in source._modules.items()}
+    else:
+        blocks._modules = {key: source._modules[key] for key in owned}
     node._modules[path[-1]] = blocks
     if first > 0:
         for fqn in structure.before:
             _set(part, fqn, _stand_in(model.get_submodule(fqn)))
+    slot: dict[str, torch.Tensor | None] = {"hidden": None, "out": None}
     if last < num_blocks + 1:
         for fqn in structure.after:
             _set(part, fqn, _Absent())
-    slot: dict[str, torch.Tensor | None] = {"hidden": None}
+        head = part.get_submodule(structure.after[-1])
+        assert isinstance(head, _Absent)
+        head.capture = slot
     if first > 0:
         # The first module of the stage that takes the hidden states: its first block, or on a
         # head-only stage the head's first module (the final norm).
@@ -252,7 +310,9 @@ def _stage_forward(
         slot["hidden"] = x
         x = torch.zeros((rows, x.shape[1] * seq_shards), dtype=torch.long, device=x.device)
     out = original(x)
-    if not isinstance(out, torch.Tensor):
+    if returns_hidden and slot["out"] is not None:  # what reached the lm head's stand-in
+        out, slot["out"] = slot["out"], None
+    elif not isinstance(out, torch.Tensor):
         logits = getattr(out, "logits", None)
         out = logits if isinstance(logits, torch.Tensor) else out[0]
     if returns_hidden and out.shape[0] != rows:

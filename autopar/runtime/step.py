@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.loss import loss_parallel_context
+
 if TYPE_CHECKING:
     from autopar.runtime.apply import ParallelizedModel
 
@@ -185,10 +187,11 @@ def train_step(
     """
     for part in pmodel.model_parts:
         part.zero_grad(set_to_none=True)
-    if pmodel.schedule is None:
-        local = _accumulate(pmodel, tokens, labels)
-    else:
-        local = _pipeline(pmodel, tokens, labels)
+    with loss_parallel_context(pmodel.loss_parallel):
+        if pmodel.schedule is None:
+            local = _accumulate(pmodel, tokens, labels)
+        else:
+            local = _pipeline(pmodel, tokens, labels)
     if optimizer is not None:
         optimizer.step()
     return _global_mean(pmodel, local)

@@ -13,11 +13,13 @@ around them, Megatron-LM style:
   q/k/v (``colwise_qkv``) take ``tp_styles.ShardedProjection`` instead (same communication).
 * Embedding ``rowwise`` -> vocab-parallel embedding ``RowwiseParallel(input_layouts=Replicate())``:
   each rank holds ``vocab / tp`` rows, the output is all-reduced.
-* Head linear (a ``colwise`` linear outside the block container) -> ``ColwiseParallel`` with
-  ``output_layouts=Replicate()``: the logits are all-gathered over the vocabulary and the loss is
-  the ordinary cross entropy. NOTE: autopar does not use ``loss_parallel`` (which would keep logits
-  sharded); all-gathering the logits is simpler, works through pipeline stages, and costs one
-  all-gather of ``b*s*V`` elements per micro-batch, which the cost model charges.
+* Head linear (a ``colwise`` linear outside the block container) -> ``ColwiseParallel``. With
+  the default loss (``apply.default_loss``) its logits stay a DTensor sharded over the vocabulary
+  (``output_layouts=Shard(-1)``) and the loss runs under torch's ``loss_parallel()``: each rank
+  keeps ``V / tp`` of the logits and log-probabilities, and the cross entropy all-reduces three
+  ``[b, s]`` tensors (the max, the sum of exponentials, the target's logit) instead of
+  all-gathering ``b s V`` logits. A model file's own ``loss_fn`` gets the logits all-gathered
+  (``output_layouts=Replicate()``), a plain tensor.
 * ``sequence`` (norms) -> ``SequenceParallel()`` when ``config.sequence_parallel``, else the norm
   stays replicated. With sequence parallelism the residual stream between blocks is the local
   sequence shard ``[b, s/tp, h]``; the module that consumes a norm's output inside a block
@@ -107,7 +109,7 @@ def resolve_layout(model: nn.Module, layout: Mapping[str, str]) -> dict[str, str
 
 
 def _linear_style(
-    module: nn.Module, style: str, *, in_block: bool, sp: bool
+    module: nn.Module, style: str, *, in_block: bool, sp: bool, loss_parallel: bool = False
 ) -> ParallelStyle | None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -120,9 +122,11 @@ def _linear_style(
         return ShardedProjection(rowwise=False, groups=QKV_GROUPS)
     if style == TPStyle.COLWISE.value and in_block:
         return ColwiseParallel() if torch_linear else ShardedProjection(rowwise=False)
-    if style == TPStyle.COLWISE.value and torch_linear:  # the head: all-gather the vocabulary
+    if style == TPStyle.COLWISE.value and torch_linear:  # the head (module docstring)
         return ColwiseParallel(
-            input_layouts=seq if sp else Replicate(), output_layouts=Replicate()
+            input_layouts=seq if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
         )
     if style == TPStyle.ROWWISE.value and in_block:
         output = seq if sp else Replicate()
@@ -133,7 +137,8 @@ def _linear_style(
 
 
 def _style_for(
-    fqn: str, module: nn.Module, style: str, *, in_block: bool, sp: bool
+    fqn: str, module: nn.Module, style: str, *, in_block: bool, sp: bool,
+    loss_parallel: bool = False,
 ) -> ParallelStyle | None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -149,7 +154,8 @@ def _style_for(
         if style == TPStyle.COLWISE.value:  # hidden-parallel: all-gather of the output
             return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     elif is_linear(module):
-        found = _linear_style(module, style, in_block=in_block, sp=sp)
+        found = _linear_style(module, style, in_block=in_block, sp=sp,
+                              loss_parallel=loss_parallel)
     elif is_norm(module) and style == TPStyle.SEQUENCE.value:
         # In a block, the local shard out: the next consumer (a module preparing its input, or a
         # residual add after a sandwich norm: Gemma 2 and 3) takes a plain tensor. The final
@@ -166,7 +172,8 @@ def _style_for(
 
 
 def build_tp_plan(
-    module: nn.Module, layout: Mapping[str, str], *, container: str, sp: bool, first_block: str
+    module: nn.Module, layout: Mapping[str, str], *, container: str, sp: bool, first_block: str,
+    loss_parallel: bool = False,
 ) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (exact FQN -> ParallelStyle) for one (stage) module.
 
@@ -176,6 +183,7 @@ def build_tp_plan(
         container: FQN of the block container ("layers", "model.layers", "transformer.h").
         sp: sequence parallelism on.
         first_block: FQN of the model's first block (it cuts its input to the sequence shard).
+        loss_parallel: the head's logits stay sharded over the vocabulary (module docstring).
 
     Returns:
         FQN -> ParallelStyle for every module to parallelize.
@@ -190,7 +198,8 @@ def build_tp_plan(
     tp_plan: dict[str, ParallelStyle] = {}
     for fqn, style in resolved.items():
         in_block = fqn.startswith(container + ".")
-        parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block, sp=sp)
+        parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block, sp=sp,
+                                    loss_parallel=loss_parallel)
         if parallel_style is not None:
             tp_plan[fqn] = parallel_style
     # A per-head norm inside a split attention (Qwen3's q_norm / k_norm: graph.tp.per_head_norms)
@@ -210,7 +219,8 @@ def build_tp_plan(
         tp_plan[parent] = PrepareHidden(
             input_layout=Shard(1) if sp else Replicate(), desired_layout=Replicate()
         )
-    if sp and first_block in modules:
+    if sp and first_block in modules and not getattr(modules[first_block], "autopar_stand_in",
+                                                     False):
         tp_plan[first_block] = PrepareHidden(
             input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True
         )
@@ -234,6 +244,7 @@ def apply_tensor_parallel(
     container: str,
     sequence_parallel: bool,
     first_block: str,
+    loss_parallel: bool = False,
 ) -> None:
     """Shard ``module`` in place over the "tp" mesh axis; a no-op when its size is 1.
 
@@ -244,6 +255,8 @@ def apply_tensor_parallel(
         container: attribute name of the block container.
         sequence_parallel: shard norms and the residual stream along the sequence.
         first_block: FQN of the model's first block.
+        loss_parallel: keep the head's logits sharded over the vocabulary for a loss run under
+            ``loss_parallel()`` (module docstring).
     """
     if tp_mesh.size() == 1:
         return
@@ -252,7 +265,8 @@ def apply_tensor_parallel(
     from autopar.runtime.tp_styles import localize_fused_attention
 
     tp_plan = build_tp_plan(
-        module, layout, container=container, sp=sequence_parallel, first_block=first_block
+        module, layout, container=container, sp=sequence_parallel, first_block=first_block,
+        loss_parallel=loss_parallel,
     )
     if tp_plan:
         parallelize_module(module, tp_mesh, tp_plan)

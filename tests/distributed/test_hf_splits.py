@@ -3,7 +3,8 @@
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
 from a config object with transformers (no download), Qwen3 and Gemma 3 (per-head q/k norms) and
 Gemma 2 (sandwich norms) under tp with and without sequence parallelism, Llama, Qwen3 and
-DeepSeek-V3 under context parallelism (alone, with FSDP, with tp + SP), the mixture-of-experts
+DeepSeek-V3, Mistral, Gemma 3, gpt-oss (attention sinks) and Gemma 2 (capped logits) under
+context parallelism (alone, with FSDP, with tp + SP), the mixture-of-experts
 gpt-oss, Llama 4 and
 DeepSeek-V3 (FSDP and PP 1F1B), Mixtral, Qwen3-MoE and DeepSeek-V3 under expert parallelism (alone,
 with FSDP over the ranks holding the same experts, and under pp), and
@@ -51,7 +52,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "gpt_oss", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 64,
-        "max_position_embeddings": 16, "tie_word_embeddings": False,
+        "max_position_embeddings": 16, "tie_word_embeddings": False, "sliding_window": 4,
     },
     "llama4": {
         "model_type": "llama4_text", "hidden_size": 32, "intermediate_size": 64,
@@ -77,11 +78,12 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # Gemma 2 and 3 norm the attention's and the MLP's outputs before the residual add
     # ("sandwich" norms): under sequence parallelism their output is the local sequence shard.
+    # Gemma 2 caps its attention logits (tanh at 0.5 here, so the cap bites on tiny weights).
     "gemma2": {
         "model_type": "gemma2", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
-        "sliding_window": 4,
+        "sliding_window": 4, "attn_logit_softcapping": 0.5,
     },
     # Mistral: a sliding window of 4 of the 8 tokens (under cp, masked by global positions).
     "mistral": {
@@ -260,6 +262,9 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3_moe-dp4-ep2-zero1", "qwen3_moe", {"dp": 4, "ep": 2, "zero": 1, "micro_batch": 2}),
     ("mixtral-pp2xdp2-ep2", "mixtral", {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b",
                                         "micro_batch": 1}),
+    # ep with tp: both tp ranks of a dp rank hold the same experts and route the same tokens.
+    ("mixtral-dp2xtp2-ep2-zero1", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "zero": 1,
+                                              "micro_batch": 2}),
 ]
 
 
@@ -272,9 +277,11 @@ def _cases(splits: dict[str, dict[str, Any]],
 # tp splits linears only and is refused where a norm sits inside the attention: DeepSeek-V3).
 MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
 # Context parallelism of decoders calling transformers' attention interface with rotary positions
-# (graph.cp): alone, with dp and with tp + SP (4 processes).
+# (graph.cp): alone, with dp and with tp + SP (4 processes); gpt-oss (sinks) and Gemma 2 (capped
+# logits) through their family's eager attention.
 CP_CASES_2 = [(f"{name}-cp2", name, {"cp": 2, "micro_batch": 4})
-              for name in ("llama", "qwen3", "deepseek_v3", "mistral", "gemma3_text")]
+              for name in ("llama", "qwen3", "deepseek_v3", "mistral", "gemma3_text", "gpt_oss",
+                           "gemma2")]
 # Tensor parallelism of blocks with per-head norms or sandwich norms, with and without sequence
 # parallelism.
 HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text")
@@ -290,13 +297,19 @@ EP_CASES_2 = [
 ]
 
 
+# Pipeline stages of a model that picks each layer's mask by the layer's index (Gemma 2: sliding
+# and full layers alternate) and caps its logits after the head: stage 1's block keeps its own
+# index (nested_stage._SkippedBlock), stage 0 hands on what reaches the head, not capped logits.
+PP_CASES_2 = [("gemma2-pp2-1f1b-full", "gemma2", SPLITS_2["pp2-1f1b-full"])]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: Any) -> None:
     pytest.importorskip("transformers")
     cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + EP_CASES_2 + [
         ("glm4-tp2", "glm4", SPLITS_2["tp2"])] + _cases(HEAD_NORM_SPLITS_2, HEAD_NORM_MODELS) + (
-        CP_CASES_2)
+        CP_CASES_2) + PP_CASES_2
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 
 

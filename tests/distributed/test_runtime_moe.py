@@ -115,6 +115,10 @@ CASES_4 = {
     # tp 2 without ep: every tp rank holds all experts and runs every token's (the cost
     # model's Framework.expert_tensor_parallel False for autopar).
     "dp2-tp2": {"dp": 2, "tp": 2},
+    # tp 2 with ep 2: one ep group per tp index (ep_groups); both tp ranks of a dp rank hold
+    # the same experts and route the same tokens.
+    "dp2xtp2-ep2-ddp": {"dp": 2, "tp": 2, "ep": 2},
+    "dp2xtp2-ep2-zero3-recompute": {"dp": 2, "tp": 2, "ep": 2, "zero": 3, "recompute": "full"},
 }
 
 
@@ -127,11 +131,32 @@ COUNT_CASES = {
     "dp4-ep2-zero1": {"dp": 4, "ep": 2, "zero": 1},
     "dp4-ep2-zero3-full": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
     "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
+    "dp2xtp2-ep2-zero1": {"dp": 2, "tp": 2, "ep": 2, "zero": 1},
 }
 
 
+def _axis_ranks(cfg: Any, rank: int) -> dict[str, frozenset[int]]:
+    """The ranks of each group ``rank`` belongs to (pp = cp = 1), in ``ep_groups``' layout:
+    rank = (b ep + j) tp + t."""
+    tp, ep = cfg.tp, cfg.ep
+    f, t = divmod(rank, tp)
+    b, j = divmod(f, ep)
+    return {"dp": frozenset(g * tp + t for g in range(cfg.dp)),
+            "ep": frozenset((b * ep + i) * tp + t for i in range(ep)),
+            "edp": frozenset((c * ep + j) * tp + t for c in range(cfg.dp // ep)),
+            "tp": frozenset(f * tp + i for i in range(tp))}
+
+
+def _label(ranks: frozenset[int], axes: dict[str, frozenset[int]], world: int) -> str:
+    """A group's name: "world" when it spans every rank, else the first axis with its ranks
+    (dp and ep name the same group when ep == dp)."""
+    if len(ranks) == world:
+        return "world"
+    return next((name for name, members in axes.items() if members == ranks), "other")
+
+
 def count_case(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
-    """``kind@axis`` counts of the second step on this rank (dp x ep only: pp = tp = 1)."""
+    """``kind@axis`` counts of the second step on this rank (dp x tp x ep: pp = cp = 1)."""
     from collections import Counter
 
     import torch
@@ -155,15 +180,11 @@ def count_case(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
     mode = _counting_mode()
     with mode:
         train_step(pm, x, y, opt)
-    rank, ep = dist.get_rank(), cfg.ep
-    axes = {"ep": frozenset(range(rank // ep * ep, rank // ep * ep + ep)),
-            "edp": frozenset(range(rank % ep, cfg.dp, ep))}
+    axes = _axis_ranks(cfg, dist.get_rank())
     counts: Counter[str] = Counter()
     for packet, group in mode.calls:
         ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
-        names = [a for a, r in axes.items() if r == ranks]
-        label = "world" if len(ranks) == dist.get_world_size() else (names or ["other"])[0]
-        counts[f"{_kind(packet)}@{label}"] += 1
+        counts[f"{_kind(packet)}@{_label(ranks, axes, dist.get_world_size())}"] += 1
     return dict(sorted(counts.items()))
 
 
@@ -182,11 +203,12 @@ def charged_counts(cfg_kwargs: dict[str, Any]) -> dict[str, int]:
     profile = autopar.profile(autopar.models.build("llama", **SHAPE), seq_len=SHAPE["seq_len"])
     charged = charged_collectives(profile, cfg, split=tuple(s.layers for s in plan.stages),
                                   recompute=tuple(m for s in plan.stages for m in s.recompute))
-    sizes = {"ep": cfg.ep, "edp": expert_dp(cfg), "dp": cfg.dp}
+    axes = _axis_ranks(cfg, 0)
+    assert len(axes["edp"]) == expert_dp(cfg)
     counts: Counter[str] = Counter({"all_reduce@world": 1})
     for key, calls in charged.items():
         kind, axis = key.split("@")
-        counts[f"{kind}@{'world' if sizes[axis] == cfg.world_size else axis}"] += calls
+        counts[f"{kind}@{_label(axes[axis], axes, cfg.world_size)}"] += calls
     return dict(sorted(counts.items()))
 
 

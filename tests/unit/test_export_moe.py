@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar.config import ParallelConfig
@@ -50,10 +52,20 @@ def test_deepspeed_refuses_ep_clearly():
 
 
 def test_slurm_runs_what_autopars_runtime_runs():
-    # autopar's runtime runs ep with tp = 1 only.
-    with pytest.raises(ValueError, match="tp=1 only"):
+    # autopar's runtime runs ep with tp > 1, but mixture-of-experts blocks without sequence
+    # parallelism.
+    with pytest.raises(ValueError, match="without sequence parallelism"):
         export_plan(_plan("megatron-lm", dp=2, tp=2, sequence_parallel=True), "slurm")
+    assert "dp=2 tp=2 pp=1 ep=2" in export_plan(_plan("megatron-lm", dp=2, tp=2), "slurm").text
     assert "autopar run" in export_plan(_plan("megatron-lm"), "slurm").text
+    # Experts autopar's runtime cannot run one at a time (the plan records why): slurm refuses
+    # their ep, the tools that run their own implementation do not.
+    blocked = _plan("megatron-lm")
+    blocked = dataclasses.replace(blocked, moe=dataclasses.replace(
+        blocked.moe, ep_blocker="its experts are [E f, h] matrices"))
+    with pytest.raises(ValueError, match=r"experts it runs one at a time .* \[E f, h\]"):
+        export_plan(blocked, "slurm")
+    assert "--expert-model-parallel-size 2" in export_plan(blocked, "megatron").text
 
 
 def test_alternatives_show_the_ep_choice():

@@ -40,20 +40,40 @@ def test_profiles_say_why_not_cp_and_keep_their_json(moe_profile):
 
 @pytest.mark.parametrize(("model_type", "why"), [
     ("llama", ""), ("mistral", ""), ("gpt2", "has no rotary embeddings"),
-    ("gpt_oss", "keeps attention sinks"), ("gemma2", "caps its attention logits"),
+    # Sinks (gpt-oss) and capped logits (Gemma 2) run the family's own eager attention.
+    ("gpt_oss", ""), ("gemma2", ""),
 ])
 def test_hf_config_profiles_say_why_not_cp(model_type, why):
     pytest.importorskip("transformers")
+    blocker = autopar.profile(_tiny_hf(model_type), seq_len=16).cp_blocker
+    assert (why in blocker) if why else blocker == ""
+
+
+def _tiny_hf(model_type: str):
     from autopar.models.hf import from_hf_config
 
-    model = from_hf_config({"model_type": model_type, "hidden_size": 32, "n_embd": 32,
-                            "intermediate_size": 64, "num_hidden_layers": 1, "n_layer": 1,
-                            "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2,
-                            "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 16,
-                            "n_positions": 16, "num_local_experts": 4,
-                            "num_experts_per_tok": 2})
-    blocker = autopar.profile(model, seq_len=16).cp_blocker
-    assert (why in blocker) if why else blocker == ""
+    return from_hf_config({"model_type": model_type, "hidden_size": 32, "n_embd": 32,
+                           "intermediate_size": 64, "num_hidden_layers": 1, "n_layer": 1,
+                           "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2,
+                           "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 16,
+                           "n_positions": 16, "num_local_experts": 4,
+                           "num_experts_per_tok": 2})
+
+
+@pytest.mark.parametrize(("model_type", "why"), [
+    ("gpt_oss", "keeps attention sinks"), ("gemma2", "keeps capped attention logits")])
+def test_sinks_and_capped_logits_need_the_family_eager_function(monkeypatch, model_type, why):
+    pytest.importorskip("transformers")
+    import importlib
+
+    from autopar.graph.cp import cp_blocker
+
+    model = _tiny_hf(model_type)
+    assert cp_blocker(model) == ""
+    family = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    monkeypatch.delattr(family, "eager_attention_forward")
+    blocker = cp_blocker(model)
+    assert why in blocker and "no eager attention function" in blocker
 
 
 def _dims(profile, framework: str) -> set[tuple[int, int]]:

@@ -42,11 +42,12 @@ def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
 
 def vocab_parallel_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """``default_loss`` of logits sharded over the vocabulary (run under ``loss_parallel()``):
-    its result, a replicated DTensor, as the plain scalar every tp rank holds."""
+    its result, a replicated DTensor, as the plain scalar every tp rank holds (a copy, not a
+    view of it: the split-backward pipeline schedules detach their stages' outputs in place)."""
     from torch.distributed.tensor import DTensor
 
     loss = default_loss(output, labels)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:

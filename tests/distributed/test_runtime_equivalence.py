@@ -179,6 +179,10 @@ CONFIGS_4: dict[str, dict[str, Any]] = {
     },
     "pp2xdp2-replicate": {"pp": 2, "dp": 2, "zero": 0, "schedule": "gpipe", "micro_batch": 2},
     "pp2xtp2": {"pp": 2, "tp": 2, "schedule": "1f1b", "micro_batch": 2, "sequence_parallel": True},
+    # The vocab-parallel loss under a split-backward schedule (its stage outputs detached in
+    # place after the input-gradient pass).
+    "pp2xtp2-zbv": {"pp": 2, "tp": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2,
+                    "micro_batch": 2},
 }
 
 

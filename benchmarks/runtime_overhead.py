@@ -10,8 +10,9 @@ copies on the same global batches with AdamW:
 * **hand**: the same split written directly against torch, no autopar runtime code:
   ``DistributedDataParallel`` with ``no_sync``, ``fully_shard`` per block and root,
   ``parallelize_module`` with the Megatron layout autopar uses (vocab-parallel embedding, q/k/v and
-  MLP up colwise, wo and MLP down rowwise, logits all-gathered; norms ``SequenceParallel`` with
-  SP), ``PipelineStage`` on a pruned deep copy per stage plus torch's schedule class, one AdamW.
+  MLP up colwise, wo and MLP down rowwise, logits sharded over the vocabulary and the loss in
+  torch's ``loss_parallel()``, torchtitan's way; norms ``SequenceParallel`` with SP),
+  ``PipelineStage`` on a pruned deep copy per stage plus torch's schedule class, one AdamW.
 
 Both report the global mean loss (one float all-reduced over the world). Steps alternate A B B A
 A B ... so drift and "who runs first" cancel; every step starts after a barrier and its time is
@@ -166,7 +167,8 @@ def _tp_plan(model: Any, sp: bool) -> dict[str, Any]:
         plan["layers.0"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
     if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=act, output_layouts=Replicate())
+        plan["output"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+                                         use_local_output=False)
     return plan
 
 
@@ -256,7 +258,8 @@ def build_hand(cfg: dict[str, Any], stage_layers: list[tuple[int, int]], model_t
         tokens = batch.tokens.to(device).chunk(dp)[dp_rank]
         labels = batch.labels.to(device).chunk(dp)[dp_rank]
         if schedule is None:
-            local = _accumulate(parts[0], tokens, labels, n_mb)
+            with _vocab_parallel(tp):
+                local = _accumulate(parts[0], tokens, labels, n_mb)
         else:
             local = _pipeline_step(schedule, rank, last_stage, tokens, labels)
         optimizer.step()
@@ -265,6 +268,15 @@ def build_hand(cfg: dict[str, Any], stage_layers: list[tuple[int, int]], model_t
         return float(value.item()) / (dp * tp)
 
     return step
+
+
+def _vocab_parallel(tp: int) -> Any:
+    # The cross entropy of vocab-sharded logits (torch's loss_parallel) when tp > 1.
+    if tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _accumulate(model: Any, tokens: Any, labels: Any, n_mb: int) -> float:
@@ -279,7 +291,7 @@ def _accumulate(model: Any, tokens: Any, labels: Any, n_mb: int) -> float:
         with sync:
             loss = _lm_loss(model(x), y)
             (loss / n_mb).backward()
-        total += loss.detach()
+        total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
     return float(total) / n_mb
 
 

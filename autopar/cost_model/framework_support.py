@@ -9,6 +9,7 @@ field sourced) and from the settings its user switched on
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from autopar.cost_model import framework_dimensions as dims
@@ -16,8 +17,8 @@ from autopar.cost_model import framework_dimensions as dims
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_support", "moe_support",
-           "settings_support"]
+__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_framework", "model_support",
+           "moe_support", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -54,6 +55,15 @@ def ep_blocker(framework: Framework, profile) -> str:
     """Why ``framework`` cannot shard this model's experts over ep ("" when it can): where it
     runs the traced experts themselves, what stops them (``MoEStructure.ep_blocker``)."""
     return _experts_blocker(profile) if framework.runs_traced_modules else ""
+
+
+def model_framework(framework: Framework, profile) -> Framework:
+    """``framework`` as it runs this model: a framework that runs the traced modules gives a
+    model's own loss (``ModelProfile.own_loss``) whole logits, not its vocab-parallel loss
+    (autopar's runtime/loss.py)."""
+    if framework.runs_traced_modules and profile.own_loss and framework.loss_parallel:
+        return dataclasses.replace(framework, loss_parallel=False)
+    return framework
 
 
 def _experts_blocker(profile) -> str:

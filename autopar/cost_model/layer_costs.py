@@ -64,6 +64,7 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
+from autopar.cost_model.framework_support import model_framework
 from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
@@ -346,7 +347,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         The CostTable that ``assemble`` and the search's ILP consume.
     """
     cfg = config
-    fw = get_framework(framework)
+    fw = model_framework(get_framework(framework), profile)
     cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search
     whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
     # Routed experts whole on every tp rank where the framework does not shard them

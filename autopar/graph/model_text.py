@@ -7,6 +7,7 @@ call ``build_and_profile`` so the fingerprints agree. The model is built on the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -68,12 +69,13 @@ def build_and_profile(
 
     builder, _ = resolve_model(model_text)
     model = builder(device="meta")
-    example_inputs = None
+    example_inputs, own_loss = None, False
     if model_text.endswith(".py"):
         from autopar.graph.inputs import seq_len_of
         from autopar.models import load_model_file
 
-        example_inputs = load_model_file(model_text).example_inputs
+        model_file = load_model_file(model_text)
+        example_inputs, own_loss = model_file.example_inputs, model_file.loss_fn is not None
         file_seq_len = seq_len_of(example_inputs)
         if seq_len is not None and file_seq_len is not None and seq_len != file_seq_len:
             raise AutoparError(
@@ -88,5 +90,8 @@ def build_and_profile(
     if seq_len is None:
         raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return model, profile(model, seq_len=seq_len, example_inputs=example_inputs, kernels=kernels,
-                          loss=loss, **kwargs)
+    prof = profile(model, seq_len=seq_len, example_inputs=example_inputs, kernels=kernels,
+                   loss=loss, **kwargs)
+    # The file's own loss runs on whole logits in autopar's runtime (ModelProfile.own_loss); the
+    # profile itself counts the token cross entropy's head, as for every model.
+    return model, dataclasses.replace(prof, own_loss=True) if own_loss else prof

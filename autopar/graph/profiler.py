@@ -350,7 +350,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         ffn_hidden=facts.ffn_hidden, vocab=facts.vocab, num_blocks=len(blocks),
         attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
-        cp_blocker=cp_blocker(work),
+        cp_blocker=cp_blocker(work), own_loss=loss_fn is not None,
     )
 
 

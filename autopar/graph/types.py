@@ -246,6 +246,9 @@ class ModelProfile:
             ``graph.cp.cp_blocker``; written to JSON
             only when set, so those profiles keep their fingerprints). Which experts it shards
             over ep is each layer's ``MoEStructure.ep_blocker``.
+        own_loss: the model trains with its own loss (a model file's ``loss_fn``, or the one
+            given to ``profile``), which autopar's runtime gives whole logits under tp instead
+            of running its vocab-parallel loss (in JSON only when set).
     """
 
     name: str
@@ -263,6 +266,7 @@ class ModelProfile:
     tied_embeddings: bool = False
     loss: str = "eager"
     cp_blocker: str = ""
+    own_loss: bool = False
 
     @property
     def num_params(self) -> int:
@@ -285,6 +289,8 @@ class ModelProfile:
         data["layers"] = [layer.to_dict() for layer in self.layers]
         if not self.cp_blocker:
             del data["cp_blocker"]
+        if not self.own_loss:
+            del data["own_loss"]
         return data
 
     def to_json(self) -> str:

@@ -13,8 +13,8 @@ tp, without sequence parallelism:
   row-parallel linear (R - 1): the non-reentrant checkpoint stops after the last activation
   backward needs, and nothing saves the block's last projection.
 - embedding (vocab-parallel): one all-reduce forward.
-- head (column-parallel): the input-gradient all-reduce backward; for a model file's own loss
-  (``loss_parallel=False``) the logits all-gather forward. The default loss on the vocab-sharded
+- head (column-parallel): the input-gradient all-reduce backward; for a model's own loss
+  (``ModelProfile.own_loss``) the logits all-gather forward. The default loss on the vocab-sharded
   logits under ``loss_parallel()`` all-reduces three [b, s] tensors (the max, the sum of
   exponentials, the target's logit: ``LOSS_PARALLEL_REDUCES``) inside DTensor's op dispatch,
   where CommDebugMode does not see them: charged in time (tp_comm.py), not listed here.
@@ -224,7 +224,6 @@ def expected_collectives(
     *,
     split: tuple[tuple[int, int], ...] | None = None,
     recompute: tuple[str, ...] | None = None,
-    loss_parallel: bool = True,
 ) -> dict[str, int]:
     """Collectives per training step on one rank of pipeline rank ``pp_rank``.
 
@@ -234,8 +233,6 @@ def expected_collectives(
         pp_rank: the pipeline rank whose stages to count.
         split: stage layer ranges (a Plan's); default balanced by FLOPs.
         recompute: per-layer recompute (a Plan's); default the config's everywhere.
-        loss_parallel: the default loss on vocab-sharded logits (False: a model file's own
-            loss, on all-gathered logits).
 
     Returns:
         ``"kind@axis"`` -> count, sorted; kinds with no call omitted.
@@ -258,7 +255,7 @@ def expected_collectives(
             for i in range(a, b + 1):
                 for key, value in _layer_tp(profile.layers[i], cfg.sequence_parallel,
                                             recompute[i], i == first_block,
-                                            loss_parallel).items():
+                                            not profile.own_loss).items():
                     counts[key] += value * m
                 counts[AR] += grad_reductions_per_step(cfg) * sp_norm_tensors(
                     profile.layers[i], cfg)

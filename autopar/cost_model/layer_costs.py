@@ -449,7 +449,6 @@ def charged_collectives(
     *,
     split: tuple[tuple[int, int], ...] | None = None,
     recompute: tuple[str, ...] | None = None,
-    loss_parallel: bool = True,
 ) -> dict[str, int]:
     """The collectives per step that this module's time terms charge one rank of ``pp_rank``.
 
@@ -464,10 +463,9 @@ def charged_collectives(
         pp_rank: the pipeline rank whose stages to count.
         split, recompute: a Plan's stage ranges and per-layer recompute; defaults as in
             ``collectives.stage_split``.
-        loss_parallel: the runtime's default loss on vocab-sharded logits (the autopar
-            record's ``loss_parallel``); False for a model file's own loss.
     """
     cfg, split, recompute = stage_split(profile, config, split, recompute)
+    loss_parallel = model_framework(get_framework("autopar"), profile).loss_parallel
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     m, first = cfg.num_microbatches, first_block_index(profile)
     counts: Counter[str] = Counter()

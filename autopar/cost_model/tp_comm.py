@@ -6,8 +6,6 @@ counts them, tests hold the two equal), each timed by ``comm.collective_s`` at i
 
 from __future__ import annotations
 
-import dataclasses
-
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import (
@@ -29,11 +27,12 @@ def tp_sharded(layer: LayerProfile) -> bool:
     return bool(layer.tp.colwise or layer.tp.rowwise or layer.tp.vocab_parallel)
 
 
-def _tp(kind: str, size: float, calls: int, phase: str) -> tuple[comm.Collective, ...]:
+def _tp(kind: str, size: float, calls: int, phase: str,
+        counted: bool = True) -> tuple[comm.Collective, ...]:
     if calls <= 0:
         return ()
     return (comm.Collective(kind=kind, axis="tp", size_bytes=size, calls=calls,
-                            per="microbatch", phase=phase),)
+                            per="microbatch", phase=phase, counted=counted),)
 
 
 def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
@@ -110,10 +109,9 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
     elif layer.kind == "head":  # logits all-gathered over the vocabulary
         # The loss's all-reduces run inside DTensor's op dispatch, which the runtime's
         # collective counter does not see (collectives.py): timed, not counted.
-        logits = (tuple(dataclasses.replace(c, counted=False) for c in _tp(
-            AR, profile.seq_len * b * LOSS_REDUCE_BYTES, LOSS_PARALLEL_REDUCES, "forward"))
-            if loss_parallel
-            else _tp(AG, profile.seq_len * profile.vocab * b * w, 1, "forward"))
+        logits = (_tp(AR, profile.seq_len * b * LOSS_REDUCE_BYTES, LOSS_PARALLEL_REDUCES,
+                      "forward", counted=False) if loss_parallel
+                  else _tp(AG, profile.seq_len * profile.vocab * b * w, 1, "forward"))
         if cfg.sequence_parallel:
             calls = (_tp(AG, hidden_bytes, 1, "forward") + logits
                      + _tp(RS, hidden_bytes, 1, "backward"))

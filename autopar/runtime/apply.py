@@ -66,9 +66,6 @@ class ParallelizedModel:
         stage_indices: the stage indices of ``model_parts``.
         autocast_dtype: dtype for ``torch.autocast`` around the forward, or None (fp32, or FSDP2
             mixed precision, which casts by itself).
-        loss_parallel: the head's logits stay sharded over tp and the default loss runs under
-            torch's ``loss_parallel()`` (``train_step`` enters it around forward and backward;
-            runtime/tensor_parallel.py).
     """
 
     model_parts: tuple[nn.Module, ...]
@@ -81,7 +78,13 @@ class ParallelizedModel:
     loss_fn: LossFn
     stage_indices: tuple[int, ...]
     autocast_dtype: torch.dtype | None
-    loss_parallel: bool = False
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The head's logits stay sharded over tp and the loss is ``vocab_parallel_loss``, run
+        under torch's ``loss_parallel()`` (``train_step`` enters it around forward and
+        backward; runtime/tensor_parallel.py)."""
+        return self.loss_fn is vocab_parallel_loss
 
     def parameters(self) -> list[nn.Parameter]:
         """All parameters of ``model_parts`` (for the optimizer)."""
@@ -396,7 +399,6 @@ def apply_plan(
         model_parts=tuple(wrapped), schedule=schedule, stages=stages,
         has_first_stage=0 in indices, has_last_stage=cfg.num_stages - 1 in indices, plan=plan,
         mesh=mesh, loss_fn=loss, stage_indices=indices, autocast_dtype=_autocast_dtype(plan),
-        loss_parallel=vocab_loss,
     )
 
 

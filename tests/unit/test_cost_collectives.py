@@ -35,7 +35,7 @@ def test_tp_counts_match_the_measured_runtime():
     # logits: n_mb logits gathers as well.
     plain = expected_collectives(PROFILE, _cfg(tp=2))
     assert plain == {"all_reduce@tp": 2 * (4 * 4 + 2)}
-    gathered = expected_collectives(PROFILE, _cfg(tp=2), loss_parallel=False)
+    gathered = expected_collectives(dataclasses.replace(PROFILE, own_loss=True), _cfg(tp=2))
     assert gathered == {"all_gather_into_tensor@tp": 2, "all_reduce@tp": 2 * (4 * 4 + 2)}
     full = expected_collectives(PROFILE, _cfg(tp=2, recompute="full"))
     assert full["all_reduce@tp"] == 2 * (4 * 4 + 2 + 4)  # w2's all-reduce is not re-run

@@ -22,6 +22,9 @@ tp, with sequence parallelism:
 - block: forward one all-gather per parent and one reduce-scatter per row-parallel linear;
   backward the mirror image. Full recompute re-runs the P all-gathers and R - 1 reduce-scatters.
   The model's first block cuts its input to the sequence shard: one all-gather in backward.
+  A mixture-of-experts module (``MoEStructure.module``) gathers the whole sequence: one
+  all-gather forward and one backward; its shared experts' linears run on the gathered
+  sequence as without sequence parallelism (``block_tp_calls``).
 - embedding: one all-reduce forward. Head: all-gathers the sequence forward (and the logits,
   for a model file's own loss), reduce-scatters the input gradient backward.
 - with dp > 1 as well: one all-reduce per sequence-parallel norm parameter at each gradient
@@ -61,6 +64,7 @@ from autopar.graph.types import LayerProfile, ModelProfile
 from autopar.schedules import rank_of_stage
 
 __all__ = [
+    "block_tp_calls",
     "expected_collectives",
     "first_block_index",
     "fsdp_units",
@@ -71,7 +75,8 @@ __all__ = [
     "stage_split",
 ]
 
-AR, AG, RS = "all_reduce@tp", "all_gather_into_tensor@tp", "reduce_scatter_tensor@tp"
+_AR, _AG, _RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+AR, AG, RS = f"{_AR}@tp", f"{_AG}@tp", f"{_RS}@tp"
 # A vocab-parallel cross entropy's forward all-reduces (sourced: torch/distributed/tensor/parallel/
 # loss.py, _log_softmax's max and sum of exponentials and _nll_loss_forward's target logit;
 # Megatron-LM's _VocabParallelCrossEntropy the same three), each of fp32 [b, s].
@@ -81,16 +86,49 @@ HSDP_AR = "all_reduce@dp_replicate"
 CP_AG, CP_RS = "all_gather_into_tensor@cp", "reduce_scatter_tensor@cp"
 
 
-def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> Counter[str]:
-    rowwise = len(layer.tp.rowwise)
-    parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
-    if not (rowwise and parents):
-        return Counter()
-    rerun = rowwise - 1 if full else 0  # the last row-parallel output is not recomputed
+def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_gathers: bool
+                   ) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """The tp calls of one block and micro-batch by kind ("all_reduce", "all_gather_into_tensor",
+    "reduce_scatter_tensor"): (forward, backward, what a full recompute re-runs); the module
+    docstring's rule, which tp_comm.py times and ``expected_collectives`` counts.
+
+    ``moe_gathers``: under sequence parallelism the block's MoE module (``MoEStructure.module``)
+    gathers the whole sequence (framework_support ``moe_gathers_sequence``): its input is
+    all-gathered forward (its gradient, replicated, is cut back without communication) and its
+    replicated output cut to the sequence shard (the gradient all-gathered backward); the
+    column-parallel parents and row-parallel linears inside it (shared experts) run on the gathered
+    sequence as without sequence parallelism: an all-reduce per row-parallel output forward, per
+    parent backward. A full recompute re-runs the forward's calls but the last row-parallel one
+    inside the MoE module (nothing saves the shared experts' output); without shared experts it
+    re-runs them all (the gathered input is saved).
+    """
+    parents_all = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
+    if not (layer.tp.rowwise and parents_all):
+        return Counter(), Counter(), Counter()
+    moe = layer.moe if (sp and moe_gathers and layer.moe is not None
+                        and layer.moe.module) else None
+    inside = moe.holds if moe is not None else (lambda _fqn: False)
+    parents = sum(1 for p in parents_all if not inside(p))
+    rowwise = sum(1 for r in layer.tp.rowwise if not inside(r))
     if not sp:
-        return Counter({AR: rowwise + parents + rerun})
-    ag = parents + rowwise + (parents if full else 0) + (1 if first_block else 0)
-    return Counter({AG: ag, RS: rowwise + parents + rerun})
+        return (Counter({_AR: rowwise}), Counter({_AR: parents}),
+                Counter({_AR: rowwise - 1}))
+    if moe is None:
+        return (Counter({_AG: parents, _RS: rowwise}),
+                Counter({_RS: parents, _AG: rowwise + int(first_block)}),
+                Counter({_AG: parents, _RS: rowwise - 1}))
+    in_parents, in_rowwise = len(parents_all) - parents, len(layer.tp.rowwise) - rowwise
+    return (Counter({_AG: parents + 1, _RS: rowwise, _AR: in_rowwise}),
+            Counter({_RS: parents, _AG: rowwise + int(first_block) + 1, _AR: in_parents}),
+            Counter({_AG: parents + 1, _RS: rowwise,
+                     _AR: in_rowwise - 1 if in_rowwise else 0}))
+
+
+def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> Counter[str]:
+    forward, backward, rerun = block_tp_calls(layer, sp=sp, first_block=first_block,
+                                              moe_gathers=True)  # autopar's runtime
+    total = forward + backward + (rerun if full else Counter())
+    return Counter({f"{kind}@tp": n for kind, n in total.items() if n})
 
 
 def _layer_tp(layer: LayerProfile, sp: bool, recompute: str, first_block: bool,

@@ -8,11 +8,13 @@ block: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
 calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
-blocks run under sequence parallelism; ``offload_optimizer_moves_params``, an optimizer offload
-that also keeps parameters and gradients on the host, costed as ``offload="params"``
-(offload.py); ``attention_kernel``, the kernel of a fused attention core: "fused" (cuDNN /
-FlashAttention-3, the matmul curve's rate) or "flash2" (FlashAttention-2, the device's
-``flash2_attention_ratio`` of it: compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
+blocks run under sequence parallelism (with experts whole on every tp rank, by gathering the
+whole sequence into the MoE module: ``framework_support.moe_gathers_sequence``);
+``offload_optimizer_moves_params``, an optimizer offload that also keeps parameters and
+gradients on the host, costed as ``offload="params"`` (offload.py); ``attention_kernel``,
+the kernel of a fused attention core: "fused" (cuDNN / FlashAttention-3, the matmul curve's
+rate) or "flash2" (FlashAttention-2, the device's ``flash2_attention_ratio`` of it:
+compute.attention_ratio); ``fused_swiglu``, a SwiGLU kernel
 that recomputes the activated gate instead of keeping it; ``native_gqa``, grouped-query
 attention whose kernel reads the kv heads in place instead of repeated copies;
 ``fp8_saves_inputs``, fp8 linears that keep their fp8 input for the weight gradient;
@@ -48,7 +50,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=True,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
-        expert_tensor_parallel=False, moe_sequence_parallel=False, attention_kernel="flash2",
+        expert_tensor_parallel=False, moe_sequence_parallel=True, attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
     ),
@@ -113,8 +115,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "linears only: the zoo's Experts tensors stay whole on "
                                   "every tp rank, which runs every token's experts "
                                   "(tests/distributed/test_runtime_moe.py tp case)",
-        "moe_sequence_parallel": "sourced: autopar/runtime/apply.py _check_moe_sp refuses "
-                                 "sequence parallelism for mixture-of-experts models",
+        "moe_sequence_parallel": "sourced: autopar/runtime/tensor_parallel.py gathers the "
+                                 "whole sequence into a MoE module (GatherSequence: "
+                                 "all-gather in, its replicated output cut back to the "
+                                 "sequence shard; tests/distributed/test_runtime_moe.py sp "
+                                 "cases)",
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: autopar/models/llama.py SwiGLU runs w2(silu(w1(x)) * w3(x)) "
                         "eagerly: silu's output is kept for the product's backward",

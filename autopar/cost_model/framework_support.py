@@ -97,19 +97,42 @@ _OWN_CODE = ("or plan for a framework that runs its own implementation of the mo
 def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str | None:
     """Why ``framework`` cannot run ``config`` on a model whose mixture of experts is ``moe``
     (a ``MoEStructure``; None for a dense model), or None: its blocks under sequence
-    parallelism, or expert parallelism of experts it runs itself and cannot shard
-    (``ep_blocker``: the first layer's ``MoEStructure.ep_blocker``). What a plan records
-    (``Plan.moe``) is enough, so the exporters ask it too."""
+    parallelism (``moe_sp_blocker``), or expert parallelism of experts it runs itself and
+    cannot shard (``ep_blocker``: the first layer's ``MoEStructure.ep_blocker``). What a plan
+    records (``Plan.moe``) is enough, so the exporters ask it too."""
     if moe is None:
         return None
-    if config.sequence_parallel and config.tp > 1 and not framework.moe_sequence_parallel:
-        return (f"{framework.name} runs mixture-of-experts models without sequence "
-                "parallelism; use sequence_parallel=False")
+    if config.sequence_parallel and config.tp > 1:
+        reason = moe_sp_blocker(framework, moe)
+        if reason:
+            return f"{reason}; use sequence_parallel=False"
     if config.ep > 1 and ep_blocker and framework.runs_traced_modules:
         return (f"{framework.name} shards over ep only the experts it runs one at a time "
                 f"(stacked, called with the router's choices), and {ep_blocker}; use ep=1, "
                 f"{_OWN_CODE}")
     return None
+
+
+def moe_gathers_sequence(framework: Framework) -> bool:
+    """Under sequence parallelism ``framework``'s MoE blocks gather the whole sequence and
+    route it on every tp rank: their routed experts are whole there (no
+    ``expert_tensor_parallel``), so each tp rank runs them on the gathered tokens and cuts its
+    replicated output back to its shard (autopar's runtime: tensor_parallel.py). Their tp calls
+    are ``collectives.block_tp_calls``'; ep's all-to-alls carry the whole sequence."""
+    return framework.moe_sequence_parallel and not framework.expert_tensor_parallel
+
+
+def moe_sp_blocker(framework: Framework, moe) -> str:
+    """Why ``framework`` cannot run the mixture of experts ``moe`` (a ``MoEStructure``) under
+    sequence parallelism, or "": it has none for MoE blocks, or it runs the traced modules and
+    the profile found no one module holding the router and the experts to gather the sequence
+    into (``MoEStructure.module``)."""
+    if not framework.moe_sequence_parallel:
+        return f"{framework.name} runs mixture-of-experts models without sequence parallelism"
+    if framework.runs_traced_modules and not moe.module:
+        return (f"{framework.name} gathers the sequence into the module holding the router and "
+                "the experts, and no one module of this model holds both")
+    return ""
 
 
 def _ep_support(fw: Framework, config) -> str | None:

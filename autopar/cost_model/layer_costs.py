@@ -64,7 +64,7 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
-from autopar.cost_model.framework_support import model_framework
+from autopar.cost_model.framework_support import model_framework, moe_gathers_sequence
 from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
@@ -150,6 +150,12 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
     return fwd * params_tp, bwd * params_tp
 
 
+def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
+    return ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
+                    force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch,
+                    whole_sequence=moe_gathers_sequence(fw))
+
+
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
     layer = framework_layer(profile.layers[index], fw)
@@ -158,8 +164,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
     kept_less = kept_less_of(profile, layer, cfg, ratio, shard, fw, head_elems, act)
-    ep = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
-                  force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch)
+    ep = _ep_terms(profile, layer, cfg, cluster, shard, fw)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
@@ -192,8 +197,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         backward_s=times.backward_s,
         recompute_s=times.recompute_s,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=_tp_comm_s(fw, cfg, tp_collectives(profile, layer, cfg, ratio, first_block=(
-            first_block), loss_parallel=fw.loss_parallel), groups["tp"], times),
+        tp_comm_s=_tp_comm_s(fw, cfg, tp_collectives(
+            profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
+            moe_gathers=moe_gathers_sequence(fw)), groups["tp"], times),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(_net_of_backward_state(tuple(a - k for a, k in zip(
             act, kept_less)), cfg, state.local_params, held), cluster, fw),
@@ -465,7 +471,7 @@ def charged_collectives(
             ``collectives.stage_split``.
     """
     cfg, split, recompute = stage_split(profile, config, split, recompute)
-    loss_parallel = model_framework(get_framework("autopar"), profile).loss_parallel
+    runtime = model_framework(get_framework("autopar"), profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     m, first = cfg.num_microbatches, first_block_index(profile)
     counts: Counter[str] = Counter()
@@ -474,10 +480,12 @@ def charged_collectives(
         for i in range(a, b + 1):
             mode = RECOMPUTE_INDEX[recompute[i]]
             tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first,
-                                loss_parallel=loss_parallel)
+                                loss_parallel=runtime.loss_parallel,
+                                moe_gathers=moe_gathers_sequence(runtime))
             shard = cfg.tp if tp_sharded(local.layers[i]) else 1
             cp = gather_collectives(kv_bytes(local, local.layers[i], cfg, shard), cfg)
-            ep = ep_collectives(local.layers[i], cfg, seq_len=local.seq_len)
+            ep = ep_collectives(local.layers[i], cfg, seq_len=local.seq_len,
+                                whole_sequence=moe_gathers_sequence(runtime))
             calls = tp[mode] + cp[mode] + ep[mode] + unit_collectives(
                 profile.layers[i], cfg, fsdp_unit_params(profile, cfg, i))
             for c in calls:

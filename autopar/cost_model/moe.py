@@ -6,9 +6,10 @@ order (comm.py). Each rank holds E / ep routed experts; the dense part of a laye
 router, shared experts) stays replicated over dp as before. Routed experts are tensor-parallel
 sharded like the rest of the layer (expert tensor parallelism = tp, Megatron-Core's default).
 
-Per MoE layer and micro-batch, with T = b s tokens a rank routes (T / tp with sequence
-parallelism), k' = the dispatched rows per token (k, or c k with a capacity factor c), h the
-width and w the bytes of the training dtype:
+Per MoE layer and micro-batch, with T = b s tokens a rank routes (T / tp with sequence parallelism,
+unless the MoE module gathers the whole sequence: framework_support ``moe_gathers_sequence``), k' =
+the dispatched rows per token (k, or c k with a capacity factor c), h the width and w the bytes of
+the training dtype:
 
 - parameters: ``P_dense + E P_e / ep`` per rank (before tp); the routed experts' model state is
   sharded by ZeRO over the expert-data-parallel group of ``dp / ep`` ranks (their gradients are
@@ -214,7 +215,7 @@ def _imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
 
 def ep_terms(
     layer: LayerProfile, config: ParallelConfig, cluster: Cluster, *, seq_len: int, shard: int,
-    force_balance: bool = False, dispatch: str = "all_to_all",
+    force_balance: bool = False, dispatch: str = "all_to_all", whole_sequence: bool = False,
 ) -> EpTerms:
     """The ep terms of ``layer`` (zero for a dense layer or ep == 1).
 
@@ -226,6 +227,8 @@ def ep_terms(
         shard: the tp degree the layer's compute is divided by (1 if not tp-sharded).
         force_balance: the framework forces the router's balance (no imbalance).
         dispatch: "all_to_all" or "hierarchical" (module docstring).
+        whole_sequence: every tp rank routes the whole sequence under sequence parallelism
+            (``framework_support.moe_gathers_sequence``), not its shard.
     """
     moe = layer.moe
     if moe is None or config.ep <= 1:
@@ -234,14 +237,14 @@ def ep_terms(
     rows = b * seq_len * moe.routed_rows_per_token()
     extra = _imbalance(moe, force_balance) - 1.0
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
-    tokens_div = config.tp if config.sequence_parallel else 1
-    size = rows / tokens_div * moe.hidden * w
+    size = rows / _tokens_div(config, whole_sequence) * moe.hidden * w
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
     share = dispatch_share(cluster, config.ep, config.tp, moe, dispatch)
     none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp,
                                                          c.size_bytes, share) for c in calls))
                        for calls in ep_collectives(layer, config, seq_len=seq_len,
-                                                   force_balance=force_balance))
+                                                   force_balance=force_balance,
+                                                   whole_sequence=whole_sequence))
     return EpTerms(
         extra_fwd_flops=extra * fwd,
         extra_bwd_flops=2.0 * extra * fwd,
@@ -262,16 +265,24 @@ def expert_call_flops(layer: LayerProfile, config: ParallelConfig, calls_per_exp
     return max(0, local - 1) * calls_per_expert * half_flops / GEMMS_PER_LAYER
 
 
+def _tokens_div(config: ParallelConfig, whole_sequence: bool) -> int:
+    """What a tp rank's routed tokens are divided by: tp under sequence parallelism, unless
+    the MoE module gathers the whole sequence (``whole_sequence``)."""
+    return config.tp if config.sequence_parallel and not whole_sequence else 1
+
+
 def ep_collectives(layer: LayerProfile, config: ParallelConfig, *, seq_len: int,
-                   force_balance: bool = False) -> tuple[tuple[comm.Collective, ...], ...]:
+                   force_balance: bool = False, whole_sequence: bool = False,
+                   ) -> tuple[tuple[comm.Collective, ...], ...]:
     """The all-to-alls of one MoE layer per micro-batch on the "ep" axis, by recompute mode
     (module docstring); the busiest rank receives (dispatch) and sends back (combine) its
-    imbalanced share (its even share where the router's balance is forced)."""
+    imbalanced share (its even share where the router's balance is forced). ``whole_sequence``
+    as in ``ep_terms``."""
     moe = layer.moe
     if moe is None or config.ep <= 1:
         return (), (), ()
-    tokens_div = config.tp if config.sequence_parallel else 1
-    rows = config.micro_batch * seq_len * moe.routed_rows_per_token() / tokens_div
+    rows = (config.micro_batch * seq_len * moe.routed_rows_per_token()
+            / _tokens_div(config, whole_sequence))
     rows *= _imbalance(moe, force_balance)
     data = rows * moe.hidden * DTYPE_BYTES[config.dtype]
 

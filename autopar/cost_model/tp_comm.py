@@ -10,6 +10,7 @@ from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import (
     LOSS_PARALLEL_REDUCES,
+    block_tp_calls,
     grad_reductions_per_step,
     sp_norm_tensors,
 )
@@ -35,27 +36,23 @@ def _tp(kind: str, size: float, calls: int, phase: str,
                             per="microbatch", phase=phase, counted=counted),)
 
 
-def _block_tp(layer, cfg, act_bytes: float, first_block: bool):
-    rowwise = len(layer.tp.rowwise)
-    parents = len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise})
-    if not (rowwise and parents):
+def _block_tp(layer, cfg, act_bytes: float, first_block: bool, moe_gathers: bool):
+    forward, backward, rerun = block_tp_calls(layer, sp=cfg.sequence_parallel,
+                                              first_block=first_block, moe_gathers=moe_gathers)
+    if not (forward or backward):
         return _NO_TP
-    if cfg.sequence_parallel:
-        base = (_tp(AG, act_bytes, parents, "forward") + _tp(RS, act_bytes, rowwise, "forward")
-                + _tp(RS, act_bytes, parents, "backward")
-                + _tp(AG, act_bytes, rowwise + int(first_block), "backward"))
-        rerun = _tp(AG, act_bytes, parents, "backward") + _tp(RS, act_bytes, rowwise - 1,
-                                                              "backward")
-    else:
-        base = _tp(AR, act_bytes, rowwise, "forward") + _tp(AR, act_bytes, parents, "backward")
-        rerun = _tp(AR, act_bytes, rowwise - 1, "backward")
-    # Full recompute re-runs the forward's collectives except the block's last row-parallel one.
-    return base, base, base + rerun
+
+    def calls(counts, phase: str, kinds=(AR, AG, RS)) -> tuple[comm.Collective, ...]:
+        return tuple(c for kind in kinds for c in _tp(kind, act_bytes, counts[kind], phase))
+
+    base = calls(forward, "forward") + calls(backward, "backward", (AR, RS, AG))
+    # Full recompute re-runs the forward's collectives but the block's last row-parallel one.
+    return base, base, base + calls(rerun, "backward")
 
 
 def tp_collectives(
     profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
-    *, first_block: bool, loss_parallel: bool = False,
+    *, first_block: bool, loss_parallel: bool = False, moe_gathers: bool = False,
 ) -> tuple[tuple[comm.Collective, ...], ...]:
     """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
 
@@ -69,6 +66,8 @@ def tp_collectives(
             three all-reduces of fp32 [b, s] in the forward (the logits' max, the sum of their
             exponentials and the target's logit: torch's loss_parallel and Megatron-LM's
             vocab-parallel cross entropy alike).
+        moe_gathers: a MoE module gathers the whole sequence under sequence parallelism
+            (``framework_support.moe_gathers_sequence``; ``collectives.block_tp_calls``).
 
     Returns:
         One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
@@ -77,7 +76,7 @@ def tp_collectives(
         return _NO_TP
     norms = _sp_norm_grads(layer, cfg)
     calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block,
-                            loss_parallel=loss_parallel)
+                            loss_parallel=loss_parallel, moe_gathers=moe_gathers)
     return tuple(c + norms for c in calls) if norms else calls
 
 
@@ -94,13 +93,14 @@ def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Colle
 
 
 def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
-                    dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False):
+                    dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False,
+                    moe_gathers: bool = False):
     b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
     hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
     if layer.kind == "block":
         rowwise = max(1, len(layer.tp.rowwise))
         act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
-        return _block_tp(layer, cfg, act, first_block)
+        return _block_tp(layer, cfg, act, first_block, moe_gathers)
     if not layer.tp.vocab_parallel:
         return _NO_TP
     if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
@@ -131,11 +131,17 @@ def tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
     return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
 
 
-def sp_gathered_inputs(layer: LayerProfile) -> int:
+def sp_gathered_inputs(layer: LayerProfile, moe_gathers: bool = False) -> int:
     """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
     linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
-    the MLP's input projections another), one for the vocab-parallel head."""
+    the MLP's input projections another), one for the vocab-parallel head. A MoE module that
+    gathers the sequence (``moe_gathers``) keeps one for itself and its shared experts."""
     if layer.kind == "block":
-        rowwise = len(layer.tp.rowwise)
-        return len({fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}) if rowwise else 0
+        if not layer.tp.rowwise:
+            return 0
+        parents = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
+        moe = layer.moe
+        if moe_gathers and moe is not None and moe.module and parents:
+            return sum(1 for p in parents if not moe.holds(p)) + 1
+        return len(parents)
     return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0

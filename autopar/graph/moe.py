@@ -61,8 +61,7 @@ from autopar.graph.types import MoEStructure
 
 __all__ = ["ExpertWeights", "MoEStructure", "block_moe", "ep_blocker", "expert_activation",
            "expert_modules", "expert_weights", "install_expert_standins", "modules_ep_blocker",
-           "run_expert",
-           "run_sorted", "stacked_names"]
+           "moe_modules", "run_expert", "run_sorted", "stacked_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,4 +372,23 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
         expert_params=weights.params,
         capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
         ep_blocker=modules_ep_blocker([m for _n, m in found]),
+        module=_moe_module(block, found[0][0]),
     )
+
+
+def moe_modules(root: nn.Module) -> list[str]:
+    """FQNs (relative to ``root``) of the modules that hold a router and grouped experts
+    (``MoEStructure.module``'s modules), sorted."""
+    return sorted({held for name, _m in expert_modules(root)
+                   if (held := _moe_module(root, name))})
+
+
+def _moe_module(block: nn.Module, experts_path: str) -> str:
+    """The path of the experts' parent when it also holds the router (a child that is neither
+    the experts nor shared experts), else "" (``MoEStructure.module``)."""
+    parent, _, name = experts_path.rpartition(".")
+    if not parent:
+        return ""
+    others = [child for child, _m in block.get_submodule(parent).named_children()
+              if child not in (name, "shared_expert", "shared_experts", "shared_expert_gate")]
+    return parent if others else ""

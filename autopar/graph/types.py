@@ -88,6 +88,12 @@ class MoEStructure:
         ep_blocker: why autopar's runtime cannot run the traced experts one at a time and so
             shard them over ep ("" when it can; ``graph.moe.ep_blocker``): a framework that
             runs its own code shards them regardless (in JSON only when set).
+        module: the path, relative to its block, of the module holding the router and the
+            experts ("moe", "mlp", "feed_forward"); "" where no one module holds both (the
+            experts' parent holds no router). Under sequence parallelism autopar's runtime
+            gathers the whole sequence into that module (framework_support
+            ``moe_gathers_sequence``), so the tp collectives of its linears differ from the
+            rest of the block's. In JSON only when set.
     """
 
     experts: int
@@ -98,13 +104,26 @@ class MoEStructure:
     expert_params: int
     capacity_factor: float = 0.0
     ep_blocker: str = ""
+    module: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record."""
         data = dataclasses.asdict(self)
-        if not self.ep_blocker:
-            del data["ep_blocker"]
+        for name in ("ep_blocker", "module"):
+            if not data[name]:
+                del data[name]
         return data
+
+    def holds(self, fqn: str) -> bool:
+        """Whether the module ``fqn`` (a full FQN in one of the model's blocks: the first
+        all-digit segment is the block index) lies inside the MoE module (``module``)."""
+        if not self.module:
+            return False
+        parts = fqn.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if index is None:
+            return False
+        return ".".join(parts[index + 1:]).startswith(self.module + ".")
 
     @property
     def routed_params(self) -> int:

@@ -169,19 +169,21 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
 
 
 def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
-    """Mixture-of-experts blocks keep their experts whole on every tp rank (tensor
-    parallelism shards linears only) and run without sequence parallelism."""
+    """Under sequence parallelism a mixture of experts runs on the gathered sequence, in the
+    module that holds its router and experts (tensor_parallel.py); experts without such a
+    module are refused."""
     cfg = plan.config
-    if not (cfg.sequence_parallel and cfg.tp > 1):
+    if not (cfg.sequence_parallel and cfg.tp > 1) or not isinstance(model_or_spec, nn.Module):
         return
-    from autopar.graph.moe import expert_modules
+    from autopar.graph.moe import expert_modules, moe_modules
 
-    spec = _spec_of(model_or_spec)
-    moe = spec.is_moe if spec is not None else bool(
-        isinstance(model_or_spec, nn.Module) and expert_modules(model_or_spec))
-    if moe:
-        raise AutoparError("autopar's runtime runs mixture-of-experts models without sequence "
-                           "parallelism; plan with sequence_parallel off (autopar plan does)")
+    held = moe_modules(model_or_spec)
+    loose = [name for name, _m in expert_modules(model_or_spec)
+             if not any(name.startswith(moe + ".") for moe in held)]
+    if loose:
+        raise AutoparError(f"autopar's runtime gathers the sequence into the module holding a "
+                           f"mixture of experts' router and experts, and {loose[0]} has none; "
+                           "plan with sequence_parallel off")
 
 
 def _check_schedule(plan: Plan) -> None:

@@ -28,11 +28,18 @@ around them, Megatron-LM style:
   first block cuts its full input to the local shard (``PrepareHidden(Replicate() -> Shard(1))``,
   no communication forward, an all-gather backward). The head all-gathers the sequence before
   the vocabulary projection.
+* A mixture of experts (the module holding a router and grouped experts: ``graph.moe.
+  moe_modules``) keeps its routed experts whole on every tp rank, so under sequence parallelism
+  it runs on the whole sequence (``tp_styles.GatherSequence``: its input all-gathered, its
+  replicated output cut back to the rank's shard) and the linears inside it (shared experts)
+  are split as without sequence parallelism: their parent's input replicated, their row-parallel
+  output all-reduced.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -191,15 +198,19 @@ def build_tp_plan(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from autopar.runtime.tp_styles import PrepareHidden
+    from autopar.runtime.tp_styles import GatherSequence, PrepareHidden
 
     modules = dict(module.named_modules())
     resolved = resolve_layout(module, layout)
-    tp_plan: dict[str, ParallelStyle] = {}
+    # Under SP a mixture of experts runs on the whole sequence (its routed experts are whole
+    # on every tp rank): the modules inside it are split as without SP (module docstring).
+    gathering = _moe_holders(module, container) if sp else []
+    gathered = functools.partial(_inside, holders=gathering)
+    tp_plan: dict[str, ParallelStyle] = {fqn: GatherSequence() for fqn in gathering}
     for fqn, style in resolved.items():
         in_block = fqn.startswith(container + ".")
-        parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block, sp=sp,
-                                    loss_parallel=loss_parallel)
+        parallel_style = _style_for(fqn, modules[fqn], style, in_block=in_block,
+                                    sp=sp and not gathered(fqn), loss_parallel=loss_parallel)
         if parallel_style is not None:
             tp_plan[fqn] = parallel_style
     # A per-head norm inside a split attention (Qwen3's q_norm / k_norm: graph.tp.per_head_norms)
@@ -217,7 +228,8 @@ def build_tp_plan(
     # tensor or its ``hidden_states`` keyword (HF attention).
     for parent in _colwise_parents(resolved, container):
         tp_plan[parent] = PrepareHidden(
-            input_layout=Shard(1) if sp else Replicate(), desired_layout=Replicate()
+            input_layout=Shard(1) if sp and not gathered(parent) else Replicate(),
+            desired_layout=Replicate(),
         )
     if sp and first_block in modules and not getattr(modules[first_block], "autopar_stand_in",
                                                      False):
@@ -225,6 +237,17 @@ def build_tp_plan(
             input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True
         )
     return tp_plan
+
+
+def _moe_holders(module: nn.Module, container: str) -> list[str]:
+    """FQNs of the blocks' modules holding a router and its experts (``graph.moe``)."""
+    from autopar.graph.moe import moe_modules
+
+    return [fqn for fqn in moe_modules(module) if fqn.startswith(container + ".")]
+
+
+def _inside(fqn: str, holders: list[str]) -> bool:
+    return any(fqn.startswith(holder + ".") for holder in holders)
 
 
 def _colwise_parents(resolved: Mapping[str, str], container: str) -> list[str]:
@@ -270,6 +293,18 @@ def apply_tensor_parallel(
     )
     if tp_plan:
         parallelize_module(module, tp_mesh, tp_plan)
+    _copy_shared_expert_outputs(module, layout, container)
     for fqn, style in resolve_layout(module, layout).items():
         if style == TPStyle.COLWISE_QKV.value:
             localize_fused_attention(module.get_submodule(fqn.rsplit(".", 1)[0]), tp_mesh.size())
+
+
+def _copy_shared_expert_outputs(module: nn.Module, layout: Mapping[str, str],
+                                container: str) -> None:
+    """A row-parallel linear inside a mixture of experts (shared experts) hands back a copy of
+    its output, not the view DTensor's ``to_local`` returns: Llama 4 adds the routed experts'
+    output to it in place, which autograd forbids on a custom Function's view."""
+    held = _moe_holders(module, container)
+    for fqn, style in resolve_layout(module, layout).items():
+        if style == TPStyle.ROWWISE.value and _inside(fqn, held):
+            module.get_submodule(fqn).register_forward_hook(lambda _m, _a, out: out.clone())

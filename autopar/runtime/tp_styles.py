@@ -14,6 +14,8 @@ torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` and ``nn.E
   ``full_tensor()``, FSDP2 and DCP see the one-process parameter.
 * ``PrepareHidden``: like ``PrepareModuleInput``, for a module's hidden states given positionally or
   as the ``hidden_states`` keyword (HF attention modules take keywords).
+* ``GatherSequence``: a module run on the whole sequence under sequence parallelism (a mixture
+  of experts): its input all-gathered, its output cut back to the rank's sequence shard.
 * ``localize_fused_attention``: an attention module that splits its fused q/k/v output by a width
   attribute (GPT-2 ``split_size``, nanoGPT ``n_embd``) and counts heads by an attribute (``n_head``,
   ``num_heads``) gets the local values (``/ tp``).
@@ -31,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["PrepareHidden", "ShardedProjection", "localize_fused_attention"]
+__all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "localize_fused_attention"]
 
 # Attributes an attention module splits its fused q/k/v output by (GPT-2, nanoGPT), and counts its
 # heads by; a rank runs 1/tp of both.
@@ -81,6 +83,54 @@ class PrepareHidden(ParallelStyle):
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """A module that runs on the whole sequence under sequence parallelism (a mixture of
+    experts, whose routed experts every tp rank holds whole): its hidden-state input, this
+    rank's ``[b, s / tp, ...]`` shard, is all-gathered (``Shard(1) -> Replicate()``; the
+    gradient, replicated, is cut back without communication) and its output, the same on every
+    tp rank, is cut to this rank's shard (``Replicate() -> Shard(1)``: nothing forward, an
+    all-gather of the gradient backward). A tuple output has its first element cut; an output
+    flattened to ``[b s, h]`` (Llama 4) is cut as ``[b, s, h]`` and handed back flat."""
+
+    def _gather(self, x: torch.Tensor, mesh: Any, seen: list[torch.Size]) -> torch.Tensor:
+        whole = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        out = whole.redistribute(placements=(Replicate(),)).to_local()
+        seen[:] = [out.shape]  # one slot: a recompute may stop before the output hook runs
+        return out
+
+    def _cut(self, out: Any, mesh: Any, shape: torch.Size) -> Any:
+        if isinstance(out, tuple):
+            return (self._cut(out[0], mesh, shape), *out[1:])
+        if not isinstance(out, torch.Tensor) or out.dim() < 2:
+            raise TypeError("a module that gathers the sequence must return its hidden states, "
+                            f"not {type(out).__name__}")
+        flat = out.dim() == 2 and out.shape[0] == shape[0] * shape[1]
+        whole = DTensor.from_local(out.view(shape[0], shape[1], -1) if flat else out, mesh,
+                                   (Replicate(),), run_check=False)
+        # A copy, not the view DTensor hands back: decoders add to it in place (gpt-oss's
+        # residual, Llama 4), which autograd forbids on a custom Function's view.
+        mine = whole.redistribute(placements=(Shard(1),)).to_local().clone()
+        return mine.view(-1, mine.shape[-1]) if flat else mine
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        seen: list[torch.Size] = []  # the gathered input's shape, for the output's cut
+
+        def pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            where = _hidden_index(args, kwargs)
+            if where == 0:
+                args = (self._gather(args[0], device_mesh, seen), *args[1:])
+            elif where is not None:
+                kwargs = {**kwargs, where: self._gather(kwargs[where], device_mesh, seen)}
+            else:
+                raise TypeError(f"{type(_mod).__name__} takes no hidden states to gather")
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(lambda _mod, _args, out: self._cut(out, device_mesh,
+                                                                        seen[-1]))
         return module
 
 

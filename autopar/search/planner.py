@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.framework_support import model_support
+from autopar.cost_model.framework_support import model_support, moe_sp_blocker
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.tables import CostTable
 from autopar.errors import InfeasiblePlanError
@@ -96,6 +96,8 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
         dtypes=dominant_dtypes(profile, cluster, dtype_choices(cluster.device, options),
                                options),
         expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
+        moe_sequence_parallel=not any(moe_sp_blocker(get_framework(options.framework), x.moe)
+                                      for x in profile.layers if x.moe),
     )
     # A fused q/k/v split over tp is a strided shard FSDP2 cannot cut again over dp: the runtime
     # refuses zero >= 1 with dp > 1 there (runtime/tp_checks.py), so the search does not offer it.

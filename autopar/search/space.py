@@ -148,11 +148,13 @@ def enumerate_candidates(
     device: DeviceSpec | None = None,
     dtypes: list[str] | None = None,
     expert_counts: tuple[int, ...] = (),
+    moe_sequence_parallel: bool = True,
 ) -> Iterator[ParallelConfig]:
     """Every outer candidate, in a deterministic order (pp, tp, cp, micro-batch, schedule, ZeRO,
     HSDP, SP, ep, dtype). Without ``seq_len`` no cp > 1 is tried; the dtypes are ``dtypes``,
     else ``dimensions.dtype_choices`` of ``device``; ``expert_counts``: routed experts of each
-    MoE layer (empty for a dense model)."""
+    MoE layer (empty for a dense model); ``moe_sequence_parallel``: whether the framework runs
+    the model's MoE blocks under sequence parallelism (``framework_support.moe_sp_blocker``)."""
     shapes = mesh_shapes(
         world_size,
         head_counts=head_counts,
@@ -167,11 +169,11 @@ def enumerate_candidates(
         for cp in cp_choices(data_ranks, seq_len, options, framework):
             yield from _shape_candidates(data_ranks // cp, cp, tp, pp, gpus_per_node,
                                          num_layers, global_batch, options, dtypes,
-                                         expert_counts)
+                                         expert_counts, moe_sequence_parallel)
 
 
 def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, options,
-                      dtypes, expert_counts) -> Iterator[ParallelConfig]:
+                      dtypes, expert_counts, moe_sp: bool) -> Iterator[ParallelConfig]:
     framework = get_framework(options.framework)
     if global_batch % dp:
         return
@@ -182,7 +184,7 @@ def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, o
     sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
     if not framework.sequence_parallel:  # the framework has none: plan without it
         sps = [False]
-    if expert_counts and not framework.moe_sequence_parallel:  # none for its MoE models
+    if expert_counts and not moe_sp:  # the framework runs these MoE blocks without SP
         sps = [False]
     # ZeRO shards over dp * cp: with one such rank every stage is the same plan as stage 0.
     zeros = sorted(set(options.zero_stages)) if dp * cp > 1 else [0]

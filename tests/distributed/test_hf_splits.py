@@ -7,7 +7,8 @@ DeepSeek-V3, Mistral, Gemma 3, gpt-oss (attention sinks) and Gemma 2 (capped log
 context parallelism (alone, with FSDP, with tp + SP), the mixture-of-experts
 gpt-oss, Llama 4 and
 DeepSeek-V3 (FSDP and PP 1F1B), Mixtral, Qwen3-MoE and DeepSeek-V3 under expert parallelism (alone,
-with FSDP over the ranks holding the same experts, and under pp), and
+with FSDP over the ranks holding the same experts, and under pp), Mixtral, Qwen3-MoE and Llama 4
+under tp + SP (the MoE module gathering the sequence), and
 ``tests/fixtures/models/tiny_nanogpt_split.py`` (blocks at ``transformer.h``, fused ``c_attn``).
 Each case builds the model twice from one seed, runs the one-process step on the global batch and
 the split under ``apply_plan`` (the layout the graph finds, ``default_tp_layout``, which is what
@@ -265,6 +266,9 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
     # ep with tp: both tp ranks of a dp rank hold the same experts and route the same tokens.
     ("mixtral-dp2xtp2-ep2-zero1", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "zero": 1,
                                               "micro_batch": 2}),
+    # ... and under sequence parallelism: the MoE gathers the sequence, then dispatches it.
+    ("mixtral-dp2xtp2-ep2-sp", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "zero": 3,
+                                           "sequence_parallel": True, "micro_batch": 2}),
 ]
 
 
@@ -297,6 +301,18 @@ EP_CASES_2 = [
 ]
 
 
+# Tensor parallelism of MoE families (experts whole on every tp rank): under sequence
+# parallelism the MoE module gathers the whole sequence (Llama 4's flattened [b s, h] output
+# cut as [b, s, h]); Llama 4 adds to its shared expert's output in place (a copy is handed out).
+MOE_TP_CASES_2 = [
+    ("mixtral-tp2-sp", "mixtral", {"tp": 2, "sequence_parallel": True, "micro_batch": 2}),
+    ("qwen3_moe-tp2-sp-full", "qwen3_moe", {"tp": 2, "sequence_parallel": True,
+                                             "micro_batch": 2, "recompute": "full"}),
+    ("llama4-tp2", "llama4", {"tp": 2, "micro_batch": 2}),
+    ("llama4-tp2-sp", "llama4", {"tp": 2, "sequence_parallel": True, "micro_batch": 2}),
+]
+
+
 # Pipeline stages of a model that picks each layer's mask by the layer's index (Gemma 2: sliding
 # and full layers alternate) and caps its logits after the head: stage 1's block keeps its own
 # index (nested_stage._SkippedBlock), stage 0 hands on what reaches the head, not capped logits.
@@ -309,7 +325,7 @@ def test_hf_and_nanogpt_two_process_splits_equal_one_process(run_distributed: An
     pytest.importorskip("transformers")
     cases = _cases(SPLITS_2) + _cases(MOE_SPLITS_2, MOE_MODELS) + EP_CASES_2 + [
         ("glm4-tp2", "glm4", SPLITS_2["tp2"])] + _cases(HEAD_NORM_SPLITS_2, HEAD_NORM_MODELS) + (
-        CP_CASES_2) + PP_CASES_2
+        CP_CASES_2) + PP_CASES_2 + MOE_TP_CASES_2
     check(run_distributed(run_cases, 2, cases, timeout_s=180), cases)
 
 

@@ -119,6 +119,11 @@ CASES_4 = {
     # the same experts and route the same tokens.
     "dp2xtp2-ep2-ddp": {"dp": 2, "tp": 2, "ep": 2},
     "dp2xtp2-ep2-zero3-recompute": {"dp": 2, "tp": 2, "ep": 2, "zero": 3, "recompute": "full"},
+    # Sequence parallelism: the MoE module gathers the whole sequence (tp_styles.GatherSequence)
+    # and cuts its output back to the rank's shard; its shared experts split as without SP.
+    "dp2-tp2-sp": {"dp": 2, "tp": 2, "sequence_parallel": True},
+    "dp2xtp2-ep2-sp-zero3-recompute": {"dp": 2, "tp": 2, "ep": 2, "zero": 3,
+                                       "recompute": "full", "sequence_parallel": True},
 }
 
 
@@ -132,6 +137,10 @@ COUNT_CASES = {
     "dp4-ep2-zero3-full": {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"},
     "dp4-ep4-zero1": {"dp": 4, "ep": 4, "zero": 1},
     "dp2xtp2-ep2-zero1": {"dp": 2, "tp": 2, "ep": 2, "zero": 1},
+    # The MoE's all-gathers under SP (forward and backward), re-run by a full recompute.
+    "dp2xtp2-ep2-sp-zero1": {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "sequence_parallel": True},
+    "dp2xtp2-sp-zero1-full": {"dp": 2, "tp": 2, "zero": 1, "recompute": "full",
+                              "sequence_parallel": True},
 }
 
 

@@ -45,8 +45,6 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["estimate", f"{MOE},top_k=2", "--dp", "4", "--ep", "3", "--global-batch", "8"],
      "does not divide dp"),
     (["estimate", f"{MOE},top_k=5", "--dp", "4", "--global-batch", "8"], "top_k must be"),
-    (["run", f"{MOE},top_k=2", "--tp", "2", "--sequence-parallel", "--global-batch", "4",
-      "--steps", "1"], "mixture-of-experts models without sequence parallelism"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

@@ -52,10 +52,13 @@ def test_deepspeed_refuses_ep_clearly():
 
 
 def test_slurm_runs_what_autopars_runtime_runs():
-    # autopar's runtime runs ep with tp > 1, but mixture-of-experts blocks without sequence
-    # parallelism.
-    with pytest.raises(ValueError, match="without sequence parallelism"):
-        export_plan(_plan("megatron-lm", dp=2, tp=2, sequence_parallel=True), "slurm")
+    # autopar's runtime runs ep with tp > 1, and mixture-of-experts blocks under sequence
+    # parallelism where one module holds the router and the experts (the plan records it).
+    sp = _plan("megatron-lm", dp=2, tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="no one module of this model holds both"):
+        export_plan(sp, "slurm")
+    held = dataclasses.replace(sp, moe=dataclasses.replace(sp.moe, module="moe"))
+    assert "ep=2 mb=1 zero=1 recompute=none sp bf16" in export_plan(held, "slurm").text
     assert "dp=2 tp=2 pp=1 ep=2" in export_plan(_plan("megatron-lm", dp=2, tp=2), "slurm").text
     assert "autopar run" in export_plan(_plan("megatron-lm"), "slurm").text
     # Experts autopar's runtime cannot run one at a time (the plan records why): slurm refuses

@@ -52,8 +52,6 @@ def _plan(num_blocks: int = 4, layout: dict[str, str] | None = None, **cfg: Any)
         (GPT, {"pp": 4, "global_batch": 2}, "1f1b needs at least"),
         (dict(GPT, seq_len=6), {"cp": 2}, r"2 \* cp = 4 chunks"),
         (dict(GPT, seq_len=12), {"cp": 2, "tp": 4, "sequence_parallel": True}, "seq_len / cp"),
-        (dict(LLAMA, experts=4, top_k=2), {"tp": 2, "sequence_parallel": True},
-         "mixture-of-experts models without sequence parallelism"),
     ],
 )
 def test_unrunnable_plans_fail_before_launch(shape: dict, cfg: dict, match: str) -> None:

@@ -1,0 +1,112 @@
+"""Mixture-of-experts blocks under sequence parallelism as autopar's runtime runs them: the MoE
+module gathers the whole sequence (runtime/tp_styles.py GatherSequence), so its tp calls, the
+inputs kept whole, and ep's all-to-all sizes differ from the rest of the block's
+(``collectives.block_tp_calls``, framework_support ``moe_gathers_sequence``); the runtime's
+collective table and the cost model's charged calls agree; the search offers SP for such
+models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.cost_model.collectives import block_tp_calls, expected_collectives
+from autopar.cost_model.framework_support import moe_gathers_sequence
+from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import charged_collectives
+from autopar.cost_model.moe import ep_collectives
+from autopar.cost_model.tp_comm import sp_gathered_inputs
+from autopar.graph.types import LayerProfile, ModelProfile
+
+SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 32,
+         "experts": 4, "top_k": 2}
+AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
+
+
+def _profile(shared: int) -> ModelProfile:
+    model = autopar.models.build("llama", device="meta", shared_experts=shared, **SHAPE)
+    return autopar.profile(model, seq_len=SHAPE["seq_len"])
+
+
+WITH_SHARED, ROUTED_ONLY = _profile(1), _profile(0)
+
+
+def _block(profile: ModelProfile) -> LayerProfile:
+    return profile.layers[1]
+
+
+def test_the_profile_names_the_module_holding_router_and_experts() -> None:
+    moe = _block(WITH_SHARED).moe
+    assert moe is not None and moe.module == "moe"
+    assert moe.holds("layers.0.moe.shared_experts.w1")
+    assert not moe.holds("layers.0.attention.wq") and not moe.holds("moe.w1")
+    again = ModelProfile.from_dict(json.loads(WITH_SHARED.to_json()))
+    assert again.layers[1].moe == moe
+    assert "module" not in dataclasses.replace(moe, module="").to_dict()
+
+
+def test_gathering_moe_calls_by_rule() -> None:
+    # Routed experts only: the attention's all-gather and reduce-scatter, plus the MoE's
+    # all-gather in each of forward and backward; a full recompute re-runs all three forward.
+    fwd, bwd, rerun = block_tp_calls(_block(ROUTED_ONLY), sp=True, first_block=False,
+                                     moe_gathers=True)
+    assert (fwd, bwd, rerun) == (Counter({AG: 2, RS: 1}), Counter({RS: 1, AG: 2}),
+                                 Counter({AG: 2, RS: 1}))
+    # Shared experts inside the MoE module: split as without SP (all-reduces), the last one
+    # (their output, which nothing saves) not re-run.
+    fwd, bwd, rerun = block_tp_calls(_block(WITH_SHARED), sp=True, first_block=True,
+                                     moe_gathers=True)
+    assert (fwd, bwd, rerun) == (Counter({AG: 2, RS: 1, AR: 1}),
+                                 Counter({RS: 1, AG: 3, AR: 1}), Counter({AG: 2, RS: 1}))
+    # A framework that splits its experts over tp: the shared experts as a second MLP.
+    fwd, bwd, _ = block_tp_calls(_block(WITH_SHARED), sp=True, first_block=False,
+                                 moe_gathers=False)
+    assert (fwd, bwd) == (Counter({AG: 2, RS: 2}), Counter({RS: 2, AG: 2}))
+
+
+def test_inputs_kept_whole_include_the_moe_input() -> None:
+    assert sp_gathered_inputs(_block(ROUTED_ONLY), True) == 2  # attention, MoE
+    assert sp_gathered_inputs(_block(ROUTED_ONLY), False) == 1
+    assert sp_gathered_inputs(_block(WITH_SHARED), True) == 2  # the shared experts' is the MoE's
+
+
+@pytest.mark.parametrize("profile", [WITH_SHARED, ROUTED_ONLY], ids=["shared", "routed"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_runtime_table_equals_charged_calls(profile: ModelProfile, recompute: str,
+                                            ep: int) -> None:
+    cfg = ParallelConfig(dp=2, tp=2, ep=ep, zero=1, global_batch=4, micro_batch=1,
+                         sequence_parallel=True, recompute=recompute)
+    assert expected_collectives(profile, cfg) == charged_collectives(profile, cfg)
+
+
+def test_all_to_alls_carry_the_whole_sequence() -> None:
+    layer = _block(ROUTED_ONLY)
+    cfg = ParallelConfig(dp=2, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    whole = ep_collectives(layer, cfg, seq_len=32, whole_sequence=True)[0]
+    shard = ep_collectives(layer, cfg, seq_len=32)[0]
+    assert [c.size_bytes for c in whole][1:] == [2 * c.size_bytes for c in shard][1:]
+    assert moe_gathers_sequence(get_framework("autopar"))
+    assert not moe_gathers_sequence(get_framework("torchtitan"))
+
+
+def test_autopar_plans_sequence_parallel_for_moe_models() -> None:
+    from autopar.search import SearchOptions
+    from autopar.search.planner import _candidates
+
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    opts = SearchOptions(max_virtual_stages=2, framework="autopar")
+    cands = _candidates(ROUTED_ONLY, cluster, 8, opts)
+    assert any(c.tp > 1 and c.sequence_parallel for c in cands)
+    cfg = ParallelConfig(dp=2, tp=2, global_batch=8, sequence_parallel=True)
+    sp = autopar.estimate(ROUTED_ONLY, cluster, cfg, framework="autopar")
+    no_sp = autopar.estimate(ROUTED_ONLY, cluster, dataclasses.replace(
+        cfg, sequence_parallel=False), framework="autopar")
+    assert (sp.memory_breakdown.activations_bytes
+            < no_sp.memory_breakdown.activations_bytes)

@@ -3,7 +3,10 @@
 For every candidate (best memory bound first) the ILP is solved with the largest rank's memory
 as its objective; the search stops once the next candidate's memory bound cannot beat the best
 found, so ``min_memory_bytes`` is the smallest per-GPU peak over the whole space (unless a time
-budget ended the search first).
+budget ended the search first). A candidate whose offloaded state overflows the host whatever its
+split is solved only while it could still be the closest host overflow (named when nothing else
+is left): an offloading search of a model far too large for its cluster solves a handful of
+ILPs, not one per offload variant.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def closest_split(cands, options: SearchOptions, deadline) -> tuple[float, str]:
             break
         if deadline is not None and time.monotonic() > deadline and (best_desc or host_desc):
             break
+        if cand.memory_lb_bytes >= host_mem and _overflows_host(cand.table):
+            continue  # it can only name a host overflow, and cannot beat the one found
         model = build_ilp(cand.table, objective="memory")
         sol = solve_ilp(model, options)
         if not sol.has_solution:
@@ -51,6 +56,13 @@ def closest_split(cands, options: SearchOptions, deadline) -> tuple[float, str]:
         elif mem < best_mem:
             best_mem, best_desc = mem, desc
     return (best_mem, best_desc) if best_desc else (host_mem, host_desc)
+
+
+def _overflows_host(table) -> bool:
+    """Whether every split of ``table`` overflows the host: some pipeline rank holds at least
+    ``1 / pp`` of the offloaded state, and the rank with the largest layer at least that."""
+    host = [layer.host_bytes for layer in table.layers]
+    return max(sum(host) / table.config.pp, max(host, default=0.0)) > table.host_capacity_bytes
 
 
 def infeasible_error(

@@ -173,6 +173,35 @@ def test_infeasible_closest_split_fits_the_host() -> None:
     assert "offload" not in err.closest and err.closest in str(err)
 
 
+def test_closest_split_skips_offloads_that_overflow_the_host_whatever_the_split(
+        monkeypatch) -> None:
+    """The same closest split as solving every candidate, with fewer memory ILPs: an offload
+    variant whose host share overflows under any split is solved only while it could still be
+    the closest host overflow."""
+    from autopar.search import infeasible
+
+    big = gpt_profile(8, 8192, 64, s=256, vocab=32000)
+    tight = dataclasses.replace(Cluster.preset("a100-80g", nodes=1, gpus_per_node=2,
+                                               gpu_memory_gb=16),
+                                host_memory_bytes_per_gpu=16 * 2**30)
+    solves = []
+    real = infeasible.solve_ilp
+    monkeypatch.setattr(infeasible, "solve_ilp", lambda *a: solves.append(1) or real(*a))
+
+    def closest(skip: bool) -> tuple[float, str, int]:
+        solves.clear()
+        with monkeypatch.context() as m:
+            if not skip:
+                m.setattr(infeasible, "_overflows_host", lambda table: False)
+            with pytest.raises(InfeasiblePlanError) as info:
+                plan(big, tight, global_batch=8, options=OPTS)
+        return info.value.min_memory_bytes, info.value.closest, len(solves)
+
+    mem, desc, fewer = closest(True)
+    mem_all, desc_all, every = closest(False)
+    assert (mem, desc) == (mem_all, desc_all) and fewer < every
+
+
 def test_progress_and_time_budget() -> None:
     calls = []
     cluster = Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)

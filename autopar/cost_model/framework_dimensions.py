@@ -296,5 +296,8 @@ def supports_dimensions(fw: Any, config: Any) -> str | None:
     if config.offload not in fw.offloads:
         return f"{fw.name} offloads {', '.join(fw.offloads)}, not {config.offload!r}"
     if config.dtype not in fw.dtypes:
-        return f"{fw.name} trains in {', '.join(fw.dtypes)}, not {config.dtype}"
+        others = [name for name, dims in DIMENSIONS.items() if config.dtype in dims["dtypes"]]
+        where = f", or plan for --framework {' or '.join(others)}" if others else ""
+        return (f"{fw.name} trains in {', '.join(fw.dtypes)}, not {config.dtype}; use one of "
+                f"those{where}")
     return None

@@ -135,6 +135,10 @@ def dtype_reason(device: DeviceSpec, dtype: str) -> str:
                     f"{device.peak_fp16_flops / tera:.0f} TFLOP/s)")
         return f"fp16 at {device.peak_fp16_flops / tera:.0f} TFLOP/s (as asked)"
     if dtype == "bf16":
+        if device.peak_bf16_flops < device.peak_fp16_flops:
+            return (f"bf16 at {device.peak_bf16_flops / tera:.0f} TFLOP/s (as asked): "
+                    f"{device.name} has no bf16 tensor cores; fp16 runs at "
+                    f"{device.peak_fp16_flops / tera:.0f} TFLOP/s (--dtype fp16)")
         return (f"bf16 at {device.peak_bf16_flops / tera:.0f} TFLOP/s (fp16's speed without "
                 "loss scaling)")
     return f"fp32 at {device.peak_fp32_flops / tera:.1f} TFLOP/s"

@@ -54,6 +54,10 @@ def test_frameworks_get_only_their_dimensions() -> None:
 def test_v100_plans_are_fp16() -> None:
     best = plan(llama(2048), Cluster.preset("v100-32g"), 16)
     assert best.config.dtype == "fp16" and "no bf16 tensor cores" in best.estimate.precision
+    # bf16 asked for on a V100: the report says what fp16 would run at, not "fp16's speed".
+    asked = autopar.estimate(llama(2048), Cluster.preset("v100-32g"), dataclasses.replace(
+        best.config, dtype="bf16")).precision
+    assert "as asked" in asked and "--dtype fp16" in asked and "fp16's speed" not in asked
 
 
 @pytest.mark.parametrize(("memory_gb", "offload"), [(0.7, "params"), (0.85, "optimizer")])

@@ -86,34 +86,37 @@ HSDP_AR = "all_reduce@dp_replicate"
 CP_AG, CP_RS = "all_gather_into_tensor@cp", "reduce_scatter_tensor@cp"
 
 
-def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_gathers: bool
+def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_tp: str
                    ) -> tuple[Counter[str], Counter[str], Counter[str]]:
     """The tp calls of one block and micro-batch by kind ("all_reduce", "all_gather_into_tensor",
     "reduce_scatter_tensor"): (forward, backward, what a full recompute re-runs); the module
     docstring's rule, which tp_comm.py times and ``expected_collectives`` counts.
 
-    ``moe_gathers``: under sequence parallelism the block's MoE module (``MoEStructure.module``)
-    gathers the whole sequence (framework_support ``moe_gathers_sequence``): its input is
+    ``moe_tp`` (framework_support ``moe_tp_mode``) says how the block's MoE module
+    (``MoEStructure.module``) talks over tp. "gather", under sequence parallelism: its input is
     all-gathered forward (its gradient, replicated, is cut back without communication) and its
     replicated output cut to the sequence shard (the gradient all-gathered backward); the
-    column-parallel parents and row-parallel linears inside it (shared experts) run on the gathered
-    sequence as without sequence parallelism: an all-reduce per row-parallel output forward, per
-    parent backward. A full recompute re-runs the forward's calls but the last row-parallel one
-    inside the MoE module (nothing saves the shared experts' output); without shared experts it
-    re-runs them all (the gathered input is saved).
+    column-parallel parents and row-parallel linears inside it (shared experts) run on the
+    gathered sequence as without sequence parallelism: an all-reduce per row-parallel output
+    forward, per parent backward. A full recompute re-runs the forward's calls but the last
+    row-parallel one inside the MoE module (nothing saves the shared experts' output); without
+    shared experts it re-runs them all (the gathered input is saved). "boundary": the MoE
+    module is one column-parallel parent and one row-parallel output (an MLP's calls) and the
+    linears inside it issue none of their own. "linears": the listed linears' calls.
     """
     parents_all = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
     if not (layer.tp.rowwise and parents_all):
         return Counter(), Counter(), Counter()
-    moe = layer.moe if (sp and moe_gathers and layer.moe is not None
-                        and layer.moe.module) else None
+    boundary = moe_tp == "boundary" and layer.moe is not None
+    moe = layer.moe if (layer.moe is not None and layer.moe.module and (
+        boundary or (moe_tp == "gather" and sp))) else None
     inside = moe.holds if moe is not None else (lambda _fqn: False)
-    parents = sum(1 for p in parents_all if not inside(p))
-    rowwise = sum(1 for r in layer.tp.rowwise if not inside(r))
+    parents = sum(1 for p in parents_all if not inside(p)) + int(boundary)
+    rowwise = sum(1 for r in layer.tp.rowwise if not inside(r)) + int(boundary)
     if not sp:
         return (Counter({_AR: rowwise}), Counter({_AR: parents}),
                 Counter({_AR: rowwise - 1}))
-    if moe is None:
+    if moe is None or boundary:
         return (Counter({_AG: parents, _RS: rowwise}),
                 Counter({_RS: parents, _AG: rowwise + int(first_block)}),
                 Counter({_AG: parents, _RS: rowwise - 1}))
@@ -126,7 +129,7 @@ def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_gath
 
 def _block_tp(layer: LayerProfile, sp: bool, full: bool, first_block: bool) -> Counter[str]:
     forward, backward, rerun = block_tp_calls(layer, sp=sp, first_block=first_block,
-                                              moe_gathers=True)  # autopar's runtime
+                                              moe_tp="gather")  # autopar's runtime
     total = forward + backward + (rerun if full else Counter())
     return Counter({f"{kind}@tp": n for kind, n in total.items() if n})
 

@@ -9,7 +9,9 @@ calls per local expert of a framework that loops over its experts (0: one groupe
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
 blocks run under sequence parallelism (with experts whole on every tp rank, by gathering the
-whole sequence into the MoE module: ``framework_support.moe_gathers_sequence``);
+whole sequence into the MoE module: framework_support ``moe_tp_mode``); ``moe_tp_boundary``,
+with ep off the routed experts split over tp and the MoE module's input gathered and its
+output, shared experts' included, reduced once at its boundary (an MLP's tp collectives);
 ``offload_optimizer_moves_params``, an optimizer offload that also keeps parameters and
 gradients on the host, costed as ``offload="params"`` (offload.py); ``attention_kernel``,
 the kernel of a fused attention core: "fused" (cuDNN / FlashAttention-3, the matmul curve's
@@ -57,7 +59,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
-        cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True,
+        cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp_boundary=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False,
     ),
@@ -120,6 +122,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                  "all-gather in, its replicated output cut back to the "
                                  "sequence shard; tests/distributed/test_runtime_moe.py sp "
                                  "cases)",
+        "moe_tp_boundary": "sourced: autopar/runtime/tensor_parallel.py splits linears "
+                           "only: routed experts run whole, shared experts' linears issue "
+                           "their own collectives (collectives.block_tp_calls)",
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: autopar/models/llama.py SwiGLU runs w2(silu(w1(x)) * w3(x)) "
                         "eagerly: silu's output is kept for the product's backward",
@@ -172,6 +177,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "rowwise), with ep on sharded over ep",
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
+        "moe_tp_boundary": "sourced: torchtitan models/common/MOE_SHARDING.md: with ep off "
+                           "the MoE input is Shard(1) -> Replicate (SP) or replicated, routed "
+                           "experts TP-sharded, the shared experts' w2 output stays Partial and "
+                           "the sum is reduced once at the MoE boundary (-> Shard(1) or "
+                           "Replicate): an MLP's tp collectives per MoE block",
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: torchtitan's FeedForward runs w2(F.silu(w1(x)) * w3(x)) "
                         "eagerly (torch.compile may fuse it; not costed)",
@@ -218,6 +228,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
                                  "(training with tp > 1 and MoE expects sequence "
                                  "parallelism)",
+        "moe_tp_boundary": "sourced: Megatron-Core's token dispatchers gather and scatter "
+                           "the routed rows over tp inside the MoE layer "
+                           "(moe/token_dispatcher.py), not at its boundary; charged: the "
+                           "shared experts' own linears",
         "attention_kernel": "sourced: Megatron-Core's TEDotProductAttention (Transformer "
                             "Engine): cuDNN fused attention or FlashAttention-3 on Hopper",
         "fused_swiglu": "sourced: Megatron-LM --swiglu with bias_swiglu_fusion on by default "
@@ -263,6 +277,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "enable_expert_tensor_parallelism=False) by default: experts "
                                   "whole on every tensor-parallel rank",
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
+        "moe_tp_boundary": "sourced: deepspeed/moe/layer.py MoE keeps experts whole on "
+                           "every tp rank by default (expert_tensor_parallel): no collective "
+                           "at the MoE boundary",
         "attention_kernel": "sourced: Megatron-DeepSpeed --use-flash-attn-v2 "
                             "(FlashAttention-2's kernels)",
         "fused_swiglu": "sourced: Megatron-DeepSpeed's swiglu is eager (torch.chunk, "

@@ -113,13 +113,29 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
     return None
 
 
-def moe_gathers_sequence(framework: Framework) -> bool:
-    """Under sequence parallelism ``framework``'s MoE blocks gather the whole sequence and
-    route it on every tp rank: their routed experts are whole there (no
-    ``expert_tensor_parallel``), so each tp rank runs them on the gathered tokens and cuts its
-    replicated output back to its shard (autopar's runtime: tensor_parallel.py). Their tp calls
-    are ``collectives.block_tp_calls``'; ep's all-to-alls carry the whole sequence."""
-    return framework.moe_sequence_parallel and not framework.expert_tensor_parallel
+def moe_tp_mode(framework: Framework, config) -> str:
+    """How ``framework``'s MoE blocks talk over tp (``collectives.block_tp_calls``):
+
+    - "gather": routed experts whole on every tp rank (no ``expert_tensor_parallel``): under
+      sequence parallelism the MoE module gathers the whole sequence, routes it on every tp
+      rank and cuts its replicated output back to its shard (autopar's runtime:
+      tensor_parallel.py); ep's all-to-alls carry the whole sequence.
+    - "boundary": with ep off the routed experts split over tp, the MoE module's input
+      gathered (or replicated) and its output, shared experts' included, reduced once at its
+      boundary: an MLP's collectives (``moe_tp_boundary``: torchtitan).
+    - "linears": the collectives of the linears the profile lists (shared experts) only.
+    """
+    if framework.moe_sequence_parallel and not framework.expert_tensor_parallel:
+        return "gather"
+    if framework.moe_tp_boundary and config.ep == 1:
+        return "boundary"
+    return "linears"
+
+
+def moe_routes_whole_sequence(framework: Framework, config) -> bool:
+    """Every tp rank routes the whole sequence under sequence parallelism (ep's all-to-alls
+    carry it whole): ``moe_tp_mode`` "gather"."""
+    return moe_tp_mode(framework, config) == "gather"
 
 
 def moe_sp_blocker(framework: Framework, moe) -> str:

@@ -191,6 +191,7 @@ class Framework:
     expert_gemm_calls: int = 0
     expert_tensor_parallel: bool = True
     moe_sequence_parallel: bool = True
+    moe_tp_boundary: bool = False
     attention_kernel: str = "fused"
     fused_swiglu: bool = False
     native_gqa: bool = False
@@ -218,10 +219,8 @@ class Framework:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"Framework.{name} must be >= 0, got {value!r}")
-        low, high = self.step_time_band
-        if not 0 < low <= high:
-            raise ValueError(f"Framework.step_time_band {self.step_time_band}: need 0 < low <= "
-                             "high")
+        if not 0 < self.step_time_band[0] <= self.step_time_band[1]:
+            raise ValueError(f"Framework.step_time_band {self.step_time_band}: need low <= high")
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown:
             raise ValueError(f"Framework.schedules: unknown {unknown}")

@@ -64,7 +64,11 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
-from autopar.cost_model.framework_support import model_framework, moe_gathers_sequence
+from autopar.cost_model.framework_support import (
+    model_framework,
+    moe_routes_whole_sequence,
+    moe_tp_mode,
+)
 from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
@@ -153,7 +157,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
 def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
     return ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
                     force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch,
-                    whole_sequence=moe_gathers_sequence(fw))
+                    whole_sequence=moe_routes_whole_sequence(fw, cfg))
 
 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
@@ -199,7 +203,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         # Per micro-batch: a per-step collective counts 1/m per micro-batch.
         tp_comm_s=_tp_comm_s(fw, cfg, tp_collectives(
             profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
-            moe_gathers=moe_gathers_sequence(fw)), groups["tp"], times),
+            moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(_net_of_backward_state(tuple(a - k for a, k in zip(
             act, kept_less)), cfg, state.local_params, held), cluster, fw),
@@ -481,11 +485,11 @@ def charged_collectives(
             mode = RECOMPUTE_INDEX[recompute[i]]
             tp = tp_collectives(profile, profile.layers[i], cfg, ratio, first_block=i == first,
                                 loss_parallel=runtime.loss_parallel,
-                                moe_gathers=moe_gathers_sequence(runtime))
+                                moe_tp=moe_tp_mode(runtime, cfg))
             shard = cfg.tp if tp_sharded(local.layers[i]) else 1
             cp = gather_collectives(kv_bytes(local, local.layers[i], cfg, shard), cfg)
             ep = ep_collectives(local.layers[i], cfg, seq_len=local.seq_len,
-                                whole_sequence=moe_gathers_sequence(runtime))
+                                whole_sequence=moe_routes_whole_sequence(runtime, cfg))
             calls = tp[mode] + cp[mode] + ep[mode] + unit_collectives(
                 profile.layers[i], cfg, fsdp_unit_params(profile, cfg, i))
             for c in calls:

@@ -12,7 +12,7 @@ import dataclasses
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import memory
-from autopar.cost_model.framework_support import moe_gathers_sequence
+from autopar.cost_model.framework_support import moe_tp_mode
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
 from autopar.cost_model.precision import fp8_linears
 from autopar.cost_model.tp_comm import sp_gathered_inputs
@@ -35,7 +35,7 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
         gathered_logits=gathered_logits,
         sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(
-            layer, moe_gathers_sequence(fw))
+            layer, moe_tp_mode(fw, cfg))
         * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
         selective_keeps_gathered=fw.selective_policy != "op",
         fp32_logprobs=profile.loss != "fused",

@@ -7,7 +7,7 @@ router, shared experts) stays replicated over dp as before. Routed experts are t
 sharded like the rest of the layer (expert tensor parallelism = tp, Megatron-Core's default).
 
 Per MoE layer and micro-batch, with T = b s tokens a rank routes (T / tp with sequence parallelism,
-unless the MoE module gathers the whole sequence: framework_support ``moe_gathers_sequence``), k' =
+unless the MoE module gathers the whole sequence: framework_support ``moe_tp_mode``), k' =
 the dispatched rows per token (k, or c k with a capacity factor c), h the width and w the bytes of
 the training dtype:
 
@@ -228,7 +228,7 @@ def ep_terms(
         force_balance: the framework forces the router's balance (no imbalance).
         dispatch: "all_to_all" or "hierarchical" (module docstring).
         whole_sequence: every tp rank routes the whole sequence under sequence parallelism
-            (``framework_support.moe_gathers_sequence``), not its shard.
+            (framework_support ``moe_routes_whole_sequence``), not its shard.
     """
     moe = layer.moe
     if moe is None or config.ep <= 1:

@@ -36,9 +36,9 @@ def _tp(kind: str, size: float, calls: int, phase: str,
                             per="microbatch", phase=phase, counted=counted),)
 
 
-def _block_tp(layer, cfg, act_bytes: float, first_block: bool, moe_gathers: bool):
+def _block_tp(layer, cfg, act_bytes: float, first_block: bool, moe_tp: str):
     forward, backward, rerun = block_tp_calls(layer, sp=cfg.sequence_parallel,
-                                              first_block=first_block, moe_gathers=moe_gathers)
+                                              first_block=first_block, moe_tp=moe_tp)
     if not (forward or backward):
         return _NO_TP
 
@@ -52,7 +52,7 @@ def _block_tp(layer, cfg, act_bytes: float, first_block: bool, moe_gathers: bool
 
 def tp_collectives(
     profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, dtype_ratio: float,
-    *, first_block: bool, loss_parallel: bool = False, moe_gathers: bool = False,
+    *, first_block: bool, loss_parallel: bool = False, moe_tp: str = "linears",
 ) -> tuple[tuple[comm.Collective, ...], ...]:
     """The tp collectives of one layer and micro-batch, by recompute mode (module docstring).
 
@@ -66,8 +66,8 @@ def tp_collectives(
             three all-reduces of fp32 [b, s] in the forward (the logits' max, the sum of their
             exponentials and the target's logit: torch's loss_parallel and Megatron-LM's
             vocab-parallel cross entropy alike).
-        moe_gathers: a MoE module gathers the whole sequence under sequence parallelism
-            (``framework_support.moe_gathers_sequence``; ``collectives.block_tp_calls``).
+        moe_tp: how a MoE module talks over tp (framework_support ``moe_tp_mode``;
+            ``collectives.block_tp_calls``).
 
     Returns:
         One tuple of Collectives per mode of ``RECOMPUTE``; empty when tp == 1.
@@ -76,7 +76,7 @@ def tp_collectives(
         return _NO_TP
     norms = _sp_norm_grads(layer, cfg)
     calls = _layer_tp_calls(profile, layer, cfg, dtype_ratio, first_block=first_block,
-                            loss_parallel=loss_parallel, moe_gathers=moe_gathers)
+                            loss_parallel=loss_parallel, moe_tp=moe_tp)
     return tuple(c + norms for c in calls) if norms else calls
 
 
@@ -94,13 +94,13 @@ def _sp_norm_grads(layer: LayerProfile, cfg: ParallelConfig) -> tuple[comm.Colle
 
 def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
                     dtype_ratio: float, *, first_block: bool, loss_parallel: bool = False,
-                    moe_gathers: bool = False):
+                    moe_tp: str = "linears"):
     b, w = cfg.micro_batch, DTYPE_BYTES[cfg.dtype]
     hidden_bytes = profile.seq_len * profile.hidden * b * w  # one [b, s, h] activation
     if layer.kind == "block":
         rowwise = max(1, len(layer.tp.rowwise))
         act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
-        return _block_tp(layer, cfg, act, first_block, moe_gathers)
+        return _block_tp(layer, cfg, act, first_block, moe_tp)
     if not layer.tp.vocab_parallel:
         return _NO_TP
     if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
@@ -131,17 +131,18 @@ def tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:
     return len(t.colwise) + len(t.rowwise) + len(t.vocab_parallel) + sp
 
 
-def sp_gathered_inputs(layer: LayerProfile, moe_gathers: bool = False) -> int:
+def sp_gathered_inputs(layer: LayerProfile, moe_tp: str = "linears") -> int:
     """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
     linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
     the MLP's input projections another), one for the vocab-parallel head. A MoE module that
-    gathers the sequence (``moe_gathers``) keeps one for itself and its shared experts."""
+    gathers its input itself (``moe_tp`` "gather" or "boundary": framework_support
+    ``moe_tp_mode``) keeps one for itself and its shared experts."""
     if layer.kind == "block":
         if not layer.tp.rowwise:
             return 0
         parents = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
         moe = layer.moe
-        if moe_gathers and moe is not None and moe.module and parents:
+        if moe_tp != "linears" and moe is not None and parents:
             return sum(1 for p in parents if not moe.holds(p)) + 1
         return len(parents)
     return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0

@@ -92,7 +92,7 @@ class MoEStructure:
             experts ("moe", "mlp", "feed_forward"); "" where no one module holds both (the
             experts' parent holds no router). Under sequence parallelism autopar's runtime
             gathers the whole sequence into that module (framework_support
-            ``moe_gathers_sequence``), so the tp collectives of its linears differ from the
+            ``moe_tp_mode``), so the tp collectives of its linears differ from the
             rest of the block's. In JSON only when set.
     """
 

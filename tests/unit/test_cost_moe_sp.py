@@ -1,7 +1,7 @@
 """Mixture-of-experts blocks under sequence parallelism as autopar's runtime runs them: the MoE
 module gathers the whole sequence (runtime/tp_styles.py GatherSequence), so its tp calls, the
 inputs kept whole, and ep's all-to-all sizes differ from the rest of the block's
-(``collectives.block_tp_calls``, framework_support ``moe_gathers_sequence``); the runtime's
+(``collectives.block_tp_calls``, framework_support ``moe_tp_mode``); the runtime's
 collective table and the cost model's charged calls agree; the search offers SP for such
 models."""
 
@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar.config import ParallelConfig
 from autopar.cost_model.collectives import block_tp_calls, expected_collectives
-from autopar.cost_model.framework_support import moe_gathers_sequence
+from autopar.cost_model.framework_support import moe_tp_mode
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import charged_collectives
@@ -55,25 +55,26 @@ def test_gathering_moe_calls_by_rule() -> None:
     # Routed experts only: the attention's all-gather and reduce-scatter, plus the MoE's
     # all-gather in each of forward and backward; a full recompute re-runs all three forward.
     fwd, bwd, rerun = block_tp_calls(_block(ROUTED_ONLY), sp=True, first_block=False,
-                                     moe_gathers=True)
+                                     moe_tp="gather")
     assert (fwd, bwd, rerun) == (Counter({AG: 2, RS: 1}), Counter({RS: 1, AG: 2}),
                                  Counter({AG: 2, RS: 1}))
     # Shared experts inside the MoE module: split as without SP (all-reduces), the last one
     # (their output, which nothing saves) not re-run.
     fwd, bwd, rerun = block_tp_calls(_block(WITH_SHARED), sp=True, first_block=True,
-                                     moe_gathers=True)
+                                     moe_tp="gather")
     assert (fwd, bwd, rerun) == (Counter({AG: 2, RS: 1, AR: 1}),
                                  Counter({RS: 1, AG: 3, AR: 1}), Counter({AG: 2, RS: 1}))
     # A framework that splits its experts over tp: the shared experts as a second MLP.
     fwd, bwd, _ = block_tp_calls(_block(WITH_SHARED), sp=True, first_block=False,
-                                 moe_gathers=False)
+                                 moe_tp="linears")
     assert (fwd, bwd) == (Counter({AG: 2, RS: 2}), Counter({RS: 2, AG: 2}))
 
 
 def test_inputs_kept_whole_include_the_moe_input() -> None:
-    assert sp_gathered_inputs(_block(ROUTED_ONLY), True) == 2  # attention, MoE
-    assert sp_gathered_inputs(_block(ROUTED_ONLY), False) == 1
-    assert sp_gathered_inputs(_block(WITH_SHARED), True) == 2  # the shared experts' is the MoE's
+    assert sp_gathered_inputs(_block(ROUTED_ONLY), "gather") == 2  # attention, MoE
+    assert sp_gathered_inputs(_block(ROUTED_ONLY)) == 1
+    # The shared experts' gathered input is the MoE's.
+    assert sp_gathered_inputs(_block(WITH_SHARED), "gather") == 2
 
 
 @pytest.mark.parametrize("profile", [WITH_SHARED, ROUTED_ONLY], ids=["shared", "routed"])
@@ -92,8 +93,8 @@ def test_all_to_alls_carry_the_whole_sequence() -> None:
     whole = ep_collectives(layer, cfg, seq_len=32, whole_sequence=True)[0]
     shard = ep_collectives(layer, cfg, seq_len=32)[0]
     assert [c.size_bytes for c in whole][1:] == [2 * c.size_bytes for c in shard][1:]
-    assert moe_gathers_sequence(get_framework("autopar"))
-    assert not moe_gathers_sequence(get_framework("torchtitan"))
+    assert moe_tp_mode(get_framework("autopar"), cfg) == "gather"
+    assert moe_tp_mode(get_framework("torchtitan"), cfg) == "linears"  # ep on
 
 
 def test_autopar_plans_sequence_parallel_for_moe_models() -> None:
@@ -110,3 +111,28 @@ def test_autopar_plans_sequence_parallel_for_moe_models() -> None:
         cfg, sequence_parallel=False), framework="autopar")
     assert (sp.memory_breakdown.activations_bytes
             < no_sp.memory_breakdown.activations_bytes)
+
+
+@pytest.mark.parametrize("profile", [WITH_SHARED, ROUTED_ONLY], ids=["shared", "routed"])
+def test_torchtitan_reduces_the_moe_once_at_its_boundary(profile: ModelProfile) -> None:
+    """torchtitan with ep off (MOE_SHARDING.md): routed experts TP-sharded, the MoE input
+    gathered and its output (shared experts' included) reduced once: an MLP's calls per MoE
+    block, none of the shared experts' own; charged in its step time."""
+    for sp, calls in ((True, (Counter({AG: 2, RS: 2}), Counter({RS: 2, AG: 2}))),
+                      (False, (Counter({AR: 2}), Counter({AR: 2})))):
+        fwd, bwd, _ = block_tp_calls(_block(profile), sp=sp, first_block=False,
+                                     moe_tp="boundary")
+        assert (+fwd, +bwd) == calls
+    titan = get_framework("torchtitan")
+    cfg = ParallelConfig(dp=2, tp=2, global_batch=8, sequence_parallel=True)
+    assert moe_tp_mode(titan, cfg) == "boundary"
+    assert moe_tp_mode(titan, dataclasses.replace(cfg, ep=2)) == "linears"
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    boundary = autopar.estimate(profile, cluster, cfg, framework="torchtitan")
+    linears = autopar.estimate(profile, cluster, cfg, framework=dataclasses.replace(
+        titan, moe_tp_boundary=False))
+    if profile is ROUTED_ONLY:  # the routed experts' pair was missing
+        assert boundary.time_breakdown.tp_comm_s > linears.time_breakdown.tp_comm_s
+    else:  # one pair for the whole MoE module, where the shared experts had one
+        assert boundary.time_breakdown.tp_comm_s == pytest.approx(
+            linears.time_breakdown.tp_comm_s)

@@ -64,6 +64,7 @@ from autopar.graph.types import LayerProfile, ModelProfile
 from autopar.schedules import rank_of_stage
 
 __all__ = [
+    "MOE_TPS",
     "block_tp_calls",
     "expected_collectives",
     "first_block_index",
@@ -76,6 +77,8 @@ __all__ = [
 ]
 
 _AR, _AG, _RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+# How a framework's MoE blocks talk over tp (``block_tp_calls``; ``Framework.moe_tp``).
+MOE_TPS = ("gather", "boundary", "rows", "linears")
 AR, AG, RS = f"{_AR}@tp", f"{_AG}@tp", f"{_RS}@tp"
 # A vocab-parallel cross entropy's forward all-reduces (sourced: torch/distributed/tensor/parallel/
 # loss.py, _log_softmax's max and sum of exponentials and _nll_loss_forward's target logit;
@@ -102,7 +105,9 @@ def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_tp: 
     row-parallel one inside the MoE module (nothing saves the shared experts' output); without
     shared experts it re-runs them all (the gathered input is saved). "boundary": the MoE
     module is one column-parallel parent and one row-parallel output (an MLP's calls) and the
-    linears inside it issue none of their own. "linears": the listed linears' calls.
+    linears inside it issue none of their own. "linears" and "rows": the listed linears' calls
+    (the routed rows' own all-gather and reduce-scatter of "rows" are tp_comm.py's, sized by
+    the dispatched rows).
     """
     parents_all = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
     if not (layer.tp.rowwise and parents_all):

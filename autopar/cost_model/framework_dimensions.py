@@ -9,9 +9,12 @@ calls per local expert of a framework that loops over its experts (0: one groupe
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
 blocks run under sequence parallelism (with experts whole on every tp rank, by gathering the
-whole sequence into the MoE module: framework_support ``moe_tp_mode``); ``moe_tp_boundary``,
-with ep off the routed experts split over tp and the MoE module's input gathered and its
-output, shared experts' included, reduced once at its boundary (an MLP's tp collectives);
+whole sequence into the MoE module); ``moe_tp``, how MoE blocks talk over tp
+(collectives.MOE_TPS, framework_support ``moe_tp_mode``): "gather" (that whole sequence),
+"boundary" (with ep off the routed experts split over tp and the MoE output, shared experts'
+included, reduced once at the module's boundary: an MLP's calls), "rows" (the dispatched rows
+all-gathered over tp before the experts and reduce-scattered after them), "linears" (only the
+linears the profile lists);
 ``offload_optimizer_moves_params``, an optimizer offload that also keeps parameters and
 gradients on the host, costed as ``offload="params"`` (offload.py); ``attention_kernel``,
 the kernel of a fused attention core: "fused" (cuDNN / FlashAttention-3, the matmul curve's
@@ -52,20 +55,22 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=True,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
-        expert_tensor_parallel=False, moe_sequence_parallel=True, attention_kernel="flash2",
+        expert_tensor_parallel=False, moe_sequence_parallel=True, moe_tp="gather",
+        attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
-        cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp_boundary=True,
+        cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp="boundary",
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
+        moe_tp="rows",
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=True, fused_norms=True, scatter_combine=True,
     ),
@@ -122,9 +127,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                  "all-gather in, its replicated output cut back to the "
                                  "sequence shard; tests/distributed/test_runtime_moe.py sp "
                                  "cases)",
-        "moe_tp_boundary": "sourced: autopar/runtime/tensor_parallel.py splits linears "
-                           "only: routed experts run whole, shared experts' linears issue "
-                           "their own collectives (collectives.block_tp_calls)",
+        "moe_tp": "sourced: autopar/runtime/tp_styles.py GatherSequence (under SP) and "
+                  "tensor_parallel.py: routed experts whole, shared experts' linears split "
+                  "(tests/distributed/test_runtime_moe.py counts)",
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: autopar/models/llama.py SwiGLU runs w2(silu(w1(x)) * w3(x)) "
                         "eagerly: silu's output is kept for the product's backward",
@@ -177,11 +182,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "rowwise), with ep on sharded over ep",
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
-        "moe_tp_boundary": "sourced: torchtitan models/common/MOE_SHARDING.md: with ep off "
-                           "the MoE input is Shard(1) -> Replicate (SP) or replicated, routed "
-                           "experts TP-sharded, the shared experts' w2 output stays Partial and "
-                           "the sum is reduced once at the MoE boundary (-> Shard(1) or "
-                           "Replicate): an MLP's tp collectives per MoE block",
+        "moe_tp": "sourced: torchtitan models/common/MOE_SHARDING.md: with ep off the MoE "
+                  "input is Shard(1) -> Replicate (SP) or replicated, routed experts "
+                  "TP-sharded, the shared experts' w2 output stays Partial and the sum is "
+                  "reduced once at the MoE boundary (-> Shard(1) or Replicate); with ep on "
+                  "each tp rank routes its own tokens",
         "attention_kernel": _TORCH_SDPA,
         "fused_swiglu": "sourced: torchtitan's FeedForward runs w2(F.silu(w1(x)) * w3(x)) "
                         "eagerly (torch.compile may fuse it; not costed)",
@@ -228,10 +233,13 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
                                  "(training with tp > 1 and MoE expects sequence "
                                  "parallelism)",
-        "moe_tp_boundary": "sourced: Megatron-Core's token dispatchers gather and scatter "
-                           "the routed rows over tp inside the MoE layer "
-                           "(moe/token_dispatcher.py), not at its boundary; charged: the "
-                           "shared experts' own linears",
+        "moe_tp": "sourced: megatron/core/transformer/moe/token_dispatcher.py "
+                  "MoEAlltoAllTokenDispatcher (the exporter's --moe-token-dispatcher-type "
+                  "alltoall): with expert tp > 1 dispatch_postprocess all-gathers the rows "
+                  "over tp and combine_preprocess reduce-scatters them (at the probs' dtype, "
+                  "the training dtype unless --moe-router-dtype); the shared experts "
+                  "(SharedExpertMLP) are tp-parallel linears of their own; moe_layer.py "
+                  "raises in training with tp > 1 and no sequence parallelism",
         "attention_kernel": "sourced: Megatron-Core's TEDotProductAttention (Transformer "
                             "Engine): cuDNN fused attention or FlashAttention-3 on Hopper",
         "fused_swiglu": "sourced: Megatron-LM --swiglu with bias_swiglu_fusion on by default "
@@ -277,9 +285,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "enable_expert_tensor_parallelism=False) by default: experts "
                                   "whole on every tensor-parallel rank",
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
-        "moe_tp_boundary": "sourced: deepspeed/moe/layer.py MoE keeps experts whole on "
-                           "every tp rank by default (expert_tensor_parallel): no collective "
-                           "at the MoE boundary",
+        "moe_tp": "sourced: deepspeed/moe/layer.py MoE keeps experts whole on every tp "
+                  "rank by default (expert_tensor_parallel): only the listed linears' calls",
         "attention_kernel": "sourced: Megatron-DeepSpeed --use-flash-attn-v2 "
                             "(FlashAttention-2's kernels)",
         "fused_swiglu": "sourced: Megatron-DeepSpeed's swiglu is eager (torch.chunk, "

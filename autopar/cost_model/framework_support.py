@@ -106,6 +106,10 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
         reason = moe_sp_blocker(framework, moe)
         if reason:
             return f"{reason}; use sequence_parallel=False"
+    elif config.tp > 1 and framework.moe_tp == "rows":
+        return (f"{framework.name} trains mixture-of-experts models under tp only with "
+                "sequence parallelism (its arguments check and MoE layer refuse it otherwise); "
+                "use sequence_parallel=True")
     if config.ep > 1 and ep_blocker and framework.runs_traced_modules:
         return (f"{framework.name} shards over ep only the experts it runs one at a time "
                 f"(stacked, called with the router's choices), and {ep_blocker}; use ep=1, "
@@ -114,22 +118,12 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
 
 
 def moe_tp_mode(framework: Framework, config) -> str:
-    """How ``framework``'s MoE blocks talk over tp (``collectives.block_tp_calls``):
-
-    - "gather": routed experts whole on every tp rank (no ``expert_tensor_parallel``): under
-      sequence parallelism the MoE module gathers the whole sequence, routes it on every tp
-      rank and cuts its replicated output back to its shard (autopar's runtime:
-      tensor_parallel.py); ep's all-to-alls carry the whole sequence.
-    - "boundary": with ep off the routed experts split over tp, the MoE module's input
-      gathered (or replicated) and its output, shared experts' included, reduced once at its
-      boundary: an MLP's collectives (``moe_tp_boundary``: torchtitan).
-    - "linears": the collectives of the linears the profile lists (shared experts) only.
-    """
-    if framework.moe_sequence_parallel and not framework.expert_tensor_parallel:
-        return "gather"
-    if framework.moe_tp_boundary and config.ep == 1:
-        return "boundary"
-    return "linears"
+    """How ``framework``'s MoE blocks talk over tp under ``config`` (``Framework.moe_tp``;
+    ``collectives.block_tp_calls``): "boundary" holds with ep off only (with ep on each tp
+    rank routes its own tokens: "linears")."""
+    if framework.moe_tp == "boundary" and config.ep > 1:
+        return "linears"
+    return framework.moe_tp
 
 
 def moe_routes_whole_sequence(framework: Framework, config) -> bool:

@@ -26,6 +26,7 @@ from types import MappingProxyType
 
 from autopar.config import SCHEDULES
 from autopar.cost_model import framework_dimensions as dims
+from autopar.cost_model.collectives import MOE_TPS
 from autopar.cost_model.compute import ATTENTION_KERNELS
 from autopar.cost_model.cp_comm import CP_COMMS
 from autopar.cost_model.framework_fit import FIT
@@ -191,7 +192,7 @@ class Framework:
     expert_gemm_calls: int = 0
     expert_tensor_parallel: bool = True
     moe_sequence_parallel: bool = True
-    moe_tp_boundary: bool = False
+    moe_tp: str = "linears"
     attention_kernel: str = "fused"
     fused_swiglu: bool = False
     native_gqa: bool = False
@@ -206,7 +207,7 @@ class Framework:
         for name, allowed in (
                 ("cp_comm", CP_COMMS), ("attention_kernel", ATTENTION_KERNELS),
                 ("fp8_scaling", FP8_SCALINGS), ("selective_policy", ("attention", "op")),
-                ("ep_dispatch", EP_DISPATCHES),
+                ("ep_dispatch", EP_DISPATCHES), ("moe_tp", MOE_TPS),
                 ("pipeline_recv_buffers", (PER_MICROBATCH, IN_FLIGHT)),
                 ("zero3_gather", (GATHER_BLOCK, GATHER_BUCKET))):
             if getattr(self, name) not in allowed:

@@ -100,7 +100,13 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
     if layer.kind == "block":
         rowwise = max(1, len(layer.tp.rowwise))
         act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
-        return _block_tp(layer, cfg, act, first_block, moe_tp)
+        calls = _block_tp(layer, cfg, act, first_block, moe_tp)
+        if moe_tp != "rows" or layer.moe is None or calls is _NO_TP:
+            return calls
+        rows = _routed_rows_tp(profile.seq_len * b * layer.moe.routed_rows_per_token()
+                               * layer.moe.hidden * w)
+        none, selective, full = calls
+        return none + rows[0], selective + rows[0], full + rows[1]
     if not layer.tp.vocab_parallel:
         return _NO_TP
     if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
@@ -120,6 +126,16 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
     else:
         return _NO_TP
     return calls, calls, calls  # the runtime recomputes blocks only
+
+
+def _routed_rows_tp(rows_bytes: float) -> tuple[tuple[comm.Collective, ...], ...]:
+    """The routed rows' tp collectives of a framework whose token dispatcher gathers them
+    (``Framework.moe_tp`` "rows": Megatron-Core's alltoall dispatcher): an all-gather of the
+    ``rows_bytes`` dispatched rows before the experts and a reduce-scatter after them, their
+    mirror in the backward; (without, with a full recompute's re-run of the forward's)."""
+    base = (_tp(AG, rows_bytes, 1, "forward") + _tp(RS, rows_bytes, 1, "forward")
+            + _tp(RS, rows_bytes, 1, "backward") + _tp(AG, rows_bytes, 1, "backward"))
+    return base, base + _tp(AG, rows_bytes, 1, "backward") + _tp(RS, rows_bytes, 1, "backward")
 
 
 def tp_modules(layer: LayerProfile, cfg: ParallelConfig) -> int:

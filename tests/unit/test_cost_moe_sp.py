@@ -130,9 +130,25 @@ def test_torchtitan_reduces_the_moe_once_at_its_boundary(profile: ModelProfile) 
     cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
     boundary = autopar.estimate(profile, cluster, cfg, framework="torchtitan")
     linears = autopar.estimate(profile, cluster, cfg, framework=dataclasses.replace(
-        titan, moe_tp_boundary=False))
+        titan, moe_tp="linears"))
     if profile is ROUTED_ONLY:  # the routed experts' pair was missing
         assert boundary.time_breakdown.tp_comm_s > linears.time_breakdown.tp_comm_s
     else:  # one pair for the whole MoE module, where the shared experts had one
         assert boundary.time_breakdown.tp_comm_s == pytest.approx(
             linears.time_breakdown.tp_comm_s)
+
+
+def test_megatron_gathers_the_routed_rows_over_tp() -> None:
+    """Megatron-Core's alltoall dispatcher all-gathers the dispatched rows over (expert) tp
+    before the experts and reduce-scatters them after (token_dispatcher.py): k rows a token,
+    each [h], forward and backward; its MoE layer wants sequence parallelism under tp."""
+    megatron = get_framework("megatron-lm")
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    cfg = ParallelConfig(dp=2, tp=2, global_batch=8, sequence_parallel=True)
+    rows = autopar.estimate(ROUTED_ONLY, cluster, cfg, framework="megatron-lm")
+    linears = autopar.estimate(ROUTED_ONLY, cluster, cfg, framework=dataclasses.replace(
+        megatron, moe_tp="linears"))
+    assert rows.time_breakdown.tp_comm_s > linears.time_breakdown.tp_comm_s
+    with pytest.raises(ValueError, match="only with sequence parallelism"):
+        autopar.estimate(ROUTED_ONLY, cluster, dataclasses.replace(
+            cfg, sequence_parallel=False), framework="megatron-lm")

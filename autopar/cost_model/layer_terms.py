@@ -27,16 +27,21 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
 
     autopar's runtime all-gathers the vocab-parallel head's logits before an ordinary loss
     (runtime/tensor_parallel.py): every tp rank holds the whole [b, s, V] logits and
-    log-softmax. A framework with a vocab-parallel loss keeps them sharded.
+    log-softmax. A framework with a vocab-parallel loss keeps them sharded. A framework whose
+    dispatcher gathers the routed rows over tp (``Framework.moe_tp`` "rows") keeps them whole
+    for the experts' backward (k [h] rows a token), whether or not it re-gathers the linears'
+    inputs.
     """
     gathered_logits = layer.kind == "head" and bool(layer.tp.vocab_parallel) and (
         not fw.loss_parallel)
+    mode = moe_tp_mode(fw, cfg)
+    gathered = 0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(layer, mode) * profile.hidden
+    if mode == "rows" and layer.moe is not None:  # the dispatched rows the experts keep whole
+        gathered += layer.moe.routed_rows_per_token() * layer.moe.hidden
     return memory.activation_bytes(
         layer, cfg, dtype_ratio=ratio, tp_sharded=shard > 1, logprob_elements=head_elems,
         gathered_logits=gathered_logits,
-        sp_gathered_bytes=0.0 if fw.sp_regathers_inputs else sp_gathered_inputs(
-            layer, moe_tp_mode(fw, cfg))
-        * profile.seq_len * profile.hidden * DTYPE_BYTES[profile.dtype],
+        sp_gathered_bytes=gathered * profile.seq_len * DTYPE_BYTES[profile.dtype],
         selective_keeps_gathered=fw.selective_policy != "op",
         fp32_logprobs=profile.loss != "fused",
     )

@@ -149,6 +149,13 @@ def test_megatron_gathers_the_routed_rows_over_tp() -> None:
     linears = autopar.estimate(ROUTED_ONLY, cluster, cfg, framework=dataclasses.replace(
         megatron, moe_tp="linears"))
     assert rows.time_breakdown.tp_comm_s > linears.time_breakdown.tp_comm_s
+    # The gathered rows (k = 2 of [h] a token, bf16) are kept whole for the experts' backward.
+    kept = (rows.memory_breakdown.activations_bytes
+            - linears.memory_breakdown.activations_bytes)
+    b, s, h = cfg.micro_batch, ROUTED_ONLY.seq_len, ROUTED_ONLY.hidden
+    layers = sum(1 for layer in ROUTED_ONLY.layers if layer.moe is not None)
+    # pp 1: one micro-batch's activations; the allocator's fragmentation share on top.
+    assert kept >= layers * b * s * 2 * h * 2 * (1 - 1 / 2)
     with pytest.raises(ValueError, match="only with sequence parallelism"):
         autopar.estimate(ROUTED_ONLY, cluster, dataclasses.replace(
             cfg, sequence_parallel=False), framework="megatron-lm")

@@ -19,7 +19,7 @@ from autopar.graph.types import LayerProfile, ModelProfile
 __all__ = ["AG", "AR", "RS", "sp_gathered_inputs", "tp_collectives", "tp_modules", "tp_sharded"]
 
 AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
-LOSS_REDUCE_BYTES = 4  # the loss-parallel all-reduces' fp32 [b, s] elements
+LOSS_REDUCE_BYTES = 4  # the fp32 [b, s] elements of the loss-parallel and width-norm all-reduces
 _NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
 
 
@@ -101,12 +101,15 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
         rowwise = max(1, len(layer.tp.rowwise))
         act = layer.tp.allreduce_fwd_bytes * b * dtype_ratio / rowwise or hidden_bytes
         calls = _block_tp(layer, cfg, act, first_block, moe_tp)
-        if moe_tp != "rows" or layer.moe is None or calls is _NO_TP:
+        if calls is _NO_TP:
             return calls
-        rows = _routed_rows_tp(profile.seq_len * b * layer.moe.routed_rows_per_token()
-                               * layer.moe.hidden * w)
+        more = _width_norms_tp(len(layer.tp.width_norms), profile.seq_len * b)
+        if moe_tp == "rows" and layer.moe is not None:
+            rows = _routed_rows_tp(profile.seq_len * b * layer.moe.routed_rows_per_token()
+                                   * layer.moe.hidden * w)
+            more = (more[0] + rows[0], more[1] + rows[1])
         none, selective, full = calls
-        return none + rows[0], selective + rows[0], full + rows[1]
+        return none + more[0], selective + more[0], full + more[1]
     if not layer.tp.vocab_parallel:
         return _NO_TP
     if layer.kind == "embedding":  # vocab-parallel lookup: all-reduce of its output
@@ -126,6 +129,20 @@ def _layer_tp_calls(profile: ModelProfile, layer: LayerProfile, cfg: ParallelCon
     else:
         return _NO_TP
     return calls, calls, calls  # the runtime recomputes blocks only
+
+
+def _width_norms_tp(norms: int, tokens: float) -> tuple[tuple[comm.Collective, ...], ...]:
+    """The all-reduces of norms over a split linear's whole output (``TPStructure.width_norms``:
+    OLMo 2's q_norm and k_norm): each norm's fp32 mean of squares ([b, s]) summed over tp
+    forward, its gradient backward; (without, with a full recompute's re-run of the forward's).
+    They run inside DTensor's op dispatch, which the runtime's counter does not see: timed, not
+    counted (as the loss-parallel all-reduces)."""
+    if norms <= 0:
+        return (), ()
+    fwd = _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "forward", counted=False)
+    bwd = _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "backward", counted=False)
+    return fwd + bwd, fwd + bwd + _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "backward",
+                                      counted=False)
 
 
 def _routed_rows_tp(rows_bytes: float) -> tuple[tuple[comm.Collective, ...], ...]:

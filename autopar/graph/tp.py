@@ -34,6 +34,7 @@ __all__ = [
     "out_features",
     "per_head_norms",
     "split_blocker",
+    "width_norms",
 ]
 
 # One matrix computing q, k and v (equal widths): column-parallel, split per q / k / v.
@@ -110,6 +111,7 @@ def block_tp(
     allreduce = sum(seq_len * widths[n] * dtype_bytes for n in rowwise)
     if not colwise or not rowwise:
         return TPStructure(heads=heads, kv_heads=kv_heads)
+    sequence, width = _sequence_and_width_norms(model, sequence, opened)
     tensors, elements = _norm_params(model, sequence)
     return TPStructure(
         colwise=tuple(colwise),
@@ -122,7 +124,16 @@ def block_tp(
         sequence_param_tensors=tensors,
         sequence_param_elements=elements,
         split_blocker=split_blocker(model, {_parent(n) for n in colwise}),
+        width_norms=tuple(width),
     )
+
+
+def _sequence_and_width_norms(model: nn.Module, norms: list[str], parents: Iterable[str]
+                              ) -> tuple[list[str], list[str]]:
+    """(the sequence-parallel norms, the norms over a split linear's whole output): those are
+    split with the features (``width_norms``), not sequence-parallel."""
+    width = sorted(f"{p}.{n}" for p in parents for n in width_norms(model.get_submodule(p)))
+    return [n for n in norms if n not in width], width
 
 
 def split_blocker(model: nn.Module, parents: Iterable[str]) -> str:
@@ -138,9 +149,9 @@ def split_blocker(model: nn.Module, parents: Iterable[str]) -> str:
         if own:
             return (f"{parent} holds its own parameter {own[0]!r} beside the linears tensor "
                     "parallelism splits (one value per head would meet 1/tp of the heads)")
-        per_head = set(per_head_norms(module))
+        split = set(per_head_norms(module)) | set(width_norms(module))
         for name, inner in module.named_modules():
-            if name and is_norm(inner) and list(inner.parameters()) and name not in per_head:
+            if name and is_norm(inner) and list(inner.parameters()) and name not in split:
                 return (f"the norm {parent}.{name} sits inside the split module {parent} and "
                         "normalises across heads, which would see 1/tp of them")
     return ""
@@ -157,6 +168,19 @@ def per_head_norms(parent: nn.Module) -> list[str]:
     return [name for name, inner in parent.named_modules()
             if name and is_norm(inner) and list(inner.parameters())
             and all(p.numel() == head_dim for p in inner.parameters())]
+
+
+def width_norms(parent: nn.Module) -> list[str]:
+    """Names (relative to ``parent``, a module whose linears are split over the heads) of the
+    norms inside it that normalise a linear's whole output, all heads together (OLMo 2's
+    ``q_norm`` and ``k_norm``): every parameter as wide as the output of one of its linears and
+    not ``head_dim`` wide. Each rank holds the slice of their weights for its heads; their
+    statistics are summed over the tp ranks (runtime/tp_styles.py ``WidthNorm``)."""
+    widths = {m.out_features for _n, m in parent.named_modules() if isinstance(m, nn.Linear)}
+    head = set(per_head_norms(parent))
+    return [name for name, inner in parent.named_modules()
+            if name and name not in head and is_norm(inner) and list(inner.parameters())
+            and all(p.dim() == 1 and p.numel() in widths for p in inner.parameters())]
 
 
 def _parent(fqn: str) -> str:

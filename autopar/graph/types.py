@@ -40,6 +40,10 @@ class TPStructure:
         split_blocker: why the traced modules themselves cannot be split this way ("" when
             they can; ``graph.tp.split_blocker``): a framework that runs its own code splits
             them regardless, autopar's runtime does not (in JSON only when set).
+        width_norms: norms over a column-parallel linear's whole output, all heads together
+            (OLMo 2's ``q_norm`` and ``k_norm``; ``graph.tp.width_norms``): split with the
+            features, their statistics all-reduced over tp forward and backward (in JSON only
+            when set).
     """
 
     colwise: tuple[str, ...] = ()
@@ -53,6 +57,7 @@ class TPStructure:
     sequence_param_tensors: int = 0
     sequence_param_elements: int = 0
     split_blocker: str = ""
+    width_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,8 +220,9 @@ class LayerProfile:
             del data["moe"]
         else:
             data["moe"] = self.moe.to_dict()
-        if not self.tp.split_blocker:
-            del data["tp"]["split_blocker"]
+        for name in ("split_blocker", "width_norms"):
+            if not data["tp"][name]:
+                del data["tp"][name]
         return data
 
     @classmethod

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.graph.tp import is_linear, is_norm, per_head_norms
+from autopar.graph.tp import is_linear, is_norm, per_head_norms, width_norms
 from autopar.plan import TPStyle, layout_of
 
 if TYPE_CHECKING:
@@ -196,7 +196,6 @@ def build_tp_plan(
         FQN -> ParallelStyle for every module to parallelize.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     from autopar.runtime.tp_styles import GatherSequence, PrepareHidden
 
@@ -219,8 +218,7 @@ def build_tp_plan(
     # gives exactly that (rows of the local tensor split over tp, weight Replicate, gradient
     # all-reduced), and hands the local tensor back.
     for parent in _colwise_parents(resolved, container):
-        for name in per_head_norms(modules[parent]):
-            tp_plan[f"{parent}.{name}"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+        tp_plan.update(_head_norm_styles(parent, modules[parent]))
     # The parent of the colwise linears in a block (attention, feed_forward) turns its input into
     # one replicated DTensor that q/k/v (or w1/w3) share, so backward sums their partial input
     # gradients and all-reduces once (Megatron's "f"); with SP it all-gathers the norm's sequence
@@ -237,6 +235,20 @@ def build_tp_plan(
             input_layout=Replicate(), desired_layout=Shard(1), use_local_output=True
         )
     return tp_plan
+
+
+def _head_norm_styles(parent: str, module: nn.Module) -> dict[str, ParallelStyle]:
+    """Styles of the norms inside a split parent (build_tp_plan's comment): per head
+    (Qwen3) or over all heads' features (OLMo 2: ``tp_styles.WidthNorm``)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from autopar.runtime.tp_styles import WidthNorm
+
+    styles: dict[str, ParallelStyle] = {
+        f"{parent}.{name}": SequenceParallel(sequence_dim=0, use_local_output=True)
+        for name in per_head_norms(module)}
+    styles.update({f"{parent}.{name}": WidthNorm() for name in width_norms(module)})
+    return styles
 
 
 def _moe_holders(module: nn.Module, container: str) -> list[str]:

@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "localize_fused_attention"]
+__all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "WidthNorm",
+           "localize_fused_attention"]
 
 # Attributes an attention module splits its fused q/k/v output by (GPT-2, nanoGPT), and counts its
 # heads by; a rank runs 1/tp of both.
@@ -131,6 +132,28 @@ class GatherSequence(ParallelStyle):
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(lambda _mod, _args, out: self._cut(out, device_mesh,
                                                                         seen[-1]))
+        return module
+
+
+class WidthNorm(ParallelStyle):
+    """A norm over a column-parallel linear's whole output (OLMo 2's ``q_norm`` and ``k_norm``:
+    all heads' features together), run on this rank's slice of them: its weights are sharded
+    like the features (``Shard(0)``), its input read as ``Shard(-1)`` of the whole width, and
+    the module's own forward runs on DTensors, whose mean over the sharded features all-reduces
+    the statistics over tp (and the backward their gradient). The output is the local slice."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, (Shard(0),)), param.requires_grad))
+
+        def pre(_mod: nn.Module, args: tuple[Any, ...]) -> Any:
+            x = args[0]
+            return (DTensor.from_local(x, device_mesh, (Shard(x.dim() - 1),), run_check=False),
+                    *args[1:])
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(lambda _mod, _args, out: out.to_local())
         return module
 
 

@@ -2,7 +2,8 @@
 
 Tiny HF Llama (GQA), Qwen2 (q/k/v biases) and GPT-2 (``Conv1D`` linears, fused ``c_attn``) built
 from a config object with transformers (no download), Qwen3 and Gemma 3 (per-head q/k norms) and
-Gemma 2 (sandwich norms) under tp with and without sequence parallelism, Llama, Qwen3 and
+Gemma 2 (sandwich norms) and OLMo 2 (q and k norms over all heads' features) under tp with and
+without sequence parallelism, Llama, Qwen3 and
 DeepSeek-V3, Mistral, Gemma 3, gpt-oss (attention sinks) and Gemma 2 (capped logits) under
 context parallelism (alone, with FSDP, with tp + SP), the mixture-of-experts
 gpt-oss, Llama 4 and
@@ -74,6 +75,12 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     # heads, their weight gradients summed over tp. Gemma 3 applies them after the transpose.
     "qwen3": {
         "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
+    },
+    # OLMo 2 norms q and k over all heads' features (q_norm of width heads * head_dim).
+    "olmo2": {
+        "model_type": "olmo2", "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 64, "max_position_embeddings": 16, "tie_word_embeddings": False,
     },
@@ -286,9 +293,9 @@ MOE_SPLITS_2 = {key: SPLITS_2[key] for key in ("fsdp2", "pp2-1f1b-full")}
 CP_CASES_2 = [(f"{name}-cp2", name, {"cp": 2, "micro_batch": 4})
               for name in ("llama", "qwen3", "deepseek_v3", "mistral", "gemma3_text", "gpt_oss",
                            "gemma2")]
-# Tensor parallelism of blocks with per-head norms or sandwich norms, with and without sequence
-# parallelism.
-HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text")
+# Tensor parallelism of blocks with per-head norms, sandwich norms or norms over all heads'
+# features (OLMo 2: tp_styles.WidthNorm), with and without sequence parallelism.
+HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text", "olmo2")
 HEAD_NORM_SPLITS_2 = {key: SPLITS_2[key] for key in ("tp2", "tp2-sp-selective")}
 # Expert parallelism of the stacked [E, out, in] families: each rank runs 2 of the 4 experts
 # on the tokens the all-to-all brings it (zero 0: the experts' gradients summed by hooks).

@@ -1,7 +1,8 @@
 """Tensor parallelism of Hugging Face blocks whose names do not tell the whole story: GLM-4's
 fused gate_up_proj (its MLP stays whole, graph/tp.py), Qwen3's and Gemma 3's per-head q_norm and
-k_norm (split with their heads), gpt-oss's attention sinks and OLMo 2's q_norm across all heads
-(refused before launch, runtime/tp_checks.py)."""
+k_norm (split with their heads), OLMo 2's q_norm and k_norm across all heads (split with the
+features, their statistics all-reduced), gpt-oss's attention sinks (refused before launch,
+runtime/tp_checks.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,6 @@ def test_a_down_projection_without_its_input_projection_stays_whole():
 
 @pytest.mark.parametrize(("model_type", "extra", "match"), [
     ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2}, "its own parameter 'sinks'"),
-    ("olmo2", {},
-     "the norm model.layers.0.self_attn.q_norm sits inside .* normalises across heads"),
 ])
 def test_per_head_parameters_refuse_tp_before_launch(model_type, extra, match):
     model = _model(model_type, **extra)
@@ -60,3 +59,20 @@ def test_per_head_norms_split_with_their_heads(model_type):
     assert split_blocker(model, ["model.layers.0.self_attn"]) == ""
     check_plan_runnable(model, _plan(tp=2))
     check_plan_runnable(model, _plan(tp=2, sequence_parallel=True))
+
+
+def test_norms_over_all_heads_split_with_the_features():
+    """OLMo 2's q_norm (heads * head_dim wide) and k_norm (kv_heads * head_dim) normalise a
+    split linear's whole output: split with it (graph.tp.width_norms), not sequence-parallel,
+    and not a blocker."""
+    from autopar.graph.tp import width_norms
+
+    model = _model("olmo2")
+    attention = model.get_submodule("model.layers.0.self_attn")
+    assert width_norms(attention) == ["q_norm", "k_norm"]
+    assert width_norms(_model("qwen3").get_submodule("model.layers.0.self_attn")) == []
+    tp = block_tp(model, "model.layers.0", heads=4, kv_heads=2, seq_len=8, dtype_bytes=2)
+    assert tp.width_norms == ("model.layers.0.self_attn.k_norm",
+                              "model.layers.0.self_attn.q_norm")
+    assert not set(tp.width_norms) & set(tp.sequence) and tp.split_blocker == ""
+    check_plan_runnable(model, _plan(tp=2))

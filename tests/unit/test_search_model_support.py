@@ -154,11 +154,22 @@ def test_hf_norms_across_heads_are_recorded_in_the_profile():
                                 "vocab_size": 64, "max_position_embeddings": 16})
         return autopar.profile(model, seq_len=16)
 
-    # OLMo 2 norms q over all heads' width; Qwen3 each head alone (it splits with its heads).
+    # OLMo 2 norms q over all heads' width (split with the features, its statistics
+    # all-reduced); Qwen3 each head alone (it splits with its heads); neither blocks tp.
     profile = block("olmo2")
-    assert "q_norm sits inside" in profile.layers[1].tp.split_blocker
+    assert profile.layers[1].tp.split_blocker == ""
+    assert profile.layers[1].tp.width_norms == ("model.layers.0.self_attn.k_norm",
+                                                "model.layers.0.self_attn.q_norm")
     assert block("qwen3").layers[1].tp.split_blocker == ""
     assert ModelProfile.from_dict(profile.to_dict()) == profile
+    # Their statistics' all-reduces are charged (timed) under tp.
+    cluster = Cluster.preset("h100", nodes=1)
+    cfg = ParallelConfig(dp=4, tp=2, global_batch=16, sequence_parallel=True)
+    plain = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(x, tp=dataclasses.replace(x.tp, width_norms=()))
+        for x in profile.layers))
+    assert (autopar.estimate(profile, cluster, cfg).time_breakdown.tp_comm_s
+            > autopar.estimate(plain, cluster, cfg).time_breakdown.tp_comm_s)
     zoo = autopar.profile(autopar.models.build("llama", layers=1, hidden=32, heads=4, vocab=64,
                                                seq_len=16), seq_len=16)
     assert all("split_blocker" not in x["tp"] for x in zoo.to_dict()["layers"])

@@ -33,6 +33,7 @@ __all__ = [
     "is_norm",
     "out_features",
     "per_head_norms",
+    "per_head_params",
     "split_blocker",
     "width_norms",
 ]
@@ -139,13 +140,15 @@ def _sequence_and_width_norms(model: nn.Module, norms: list[str], parents: Itera
 def split_blocker(model: nn.Module, parents: Iterable[str]) -> str:
     """Why splitting the traced modules ``parents`` (those whose linears tensor parallelism
     splits column-wise) over the heads would be wrong, or "": a norm with weights inside one
-    that normalises across heads (OLMo 2's ``q_norm`` over all heads' width would see 1/tp of
-    them), or a parameter one holds beside its linears (gpt-oss's attention ``sinks``, one
-    value per head). A per-head norm (``per_head_norms``: Qwen3's and Gemma 3's ``q_norm``
-    and ``k_norm``) splits with its heads."""
+    that is neither per head nor over a split linear's whole output, or a parameter one holds
+    beside its linears that is not one value per head. A per-head norm (``per_head_norms``:
+    Qwen3's and Gemma 3's ``q_norm`` and ``k_norm``), a norm over a split output
+    (``width_norms``: OLMo 2's) and a per-head parameter (``per_head_params``: gpt-oss's
+    attention ``sinks``) split with the heads."""
     for parent in sorted(parents):
         module = model.get_submodule(parent)
-        own = [name for name, _ in module.named_parameters(recurse=False)]
+        head = set(per_head_params(module))
+        own = [name for name, _ in module.named_parameters(recurse=False) if name not in head]
         if own:
             return (f"{parent} holds its own parameter {own[0]!r} beside the linears tensor "
                     "parallelism splits (one value per head would meet 1/tp of the heads)")
@@ -168,6 +171,19 @@ def per_head_norms(parent: nn.Module) -> list[str]:
     return [name for name, inner in parent.named_modules()
             if name and is_norm(inner) and list(inner.parameters())
             and all(p.numel() == head_dim for p in inner.parameters())]
+
+
+def per_head_params(parent: nn.Module) -> list[str]:
+    """Names of the parameters a split module holds itself, one value per attention head
+    (gpt-oss's ``sinks``): 1-D, as long as a split linear's output over ``parent.head_dim``.
+    Each rank holds its heads' values (runtime/tp_styles.py ``shard_head_params``)."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return []
+    heads = {m.out_features // head_dim for _n, m in parent.named_modules()
+             if isinstance(m, nn.Linear) and m.out_features % head_dim == 0}
+    return [name for name, p in parent.named_parameters(recurse=False)
+            if p.dim() == 1 and p.numel() in heads]
 
 
 def width_norms(parent: nn.Module) -> list[str]:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.graph.tp import is_linear, is_norm, per_head_norms, width_norms
+from autopar.graph.tp import is_linear, is_norm, per_head_norms, per_head_params, width_norms
 from autopar.plan import TPStyle, layout_of
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ def apply_tensor_parallel(
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from autopar.runtime.tp_styles import localize_fused_attention
+    from autopar.runtime.tp_styles import localize_fused_attention, shard_head_params
 
     tp_plan = build_tp_plan(
         module, layout, container=container, sp=sequence_parallel, first_block=first_block,
@@ -306,6 +306,10 @@ def apply_tensor_parallel(
     if tp_plan:
         parallelize_module(module, tp_mesh, tp_plan)
     _copy_shared_expert_outputs(module, layout, container)
+    for parent in _colwise_parents(resolve_layout(module, layout), container):
+        heads = per_head_params(module.get_submodule(parent))
+        if heads:  # gpt-oss's attention sinks: one value per head
+            shard_head_params(module.get_submodule(parent), heads, tp_mesh)
     for fqn, style in resolve_layout(module, layout).items():
         if style == TPStyle.COLWISE_QKV.value:
             localize_fused_attention(module.get_submodule(fqn.rsplit(".", 1)[0]), tp_mesh.size())

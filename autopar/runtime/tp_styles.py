@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "WidthNorm",
-           "localize_fused_attention"]
+           "localize_fused_attention", "shard_head_params"]
 
 # Attributes an attention module splits its fused q/k/v output by (GPT-2, nanoGPT), and counts its
 # heads by; a rank runs 1/tp of both.
@@ -155,6 +155,26 @@ class WidthNorm(ParallelStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(lambda _mod, _args, out: out.to_local())
         return module
+
+
+def shard_head_params(module: nn.Module, names: list[str], mesh: Any) -> None:
+    """Shard ``module``'s own per-head parameters (gpt-oss's ``sinks``) with its heads
+    (``Shard(0)``) and let its forward read this rank's slice: a pre-hook puts the local
+    tensor (autograd-connected to the DTensor parameter) in the instance's ``__dict__``, where
+    attribute lookup finds it before the parameter. It stays there between forwards (a view of
+    the parameter's local shard): a selective recompute re-runs the attention core in the
+    backward, outside the module's forward, and reads it too."""
+    for name in names:
+        param = module._parameters[name]
+        assert param is not None
+        module._parameters[name] = nn.Parameter(
+            distribute_tensor(param.detach(), mesh, (Shard(0),)), param.requires_grad)
+
+    def pre(mod: nn.Module, _args: Any) -> None:
+        for name in names:
+            mod.__dict__[name] = mod._parameters[name].to_local()  # type: ignore[union-attr]
+
+    module.register_forward_pre_hook(pre)
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -273,6 +273,7 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
     # ep with tp: both tp ranks of a dp rank hold the same experts and route the same tokens.
     ("mixtral-dp2xtp2-ep2-zero1", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "zero": 1,
                                               "micro_batch": 2}),
+    ("gpt_oss-dp2xtp2-fsdp", "gpt_oss", {"dp": 2, "tp": 2, "zero": 3, "micro_batch": 2}),
     # ... and under sequence parallelism: the MoE gathers the sequence, then dispatches it.
     ("mixtral-dp2xtp2-ep2-sp", "mixtral", {"dp": 2, "tp": 2, "ep": 2, "zero": 3,
                                            "sequence_parallel": True, "micro_batch": 2}),
@@ -313,6 +314,10 @@ EP_CASES_2 = [
 # cut as [b, s, h]); Llama 4 adds to its shared expert's output in place (a copy is handed out).
 MOE_TP_CASES_2 = [
     ("mixtral-tp2-sp", "mixtral", {"tp": 2, "sequence_parallel": True, "micro_batch": 2}),
+    # gpt-oss: its attention sinks (one per head) split with the heads, read in the family's
+    # eager attention, also when a selective recompute re-runs it in the backward.
+    ("gpt_oss-tp2", "gpt_oss", SPLITS_2["tp2"]),
+    ("gpt_oss-tp2-sp-selective", "gpt_oss", SPLITS_2["tp2-sp-selective"]),
     ("qwen3_moe-tp2-sp-full", "qwen3_moe", {"tp": 2, "sequence_parallel": True,
                                              "micro_batch": 2, "recompute": "full"}),
     ("llama4-tp2", "llama4", {"tp": 2, "micro_batch": 2}),

@@ -1,8 +1,8 @@
 """Tensor parallelism of Hugging Face blocks whose names do not tell the whole story: GLM-4's
 fused gate_up_proj (its MLP stays whole, graph/tp.py), Qwen3's and Gemma 3's per-head q_norm and
-k_norm (split with their heads), OLMo 2's q_norm and k_norm across all heads (split with the
-features, their statistics all-reduced), gpt-oss's attention sinks (refused before launch,
-runtime/tp_checks.py)."""
+k_norm and gpt-oss's attention sinks (split with their heads), OLMo 2's q_norm and k_norm across
+all heads (split with the features, their statistics all-reduced), and a split module's own
+parameter of any other shape (refused before launch, runtime/tp_checks.py)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,27 @@ def test_a_down_projection_without_its_input_projection_stays_whole():
     check_plan_runnable(glm, _plan(tp=2))
 
 
-@pytest.mark.parametrize(("model_type", "extra", "match"), [
-    ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2}, "its own parameter 'sinks'"),
-])
-def test_per_head_parameters_refuse_tp_before_launch(model_type, extra, match):
-    model = _model(model_type, **extra)
-    with pytest.raises(AutoparError, match=match):
+def test_a_split_modules_own_parameter_across_heads_refuses_tp_before_launch():
+    import torch
+    from torch import nn
+
+    model = _model("llama")
+    attention = model.get_submodule("model.layers.0.self_attn")
+    attention.register_parameter("mix", nn.Parameter(torch.ones(3)))  # not one per head
+    with pytest.raises(AutoparError, match="its own parameter 'mix'"):
         check_plan_runnable(model, _plan(tp=2))
     check_plan_runnable(model, _plan(pp=2))
+
+
+def test_per_head_parameters_split_with_their_heads():
+    """gpt-oss's attention sinks, one value per head, split with the heads
+    (graph.tp.per_head_params; runtime tp_styles.shard_head_params)."""
+    from autopar.graph.tp import per_head_params, split_blocker
+
+    model = _model("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
+    assert per_head_params(model.get_submodule("model.layers.0.self_attn")) == ["sinks"]
+    assert split_blocker(model, ["model.layers.0.self_attn"]) == ""
+    check_plan_runnable(model, _plan(tp=2))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])

@@ -139,10 +139,12 @@ def _width_norms_tp(norms: int, tokens: float) -> tuple[tuple[comm.Collective, .
     counted (as the loss-parallel all-reduces)."""
     if norms <= 0:
         return (), ()
-    fwd = _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "forward", counted=False)
-    bwd = _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "backward", counted=False)
-    return fwd + bwd, fwd + bwd + _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, "backward",
-                                      counted=False)
+
+    def reduce(phase: str) -> tuple[comm.Collective, ...]:
+        return _tp(AR, tokens * LOSS_REDUCE_BYTES, norms, phase, counted=False)
+
+    base = reduce("forward") + reduce("backward")
+    return base, base + reduce("backward")
 
 
 def _routed_rows_tp(rows_bytes: float) -> tuple[tuple[comm.Collective, ...], ...]:
@@ -168,14 +170,15 @@ def sp_gathered_inputs(layer: LayerProfile, moe_tp: str = "linears") -> int:
     """[s, h] inputs that sequence parallelism all-gathers in one layer's forward and that the
     linears keep whole: one per column-parallel parent module of a block (q/k/v share one,
     the MLP's input projections another), one for the vocab-parallel head. A MoE module that
-    gathers its input itself (``moe_tp`` "gather" or "boundary": framework_support
-    ``moe_tp_mode``) keeps one for itself and its shared experts."""
+    gathers its input at its boundary (``moe_tp`` "gather" or "boundary": framework_support
+    ``moe_tp_mode``) keeps one for itself and its shared experts; "rows" gathers the routed
+    rows inside it instead (layer_terms.py)."""
     if layer.kind == "block":
         if not layer.tp.rowwise:
             return 0
         parents = {fqn.rsplit(".", 1)[0] for fqn in layer.tp.colwise}
         moe = layer.moe
-        if moe_tp != "linears" and moe is not None and parents:
+        if moe_tp in ("gather", "boundary") and moe is not None and parents:
             return sum(1 for p in parents if not moe.holds(p)) + 1
         return len(parents)
     return 1 if layer.kind == "head" and layer.tp.vocab_parallel else 0

@@ -303,24 +303,26 @@ def apply_tensor_parallel(
         module, layout, container=container, sp=sequence_parallel, first_block=first_block,
         loss_parallel=loss_parallel,
     )
+    resolved = resolve_layout(module, layout)  # parallelize_module renames nothing
     if tp_plan:
         parallelize_module(module, tp_mesh, tp_plan)
-    _copy_shared_expert_outputs(module, layout, container)
-    for parent in _colwise_parents(resolve_layout(module, layout), container):
+    _copy_shared_expert_outputs(module, resolved, container)
+    for parent in _colwise_parents(resolved, container):
         heads = per_head_params(module.get_submodule(parent))
         if heads:  # gpt-oss's attention sinks: one value per head
             shard_head_params(module.get_submodule(parent), heads, tp_mesh)
-    for fqn, style in resolve_layout(module, layout).items():
+    for fqn, style in resolved.items():
         if style == TPStyle.COLWISE_QKV.value:
             localize_fused_attention(module.get_submodule(fqn.rsplit(".", 1)[0]), tp_mesh.size())
 
 
-def _copy_shared_expert_outputs(module: nn.Module, layout: Mapping[str, str],
+def _copy_shared_expert_outputs(module: nn.Module, resolved: Mapping[str, str],
                                 container: str) -> None:
     """A row-parallel linear inside a mixture of experts (shared experts) hands back a copy of
     its output, not the view DTensor's ``to_local`` returns: Llama 4 adds the routed experts'
-    output to it in place, which autograd forbids on a custom Function's view."""
+    output to it in place, which autograd forbids on a custom Function's view. ``resolved``:
+    the layout by exact FQN (``resolve_layout``)."""
     held = _moe_holders(module, container)
-    for fqn, style in resolve_layout(module, layout).items():
+    for fqn, style in resolved.items():
         if style == TPStyle.ROWWISE.value and _inside(fqn, held):
             module.get_submodule(fqn).register_forward_hook(lambda _m, _a, out: out.clone())

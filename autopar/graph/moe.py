@@ -19,11 +19,13 @@ A gated ``[E, in, out]`` module is told from an ``[E, out, in]`` one by which di
 tensors share; an ungated module whose shapes fit both reads as ``[E, out, in]``.
 
 autopar's runtime shards experts over ep ranks where it can run them itself (``ep_blocker``: ""),
-one expert at a time with ``run_expert``: the stacked layouts (with their biases), called with
-the router's choices, every parameter per expert, dropless, gated by the module's own
-``_apply_gate`` (transformers 5) or ``act(gate) * up``; and only where the module's own forward,
-run once on small random weights of the same layout (``_probe``), gives what ``run_expert``
-gives: a family whose experts compute anything else is refused, not run differently.
+one expert at a time with ``run_expert``: every layout above (the stacked ones with their
+biases; DBRX's expert e is rows ``e f_e .. (e+1) f_e`` of each matrix, ``expert_params``),
+called with the router's choices, every parameter per expert, dropless, gated by the module's
+own ``_apply_gate`` (transformers 5) or ``act(gate) * up``; and only where the module's own
+forward, run once on small random weights of the same layout (``_probe``), gives what
+``run_expert`` gives: a family whose experts compute anything else is refused, not run
+differently.
 
 They are called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``, or, in
 Llama 4, on rows already repeated per expert and weighted by the router,
@@ -59,9 +61,10 @@ from torch import nn
 
 from autopar.graph.types import MoEStructure
 
-__all__ = ["ExpertWeights", "MoEStructure", "block_moe", "ep_blocker", "expert_activation",
-           "expert_modules", "expert_weights", "install_expert_standins", "modules_ep_blocker",
-           "moe_modules", "run_expert", "run_sorted", "stacked_names"]
+__all__ = ["GLU_MATRICES", "ExpertWeights", "MoEStructure", "block_moe", "ep_blocker",
+           "expert_activation", "expert_modules", "expert_params", "expert_weights",
+           "install_expert_standins", "local_experts", "modules_ep_blocker", "moe_modules",
+           "run_expert", "run_sorted", "stacked_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +134,20 @@ def _stacked(module: nn.Module) -> ExpertWeights | None:
         down_bias=None if bias_down is None else bias_down[0], layout=layout)
 
 
+GLU_MATRICES = ("w1", "v1", "w2")  # DBRX's gate, up and down matrices, [E f_e, h] each
+
+
 def _glu_mlp(module: nn.Module) -> ExpertWeights | None:
     mlp, experts = getattr(module, "mlp", None), getattr(module, "num_experts", None)
-    weights = [_tensor(mlp, name, 2) for name in ("w1", "v1", "w2")]
+    weights = [_tensor(mlp, name, 2) for name in GLU_MATRICES]
     if not isinstance(experts, int) or experts <= 0 or any(w is None for w in weights):
         return None
     w1, v1, w2 = (w for w in weights if w is not None)
+    # The module's own inner width where it says (DBRX's ffn_hidden_size): the experts are then
+    # the rows it holds, also once sharded over ep; else num_experts.
+    inner = getattr(module, "ffn_hidden_size", None)
+    if isinstance(inner, int) and inner > 0 and w1.shape[0] % inner == 0:
+        experts = w1.shape[0] // inner
     if not (w1.shape == v1.shape == w2.shape and w1.shape[0] % experts == 0):
         return None
     inner, hidden = w1.shape[0] // experts, w1.shape[1]
@@ -174,14 +185,44 @@ def expert_activation(module: nn.Module):
     return F.silu
 
 
+def expert_params(module: nn.Module) -> tuple[nn.Module, tuple[str, ...], int]:
+    """Where an experts module (``ep_blocker`` "") keeps its per-expert tensors, each holding
+    its experts along dim 0: (the module holding them, their names, rows per expert). Stacked
+    layouts: the module's own parameters (weights and biases), one row an expert; DBRX: its
+    ``mlp``'s three matrices, ``f_e`` rows an expert."""
+    w = expert_weights(module)
+    assert w is not None  # an experts module
+    if w.layout == "matrices":
+        return module.get_submodule("mlp"), GLU_MATRICES, w.inner
+    return module, tuple(n for n, _p in module.named_parameters(recurse=False)), 1
+
+
+def local_experts(module: nn.Module) -> int:
+    """The experts ``module`` holds (all E, or E / ep once sharded over ep)."""
+    w = expert_weights(module)
+    assert w is not None  # an experts module
+    return w.experts
+
+
+def _matrices_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
+    """DBRX's expert ``index``: ``(act(x w1_e^T) * x v1_e^T) w2_e`` on rows ``f_e`` apart."""
+    rows = expert_params(module)[2]
+    mlp = module.get_submodule("mlp")
+    w1, v1, w2 = (getattr(mlp, n)[index * rows:(index + 1) * rows].to(x.dtype)
+                  for n in GLU_MATRICES)
+    return F.linear(expert_activation(module)(F.linear(x, w1)) * F.linear(x, v1), w2.T)
+
+
 def run_expert(module: nn.Module, index: int, x: torch.Tensor,
                layout: str | None = None) -> torch.Tensor:
-    """Expert ``index`` of a stacked experts module (``ep_blocker`` "") on its rows ``x[n, h]``:
+    """Expert ``index`` of an experts module (``ep_blocker`` "") on its rows ``x[n, h]``:
     ``down(gate(up(x)))`` with the module's biases where it has them, the gate the module's own
     ``_apply_gate`` where it has one (transformers 5: gpt-oss's clamped, interleaved SwiGLU),
     else ``act(gate) * up`` (``act(up)`` ungated). ``layout``: ``expert_weights(module).layout``
-    ("out-in" or "in-out"; read when not given)."""
+    ("out-in", "in-out" or "matrices"; read when not given)."""
     layout = layout or _layout(module)
+    if layout == "matrices":
+        return _matrices_expert(module, index, x)
     names = stacked_names(module)
     w_in, w_down = (getattr(module, n)[index].to(x.dtype) for n in names)
     if layout == "in-out":  # to F.linear's [out, in]
@@ -232,9 +273,11 @@ def ep_blocker(module: nn.Module) -> str:
     if w is None:
         return f"{name} is not a grouped-experts module"
     if w.layout == "matrices":
-        return f"{name} stores its experts' weights as [E f, h] matrices"
-    shared = [n for n, p in module.named_parameters(recurse=False)
-              if p.dim() == 0 or p.shape[0] != w.experts]
+        shared = [n for n, _p in module.named_parameters()
+                  if n not in {f"mlp.{m}" for m in GLU_MATRICES}]
+    else:
+        shared = [n for n, p in module.named_parameters(recurse=False)
+                  if p.dim() == 0 or p.shape[0] != w.experts]
     if shared:
         return f"{name} holds {shared[0]!r}, shared by its experts"
     if len(inspect.signature(type(module).forward).parameters) < 4:
@@ -248,25 +291,45 @@ def ep_blocker(module: nn.Module) -> str:
 _PROBE_WIDTH = 4  # the probe's widths and experts (small: the check is on the math)
 
 
-def _probe(module: nn.Module, w: ExpertWeights) -> str:
-    """Run the module's own forward on a copy holding small random weights of its layout (all
-    E experts, narrow; tokens routed to the first few), and compare it with ``run_expert``
-    applied per routed token ("" when they agree)."""
+def _probe_copy(module: nn.Module, w: ExpertWeights, gen: torch.Generator) -> nn.Module:
+    """A copy of ``module`` holding small random weights of its layout (all E experts, inner
+    and model width ``_PROBE_WIDTH``), its own weights untouched."""
+    def param(*shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.randn(shape, generator=gen), requires_grad=False)
+
     probe = copy.copy(module)  # its own parameter table: the module's weights are not copied
     probe._parameters = dict(module._parameters)
-    gen = torch.Generator().manual_seed(0)
-    experts, inner = min(w.experts, _PROBE_WIDTH), _PROBE_WIDTH * (2 if w.gated else 1)
     width = _PROBE_WIDTH
+    if w.layout == "matrices":  # DBRX: [E f_e, h] matrices in its mlp, widths read from attributes
+        probe._modules = dict(module._modules)  # its own child table too
+        mlp = copy.copy(module.get_submodule("mlp"))
+        mlp._parameters = dict(mlp._parameters)
+        for name in GLU_MATRICES:
+            setattr(mlp, name, param(w.experts * width, width))
+        probe.mlp = mlp
+        for attr in ("hidden_size", "ffn_hidden_size"):
+            if hasattr(module, attr):
+                setattr(probe, attr, width)
+        return probe
+    inner = width * (2 if w.gated else 1)
     shapes = [(w.experts, inner, width), (w.experts, width, inner // (2 if w.gated else 1))]
     if w.layout == "in-out":
         shapes = [(e, b, a) for e, a, b in shapes]
     for name, shape in zip(stacked_names(module), shapes, strict=True):
-        setattr(probe, name, nn.Parameter(torch.randn(shape, generator=gen),
-                                          requires_grad=False))
+        setattr(probe, name, param(*shape))
         if _tensor(module, f"{name}_bias", 2) is not None:
-            out = shape[1] if w.layout == "out-in" else shape[2]
-            setattr(probe, f"{name}_bias", nn.Parameter(
-                torch.randn(w.experts, out, generator=gen), requires_grad=False))
+            setattr(probe, f"{name}_bias",
+                    param(w.experts, shape[1] if w.layout == "out-in" else shape[2]))
+    return probe
+
+
+def _probe(module: nn.Module, w: ExpertWeights) -> str:
+    """Run the module's own forward on a copy holding small random weights of its layout
+    (``_probe_copy``; tokens routed to the first few experts), and compare it with
+    ``run_expert`` applied per routed token ("" when they agree)."""
+    gen = torch.Generator().manual_seed(0)
+    probe = _probe_copy(module, w, gen)
+    experts = min(w.experts, _PROBE_WIDTH)
     tokens, top_k = 2 * experts, min(2, experts)
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
     index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -279,8 +342,9 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
             got = type(module).forward(probe, x, index, weights)
         except Exception as e:  # any failure: not runnable one expert at a time
             return f"{name}'s forward does not run as stacked experts ({e})"
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(
-            got, want, rtol=1e-4, atol=1e-5):
+    # The same rows, maybe under a batch dimension (DBRX hands back [b, s, h] as it was given).
+    if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not torch.allclose(
+            got.reshape(want.shape), want, rtol=1e-4, atol=1e-5):
         return (f"{name}'s forward computes something other than its experts one at a time "
                 "(a norm, a scale or a different gate)")
     return ""

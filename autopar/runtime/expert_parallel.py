@@ -7,8 +7,10 @@ from the full model built from the same seed everywhere), and the dp cp / ep ran
 group hold the same experts.
 
 The experts modules are those the runtime can run one expert at a time (``graph.moe``: the
-zoo's ``models/moe.py::Experts`` and the stacked experts of Hugging Face families,
-``ep_blocker`` "", which ``check_plan_runnable`` checks first).
+zoo's ``models/moe.py::Experts``, the stacked experts of Hugging Face families and DBRX's
+``[E f_e, h]`` matrices, ``ep_blocker`` "", which ``check_plan_runnable`` checks first); each
+per-expert tensor is sliced along dim 0 (``graph.moe.expert_params``: one row an expert, or
+DBRX's ``f_e``).
 
 Forward of an experts module on ``x[T, h]`` routed to ``top_k``:
 the T k (token, expert) assignments are sorted by expert, hence by the rank that holds it; their
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from autopar.graph.moe import expert_modules, run_sorted, stacked_names
+from autopar.graph.moe import expert_modules, expert_params, local_experts, run_sorted
 
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
@@ -114,9 +116,10 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
 
 
 def _ep_forward(module: nn.Module, group: Any, ep: int):
-    local = getattr(module, stacked_names(module)[0]).shape[0]
+    local = local_experts(module)
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # [T, h] (DBRX passes [b, s, h])
         top_k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -142,11 +145,15 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         if out.shape[0]:
             y = y.index_add(0, by_expert, out)
         else:
-            y = y + sum(p.reshape(-1)[:1].sum() for p in module.parameters(recurse=False)) * 0
+            y = y + sum(p.reshape(-1)[:1].sum() for p in module.parameters()) * 0
         back = funcol.wait_tensor(
             funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         weights = top_k_weights.reshape(-1).index_select(0, order)
-        return torch.zeros_like(x).index_add(0, token, (back * weights[:, None]).to(x.dtype))
+        # Summed per token into a tensor of the input's own shape (not a view of one: FSDP2's
+        # output hooks and the caller's in-place adds need a tensor of its own).
+        out = x.new_zeros(shape)
+        out.view(-1, shape[-1]).index_add_(0, token, (back * weights[:, None]).to(x.dtype))
+        return out
 
     return forward
 
@@ -179,18 +186,19 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
     data = cfg.dp * cfg.cp  # the ranks whose gradients the data-parallel mean averages
     sharded = cfg.zero >= 1 and data > cfg.ep
     for module in modules:
-        # Every parameter of the module is per expert (graph.moe.ep_blocker): weights, biases.
-        names = [name for name, _ in module.named_parameters(recurse=False)]
-        local = getattr(module, stacked_names(module)[0]).shape[0] // cfg.ep
-        lo, hi = groups.ep_rank * local, (groups.ep_rank + 1) * local
+        # Every parameter of the module is per expert (graph.moe.ep_blocker): weights, biases,
+        # each holding its experts along dim 0, ``rows`` rows an expert (expert_params).
+        owner, names, rows = expert_params(module)
+        local = local_experts(module) // cfg.ep
+        lo, hi = groups.ep_rank * local * rows, (groups.ep_rank + 1) * local * rows
         for name in names:
-            full = getattr(module, name)
+            full = getattr(owner, name)
             param = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
             if not sharded:
                 param.register_hook(_grad_hook(groups.edp, data // cfg.ep, data))
-            setattr(module, name, param)
+            setattr(owner, name, param)
         module.forward = _ep_forward(module, groups.ep, cfg.ep)
-        module.autopar_expert_mesh = groups.expert_mesh  # read by expert_state_views
+        owner.autopar_expert_mesh = groups.expert_mesh  # read by expert_state_views
         if sharded:
             _shard_experts(module, groups, cfg)
     return {p for module in modules for p in module.parameters()}

@@ -1,6 +1,7 @@
-"""Which experts autopar's runtime shards over ep (graph/moe.py ``ep_blocker``): the stacked
-experts it runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's,
-DeepSeek-V3's [E, out, in]; gpt-oss's [E, in, out] with biases and its own clamped gate), checked
+"""Which experts autopar's runtime shards over ep (graph/moe.py ``ep_blocker``): the experts it
+runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's, DeepSeek-V3's stacked
+[E, out, in]; gpt-oss's [E, in, out] with biases and its own clamped gate; DBRX's [E f, h]
+matrices, an expert f rows of each), checked
 against each module's own forward; the profile records why not for the others (Llama 4's experts
 are called on rows already routed), and the pre-launch check refuses them with that reason."""
 
@@ -14,7 +15,7 @@ from torch import nn
 import autopar
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
-from autopar.graph.moe import ep_blocker, expert_modules, run_sorted
+from autopar.graph.moe import GLU_MATRICES, ep_blocker, expert_modules, local_experts, run_sorted
 from autopar.runtime.apply import check_plan_runnable
 from autopar.search.planner import plan_from_config
 
@@ -39,8 +40,13 @@ CONFIGS = {
                     head_dim=8),
     "llama4_text": dict(_BASE, model_type="llama4_text", num_local_experts=4, head_dim=8,
                         intermediate_size_mlp=64, num_experts_per_tok=1),
+    "dbrx": {"model_type": "dbrx", "d_model": 32, "n_heads": 4, "n_layers": 2,
+             "max_seq_len": 16, "vocab_size": 64,
+             "attn_config": {"clip_qkv": 8, "kv_n_heads": 2, "rope_theta": 10000},
+             "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
+                            "moe_jitter_eps": None}},
 }
-RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3", "gpt_oss")
+RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx")
 WHY = {"llama4_text": "Llama4TextExperts is called without the router's choices (on rows "
                       "already routed to every expert)"}
 
@@ -62,7 +68,7 @@ def test_profile_records_why_the_experts_cannot_be_sharded(name):
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_run_sorted_equals_the_modules_own_forward(name):
     module = expert_modules(_model(name, "cpu"))[0][1]
-    experts = module.gate_up_proj.shape[0]
+    experts = local_experts(module)
     if name == "gpt_oss":  # its biases are initialised to zeros: make them count
         for bias in (module.gate_up_proj_bias, module.down_proj_bias):
             bias.data.normal_()
@@ -76,7 +82,9 @@ def test_run_sorted_equals_the_modules_own_forward(name):
                       torch.bincount(flat, minlength=experts).tolist())
     rows = rows * weights.reshape(-1)[order][:, None]
     got = torch.zeros_like(x).index_add(0, order // 2, rows)
-    torch.testing.assert_close(got, module(x, index, weights), rtol=1e-5, atol=1e-6)
+    # DBRX hands back [b, s, h] as it was given: the same rows.
+    torch.testing.assert_close(got, module(x, index, weights).reshape(got.shape), rtol=1e-5,
+                               atol=1e-6)
 
 
 class _Experts(nn.Module):
@@ -117,7 +125,7 @@ def test_zoo_capacity_experts_are_refused():
         expert_modules(capped)[0][1])
 
 
-@pytest.mark.parametrize("name", ["mixtral", "llama4_text"])
+@pytest.mark.parametrize("name", ["mixtral", "llama4_text", "dbrx"])
 def test_pre_launch_check_runs_or_refuses_ep(name):
     model = _model(name)
     profile = autopar.profile(model, seq_len=16)
@@ -138,3 +146,34 @@ def test_experts_sharing_a_parameter_are_refused():
     module = _Experts("plain")
     module.scale = nn.Parameter(torch.ones(8))
     assert ep_blocker(module) == "_Experts holds 'scale', shared by its experts"
+
+
+class _Matrices(nn.Module):
+    """DBRX's layout (an ``mlp`` holding w1, v1, w2 as [E f, h]), its forward scaling each
+    expert's output when ``scaled``: not what ``run_expert`` runs."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.scaled, self.num_experts, self.ffn_hidden_size = scaled, 4, 8
+        self.mlp = nn.Module()
+        for name in GLU_MATRICES:
+            setattr(self.mlp, name, nn.Parameter(torch.randn(4 * 8, 8)))
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                f = self.ffn_hidden_size
+                rows = slice(int(top_k_index[t, j]) * f, int(top_k_index[t, j]) * f + f)
+                w1, v1, w2 = (getattr(self.mlp, n)[rows] for n in GLU_MATRICES)
+                y = (F.silu(x[t] @ w1.T) * (x[t] @ v1.T)) @ w2
+                out[t] += top_k_weights[t, j] * (3 * y if self.scaled else y)
+        return out
+
+
+def test_matrices_experts_run_one_at_a_time_or_are_refused():
+    assert ep_blocker(_Matrices(scaled=False)) == ""
+    assert "computes something other than its experts" in ep_blocker(_Matrices(scaled=True))
+    module = _Matrices(scaled=False)
+    module.mlp.extra = nn.Parameter(torch.ones(8))
+    assert ep_blocker(module) == "_Matrices holds 'mlp.extra', shared by its experts"

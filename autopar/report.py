@@ -170,6 +170,12 @@ def interval_text(est: Estimate) -> str:
     return f" (80%: {format_time(low)}-{format_time(high)} for {est.framework})"
 
 
+def _tokens_text(plan: Any | None) -> str:
+    """`` sequences of 4,096 tokens`` where the plan records its sequence length."""
+    seq_len = getattr(plan, "seq_len", 0) or 0
+    return f" sequences of {seq_len:,} tokens" if seq_len > 0 else ""
+
+
 def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = None) -> list[str]:
     mfu = f"{est.mfu * 100:.1f}%"
     split = config.describe()
@@ -179,7 +185,7 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
                               f"recompute={recompute_mix(per_layer)}")
     return [
         f"[bold]Split[/bold]  {split}",
-        f"  global batch {config.global_batch} = dp {config.dp} x micro-batch "
+        f"  global batch {config.global_batch}{_tokens_text(plan)} = dp {config.dp} x micro-batch "
         f"{config.micro_batch} x {config.num_microbatches} micro-batches"
         + (f"; each sequence over cp {config.cp} ranks" if config.cp > 1 else ""),
         f"[bold]Step[/bold] {format_time(est.step_time_s)}{interval_text(est)}   "

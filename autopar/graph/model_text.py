@@ -51,7 +51,8 @@ def build_and_profile(
     Args:
         model_text: a model file, a zoo name or ``kind:key=value`` spec, or an HF config JSON.
         seq_len: tokens per sequence. None: a model file's ``example_inputs`` decide, else the
-            model's own (its zoo spec, or the HF config's ``max_position_embeddings``).
+            model's own (``graph.facts.default_seq_len``: its zoo spec's, or the HF config's
+            context capped at 4096, as ``autopar.profile`` takes it).
         dtype: the dtype the profile counts bytes at (None: ``autopar.profile``'s default).
         kernels: whose kernels' saved tensors the profile counts ("cuda" or "cpu", see
             ``autopar.profile``).
@@ -64,6 +65,7 @@ def build_and_profile(
         AutoparError: the model cannot be found, built or traced, or its sequence length is
             unknown or contradicts a model file's inputs.
     """
+    from autopar.graph.facts import default_seq_len
     from autopar.graph.profiler import profile
     from autopar.models import resolve_model
 
@@ -84,9 +86,7 @@ def build_and_profile(
             )
         seq_len = seq_len or file_seq_len
     if seq_len is None:
-        spec = getattr(model, "autopar_spec", None)
-        config = getattr(model, "config", None)
-        seq_len = getattr(spec, "seq_len", None) or getattr(config, "max_position_embeddings", None)
+        seq_len = default_seq_len(model)  # the zoo spec's, or the HF context capped
     if seq_len is None:
         raise AutoparError(f"cannot tell the sequence length of {model_text}; pass --seq-len S")
     kwargs = {} if dtype is None else {"dtype": dtype}

@@ -189,6 +189,18 @@ def test_hf_config_is_a_model(tmp_path, capfd):
     assert doc["tp_layout"], "an HF GPT-2 at tp=2 gets a tensor-parallel layout"
 
 
+def test_hf_context_is_capped_as_profile_caps_it(tmp_path, capfd):
+    """Without --seq-len, an HF config's long context is taken capped at 4096 tokens, as
+    ``autopar.profile`` takes it, and the report says the sequence length it planned for."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+                                  "vocab_size": 256, "n_positions": 32768}))
+    assert main(["estimate", str(config), "--global-batch", "8", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["seq_len"] == 4096
+    assert main(["estimate", str(config), "--global-batch", "8", "--seq-len", "8192"]) == 0
+    assert "global batch 8 sequences of 8,192 tokens = dp 1" in capfd.readouterr().out
+
+
 def test_presets_lists_the_zoo_and_the_clusters(capfd):
     assert main(["presets"]) == 0
     out = capfd.readouterr().out

@@ -112,7 +112,8 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
                 "use sequence_parallel=True")
     if config.ep > 1 and ep_blocker and framework.runs_traced_modules:
         return (f"{framework.name} shards over ep only the experts it runs one at a time "
-                f"(stacked, called with the router's choices), and {ep_blocker}; use ep=1, "
+                f"(dropless, each computing what its module computes), and {ep_blocker}; "
+                f"use ep=1, "
                 f"{_OWN_CODE}")
     return None
 

@@ -21,11 +21,12 @@ tensors share; an ungated module whose shapes fit both reads as ``[E, out, in]``
 autopar's runtime shards experts over ep ranks where it can run them itself (``ep_blocker``: ""),
 one expert at a time with ``run_expert``: every layout above (the stacked ones with their
 biases; DBRX's expert e is rows ``e f_e .. (e+1) f_e`` of each matrix, ``expert_params``),
-called with the router's choices, every parameter per expert, dropless, gated by the module's
-own ``_apply_gate`` (transformers 5) or ``act(gate) * up``; and only where the module's own
-forward, run once on small random weights of the same layout (``_probe``), gives what
-``run_expert`` gives: a family whose experts compute anything else is refused, not run
-differently.
+every parameter per expert, dropless, gated by the module's own ``_apply_gate`` (transformers
+5) or ``act(gate) * up``; and only where the module's own forward, run once on small random
+weights of the same layout (``_probe``), gives what ``run_expert`` gives: a family whose
+experts compute anything else is refused, not run differently. Experts called on rows already
+routed to every expert (``routed_rows``: Llama 4, below) run only the rows the router picked,
+the others being zero rows whose result is zero (``_probe_routed`` checks that too).
 
 They are called as ``experts(x[T, h], top_k_index[T, k], top_k_weights[T, k])``, or, in
 Llama 4, on rows already repeated per expert and weighted by the router,
@@ -64,7 +65,7 @@ from autopar.graph.types import MoEStructure
 __all__ = ["GLU_MATRICES", "ExpertWeights", "MoEStructure", "block_moe", "ep_blocker",
            "expert_activation", "expert_modules", "expert_params", "expert_weights",
            "install_expert_standins", "local_experts", "modules_ep_blocker", "moe_modules",
-           "run_expert", "run_sorted", "stacked_names"]
+           "routed_rows", "run_expert", "run_sorted", "stacked_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,12 +281,16 @@ def ep_blocker(module: nn.Module) -> str:
                   if p.dim() == 0 or p.shape[0] != w.experts]
     if shared:
         return f"{name} holds {shared[0]!r}, shared by its experts"
-    if len(inspect.signature(type(module).forward).parameters) < 4:
-        return (f"{name} is called without the router's choices (on rows already routed to "
-                "every expert)")
     if float(getattr(module, "capacity_factor", 0.0) or 0.0) > 0:
         return f"{name} drops the tokens over its experts' capacity"
-    return _probe(module, w)
+    return _probe_routed(module, w) if routed_rows(module) else _probe(module, w)
+
+
+def routed_rows(module: nn.Module) -> bool:
+    """Whether an experts module is called on rows already routed to every expert,
+    ``experts(x[E T, h])`` (Llama 4: expert e's block is every token scaled by its router
+    weight, 0 where the router did not pick e), not with the router's choices."""
+    return len(inspect.signature(type(module).forward).parameters) < 4
 
 
 _PROBE_WIDTH = 4  # the probe's widths and experts (small: the check is on the math)
@@ -300,6 +305,10 @@ def _probe_copy(module: nn.Module, w: ExpertWeights, gen: torch.Generator) -> nn
     probe = copy.copy(module)  # its own parameter table: the module's weights are not copied
     probe._parameters = dict(module._parameters)
     width = _PROBE_WIDTH
+    # The widths the family's forward reads from attributes (Llama 4's and DBRX's views).
+    for attr in ("hidden_size", "ffn_hidden_size"):
+        if hasattr(module, attr):
+            setattr(probe, attr, width)
     if w.layout == "matrices":  # DBRX: [E f_e, h] matrices in its mlp, widths read from attributes
         probe._modules = dict(module._modules)  # its own child table too
         mlp = copy.copy(module.get_submodule("mlp"))
@@ -307,9 +316,6 @@ def _probe_copy(module: nn.Module, w: ExpertWeights, gen: torch.Generator) -> nn
         for name in GLU_MATRICES:
             setattr(mlp, name, param(w.experts * width, width))
         probe.mlp = mlp
-        for attr in ("hidden_size", "ffn_hidden_size"):
-            if hasattr(module, attr):
-                setattr(probe, attr, width)
         return probe
     inner = width * (2 if w.gated else 1)
     shapes = [(w.experts, inner, width), (w.experts, width, inner // (2 if w.gated else 1))]
@@ -321,6 +327,34 @@ def _probe_copy(module: nn.Module, w: ExpertWeights, gen: torch.Generator) -> nn
             setattr(probe, f"{name}_bias",
                     param(w.experts, shape[1] if w.layout == "out-in" else shape[2]))
     return probe
+
+
+def _probe_routed(module: nn.Module, w: ExpertWeights) -> str:
+    """``_probe`` for experts called on rows already routed (``routed_rows``): their forward on
+    every expert's block of rows (each token scaled by a router weight, zero where not picked)
+    against ``run_expert`` on each block, and a zero row's result zero, so the runtime may
+    skip the rows the router did not pick ("" when both hold)."""
+    gen = torch.Generator().manual_seed(0)
+    probe = _probe_copy(module, w, gen)
+    tokens, name = 2 * min(w.experts, _PROBE_WIDTH), type(module).__name__
+    x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
+    picked = torch.rand(w.experts, tokens, 1, generator=gen) < 0.5
+    blocks = x * torch.rand(w.experts, tokens, 1, generator=gen) * picked
+    with torch.no_grad():
+        want = torch.cat([run_expert(probe, e, blocks[e], w.layout) for e in range(w.experts)])
+        zero = torch.cat([run_expert(probe, e, x[:1] * 0, w.layout) for e in range(w.experts)])
+        try:
+            got = type(module).forward(probe, blocks.reshape(-1, _PROBE_WIDTH))
+        except Exception as e:  # any failure: not runnable one expert at a time
+            return f"{name}'s forward does not run as stacked experts ({e})"
+    if bool(zero.any()):
+        return (f"{name}'s experts do not map a zero row to zero (the rows its router did not "
+                "pick cannot be skipped)")
+    if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not torch.allclose(
+            got.reshape(want.shape), want, rtol=1e-4, atol=1e-5):
+        return (f"{name}'s forward computes something other than its experts one at a time "
+                "(a norm, a scale or a different gate)")
+    return ""
 
 
 def _probe(module: nn.Module, w: ExpertWeights) -> str:

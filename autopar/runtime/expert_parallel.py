@@ -18,7 +18,10 @@ counts are exchanged (``all_to_all_single``); the token rows go to their experts
 (``all_to_all_single_autograd``: the dispatch; its backward sends the gradients back), each
 rank runs its local experts on what it received (sorted by local expert once, each expert on
 its contiguous slice), and the results come back the same way (the combine), are weighted by
-the router and summed per token, exactly as the one-process module.
+the router and summed per token, exactly as the one-process module. Experts called on rows
+already routed to every expert (Llama 4, ``graph.moe.routed_rows``) exchange only the rows their
+router picked, the others zero rows whose result is zero; without ep they run those rows only
+too (``run_picked_rows``), where the family's own code runs every expert on every token.
 
 Gradients: the routed experts are left out of the dense layers' data-parallel wrappers
 (``ignored_params``; they differ per ep rank). A rank's expert gradient already sums the
@@ -32,6 +35,7 @@ dp cp), which also shards their state over those ranks as ZeRO does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,13 +44,20 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from autopar.graph.moe import expert_modules, expert_params, local_experts, run_sorted
+from autopar.graph.moe import (
+    ep_blocker,
+    expert_modules,
+    expert_params,
+    local_experts,
+    routed_rows,
+    run_sorted,
+)
 
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
 
 __all__ = ["EpGroups", "apply_expert_parallel", "ep_groups", "expert_state_views",
-           "experts_modules"]
+           "experts_modules", "run_picked_rows"]
 
 
 def experts_modules(part: nn.Module) -> list[nn.Module]:
@@ -115,8 +126,39 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
     return received.tolist()
 
 
-def _ep_forward(module: nn.Module, group: Any, ep: int):
+def _exchange(module: nn.Module, group: Any, ep: int, rows: torch.Tensor,
+              expert: torch.Tensor) -> torch.Tensor:
+    """Run ``rows[R, h]`` (sorted by ``expert``, their global expert ids) on their experts'
+    ranks and bring the results back, in the same order (module docstring)."""
     local = local_experts(module)
+    send_splits = torch.bincount(expert // local, minlength=ep)
+    in_splits = send_splits.tolist()
+    out_splits = _exchange_counts(send_splits, group)
+    expert = (expert % local).contiguous()
+    recv_expert = torch.empty(sum(out_splits), dtype=expert.dtype, device=expert.device)
+    dist.all_to_all_single(recv_expert, expert, out_splits, in_splits, group=group)
+    recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(
+        rows, out_splits, in_splits, group))
+    # The received rows sorted by local expert once; each expert runs on its slice.
+    by_expert = torch.argsort(recv_expert, stable=True)
+    counts = torch.bincount(recv_expert, minlength=local).tolist()
+    out = run_sorted(module, recv.index_select(0, by_expert), counts)
+    # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
+    # experts received no rows, or autograd would skip both all-to-alls' backward there
+    # while the other ranks of the group wait in theirs. Likewise it depends on the experts'
+    # parameters (a zero times each), so their gradient hooks (zero 0: an all-reduce over
+    # the edp ranks) run on every rank, rows or not.
+    y = recv * 0
+    if out.shape[0]:
+        y = y.index_add(0, by_expert, out)
+    else:
+        y = y + sum(p.reshape(-1)[:1].sum() for p in module.parameters()) * 0
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
+
+
+def _ep_forward(module: nn.Module, group: Any, ep: int):
+    """The forward of experts called with the router's choices, ``(x, top_k_index,
+    top_k_weights)``: each token's k rows exchanged, weighted and summed per token."""
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         shape, x = x.shape, x.reshape(-1, x.shape[-1])  # [T, h] (DBRX passes [b, s, h])
@@ -124,30 +166,7 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // top_k
-        send_splits = torch.bincount(flat // local, minlength=ep)
-        in_splits = send_splits.tolist()
-        out_splits = _exchange_counts(send_splits, group)
-        expert = (flat[order] % local).contiguous()
-        recv_expert = torch.empty(sum(out_splits), dtype=expert.dtype, device=expert.device)
-        dist.all_to_all_single(recv_expert, expert, out_splits, in_splits, group=group)
-        recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(
-            x.index_select(0, token), out_splits, in_splits, group))
-        # The received rows sorted by local expert once; each expert runs on its slice.
-        by_expert = torch.argsort(recv_expert, stable=True)
-        counts = torch.bincount(recv_expert, minlength=local).tolist()
-        out = run_sorted(module, recv.index_select(0, by_expert), counts)
-        # NOTE: ``recv * 0``, not zeros: the result must depend on ``recv`` even on a rank whose
-        # experts received no rows, or autograd would skip both all-to-alls' backward there
-        # while the other ranks of the group wait in theirs. Likewise it depends on the experts'
-        # parameters (a zero times each), so their gradient hooks (zero 0: an all-reduce over
-        # the edp ranks) run on every rank, rows or not.
-        y = recv * 0
-        if out.shape[0]:
-            y = y.index_add(0, by_expert, out)
-        else:
-            y = y + sum(p.reshape(-1)[:1].sum() for p in module.parameters()) * 0
-        back = funcol.wait_tensor(
-            funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
+        back = _exchange(module, group, ep, x.index_select(0, token), flat[order])
         weights = top_k_weights.reshape(-1).index_select(0, order)
         # Summed per token into a tensor of the input's own shape (not a view of one: FSDP2's
         # output hooks and the caller's in-place adds need a tensor of its own).
@@ -156,6 +175,40 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         return out
 
     return forward
+
+
+def _routed_forward(module: nn.Module, experts: int,
+                    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The forward of experts called on rows already routed to every expert, ``x[E T, h]``
+    (Llama 4: expert e's block holds every token scaled by its router weight, 0 where the
+    router did not pick e): only the nonzero rows run (``run(rows, expert_ids)``, sorted by
+    expert), each result in its row's place. A zero row's result is zero (``graph.moe.
+    ep_blocker`` checks it), so the rows skipped give what running them gives."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        blocks = x.view(experts, -1, x.shape[-1])
+        expert, token = (blocks != 0).any(dim=-1).nonzero(as_tuple=True)  # expert-major
+        out = x.new_zeros(x.shape)
+        out.index_add_(0, expert * blocks.shape[1] + token,
+                       run(blocks[expert, token], expert).to(x.dtype))
+        return out
+
+    return forward
+
+
+def run_picked_rows(part: nn.Module) -> None:
+    """Without ep: experts called on routed rows (``graph.moe.routed_rows``, Llama 4, whose
+    own forward runs every expert on every token) run only the rows their router picked, the
+    k experts a token runs, as the cost model charges (same result: module docstring)."""
+    for module in experts_modules(part):
+        if routed_rows(module) and not ep_blocker(module):
+            experts = local_experts(module)
+
+            def run(rows: torch.Tensor, expert: torch.Tensor, module: nn.Module = module,
+                    experts: int = experts) -> torch.Tensor:
+                return run_sorted(module, rows, torch.bincount(expert, minlength=experts).tolist())
+
+            module.forward = _routed_forward(module, experts, run)
 
 
 def _grad_hook(edp_group: Any, edp: int, dp: int):
@@ -180,6 +233,7 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
         The expert parameters now local to this rank (for the dp wrappers to ignore).
     """
     if cfg.ep <= 1 or groups is None:
+        run_picked_rows(part)
         return set()
     modules = experts_modules(part)
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
@@ -197,7 +251,14 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
             if not sharded:
                 param.register_hook(_grad_hook(groups.edp, data // cfg.ep, data))
             setattr(owner, name, param)
-        module.forward = _ep_forward(module, groups.ep, cfg.ep)
+        if routed_rows(module):
+            def run(rows: torch.Tensor, expert: torch.Tensor,
+                    module: nn.Module = module) -> torch.Tensor:
+                return _exchange(module, groups.ep, cfg.ep, rows, expert)
+
+            module.forward = _routed_forward(module, local * cfg.ep, run)
+        else:
+            module.forward = _ep_forward(module, groups.ep, cfg.ep)
         owner.autopar_expert_mesh = groups.expert_mesh  # read by expert_state_views
         if sharded:
             _shard_experts(module, groups, cfg)

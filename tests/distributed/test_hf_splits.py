@@ -277,6 +277,8 @@ MIXES_4: list[tuple[str, str, dict[str, Any]]] = [
     # ep 2 of dp 4 (FSDP2 over the 2 ranks holding each half of the experts) and under pp.
     ("qwen3_moe-dp4-ep2-zero1", "qwen3_moe", {"dp": 4, "ep": 2, "zero": 1, "micro_batch": 2}),
     ("dbrx-dp4-ep2-zero3", "dbrx", {"dp": 4, "ep": 2, "zero": 3, "micro_batch": 2}),
+    ("llama4-dp2xtp2-ep2-sp", "llama4", {"dp": 2, "tp": 2, "ep": 2, "zero": 3,
+                                         "sequence_parallel": True, "micro_batch": 2}),
     ("mixtral-pp2xdp2-ep2", "mixtral", {"pp": 2, "dp": 2, "ep": 2, "schedule": "1f1b",
                                         "micro_batch": 1}),
     # ep with tp: both tp ranks of a dp rank hold the same experts and route the same tokens.
@@ -307,7 +309,7 @@ CP_CASES_2 = [(f"{name}-cp2", name, {"cp": 2, "micro_batch": 4})
 # features (OLMo 2: tp_styles.WidthNorm), with and without sequence parallelism.
 HEAD_NORM_MODELS = ("qwen3", "gemma2", "gemma3_text", "olmo2")
 HEAD_NORM_SPLITS_2 = {key: SPLITS_2[key] for key in ("tp2", "tp2-sp-selective")}
-# Expert parallelism of the stacked [E, out, in] families: each rank runs 2 of the 4 experts
+# Expert parallelism of the experts families: each rank runs 2 of the 4 experts
 # on the tokens the all-to-all brings it (zero 0: the experts' gradients summed by hooks).
 EP_CASES_2 = [
     ("mixtral-ep2", "mixtral", {"dp": 2, "ep": 2, "micro_batch": 2}),
@@ -317,6 +319,9 @@ EP_CASES_2 = [
     ("gpt_oss-ep2-zero1", "gpt_oss", {"dp": 2, "ep": 2, "zero": 1, "micro_batch": 2}),
     # DBRX: each expert f_e rows of its [E f_e, h] matrices, sliced over ep as the rows.
     ("dbrx-ep2", "dbrx", {"dp": 2, "ep": 2, "micro_batch": 2}),
+    # Llama 4: experts called on every expert's block of routed rows; the picked rows exchanged.
+    ("llama4-ep2-zero3-full", "llama4", {"dp": 2, "ep": 2, "zero": 3, "micro_batch": 2,
+                                         "recompute": "full"}),
 ]
 
 

@@ -1,9 +1,10 @@
 """Which experts autopar's runtime shards over ep (graph/moe.py ``ep_blocker``): the experts it
 runs one at a time with ``run_expert`` (the zoo's, Mixtral's, Qwen3-MoE's, DeepSeek-V3's stacked
 [E, out, in]; gpt-oss's [E, in, out] with biases and its own clamped gate; DBRX's [E f, h]
-matrices, an expert f rows of each), checked
-against each module's own forward; the profile records why not for the others (Llama 4's experts
-are called on rows already routed), and the pre-launch check refuses them with that reason."""
+matrices, an expert f rows of each; Llama 4's, called on rows already routed to every expert,
+whose zero rows it skips), checked against each module's own forward; the profile records why
+not for the others (experts computing anything else, capacity-bound experts), and the pre-launch
+check refuses them with that reason."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from torch import nn
 import autopar
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
-from autopar.graph.moe import GLU_MATRICES, ep_blocker, expert_modules, local_experts, run_sorted
+from autopar.graph.moe import (
+    GLU_MATRICES,
+    ep_blocker,
+    expert_modules,
+    local_experts,
+    routed_rows,
+    run_expert,
+    run_sorted,
+)
 from autopar.runtime.apply import check_plan_runnable
 from autopar.search.planner import plan_from_config
 
@@ -47,8 +56,6 @@ CONFIGS = {
                             "moe_jitter_eps": None}},
 }
 RUNNABLE = ("mixtral", "mixtral_e8", "qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx")
-WHY = {"llama4_text": "Llama4TextExperts is called without the router's choices (on rows "
-                      "already routed to every expert)"}
 
 
 def _model(name: str, device: str = "meta"):
@@ -59,9 +66,9 @@ def _model(name: str, device: str = "meta"):
 def test_profile_records_why_the_experts_cannot_be_sharded(name):
     profile = autopar.profile(_model(name), seq_len=16)
     moes = [x.moe for x in profile.layers if x.moe]
-    assert moes and {m.ep_blocker for m in moes} == {WHY.get(name, "")}
+    assert moes and {m.ep_blocker for m in moes} == {""}
     for layer in (x for x in profile.layers if x.moe):
-        assert ("ep_blocker" in layer.to_dict()["moe"]) == (name in WHY)
+        assert "ep_blocker" not in layer.to_dict()["moe"]
     assert type(profile).from_dict(profile.to_dict()) == profile
 
 
@@ -132,14 +139,62 @@ def test_pre_launch_check_runs_or_refuses_ep(name):
     cluster = autopar.Cluster.preset("h100", nodes=1, gpus_per_node=2)
     cfg = ParallelConfig(dp=2, ep=2, zero=1, global_batch=4, micro_batch=2)
     plan = plan_from_config(profile, cluster, cfg, framework="torchtitan")
-    if name in WHY:
-        with pytest.raises(AutoparError, match=r"cannot shard these experts over ep: Llama4"):
-            check_plan_runnable(model, plan)
-        with pytest.raises(ValueError, match=r"one at a time .*, and Llama4TextExperts"):
-            autopar.estimate(profile, cluster, cfg)
-    else:
+    check_plan_runnable(model, plan)
+    assert autopar.estimate(profile, cluster, cfg).fits
+
+
+def test_pre_launch_check_refuses_ep_of_experts_it_cannot_run():
+    model = autopar.models.build("llama", layers=2, hidden=32, heads=4, kv_heads=2, vocab=64,
+                                 seq_len=16, experts=4, top_k=2, capacity_factor=1.5)
+    profile = autopar.profile(model, seq_len=16)
+    cluster = autopar.Cluster.preset("h100", nodes=1, gpus_per_node=2)
+    cfg = ParallelConfig(dp=2, ep=2, zero=1, global_batch=4, micro_batch=2)
+    plan = plan_from_config(profile, cluster, cfg, framework="torchtitan")
+    with pytest.raises(AutoparError, match=r"cannot shard these experts over ep: .*capacity"):
         check_plan_runnable(model, plan)
-        assert autopar.estimate(profile, cluster, cfg).fits
+    with pytest.raises(ValueError, match=r"one at a time .*drops the tokens over its experts"):
+        autopar.estimate(profile, cluster, cfg)
+
+
+def test_routed_rows_experts_equal_running_each_expert_on_its_rows():
+    """Llama 4's experts, called on every expert's block of rows: the module's own forward
+    equals ``run_expert`` on each block, and a zero row (a token its router did not pick for
+    that expert) gives zero, so skipping those rows changes nothing."""
+    module = expert_modules(_model("llama4_text", "cpu"))[0][1]
+    assert routed_rows(module)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=gen)
+    blocks = x * (torch.rand(4, 6, 1, generator=gen) < 0.5)
+    want = torch.cat([run_expert(module, e, blocks[e]) for e in range(4)])
+    torch.testing.assert_close(module(blocks.reshape(-1, 32)), want, rtol=1e-5, atol=1e-6)
+    assert not run_expert(module, 0, x[:1] * 0).any()
+
+
+class _RoutedExperts(nn.Module):
+    """Experts called on routed rows (Llama 4's convention), with a bias (a zero row is not
+    zero) or a forward scaling each output."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.hidden_size = mode, 8
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 8, 16))
+        self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
+        if mode == "bias":
+            self.down_proj_bias = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        blocks = x.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate, up = torch.bmm(blocks, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.down_proj)
+        if self.mode == "bias":
+            out = out + self.down_proj_bias[:, None]
+        return (3 * out if self.mode == "scaled" else out).reshape(-1, self.hidden_size)
+
+
+def test_routed_rows_experts_computing_something_else_are_refused():
+    assert ep_blocker(_RoutedExperts("plain")) == ""
+    assert "do not map a zero row to zero" in ep_blocker(_RoutedExperts("bias"))
+    assert "computes something other" in ep_blocker(_RoutedExperts("scaled"))
 
 
 def test_experts_sharing_a_parameter_are_refused():

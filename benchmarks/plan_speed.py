@@ -1,13 +1,16 @@
 """Planning time of ``autopar.plan`` on large models and clusters (figures in docs/search.md).
 
-Run: ``python benchmarks/plan_speed.py`` (add ``--quick`` for the first case only). Profiling
+Run: ``python benchmarks/plan_speed.py`` (add ``--quick`` for the first case only,
+``--long-context`` and ``--llama4`` for more). Profiling
 the model (tracing on the meta device) is timed separately from the search itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import autopar
 
@@ -26,14 +29,22 @@ CASES = [
 # 10 s: docs/search.md, planning speed).
 LONG_CONTEXT = tuple(("llama3-405b", "h100", 16384, 2048, goal, 131072, framework)
                      for framework, goal in (("torchtitan", 30.0), ("autopar", 10.0)))
+# Llama 4 Scout from its Hugging Face text config (meta-llama/Llama-4-Scout-17B-16E, config.json
+# "text_config"; benchmarks/data/hf_llama4_scout.json, needs transformers): its blocks alternate
+# two kinds (no rotary positions every fourth), split by their envelopes (search/envelope.py).
+LLAMA4 = ("data/hf_llama4_scout.json", "h100", 64, 512, 30.0, None, "autopar")
 
 
 def run_case(preset: str, gpu: str, gpus: int, global_batch: int, seq_len: int | None = None,
              framework: str = "autopar") -> dict:
     """Profile the model, then plan it; timings (wall and this process's CPU) and counters."""
     t0 = time.perf_counter()
-    model = autopar.models.build(preset, seq_len=seq_len) if seq_len else (
-        autopar.models.build(preset))
+    if preset.endswith(".json"):  # a Hugging Face config: its context capped, as the CLI does
+        config = Path(__file__).parent / preset
+        model = autopar.models.from_hf_config(json.loads(config.read_text()))
+    else:
+        model = autopar.models.build(preset, seq_len=seq_len) if seq_len else (
+            autopar.models.build(preset))
     profile = autopar.profile(model)
     profile_s = time.perf_counter() - t0
     cluster = autopar.Cluster.preset(gpu, nodes=gpus // 8)
@@ -51,11 +62,15 @@ def main() -> None:
     parser.add_argument("--long-context", action="store_true",
                         help="also llama3-405b at 131,072 tokens for torchtitan (cp, fp8) "
                         "and for autopar")
+    parser.add_argument("--llama4", action="store_true",
+                        help="also Llama 4 Scout (Hugging Face config) on 64 H100")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     cases = [(*c, None, "autopar") for c in cases if args.only in (None, c[0])]
     if args.long_context:
         cases.extend(LONG_CONTEXT)
+    if args.llama4:
+        cases.append(LLAMA4)
     header = (
         f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'cpu s':>6s} {'goal':>5s} "
         f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s} {'gap':>6s}  best split (MFU)"
@@ -66,7 +81,7 @@ def main() -> None:
         r = run_case(preset, gpu, gpus, batch, seq_len, framework)
         info, est = r["plan"].search, r["plan"].estimate
         print(
-            f"{preset:12s} {f'{gpus} x {gpu}':16s} {batch:5d} {r['plan_s']:7.2f} "
+            f"{Path(preset).stem:12s} {f'{gpus} x {gpu}':16s} {batch:5d} {r['plan_s']:7.2f} "
             f"{r['cpu_s']:6.2f} "
             f"{goal or '-':>5} {info.candidates_considered:6d} {info.candidates_pruned:6d} "
             f"{info.ilps_solved:4d} {info.optimal and info.mip_gap <= 1e-4!s:>6s} "

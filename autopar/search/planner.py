@@ -208,7 +208,8 @@ def _visit(state: _State, cand: Candidate, cache: dict, options: SearchOptions, 
             cache[key] = outcome
         state.ilps += outcome.used_ilp
         state.time_limit_hit |= outcome.time_limit_hit
-        if outcome.time_limit_hit:  # not proven: its bound limits the whole search's claim
+        if outcome.time_limit_hit or (outcome.split and outcome.gap > options.mip_gap):
+            # Not proven (a time limit, or envelopes' gap): its bound limits the search's claim.
             state.remaining_lb_s = min(state.remaining_lb_s, outcome.bound_s)
     if outcome.split and not fits_host(cand.table, outcome):
         state.pruned += 1
@@ -229,9 +230,10 @@ def _make_plan(profile, cluster, config, split, recompute, info, model, options)
 
 
 def _info(state: _State, outcome: Outcome, step_s: float) -> SearchInfo:
-    """The plan's search record; with a time limit hit, the gap bounds the whole search."""
+    """The plan's search record; where some candidate was not solved to optimality (a time
+    limit, or an envelope split's gap), the gap bounds the whole search."""
     gap = outcome.gap
-    if state.time_limit_hit and state.remaining_lb_s < step_s:
+    if state.remaining_lb_s < step_s:
         gap = max(gap, (step_s - max(state.remaining_lb_s, 0.0)) / step_s)
     return SearchInfo(
         candidates_considered=state.considered,

@@ -16,6 +16,7 @@ from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import TableSummary, balanced_split, ilp_key, time_lower_bound
+from autopar.search.envelope import envelope_table, lower_bound_holds, pattern_blocks
 from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
@@ -135,6 +136,11 @@ def solve_candidate(
         return uniform or Outcome()
     if uniform is not None and uniform.step_s <= lb * (1 + options.mip_gap):
         return dataclasses.replace(uniform, optimal=True)  # meets the lower bound
+    blocks = pattern_blocks(table)
+    if blocks is not None:  # blocks of a few alternating kinds: by their envelopes
+        enveloped = _by_envelopes(table, blocks, options, time_limit_s, lb, cutoff_s)
+        if enveloped is not None:  # no split: nothing real fits or beats the cutoff either
+            return _better_of(enveloped, uniform, options) if enveloped.split else enveloped
     from_uniform = uniform is not None and (cutoff_s is None or uniform.step_s < cutoff_s)
     if from_uniform and uniform is not None:
         cutoff_s = uniform.step_s * (1 + 1e-9)
@@ -173,3 +179,38 @@ def solve_candidate(
             step_s=uniform.step_s,
         )
     return out
+
+
+def _by_envelopes(table: CostTable, blocks: tuple[int, int], options: SearchOptions,
+                  time_limit_s: float, lb: float, cutoff_s: float | None) -> Outcome | None:
+    """The best split of the upper-envelope table, costed on the real layers, with the
+    lower-envelope optimum as its bound (``envelope.py``); an empty outcome when even the lower
+    envelope cannot beat ``cutoff_s`` or fit; None when nothing fits the upper envelope (the
+    exact ILP decides then)."""
+    bound, limit_hit = lb, False
+    if lower_bound_holds(table):
+        lower = solve_candidate(envelope_table(table, blocks, upper=False), options,
+                                time_limit_s, cutoff_s)
+        if not lower.split and not lower.time_limit_hit:
+            return Outcome(used_ilp=True)  # no real split fits or beats the cutoff either
+        limit_hit = lower.time_limit_hit
+        proven = lower.split and lower.optimal and not lower.time_limit_hit
+        bound = max(bound, lower.step_s * (1 - lower.gap) if proven else lower.bound_s)
+    upper = solve_candidate(envelope_table(table, blocks, upper=True), options, time_limit_s)
+    if not upper.split:
+        return None
+    step = assemble(table, upper.split, upper.recompute).step_time_s
+    gap = max(0.0, 1.0 - bound / step)
+    return Outcome(split=upper.split, recompute=upper.recompute, step_s=step,
+                   optimal=gap <= options.mip_gap, gap=gap,
+                   time_limit_hit=limit_hit or upper.time_limit_hit, used_ilp=True,
+                   bound_s=min(bound, step))
+
+
+def _better_of(out: Outcome, uniform: Outcome | None, options: SearchOptions) -> Outcome:
+    """``out``, or the balanced uniform split where it is faster, with the same bound."""
+    if uniform is None or uniform.step_s >= out.step_s:
+        return out
+    gap = max(0.0, 1.0 - out.bound_s / uniform.step_s)
+    return dataclasses.replace(out, split=uniform.split, recompute=uniform.recompute,
+                               step_s=uniform.step_s, gap=gap, optimal=gap <= options.mip_gap)

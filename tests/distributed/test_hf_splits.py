@@ -319,6 +319,7 @@ EP_CASES_2 = [
     ("gpt_oss-ep2-zero1", "gpt_oss", {"dp": 2, "ep": 2, "zero": 1, "micro_batch": 2}),
     # DBRX: each expert f_e rows of its [E f_e, h] matrices, sliced over ep as the rows.
     ("dbrx-ep2", "dbrx", {"dp": 2, "ep": 2, "micro_batch": 2}),
+    ("dbrx-cp2-ep2", "dbrx", {"cp": 2, "ep": 2, "micro_batch": 4}),  # ep over the cp ranks
     # Llama 4: experts called on every expert's block of routed rows; the picked rows exchanged.
     ("llama4-ep2-zero3-full", "llama4", {"dp": 2, "ep": 2, "zero": 3, "micro_batch": 2,
                                          "recompute": "full"}),

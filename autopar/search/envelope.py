@@ -6,7 +6,8 @@ Blocks that alternate a few kinds break that run into many short ones (Llama 4: 
 rotary positions every fourth, its activations 5% smaller), and the per-layer ILP over them is
 slow (tens of seconds a candidate, often stopped by its time limit). For such a profile, the
 blocks between the first and the last run (``pattern_blocks``: at least ``MIN_BLOCKS`` of at
-most ``MAX_KINDS`` kinds) are replaced, term by term, by
+most ``MAX_KINDS`` kinds, each term within ``MAX_SPREAD`` of its largest value over the kinds)
+are replaced, term by term, by
 
 - the upper envelope (the largest of each time and memory term over the kinds, the smallest
   backward, which hides data-parallel reduction): every split costs at least as much there as
@@ -34,10 +35,12 @@ from autopar.cost_model.tables import CostTable, LayerCost, named_costs
 from autopar.search.ilp import cost_signature, layer_runs
 from autopar.search.ilp_ranks import rank_aggregable
 
-__all__ = ["MAX_KINDS", "MIN_BLOCKS", "envelope_table", "lower_bound_holds", "pattern_blocks"]
+__all__ = ["MAX_KINDS", "MAX_SPREAD", "MIN_BLOCKS", "envelope_table", "lower_bound_holds",
+           "pattern_blocks"]
 
 MIN_BLOCKS = 16  # fewer blocks: the per-layer ILP is small enough to stay exact
 MAX_KINDS = 4  # more kinds of block than this: not a short repeating pattern
+MAX_SPREAD = 0.25  # kinds further apart in some term than this share of it: the exact ILP
 
 # The terms whose larger value never shortens a step nor frees memory (assemble.py), by
 # recompute mode where a tuple; ``backward_s`` is the window that hides dp reduction (its
@@ -56,8 +59,26 @@ def pattern_blocks(table: CostTable) -> tuple[int, int] | None:
     first, last = runs[0][1] + 1, runs[-1][0] - 1
     if last - first + 1 < MIN_BLOCKS:
         return None
-    kinds = {cost_signature(x) for x in table.layers[first:last + 1]}
-    return (first, last) if 2 <= len(kinds) <= MAX_KINDS else None
+    inner = table.layers[first:last + 1]
+    kinds = {cost_signature(x) for x in inner}
+    if not 2 <= len(kinds) <= MAX_KINDS:
+        return None
+    return (first, last) if _close(inner) else None
+
+
+def _close(layers: tuple[LayerCost, ...]) -> bool:
+    """Whether every term of the kinds is within ``MAX_SPREAD`` of its largest value: kinds
+    that close leave little between the envelopes (Llama 4's differ by 5% in activations);
+    kinds far apart (dense and mixture-of-experts blocks alternating) would give a split far
+    from the optimum and a loose bound, so the exact ILP keeps them."""
+    for name in (*_TERMS, "backward_s"):
+        values = [getattr(x, name) for x in layers]
+        columns = zip(*values) if isinstance(values[0], tuple) else [values]
+        for column in columns:
+            top = max(column)
+            if top > 0 and top - min(column) > MAX_SPREAD * top:
+                return False
+    return True
 
 
 def lower_bound_holds(table: CostTable) -> bool:

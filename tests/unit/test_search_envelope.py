@@ -104,3 +104,8 @@ def test_uniform_blocks_and_short_profiles_stay_exact() -> None:
     other = dataclasses.replace(base, compute_s=0.6)
     short = [dataclasses.replace(other if i % 2 else base, name=f"b{i}") for i in range(8)]
     assert pattern_blocks(table(short)) is None  # few blocks: the per-layer ILP stays exact
+    close = [dataclasses.replace(other if i % 4 == 3 else base, name=f"b{i}") for i in range(20)]
+    assert pattern_blocks(table(close)) == (3, 18)  # between the first run and the last
+    far = dataclasses.replace(base, param_bytes=4 * base.param_bytes)  # dense and MoE blocks
+    apart = [dataclasses.replace(far if i % 2 else base, name=f"b{i}") for i in range(20)]
+    assert pattern_blocks(table(apart)) is None  # kinds far apart: the exact ILP keeps them

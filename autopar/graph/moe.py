@@ -191,8 +191,7 @@ def expert_params(module: nn.Module) -> tuple[nn.Module, tuple[str, ...], int]:
     its experts along dim 0: (the module holding them, their names, rows per expert). Stacked
     layouts: the module's own parameters (weights and biases), one row an expert; DBRX: its
     ``mlp``'s three matrices, ``f_e`` rows an expert."""
-    w = expert_weights(module)
-    assert w is not None  # an experts module
+    w = _weights(module)
     if w.layout == "matrices":
         return module.get_submodule("mlp"), GLU_MATRICES, w.inner
     return module, tuple(n for n, _p in module.named_parameters(recurse=False)), 1
@@ -200,14 +199,12 @@ def expert_params(module: nn.Module) -> tuple[nn.Module, tuple[str, ...], int]:
 
 def local_experts(module: nn.Module) -> int:
     """The experts ``module`` holds (all E, or E / ep once sharded over ep)."""
-    w = expert_weights(module)
-    assert w is not None  # an experts module
-    return w.experts
+    return _weights(module).experts
 
 
-def _matrices_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
-    """DBRX's expert ``index``: ``(act(x w1_e^T) * x v1_e^T) w2_e`` on rows ``f_e`` apart."""
-    rows = expert_params(module)[2]
+def _matrices_expert(module: nn.Module, index: int, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """DBRX's expert ``index``: ``(act(x w1_e^T) * x v1_e^T) w2_e`` on rows ``rows`` (f_e)
+    apart."""
     mlp = module.get_submodule("mlp")
     w1, v1, w2 = (getattr(mlp, n)[index * rows:(index + 1) * rows].to(x.dtype)
                   for n in GLU_MATRICES)
@@ -215,15 +212,16 @@ def _matrices_expert(module: nn.Module, index: int, x: torch.Tensor) -> torch.Te
 
 
 def run_expert(module: nn.Module, index: int, x: torch.Tensor,
-               layout: str | None = None) -> torch.Tensor:
+               weights: ExpertWeights | None = None) -> torch.Tensor:
     """Expert ``index`` of an experts module (``ep_blocker`` "") on its rows ``x[n, h]``:
     ``down(gate(up(x)))`` with the module's biases where it has them, the gate the module's own
     ``_apply_gate`` where it has one (transformers 5: gpt-oss's clamped, interleaved SwiGLU),
-    else ``act(gate) * up`` (``act(up)`` ungated). ``layout``: ``expert_weights(module).layout``
-    ("out-in", "in-out" or "matrices"; read when not given)."""
-    layout = layout or _layout(module)
+    else ``act(gate) * up`` (``act(up)`` ungated). ``weights``: ``expert_weights(module)``
+    (read when not given; a caller running every expert reads it once)."""
+    w = weights or _weights(module)
+    layout = w.layout
     if layout == "matrices":
-        return _matrices_expert(module, index, x)
+        return _matrices_expert(module, index, x, w.inner)
     names = stacked_names(module)
     w_in, w_down = (getattr(module, n)[index].to(x.dtype) for n in names)
     if layout == "in-out":  # to F.linear's [out, in]
@@ -241,10 +239,10 @@ def run_expert(module: nn.Module, index: int, x: torch.Tensor,
     return F.linear(inner, w_down, b_down)
 
 
-def _layout(module: nn.Module) -> str:
+def _weights(module: nn.Module) -> ExpertWeights:
     w = expert_weights(module)
-    assert w is not None  # a stacked experts module
-    return w.layout
+    assert w is not None  # an experts module
+    return w
 
 
 def _bias(module: nn.Module, name: str, index: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -255,8 +253,8 @@ def _bias(module: nn.Module, name: str, index: int, dtype: torch.dtype) -> torch
 def run_sorted(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each of the module's experts on its contiguous slice of ``rows`` (sorted by expert,
     ``counts`` rows each), the outputs in the same order."""
-    layout = _layout(module)
-    pieces = [run_expert(module, e, part, layout)
+    w = _weights(module)
+    pieces = [run_expert(module, e, part, w)
               for e, part in enumerate(rows.split(counts)) if part.shape[0]]
     return torch.cat(pieces) if pieces else rows[:0]
 
@@ -336,13 +334,14 @@ def _probe_routed(module: nn.Module, w: ExpertWeights) -> str:
     skip the rows the router did not pick ("" when both hold)."""
     gen = torch.Generator().manual_seed(0)
     probe = _probe_copy(module, w, gen)
+    pw = _weights(probe)  # the probe's own widths
     tokens, name = 2 * min(w.experts, _PROBE_WIDTH), type(module).__name__
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
     picked = torch.rand(w.experts, tokens, 1, generator=gen) < 0.5
     blocks = x * torch.rand(w.experts, tokens, 1, generator=gen) * picked
     with torch.no_grad():
-        want = torch.cat([run_expert(probe, e, blocks[e], w.layout) for e in range(w.experts)])
-        zero = torch.cat([run_expert(probe, e, x[:1] * 0, w.layout) for e in range(w.experts)])
+        want = torch.cat([run_expert(probe, e, blocks[e], pw) for e in range(w.experts)])
+        zero = torch.cat([run_expert(probe, e, x[:1] * 0, pw) for e in range(w.experts)])
         try:
             got = type(module).forward(probe, blocks.reshape(-1, _PROBE_WIDTH))
         except Exception as e:  # any failure: not runnable one expert at a time
@@ -363,6 +362,7 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
     ``run_expert`` applied per routed token ("" when they agree)."""
     gen = torch.Generator().manual_seed(0)
     probe = _probe_copy(module, w, gen)
+    pw = _weights(probe)  # the probe's own widths
     experts = min(w.experts, _PROBE_WIDTH)
     tokens, top_k = 2 * experts, min(2, experts)
     x = torch.randn(tokens, _PROBE_WIDTH, generator=gen)
@@ -370,7 +370,7 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
     weights = torch.rand(tokens, top_k, generator=gen)
     name = type(module).__name__
     with torch.no_grad():
-        each = torch.stack([run_expert(probe, e, x, w.layout) for e in range(experts)])
+        each = torch.stack([run_expert(probe, e, x, pw) for e in range(experts)])
         want = (weights[..., None] * each[index, torch.arange(tokens)[:, None]]).sum(dim=1)
         try:
             got = type(module).forward(probe, x, index, weights)

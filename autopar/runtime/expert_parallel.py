@@ -126,11 +126,11 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> list[int]:
     return received.tolist()
 
 
-def _exchange(module: nn.Module, group: Any, ep: int, rows: torch.Tensor,
+def _exchange(module: nn.Module, group: Any, ep: int, local: int, rows: torch.Tensor,
               expert: torch.Tensor) -> torch.Tensor:
     """Run ``rows[R, h]`` (sorted by ``expert``, their global expert ids) on their experts'
-    ranks and bring the results back, in the same order (module docstring)."""
-    local = local_experts(module)
+    ranks (``local`` experts each) and bring the results back, in the same order (module
+    docstring)."""
     send_splits = torch.bincount(expert // local, minlength=ep)
     in_splits = send_splits.tolist()
     out_splits = _exchange_counts(send_splits, group)
@@ -159,6 +159,7 @@ def _exchange(module: nn.Module, group: Any, ep: int, rows: torch.Tensor,
 def _ep_forward(module: nn.Module, group: Any, ep: int):
     """The forward of experts called with the router's choices, ``(x, top_k_index,
     top_k_weights)``: each token's k rows exchanged, weighted and summed per token."""
+    local = local_experts(module)
 
     def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         shape, x = x.shape, x.reshape(-1, x.shape[-1])  # [T, h] (DBRX passes [b, s, h])
@@ -166,7 +167,7 @@ def _ep_forward(module: nn.Module, group: Any, ep: int):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // top_k
-        back = _exchange(module, group, ep, x.index_select(0, token), flat[order])
+        back = _exchange(module, group, ep, local, x.index_select(0, token), flat[order])
         weights = top_k_weights.reshape(-1).index_select(0, order)
         # Summed per token into a tensor of the input's own shape (not a view of one: FSDP2's
         # output hooks and the caller's in-place adds need a tensor of its own).
@@ -252,9 +253,9 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
                 param.register_hook(_grad_hook(groups.edp, data // cfg.ep, data))
             setattr(owner, name, param)
         if routed_rows(module):
-            def run(rows: torch.Tensor, expert: torch.Tensor,
-                    module: nn.Module = module) -> torch.Tensor:
-                return _exchange(module, groups.ep, cfg.ep, rows, expert)
+            def run(rows: torch.Tensor, expert: torch.Tensor, module: nn.Module = module,
+                    local: int = local) -> torch.Tensor:
+                return _exchange(module, groups.ep, cfg.ep, local, rows, expert)
 
             module.forward = _routed_forward(module, local * cfg.ep, run)
         else:

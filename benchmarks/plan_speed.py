@@ -1,7 +1,7 @@
 """Planning time of ``autopar.plan`` on large models and clusters (figures in docs/search.md).
 
 Run: ``python benchmarks/plan_speed.py`` (add ``--quick`` for the first case only,
-``--long-context`` and ``--llama4`` for more). Profiling
+``--long-context``, ``--llama4`` and ``--maverick`` for more). Profiling
 the model (tracing on the meta device) is timed separately from the search itself.
 """
 
@@ -33,6 +33,11 @@ LONG_CONTEXT = tuple(("llama3-405b", "h100", 16384, 2048, goal, 131072, framewor
 # "text_config"; benchmarks/data/hf_llama4_scout.json, needs transformers): its blocks alternate
 # two kinds (no rotary positions every fourth), split by their envelopes (search/envelope.py).
 LLAMA4 = ("data/hf_llama4_scout.json", "h100", 64, 512, 30.0, None, "autopar")
+# Llama 4 Maverick (meta-llama/Llama-4-Maverick-17B-128E, config.json "text_config";
+# benchmarks/data/hf_llama4_maverick.json): dense and mixture-of-experts blocks alternate, each
+# MoE block 128 experts, so the kinds are far apart and the section is counted by kind
+# (search/ilp_pattern.py). No goal: the per-layer ILP took past 10 minutes.
+MAVERICK = ("data/hf_llama4_maverick.json", "h100", 256, 512, None, None, "autopar")
 
 
 def run_case(preset: str, gpu: str, gpus: int, global_batch: int, seq_len: int | None = None,
@@ -64,6 +69,8 @@ def main() -> None:
                         "and for autopar")
     parser.add_argument("--llama4", action="store_true",
                         help="also Llama 4 Scout (Hugging Face config) on 64 H100")
+    parser.add_argument("--maverick", action="store_true",
+                        help="also Llama 4 Maverick (Hugging Face config) on 256 H100 (minutes)")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     cases = [(*c, None, "autopar") for c in cases if args.only in (None, c[0])]
@@ -71,6 +78,8 @@ def main() -> None:
         cases.extend(LONG_CONTEXT)
     if args.llama4:
         cases.append(LLAMA4)
+    if args.maverick:
+        cases.append(MAVERICK)
     header = (
         f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'cpu s':>6s} {'goal':>5s} "
         f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s} {'gap':>6s}  best split (MFU)"

@@ -4,26 +4,18 @@ It minimises exactly the step time ``autopar.cost_model.assemble`` computes (or,
 infeasibility report, the largest rank's memory) over every contiguous split of the profile's
 layers into S = pp * v stages and every per-layer recompute choice.
 
-Formulation. Consecutive layers with identical cost terms form runs g = 0..G-1 (length L_g;
-in a transformer: the embedding, the L identical blocks, the head). Layers of one run are
-interchangeable inside a stage (assemble only sums them and takes a max), so the ILP counts them:
+Formulation. The split: per-stage counts of runs of identical layers (``ilp_stages.py``:
+Q[g][j], n[g][j][r], the (count), (order) and (nonempty) constraints), a section of blocks that
+repeat a few kinds counted by kind (``ilp_pattern.py``), or per-rank counts (``ilp_ranks.py``).
+Then, with n[g][j][r] the run-g layers of stage j under recompute r:
 
-    Q[g][j]    integer in [0, L_g]: run-g layers in stages 0..j  (Q[g][S-1] = L_g, Q[g][-1] = 0)
-    n[g][j][r] integer >= 0: run-g layers of stage j with recompute r
-    f[g][j]    binary: run g is complete by the end of stage j (run g+1 may start)
     u[g][k][r] binary: rank k runs some run-g layer with recompute r (for the transient max)
 
-    (count)     sum_r n[g][j][r] = Q[g][j] - Q[g][j-1]            (Q non-decreasing in j)
-    (order)     Q[g][j] >= L_g f[g][j];  Q[g+1][j] <= L_{g+1} f[g][j]   (stages are contiguous)
-    (nonempty)  sum_g (Q[g][j] - Q[g][j-1]) >= 1
     (transient) sum_{j on k} n[g][j][r] <= M u[g][k][r];  Mt_k >= transient_g(r) u[g][k][r]
     (mem)       static_k + inflight_k act_k + Mt_k + buffers <= capacity       (GiB inside the ILP)
     (bottleneck) Rmax >= R_k = sum_{j on k} (sum_{g,r} t_g(r) n[g][j][r] + p2p)
     (tail)      D_k >= dp_tail; D_k >= sum (dp_step - eta backward);  E >= D_k + optimizer_k
     objective   m Rmax + c sum_j T_j + E          (assemble.py's step time, term by term)
-
-With every run of length 1 this is the per-layer binary assignment z[i][j][r]. A layer i can only
-sit in stages max(0, i - (n - S)) .. min(i, S - 1), which fixes most Q outside that window.
 
 Strength. Counts are bounded by what fits a rank's memory (count (static + inflight act) <=
 capacity - buffers), which also gives the transient constraints a small M. For embedding +
@@ -39,7 +31,6 @@ infeasible fast; the hull then drops the counts a rank could not afford under it
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import sys
 import warnings
@@ -52,10 +43,26 @@ import pulp
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import pipeline_buffer_bytes
 from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
-from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import add_rank_hull
+from autopar.search.ilp_pattern import (
+    Pattern,
+    add_kind_caps,
+    add_pattern_counts,
+    find_pattern,
+    pattern_stages,
+)
 from autopar.search.ilp_ranks import add_rank_counts, rank_aggregable, stage_counts, the_big_run
+from autopar.search.ilp_stages import (
+    add_nonempty,
+    add_order,
+    add_run_counts,
+    cost_signature,
+    layer_runs,
+    new_var,
+    plainest_mode,
+)
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
 
@@ -65,31 +72,6 @@ __all__ = ["IlpModel", "IlpSolution", "build_ilp", "cost_signature", "decode", "
 # Memory is in GiB (``autopar.units.GIB``) inside the ILP (solver-friendly scale); the safety
 MEM_SAFETY_GIB = 1e-6  # margin keeps solver feasibility tolerance (1e-7) from overfilling a rank
 R = range(len(RECOMPUTE))
-
-
-_SIGNATURE = operator.attrgetter(
-    "compute_s", "backward_s", "recompute_s", "tp_comm_s", "ep_comm_s", "dp_microbatch_s",
-    "act_bytes", "transient_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "dp_step_s",
-    "optimizer_s", "cp_comm_s", "host_bytes",
-)
-
-
-def cost_signature(layer: LayerCost) -> tuple:
-    """Every term assemble's step time and memory read; equal signatures are interchangeable."""
-    return _SIGNATURE(layer)
-
-
-def layer_runs(table: CostTable) -> tuple[tuple[int, int], ...]:
-    """(first, last) layer index of each maximal run of layers with identical cost terms."""
-    runs: list[tuple[int, int]] = []
-    last = None
-    for i, signature in enumerate(map(_SIGNATURE, table.layers)):
-        if runs and signature == last:
-            runs[-1] = (runs[-1][0], i)
-        else:
-            runs.append((i, i))
-        last = signature
-    return tuple(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +85,7 @@ class IlpModel:
     objective: str
     per_rank: bool = False  # slots are pipeline ranks (ilp_ranks.py), else stages
     placement: dict | None = None  # per-rank counting: edge layer (run, stage, mode) -> z
+    section: Pattern | None = None  # a repeating section counted by kind (ilp_pattern.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,62 +113,21 @@ class IlpSolution:
         return self.status in ("optimal", "feasible")
 
 
-def _window(first: int, last: int, n: int, s: int) -> tuple[int, int]:
-    """Stages a run spanning layers first..last can touch (each stage holds >= 1 layer)."""
-    return max(0, first - (n - s)), min(s - 1, last)
-
-
-def _var(prob: pulp.LpProblem, name: str, lo=None, hi=None, cat: str = "Continuous"):
-    """A variable attached to ``prob`` (pulp >= 3.3 API; plain LpVariable before)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, lo, hi, cat=cat)
-    return pulp.LpVariable(name, lo, hi, cat)
-
-
-def _const(x: object, value: int) -> bool:
-    """Whether a Q entry is the fixed integer ``value`` (not a variable)."""
-    return isinstance(x, int) and x == value
-
-
-def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int):
-    """Variables Q, n, f and the count/order/nonempty constraints; returns (n, cnt)."""
-    n_layers = len(table.layers)
+def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int, by_kind: bool):
+    """Per-stage counting (``ilp_stages.py``), a repeating section counted by kind where the
+    table has one (``ilp_pattern.py``); returns (n, cnt, the runs as the ILP counts them, the
+    section or None)."""
     n: dict[tuple[int, int, int], pulp.LpVariable] = {}
-    q: dict[tuple[int, int], Any] = {}
-    for g, (a, b) in enumerate(runs):
-        size, (lo, hi) = b - a + 1, _window(a, b, n_layers, s)
-        for j in range(-1, s):
-            if j < lo:
-                q[g, j] = 0
-            elif j >= hi:
-                q[g, j] = size
-            else:
-                q[g, j] = _var(prob, f"Q[{table.layers[a].name}][{j}]", 0, size, "Integer")
-        for j in range(lo, hi + 1):
-            for r in R:
-                n[g, j, r] = _var(
-                    prob, f"n[{table.layers[a].name}][{j}][{RECOMPUTE[r]}]", 0, size, "Integer"
-                )
-    cnt = {(g, j): q[g, j] - q[g, j - 1] for g in range(len(runs)) for j in range(s)}
-    # [Constraint] count: a run's layers in stage j, split by recompute mode (Q non-decreasing)
-    for g, j, r0 in sorted(n):
-        if r0 == 0:
-            name = table.layers[runs[g][0]].name
-            prob += pulp.lpSum(n[g, j, r] for r in R) == cnt[g, j], f"one_stage[{name}][{j}]"
-    # [Constraint] order: run g+1 starts in a stage only once run g is complete (contiguity)
-    for g in range(len(runs) - 1):
-        size, size_next = runs[g][1] - runs[g][0] + 1, runs[g + 1][1] - runs[g + 1][0] + 1
-        name = table.layers[runs[g][0]].name
-        for j in range(s - 1):
-            if _const(q[g + 1, j], 0) or _const(q[g, j], size):
-                continue
-            f = _var(prob, f"f[{name}][{j}]", 0, 1, "Binary")
-            prob += q[g, j] >= size * f, f"done[{name}][{j}]"
-            prob += q[g + 1, j] <= size_next * f, f"after[{name}][{j}]"
-    # [Constraint] nonempty: every stage holds at least one layer
-    for j in range(s):
-        prob += pulp.lpSum(cnt[g, j] for g in range(len(runs))) >= 1, f"nonempty[stage{j}]"
-    return n, cnt
+    cnt: dict[tuple[int, int], Any] = {}
+    section = find_pattern(table) if by_kind else None
+    if section is None:
+        units = add_run_counts(prob, table, runs, s, new_var, n, cnt)
+        keys = runs
+    else:
+        units, keys, section = add_pattern_counts(prob, table, section, s, new_var, n, cnt)
+    add_order(prob, units, s, new_var)
+    add_nonempty(prob, cnt, s)
+    return n, cnt, keys, section
 
 
 def _tighten(table: CostTable, runs, slots, inflight: float, n, cap_gib: float) -> None:
@@ -213,7 +155,7 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
         )
         if cap_gib is not None:
             _tighten(table, runs, stages, inflight, n, cap_gib)
-        mt = _var(prob, f"transient[rank{k}]", 0)
+        mt = new_var(prob, f"transient[rank{k}]", 0)
         # [Constraint] transient: the rank's largest working set over the modes it uses
         for g, (a, _b) in enumerate(runs):
             lay = table.layers[a]
@@ -221,7 +163,7 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
                 terms = [n[g, j, r] for j in stages if (g, j, r) in n]
                 if not terms or lay.transient_bytes[r] <= 0:
                     continue
-                u = _var(prob, f"u[{lay.name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
+                u = new_var(prob, f"u[{lay.name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
                 big_m = sum(var.upBound for var in terms)
                 prob += pulp.lpSum(terms) <= big_m * u, f"uses[{lay.name}][rank{k}][{r}]"
                 prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{lay.name}][rank{k}][{r}]"
@@ -276,7 +218,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
         + p2p * slot_p2p[j]
         for j in range(len(slot_rank))
     ]
-    rmax, tail = _var(prob, "bottleneck_s", 0), _var(prob, "tail_s", 0)
+    rmax, tail = new_var(prob, "bottleneck_s", 0), new_var(prob, "tail_s", 0)
     for k in range(cfg.pp):
         stages = [j for j, rank in enumerate(slot_rank) if rank == k]
         # [Constraint] bottleneck: Rmax bounds every rank's time per micro-batch
@@ -289,7 +231,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
 
         opt = on_k(lambda lay: lay.optimizer_s)
         if cfg.dp * cfg.cp > 1:
-            d = _var(prob, f"dp_exposed[rank{k}]", 0)
+            d = new_var(prob, f"dp_exposed[rank{k}]", 0)
             # [Constraint] tail: exposed DP reduction is at least the last bucket
             prob += d >= table.dp_tail_s, f"dp_tail[rank{k}]"
             # assemble's max(tail, s r, r - (1 - s) w): overlapped DP traffic (overlap.py)
@@ -319,6 +261,7 @@ def build_ilp(
     objective: str = "time",
     aggregate: bool | None = None,
     cutoff_s: float | None = None,
+    by_kind: bool = True,
 ) -> IlpModel:
     """Build the ILP of one outer configuration.
 
@@ -331,6 +274,8 @@ def build_ilp(
             exact when ``rank_aggregable``); None: whenever it is exact.
         cutoff_s: only splits faster than this are wanted (the planner's k-th best so far); the
             solve then ends "infeasible" when the candidate cannot beat it.
+        by_kind: count a section of blocks that repeat a few kinds by kind (``ilp_pattern.py``;
+            exact); False: per run, as every other profile (tests compare the two).
 
     Returns:
         The IlpModel (see the module docstring for the formulation).
@@ -342,18 +287,18 @@ def build_ilp(
     prob = pulp.LpProblem(f"split_{objective}", pulp.LpMinimize)
     if aggregate is None:
         aggregate = rank_aggregable(table, runs)
-    placement = {}
+    placement, section = {}, None
     if aggregate:
-        n, cnt, slot_rank, slot_p2p, placement = add_rank_counts(prob, table, runs, _var)
+        n, cnt, slot_rank, slot_p2p, placement = add_rank_counts(prob, table, runs, new_var)
     else:
-        n, cnt = _add_split(prob, table, runs, s)
+        n, cnt, runs, section = _add_split(prob, table, runs, s, by_kind)
         slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
         slot_p2p = [1] * s
     cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
     mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt,
                          None if objective == "memory" else cap)
     if objective == "memory":
-        peak = _var(prob, "peak_gib", 0)
+        peak = new_var(prob, "peak_gib", 0)
         for k, mem in enumerate(mems):
             # [Constraint] peak: the objective bounds every rank's memory
             prob += peak >= mem, f"mem[rank{k}]"
@@ -361,8 +306,10 @@ def build_ilp(
     else:
         layout = (slot_rank, slot_p2p, n, cnt)
         _add_time_objective(prob, table, runs, layout, mems, cap, aggregate, cutoff_s)
+    if section is not None and objective == "time":
+        add_kind_caps(prob, table, section, n, slot_rank, cap - table.buffers_bytes / GIB)
     return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective,
-                    per_rank=aggregate, placement=placement)
+                    per_rank=aggregate, placement=placement, section=section)
 
 
 def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
@@ -375,7 +322,7 @@ def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
     twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
     if aggregate and table.config.num_stages > 1:
         add_rank_hull(
-            prob, table, runs, n, the_big_run(runs, len(table.layers)), cap, _var, cutoff_s
+            prob, table, runs, n, the_big_run(runs, len(table.layers)), cap, new_var, cutoff_s
         )
     step = _time_objective(prob, table, runs, slot_rank, slot_p2p, n, cnt, twins)
     if cutoff_s is not None:
@@ -447,20 +394,6 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
     )
 
 
-def _plainest(layer: LayerCost, r: int) -> int:
-    """The first mode (none, selective, full) whose time and memory terms equal mode r's.
-
-    A layer without activations to drop (the embedding) costs the same under every mode; the
-    plan then says "none" rather than whichever mode the solver happened to pick.
-    """
-
-    def terms(x: int) -> tuple:
-        return (layer.time_per_microbatch_s(RECOMPUTE[x]), layer.act_bytes[x],
-                layer.transient_bytes[x])  # fmt: skip
-
-    return next(x for x in R if terms(x) == terms(r))
-
-
 def decode(
     model: IlpModel, solution: IlpSolution
 ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
@@ -475,6 +408,8 @@ def decode(
     counts = solution.counts
     if model.per_rank:
         counts = stage_counts(model.table, model.runs, counts)
+    if model.section is not None:
+        return pattern_stages(model.table, model.runs, model.section, counts, s)
     stages, recompute, start = [], [], 0
     for j in range(s):
         size = 0
@@ -482,7 +417,7 @@ def decode(
             for r in R:
                 k = counts.get((g, j, r), 0)
                 recompute.extend(
-                    [RECOMPUTE[_plainest(model.table.layers[model.runs[g][0]], r)]] * k
+                    [RECOMPUTE[plainest_mode(model.table.layers[model.runs[g][0]], r)]] * k
                 )
                 size += k
         stages.append((start, start + size - 1))

@@ -53,6 +53,7 @@ from autopar.search.ilp_pattern import (
     find_pattern,
     pattern_stages,
 )
+from autopar.search.ilp_rank_kinds import add_kind_rank_counts, kind_rank_keys, realize
 from autopar.search.ilp_ranks import add_rank_counts, rank_aggregable, stage_counts, the_big_run
 from autopar.search.ilp_stages import (
     add_nonempty,
@@ -67,7 +68,7 @@ from autopar.search.options import SearchOptions
 from autopar.units import GIB
 
 __all__ = ["IlpModel", "IlpSolution", "build_ilp", "cost_signature", "decode", "layer_runs",
-           "solve_ilp"]
+           "realized", "solve_ilp"]
 
 # Memory is in GiB (``autopar.units.GIB``) inside the ILP (solver-friendly scale); the safety
 MEM_SAFETY_GIB = 1e-6  # margin keeps solver feasibility tolerance (1e-7) from overfilling a rank
@@ -262,6 +263,7 @@ def build_ilp(
     aggregate: bool | None = None,
     cutoff_s: float | None = None,
     by_kind: bool = True,
+    relax_kinds: bool = False,
 ) -> IlpModel:
     """Build the ILP of one outer configuration.
 
@@ -276,24 +278,19 @@ def build_ilp(
             solve then ends "infeasible" when the candidate cannot beat it.
         by_kind: count a section of blocks that repeat a few kinds by kind (``ilp_pattern.py``;
             exact); False: per run, as every other profile (tests compare the two).
+        relax_kinds: such a section between single edge layers is counted per rank instead
+            (``ilp_rank_kinds.py``): a relaxation; ``realized`` says whether its solution is a
+            split (then the optimum), else the caller solves the per-stage ILP.
 
     Returns:
         The IlpModel (see the module docstring for the formulation).
     """
     if objective not in ("time", "memory"):
         raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
-    s = table.config.num_stages
-    runs = layer_runs(table)
     prob = pulp.LpProblem(f"split_{objective}", pulp.LpMinimize)
-    if aggregate is None:
-        aggregate = rank_aggregable(table, runs)
-    placement, section = {}, None
-    if aggregate:
-        n, cnt, slot_rank, slot_p2p, placement = add_rank_counts(prob, table, runs, new_var)
-    else:
-        n, cnt, runs, section = _add_split(prob, table, runs, s, by_kind)
-        slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
-        slot_p2p = [1] * s
+    relax = relax_kinds and objective == "time"
+    runs, section, aggregate, (n, cnt, slot_rank, slot_p2p, placement) = _split_model(
+        prob, table, aggregate, by_kind, relax)
     cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
     mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt,
                          None if objective == "memory" else cap)
@@ -305,11 +302,34 @@ def build_ilp(
         prob += peak
     else:
         layout = (slot_rank, slot_p2p, n, cnt)
-        _add_time_objective(prob, table, runs, layout, mems, cap, aggregate, cutoff_s)
+        _add_time_objective(prob, table, runs, layout, mems, cap, aggregate and section is None,
+                            cutoff_s)
     if section is not None and objective == "time":
         add_kind_caps(prob, table, section, n, slot_rank, cap - table.buffers_bytes / GIB)
     return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective,
                     per_rank=aggregate, placement=placement, section=section)
+
+
+def _split_model(prob: pulp.LpProblem, table: CostTable, aggregate: bool | None, by_kind: bool,
+                 relax_kinds: bool):
+    """The split's variables and constraints, counted per rank (one run of blocks, or a
+    repeating section by kind when ``relax_kinds``) or per stage; returns (the keys' runs, the
+    section or None, whether per rank, (n, cnt, slot_rank, slot_p2p, placement))."""
+    s = table.config.num_stages
+    runs = layer_runs(table)
+    if aggregate is None:
+        aggregate = rank_aggregable(table, runs)
+    if relax_kinds and not aggregate and s > 1:
+        pattern = find_pattern(table)
+        kinds = None if pattern is None else kind_rank_keys(table, pattern)
+        if kinds is not None:
+            runs, section = kinds
+            return runs, section, True, add_kind_rank_counts(prob, table, runs, section, new_var)
+    if aggregate:
+        return runs, None, True, add_rank_counts(prob, table, runs, new_var)
+    n, cnt, runs, section = _add_split(prob, table, runs, s, by_kind)
+    slot_rank = [rank_of_stage(table.config.schedule, table.config.pp, j) for j in range(s)]
+    return runs, section, False, (n, cnt, slot_rank, [1] * s, {})
 
 
 def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
@@ -319,7 +339,7 @@ def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
     for k, mem in enumerate(mems):
         # [Constraint] mem: each pipeline rank's peak fits the usable device memory
         prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
-    twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []
+    twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []  # one run of blocks
     if aggregate and table.config.num_stages > 1:
         add_rank_hull(
             prob, table, runs, n, the_big_run(runs, len(table.layers)), cap, new_var, cutoff_s
@@ -394,6 +414,15 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
     )
 
 
+def realized(model: IlpModel, solution: IlpSolution) -> bool:
+    """Whether ``decode`` can turn the solution into a split: always, except for the per-rank
+    counts by kind (``relax_kinds``), where no contiguous split may give those counts."""
+    if not (model.per_rank and model.section is not None):
+        return solution.has_solution
+    return solution.has_solution and realize(model.table, model.runs, model.section,
+                                             solution.counts) is not None
+
+
 def decode(
     model: IlpModel, solution: IlpSolution
 ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
@@ -406,7 +435,12 @@ def decode(
         raise ValueError(f"no split to decode: the solve ended {solution.status}")
     s = model.table.config.num_stages
     counts = solution.counts
-    if model.per_rank:
+    if model.per_rank and model.section is not None:
+        found = realize(model.table, model.runs, model.section, counts)
+        if found is None:
+            raise ValueError("the per-rank counts by kind are no contiguous split (realized)")
+        counts = found
+    elif model.per_rank:
         counts = stage_counts(model.table, model.runs, counts)
     if model.section is not None:
         return pattern_stages(model.table, model.runs, model.section, counts, s)

@@ -30,8 +30,8 @@ from autopar.config import RECOMPUTE
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 
-__all__ = ["MAX_EDGE_LAYERS", "add_rank_counts", "big_run", "rank_aggregable", "stage_counts",
-           "the_big_run"]
+__all__ = ["MAX_EDGE_LAYERS", "add_edge_placements", "add_rank_counts", "add_rank_room", "big_run",
+           "rank_aggregable", "stage_counts", "the_big_run"]
 
 R = range(len(RECOMPUTE))
 MAX_EDGE_LAYERS = 8  # more distinct layers than this around the blocks: use per-stage counting
@@ -62,12 +62,12 @@ def _window(i: int, n: int, s: int) -> range:
     return range(max(0, i - (n - s)), min(i, s - 1) + 1)
 
 
-def _edge_vars(prob, table: CostTable, runs, big: int, var: Callable):
-    """z[g, j, r] for every edge run g, its stage index expression, and h_j."""
+def _edge_vars(prob, table: CostTable, runs, blocks: frozenset[int], var: Callable):
+    """z[g, j, r] for every edge run g (not in ``blocks``), its stage index expression, h_j."""
     s, n_layers = table.config.num_stages, len(table.layers)
     z: dict[tuple[int, int, int], pulp.LpVariable] = {}
     for g, (a, _b) in enumerate(runs):
-        if g != big:
+        if g not in blocks:
             for j in _window(a, n_layers, s):
                 for r in R:
                     z[g, j, r] = var(
@@ -76,7 +76,7 @@ def _edge_vars(prob, table: CostTable, runs, big: int, var: Callable):
     stage = {
         g: pulp.lpSum(j * v for (gg, j, _r), v in sorted(z.items()) if gg == g)
         for g in range(len(runs))
-        if g != big
+        if g not in blocks
     }
     at = {
         (g, j): pulp.lpSum(z[g, j, r] for r in R if (g, j, r) in z) for g in stage for j in range(s)
@@ -148,6 +148,36 @@ def _edge_order(prob: pulp.LpProblem, table: CostTable, runs, stage, lead, trail
         prob += stage[trail[0]] >= stage[lead[-1]], "edge_order[lead_before_trail]"
 
 
+def add_edge_placements(prob: pulp.LpProblem, table: CostTable, runs, blocks: frozenset[int],
+                        var: Callable):
+    """The edge layers' stage binaries z, their per-rank counts n and (edge_order); returns
+    (z, n, held, at, lead, trail): h_j, at[g, j] and the edge runs before and after the blocks."""
+    cfg = table.config
+    stage_rank = [rank_of_stage(cfg.schedule, cfg.pp, j) for j in range(cfg.num_stages)]
+    z, stage, at, held = _edge_vars(prob, table, runs, blocks, var)
+    lead = [g for g in stage if g < min(blocks)]
+    trail = [g for g in stage if g > max(blocks)]
+    n = _edge_rank_counts(prob, table, runs, z, stage, stage_rank, var)
+    _edge_order(prob, table, runs, stage, lead, trail)
+    return z, n, held, at, lead, trail
+
+
+def add_rank_room(prob: pulp.LpProblem, table: CostTable, k: int, blocks_k, size: int,
+                  placed: tuple) -> None:
+    """(nonempty) / (room) of rank k: its block-only stages get a block; blocks only where a
+    stage may hold them. ``placed`` is (held, at, lead, trail) of ``add_edge_placements``."""
+    cfg = table.config
+    held, at, lead, trail = placed
+    mine = [j for j in range(cfg.num_stages) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+    bare = pulp.lpSum(1 - held[j] for j in mine)
+    room = bare + pulp.lpSum(
+        (at[lead[-1], j] if lead else 0) + (at[trail[0], j] if trail else 0) for j in mine
+    )
+    # [Constraint] nonempty / room: block-only stages get a block; blocks only where allowed
+    prob += blocks_k >= bare, f"nonempty[rank{k}]"
+    prob += blocks_k <= size * room, f"room[rank{k}]"
+
+
 def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable):
     """Per-rank counts and edge placements; returns (n, cnt, slot_rank, slot_p2p, z)."""
     cfg = table.config
@@ -157,10 +187,7 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
     big = the_big_run(runs, len(table.layers))
     a_big, b_big = runs[big]
-    z, stage, at, held = _edge_vars(prob, table, runs, big, var)
-    lead, trail = [g for g in stage if g < big], [g for g in stage if g > big]
-    n = _edge_rank_counts(prob, table, runs, z, stage, stage_rank, var)
-    _edge_order(prob, table, runs, stage, lead, trail)
+    z, n, held, at, lead, trail = add_edge_placements(prob, table, runs, frozenset({big}), var)
     size = b_big - a_big + 1
     for k in range(p):
         for r in R:
@@ -178,14 +205,7 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
         for k in range(p)
     }
     for k in range(p):
-        mine = [j for j in range(s) if stage_rank[j] == k]
-        bare = pulp.lpSum(1 - held[j] for j in mine)
-        room = bare + pulp.lpSum(
-            (at[lead[-1], j] if lead else 0) + (at[trail[0], j] if trail else 0) for j in mine
-        )
-        # [Constraint] nonempty / room: block-only stages get a block; blocks only where allowed
-        prob += cnt[big, k] >= bare, f"nonempty[rank{k}]"
-        prob += cnt[big, k] <= size * room, f"room[rank{k}]"
+        add_rank_room(prob, table, k, cnt[big, k], size, (held, at, lead, trail))
     return n, cnt, list(range(p)), [stage_rank.count(k) for k in range(p)], z
 
 

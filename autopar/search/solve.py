@@ -17,7 +17,7 @@ from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import TableSummary, balanced_split, ilp_key, time_lower_bound
 from autopar.search.envelope import envelope_table, lower_bound_holds, pattern_blocks
-from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, solve_ilp
+from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, realized, solve_ilp
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
 
@@ -144,8 +144,7 @@ def solve_candidate(
     from_uniform = uniform is not None and (cutoff_s is None or uniform.step_s < cutoff_s)
     if from_uniform and uniform is not None:
         cutoff_s = uniform.step_s * (1 + 1e-9)
-    model = build_ilp(table, cutoff_s=cutoff_s)
-    sol = solve_ilp(model, dataclasses.replace(options, time_limit_s=time_limit_s))
+    model, sol, lb = _solve_split(table, options, time_limit_s, cutoff_s, lb)
     if sol.status == "infeasible":
         # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot
         # enter the top k (or fits nowhere).
@@ -179,6 +178,20 @@ def solve_candidate(
             step_s=uniform.step_s,
         )
     return out
+
+
+def _solve_split(table: CostTable, options: SearchOptions, time_limit_s: float,
+                 cutoff_s: float | None, lb: float):
+    """(model, solution, lower bound) of the split ILP; a repeating section's per-rank
+    relaxation first (``ilp_rank_kinds.py``), the per-stage ILP where its counts are no split."""
+    limited = dataclasses.replace(options, time_limit_s=time_limit_s)
+    model = build_ilp(table, cutoff_s=cutoff_s, relax_kinds=True)
+    sol = solve_ilp(model, limited)
+    if sol.has_solution and not realized(model, sol):
+        lb = max(lb, sol.objective * (1 - sol.gap))  # the relaxation's bound
+        model = build_ilp(table, cutoff_s=cutoff_s)
+        sol = solve_ilp(model, limited)
+    return model, sol, lb
 
 
 def _by_envelopes(table: CostTable, blocks: tuple[int, int], options: SearchOptions,

@@ -2,7 +2,8 @@
 is counted by kind in the split ILP (search/ilp_pattern.py): the same optimum as the per-layer
 formulation, a decoded split whose real step equals the ILP's objective, and the pigeonhole
 infeasibility (a rank holds one MoE block, there are more MoE blocks than ranks) proven by the
-LP relaxation alone."""
+LP relaxation alone. Counted per rank (search/ilp_rank_kinds.py), it is a relaxation whose
+counts the realisation turns back into a split, or the per-stage ILP decides."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from hypothesis import strategies as st
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable, LayerCost
+from autopar.schedules import rank_of_stage
 from autopar.search.bounds import balanced_split
-from autopar.search.ilp import build_ilp, decode, solve_ilp
+from autopar.search.ilp import build_ilp, decode, realized, solve_ilp
 from autopar.search.ilp_pattern import MIN_PERIODS, Pattern, find_pattern
+from autopar.search.ilp_rank_kinds import kind_rank_keys, realize, window_spread
 from autopar.search.options import SearchOptions
+from autopar.search.solve import solve_candidate
 
 OPTIONS = SearchOptions(time_limit_s=60.0, mip_gap=0.0)
 
@@ -128,3 +132,77 @@ def test_lp_relaxation_proves_the_pigeonhole() -> None:
     assert solve_ilp(build_ilp(table), OPTIONS).status == "infeasible"
     assert relaxed_status(build_ilp(table)) == pulp.LpStatusInfeasible
     assert relaxed_status(build_ilp(table, by_kind=False)) == pulp.LpStatusOptimal
+
+
+def _single_edge_table(draw) -> CostTable:
+    table = draw(alternating_tables())
+    edges = [x for x in table.layers if x.name[0] in "eh"]
+    blocks = [x for x in table.layers if x.name[0] == "b"]
+    lead = [dataclasses.replace(x, name=f"e{i}") for i, x in enumerate(edges) if x.name[0] == "e"]
+    trail = [x for x in edges if x.name[0] == "h"]
+    return dataclasses.replace(table, layers=(*lead, *blocks, *trail))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_per_rank_relaxation_then_realisation_finds_the_optimum(data) -> None:
+    """solve_candidate counts the section per rank (a relaxation), realises its counts as a
+    split, and falls back to the per-stage ILP when it cannot: the per-layer optimum either way."""
+    table = _single_edge_table(data.draw)
+    relaxed = build_ilp(table, relax_kinds=True)
+    assert relaxed.per_rank and relaxed.section is not None
+    want = solve_ilp(build_ilp(table, by_kind=False), OPTIONS)
+    bound = solve_ilp(relaxed, OPTIONS)
+    if not want.has_solution:
+        out = solve_candidate(table, OPTIONS, 60.0)
+        assert not out.split
+        return
+    assert bound.has_solution and bound.objective <= want.objective * (1 + 1e-6)
+    if realized(relaxed, bound):  # the relaxation's optimum is a split: the optimum
+        split, recompute = decode(relaxed, bound)
+        est = assemble(table, split, recompute)
+        assert est.fits and abs(est.step_time_s - bound.objective) <= 1e-6 * bound.objective
+        assert abs(bound.objective - want.objective) <= 1e-6 * want.objective
+    out = solve_candidate(table, OPTIONS, 60.0)
+    assert out.split and out.optimal
+    assert abs(out.step_s - want.objective) <= 1e-6 * want.objective
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_every_split_realises_its_own_per_rank_counts(data) -> None:
+    """The per-rank kind counts of any contiguous split are found again as a split."""
+    table = _single_edge_table(data.draw)
+    pat = find_pattern(table)
+    keys, pat = kind_rank_keys(table, pat)
+    n, s = len(table.layers), table.config.num_stages
+    cuts = sorted(data.draw(st.lists(st.integers(1, n - 1), min_size=s - 1, max_size=s - 1,
+                                     unique=True)))
+    bounds = (0, *cuts, n)
+    split = [(bounds[j], bounds[j + 1] - 1) for j in range(s)]
+    counts: dict = {}
+    for j, (a, b) in enumerate(split):
+        k = rank_of_stage(table.config.schedule, table.config.pp, j)
+        for i in range(a, b + 1):
+            if pat.first <= i <= pat.last:
+                key = (pat.key0 + pat.kind_at(i - pat.first), k, 0)
+            else:
+                g = next(g for g, (x, _y) in enumerate(keys) if x == i)
+                key = (g, j, 0, "stage")
+            counts[key] = counts.get(key, 0) + 1
+    out = realize(table, keys, pat, counts)
+    assert out is not None
+    got: dict = {}
+    for (g, j, _r), m in out.items():
+        if pat.key0 <= g < pat.key0 + len(pat.rep):
+            k = rank_of_stage(table.config.schedule, table.config.pp, j)
+            got[g, k, 0] = got.get((g, k, 0), 0) + m
+    assert got == {key: v for key, v in counts.items() if len(key) == 3}
+
+
+def test_window_spread() -> None:
+    alternating = Pattern(first=0, last=9, period=2, kind=(0, 1), rep=(0, 1))
+    assert window_spread(alternating, 0) == window_spread(alternating, 1) == 0.5
+    maverick = Pattern(first=0, last=47, period=4, kind=(0, 1, 0, 2), rep=(0, 1, 3))
+    assert window_spread(maverick, 0) == 0.5  # a dense block alone: 1 against 1/2
+    assert window_spread(maverick, 1) == 0.75  # one MoE block in 1 layer: 1 against 1/4

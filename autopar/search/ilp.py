@@ -46,6 +46,7 @@ from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatch
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import add_rank_hull
+from autopar.search.ilp_hull_kinds import add_kind_hull
 from autopar.search.ilp_pattern import (
     Pattern,
     add_kind_caps,
@@ -302,8 +303,7 @@ def build_ilp(
         prob += peak
     else:
         layout = (slot_rank, slot_p2p, n, cnt)
-        _add_time_objective(prob, table, runs, layout, mems, cap, aggregate and section is None,
-                            cutoff_s)
+        _add_time_objective(prob, table, runs, layout, mems, cap, aggregate, cutoff_s, section)
     if section is not None and objective == "time":
         add_kind_caps(prob, table, section, n, slot_rank, cap - table.buffers_bytes / GIB)
     return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective,
@@ -333,14 +333,17 @@ def _split_model(prob: pulp.LpProblem, table: CostTable, aggregate: bool | None,
 
 
 def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
-                        aggregate: bool, cutoff_s: float | None) -> None:
+                        aggregate: bool, cutoff_s: float | None,
+                        section: Pattern | None = None) -> None:
     """Memory caps, the rank hull and the step-time objective of ``build_ilp``'s time model."""
     slot_rank, slot_p2p, n, cnt = layout
     for k, mem in enumerate(mems):
         # [Constraint] mem: each pipeline rank's peak fits the usable device memory
         prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
     twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []  # one run of blocks
-    if aggregate and table.config.num_stages > 1:
+    if aggregate and table.config.num_stages > 1 and section is not None:
+        add_kind_hull(prob, table, runs, section, n, cap, new_var, cutoff_s)
+    elif aggregate and table.config.num_stages > 1:
         add_rank_hull(
             prob, table, runs, n, the_big_run(runs, len(table.layers)), cap, new_var, cutoff_s
         )

@@ -50,7 +50,8 @@ from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatch
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.units import GIB  # the ILP's memory scale
 
-__all__ = ["RankCase", "add_rank_hull", "best_block_time", "rank_case", "rank_time_curve"]
+__all__ = ["RankCase", "add_rank_hull", "best_block_time", "rank_case", "rank_time_curve",
+           "rank_time_limit"]
 
 _Point = TypeVar("_Point", bound=tuple[float, ...])
 
@@ -321,6 +322,19 @@ def _add_rank(prob, table: CostTable, runs, n, big: int, k: int, room: float, li
     prob += rank_time >= pulp.lpSum(floor), f"hull_time[rank{k}]"
 
 
+def rank_time_limit(table: CostTable, cutoff_s: float | None) -> float:
+    """The most a rank's time per micro-batch may be and its step still beat ``cutoff_s``:
+    step >= m R_k + c sum_j T_j >= (m + c) R_k and R_k >= f_k + v p2p (inf without a cutoff)."""
+    if cutoff_s is None:
+        return math.inf
+    cfg = table.config
+    weight = table.num_microbatches + bubble_coefficient(
+        cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches
+    )
+    p2p = table.p2p_s if cfg.pp > 1 else 0.0
+    return cutoff_s / weight - cfg.virtual_stages * p2p + TIME_SLACK_S
+
+
 def add_rank_hull(
     prob, table: CostTable, runs, n: dict, big: int, cap_gib: float, var, cutoff_s=None
 ) -> None:
@@ -341,12 +355,6 @@ def add_rank_hull(
     """
     cfg = table.config
     room = cap_gib - table.buffers_bytes / GIB
-    limit_s = math.inf
-    if cutoff_s is not None:
-        weight = table.num_microbatches + bubble_coefficient(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches
-        )
-        p2p = table.p2p_s if cfg.pp > 1 else 0.0
-        limit_s = cutoff_s / weight - cfg.virtual_stages * p2p + TIME_SLACK_S
+    limit_s = rank_time_limit(table, cutoff_s)
     for k in range(cfg.pp):
         _add_rank(prob, table, runs, n, big, k, room, limit_s, var)

@@ -17,6 +17,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
+from autopar.search import ilp as ilp_module
 from autopar.search.bounds import balanced_split
 from autopar.search.ilp import build_ilp, decode, realized, solve_ilp
 from autopar.search.ilp_pattern import MIN_PERIODS, Pattern, find_pattern
@@ -206,3 +207,31 @@ def test_window_spread() -> None:
     maverick = Pattern(first=0, last=47, period=4, kind=(0, 1, 0, 2), rep=(0, 1, 3))
     assert window_spread(maverick, 0) == 0.5  # a dense block alone: 1 against 1/2
     assert window_spread(maverick, 1) == 0.75  # one MoE block in 1 layer: 1 against 1/4
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_kind_hull_tightens_the_relaxation_not_its_optimum(data) -> None:
+    """The per-rank hull by count vector (search/ilp_hull_kinds.py) leaves the relaxation's
+    optimum as it was and raises (never lowers) its LP bound."""
+    table = _single_edge_table(data.draw)
+    with_hull = build_ilp(table, relax_kinds=True)
+    saved = ilp_module.add_kind_hull
+    ilp_module.add_kind_hull = lambda *args, **kwargs: None
+    try:
+        without = build_ilp(table, relax_kinds=True)
+    finally:
+        ilp_module.add_kind_hull = saved
+    a, b = solve_ilp(with_hull, OPTIONS), solve_ilp(without, OPTIONS)
+    assert a.has_solution == b.has_solution
+    if a.has_solution:
+        assert abs(a.objective - b.objective) <= 1e-6 * max(1.0, b.objective)
+
+    def lp_bound(model) -> float:
+        for var in model.problem.variables():
+            var.cat = pulp.LpContinuous
+        model.problem.solve(pulp.HiGHS(msg=False))
+        status = model.problem.status
+        return pulp.value(model.problem.objective) if status == 1 else float("inf")
+
+    assert lp_bound(with_hull) >= lp_bound(without) * (1 - 1e-6)

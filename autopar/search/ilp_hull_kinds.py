@@ -96,7 +96,7 @@ def _least_time(kinds: list[LayerCost], fly: float, vector: tuple[int, ...], com
                 room: float, ceilings: list[float], cache: dict) -> float:
     """f_k(c, e): the least time of the vector's layers and the edge case within ``room``."""
     best = math.inf
-    for ceiling in ceilings:
+    for ceiling in ceilings if any(vector) else [0.0]:  # no block: no block's transient
         merged = _merged(kinds, fly, vector, ceiling, cache, room - ceiling)
         for t_e, m_e, tr_e in combos:
             budget = room - m_e - max(ceiling, tr_e)

@@ -235,3 +235,25 @@ def test_kind_hull_tightens_the_relaxation_not_its_optimum(data) -> None:
         return pulp.value(model.problem.objective) if status == 1 else float("inf")
 
     assert lp_bound(with_hull) >= lp_bound(without) * (1 - 1e-6)
+
+
+def test_kind_hull_charges_no_block_transient_to_a_rank_without_blocks() -> None:
+    """A rank holding only the head (too big to share) pays no block's working set: the hull
+    keeps that case, so the relaxation finds the same split with and without it."""
+    dense = dataclasses.replace(_layer("d", 0.4, 1e8, 1e8), transient_bytes=(4e9, 4e9, 4e9))
+    moe = dataclasses.replace(_layer("m", 0.5, 1e8, 2e8), transient_bytes=(4e9, 4e9, 4e9))
+    blocks = [dataclasses.replace(moe if i % 2 else dense, name=f"b{i}") for i in range(12)]
+    head = dataclasses.replace(_layer("head", 9.0, 1e8, 5e9), transient_bytes=(1e8,) * 3)
+    table = _table([_layer("embed", 0.1, 1e8, 1e8), *blocks, head], 3)
+    split = ((0, 6), (7, 12), (13, 13))
+    need = assemble(table, split, ("none",) * 14).memory_per_gpu_bytes
+    table = dataclasses.replace(table, capacity_bytes=need * 1.01)
+    with_hull = solve_ilp(build_ilp(table, relax_kinds=True), OPTIONS)
+    saved = ilp_module.add_kind_hull
+    ilp_module.add_kind_hull = lambda *args, **kwargs: None
+    try:
+        without = solve_ilp(build_ilp(table, relax_kinds=True), OPTIONS)
+    finally:
+        ilp_module.add_kind_hull = saved
+    assert without.has_solution and with_hull.has_solution
+    assert abs(with_hull.objective - without.objective) <= 1e-6 * without.objective

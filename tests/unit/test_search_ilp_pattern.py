@@ -75,7 +75,7 @@ def alternating_tables(draw) -> CostTable:
     return dataclasses.replace(table, capacity_bytes=share * need.memory_per_gpu_bytes)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(alternating_tables())
 def test_counting_by_kind_equals_the_per_layer_optimum(table: CostTable) -> None:
     assert find_pattern(table) is not None
@@ -144,7 +144,7 @@ def _single_edge_table(draw) -> CostTable:
     return dataclasses.replace(table, layers=(*lead, *blocks, *trail))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_per_rank_relaxation_then_realisation_finds_the_optimum(data) -> None:
     """solve_candidate counts the section per rank (a relaxation), realises its counts as a
@@ -209,7 +209,7 @@ def test_window_spread() -> None:
     assert window_spread(maverick, 1) == 0.75  # one MoE block in 1 layer: 1 against 1/4
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.data())
 def test_kind_hull_tightens_the_relaxation_not_its_optimum(data) -> None:
     """The per-rank hull by count vector (search/ilp_hull_kinds.py) leaves the relaxation's

@@ -116,14 +116,15 @@ def _vectors(table: CostTable, pat: Pattern, n: dict, k: int, fly: float,
     windows = sum(1 for j in range(cfg.num_stages)
                   if rank_of_stage(cfg.schedule, cfg.pp, j) == k)
     highs = [int(max(n[pat.key0 + c, k, r].upBound for r in R)) for c in range(len(pat.rep))]
+    shares = [pat.per_period(c) / pat.period for c in range(len(pat.rep))]
+    spreads = [window_spread(pat, c) for c in range(len(pat.rep))]
     out = []
     for vector in itertools.product(*(range(h + 1) for h in highs)):
         total = sum(vector)
         if sum(c * m for c, m in zip(vector, least, strict=True)) > room + 1e-9:
             continue
-        if all(abs(c - pat.per_period(kappa) / pat.period * total)
-               <= windows * window_spread(pat, kappa) + 1e-9
-               for kappa, c in enumerate(vector)):
+        if all(abs(c - share * total) <= windows * spread + 1e-9
+               for c, share, spread in zip(vector, shares, spreads, strict=True)):
             out.append(vector)
     return out
 

@@ -23,6 +23,7 @@ Each kind's counts also get a per-rank cap from memory (count (static + in-fligh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from autopar.search.ilp_stages import (
 )
 from autopar.units import GIB
 
-__all__ = ["MAX_PERIOD", "MIN_PERIODS", "Pattern", "add_kind_caps", "add_pattern_counts",
+__all__ = ["MAX_PERIOD", "MIN_PERIODS", "Pattern", "add_kind_caps", "add_pattern_counts", "around",
            "find_pattern", "pattern_stages"]
 
 R = range(len(RECOMPUTE))
@@ -153,19 +154,24 @@ def _section(prob: pulp.LpProblem, pat: Pattern, lo: int, hi: int, s: int, var: 
     return a, c
 
 
+def around(table: CostTable, pat: Pattern) -> tuple[tuple, tuple, Pattern]:
+    """(the runs before the section, the runs after it, the pattern with its kinds' first key
+    after the leading runs)."""
+    n_layers = len(table.layers)
+    lead = runs_between(table, 0, pat.first - 1) if pat.first > 0 else ()
+    trail = runs_between(table, pat.last + 1, n_layers - 1) if pat.last < n_layers - 1 else ()
+    return lead, trail, dataclasses.replace(pat, key0=len(lead))
+
+
 def add_pattern_counts(prob: pulp.LpProblem, table: CostTable, pat: Pattern, s: int,
                        var: Callable, n: dict, cnt: dict) -> tuple[list[Unit], tuple, Pattern]:
     """The leading runs, the section by kind and the trailing runs; fills ``n`` and ``cnt``.
 
     Returns the order units, the keys' (first, last) layers as the ILP prices them (a kind's
     first layer for each kind) and the pattern with its kinds' first key."""
-    n_layers = len(table.layers)
-    lead = runs_between(table, 0, pat.first - 1) if pat.first > 0 else ()
-    trail = runs_between(table, pat.last + 1, n_layers - 1) if pat.last < n_layers - 1 else ()
+    lead, trail, pat = around(table, pat)
     units = add_run_counts(prob, table, lead, s, var, n, cnt)
-    pat = Pattern(first=pat.first, last=pat.last, period=pat.period, kind=pat.kind, rep=pat.rep,
-                  key0=len(lead))
-    lo, hi = stage_window(pat.first, pat.last, n_layers, s)
+    lo, hi = stage_window(pat.first, pat.last, len(table.layers), s)
     a, c = _section(prob, pat, lo, hi, s, var)
     for k, rep in enumerate(pat.rep):
         g, name = pat.key0 + k, table.layers[rep].name

@@ -29,9 +29,14 @@ import pulp
 from autopar.config import RECOMPUTE
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
-from autopar.search.ilp_pattern import Pattern
-from autopar.search.ilp_ranks import MAX_EDGE_LAYERS, add_edge_placements, add_rank_room
-from autopar.search.ilp_stages import runs_between
+from autopar.search.ilp_pattern import Pattern, around
+from autopar.search.ilp_ranks import (
+    MAX_EDGE_LAYERS,
+    add_edge_placements,
+    add_rank_room,
+    block_stages,
+    placed_edges,
+)
 
 __all__ = ["MAX_NODES", "add_kind_rank_counts", "kind_rank_keys", "realize", "window_spread"]
 
@@ -43,14 +48,10 @@ def kind_rank_keys(table: CostTable, pat: Pattern) -> tuple | None:
     """The ILP's keys (first, last layer of each edge run, a kind's first layer for each kind)
     and the pattern with its kinds' first key; None unless every layer outside the section is
     a single distinct edge layer, at most ``MAX_EDGE_LAYERS`` of them."""
-    n_layers = len(table.layers)
-    lead = runs_between(table, 0, pat.first - 1) if pat.first > 0 else ()
-    trail = runs_between(table, pat.last + 1, n_layers - 1) if pat.last < n_layers - 1 else ()
+    lead, trail, pat = around(table, pat)
     edges = (*lead, *trail)
     if len(edges) > MAX_EDGE_LAYERS or any(b > a for a, b in edges):
         return None
-    pat = Pattern(first=pat.first, last=pat.last, period=pat.period, kind=pat.kind, rep=pat.rep,
-                  key0=len(lead))
     return (*lead, *((rep, rep) for rep in pat.rep), *trail), pat
 
 
@@ -107,32 +108,16 @@ def _window_counts(pat: Pattern, start: int, length: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _section_stages(table: CostTable, keys, pat: Pattern, placed: dict[int, int]) -> list[bool]:
-    """Which stages may hold section layers (``ilp_ranks.stage_counts``' rule): from the last
-    leading edge layer's stage to the first trailing one's, stages holding an edge layer only at
-    those two ends."""
-    s = table.config.num_stages
-    lead = [j for g, j in placed.items() if g < pat.key0]
-    trail = [j for g, j in placed.items() if g >= pat.key0 + len(pat.rep)]
-    first, last = (max(lead) if lead else 0), (min(trail) if trail else s - 1)
-    held = set(placed.values())
-    return [first <= j <= last and (j not in held or j in (first, last)) for j in range(s)]
-
-
 def realize(table: CostTable, keys, pat: Pattern, counts: dict) -> dict | None:
     """Per-stage counts (key, stage, mode) of a per-rank solution, or None if no contiguous split
     of the section gives every rank its kind counts (within ``MAX_NODES`` tries)."""
     cfg = table.config
     s, p = cfg.num_stages, cfg.pp
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
-    out: dict[tuple[int, int, int], int] = {}
-    placed: dict[int, int] = {}
-    for key, v in counts.items():
-        if len(key) == 4 and v:
-            g, j, r, _ = key
-            out[g, j, r] = out.get((g, j, r), 0) + v
-            placed[g] = j
-    allowed = _section_stages(table, keys, pat, placed)
+    out, placed = placed_edges(counts)
+    allowed = block_stages(s, [j for g, j in placed.items() if g < pat.key0],
+                           [j for g, j in placed.items() if g >= pat.key0 + len(pat.rep)],
+                           set(placed.values()))
     kinds = len(pat.rep)
     need = {k: tuple(sum(counts.get((pat.key0 + c, k, r), 0) for r in R) for c in range(kinds))
             for k in range(p)}

@@ -31,7 +31,7 @@ from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 
 __all__ = ["MAX_EDGE_LAYERS", "add_edge_placements", "add_rank_counts", "add_rank_room", "big_run",
-           "rank_aggregable", "stage_counts", "the_big_run"]
+           "block_stages", "placed_edges", "rank_aggregable", "stage_counts", "the_big_run"]
 
 R = range(len(RECOMPUTE))
 MAX_EDGE_LAYERS = 8  # more distinct layers than this around the blocks: use per-stage counting
@@ -209,6 +209,26 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
     return n, cnt, list(range(p)), [stage_rank.count(k) for k in range(p)], z
 
 
+def placed_edges(counts: dict) -> tuple[dict[tuple[int, int, int], int], dict[int, int]]:
+    """(per-stage counts of the edge layers, the stage of each) of a per-rank solution, read
+    from its placements (g, j, r, "stage")."""
+    out: dict[tuple[int, int, int], int] = {}
+    where: dict[int, int] = {}
+    for key, v in counts.items():
+        if len(key) == 4 and v:
+            g, j, r, _ = key
+            out[g, j, r] = out.get((g, j, r), 0) + v
+            where[g] = j
+    return out, where
+
+
+def block_stages(s: int, lead: list[int], trail: list[int], held: set[int]) -> list[bool]:
+    """Which stages may hold blocks: from the last leading edge layer's stage to the first
+    trailing one's, stages holding an edge layer only at those two ends."""
+    first, last = (max(lead) if lead else 0), (min(trail) if trail else s - 1)
+    return [first <= j <= last and (j not in held or j in (first, last)) for j in range(s)]
+
+
 def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, int], int]:
     """Per-stage counts (run, stage, mode) of a per-rank solution (see the module docstring).
 
@@ -220,23 +240,12 @@ def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, i
         return {key: v for key, v in counts.items() if len(key) == 3}
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
     big = the_big_run(runs, len(table.layers))
-    out: dict[tuple[int, int, int], int] = {}
-    where: dict[int, int] = {}
-    for key, v in counts.items():
-        if len(key) == 4 and v:
-            g, j, r, _ = key
-            out[g, j, r] = out.get((g, j, r), 0) + v
-            where[g] = j
-    lead = [where[g] for g in where if g < big]
-    trail = [where[g] for g in where if g > big]
-    first, last = (max(lead) if lead else 0), (min(trail) if trail else s - 1)
+    out, where = placed_edges(counts)
     held = set(where.values())
+    ok = block_stages(s, [where[g] for g in where if g < big],
+                      [where[g] for g in where if g > big], held)
     for k in range(p):
-        allowed = [
-            j
-            for j in range(s)
-            if stage_rank[j] == k and first <= j <= last and (j not in held or j in (first, last))
-        ]
+        allowed = [j for j in range(s) if stage_rank[j] == k and ok[j]]
         pool = [r for r in R for _ in range(counts.get((big, k, r), 0))]
         if not pool:
             continue

@@ -123,9 +123,9 @@ def add_order(prob: pulp.LpProblem, units: Sequence[Unit], s: int, var: Callable
 
 def add_nonempty(prob: pulp.LpProblem, cnt: dict, s: int) -> None:
     """(nonempty): every stage holds at least one layer."""
+    keys = sorted({g for g, _j in cnt})
     for j in range(s):
-        prob += pulp.lpSum(c for (_g, jj), c in sorted(cnt.items(), key=lambda kv: kv[0])
-                           if jj == j) >= 1, f"nonempty[stage{j}]"
+        prob += pulp.lpSum(cnt[g, j] for g in keys) >= 1, f"nonempty[stage{j}]"
 
 
 def plainest_mode(layer: LayerCost, r: int) -> int:

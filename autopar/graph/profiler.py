@@ -1,8 +1,8 @@
 """``profile(model)``: a ModelProfile of any PyTorch model, measured on the meta device.
 
 Steps: copy the model onto the meta device at the profile dtype (the caller's model is left
-untouched); find the repeated blocks; trace the module order (fx, else torch.export, else module
-hooks); run the model with the blocks relayed to measure the embedding and the head, then each
+untouched); find the repeated blocks; trace the module order (fx, else the module hooks of the run
+below); run the model with the blocks relayed to measure the embedding and the head, then each
 distinct block alone; do both at batch 1 and 2 and keep the difference (per sample). Routed
 experts of mixture-of-experts layers run as a value-independent stand-in (``graph/moe.py``).
 Counts are per sample of ``seq_len`` tokens (see ``autopar.graph.types``).
@@ -332,7 +332,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
     install_expert_standins(work)  # routed experts by formula (graph/moe.py), like SDPA
     container, blocks = find_blocks(work)
     batches = {b: make_batch(work, b, seq_len, example_inputs, torch_dtype) for b in _BATCH_SIZES}
-    trace = trace_call_order(work, blocks, batches[1].args, batches[1].kwargs)
+    trace = trace_call_order(work, blocks)
     if kernels not in KERNELS:
         raise AutoparError(f"profile kernels must be one of {KERNELS}, got {kernels!r}")
     fused = kernels == "cuda"

@@ -164,6 +164,23 @@ def test_untraceable_graph_falls_back_to_modules() -> None:
     assert prof.layers[1].fwd_flops == 2 * 2 * 8 * 32 * 128
 
 
+class _Untraceable(_UserModel):
+    """fx cannot trace it (``int`` of a traced shape); it runs on meta tensors."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * (1.0 / int(tokens.shape[-1]))
+
+
+def test_fx_failure_takes_the_order_of_the_profiling_run() -> None:
+    """The module hooks of the profiler's own run give the order (no second tracer): the same
+    embedding, blocks and head as fx finds in the traceable model."""
+    prof = autopar.profile(_Untraceable(), seq_len=8)
+    traced = autopar.profile(_UserModel(), seq_len=8)
+    assert (prof.trace_method, traced.trace_method) == ("modules", "fx")
+    assert [x.module_fqns for x in prof.layers] == [x.module_fqns for x in traced.layers]
+    assert [x.num_params for x in prof.layers] == [x.num_params for x in traced.layers]
+
+
 class _ValueDependent(_Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.sum() > 0:  # data-dependent control flow: needs real values

@@ -17,7 +17,7 @@ from typing import Any
 
 from autopar.cli.argtypes import int_in, positive_float
 from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN
-from autopar.cost_model.hardware import MAX_GPU_MEMORY_GB, MAX_GPUS
+from autopar.cost_model.hardware import GPUS_PER_NODE, MAX_GPU_MEMORY_GB, MAX_GPUS
 from autopar.errors import AutoparError, ClusterConfigError
 from autopar.stdio import document_stdout
 
@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 DEFAULT_GPU = "a100-80g"
-GPUS_PER_NODE = 8  # `--gpus N` alone means nodes of 8 GPUs (DESIGN.md).
 MAX_SECONDS = 7 * 24 * 3600.0  # the longest --time-budget / --build-timeout: a week
 DEFAULT_BUILD_TIMEOUT_S = 120.0  # building a model on the meta device takes seconds
 

@@ -59,7 +59,7 @@ import dataclasses
 from collections import Counter
 
 from autopar.config import ParallelConfig
-from autopar.cost_model.moe import EXPERT_TENSORS
+from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp
 from autopar.graph.types import LayerProfile, ModelProfile
 from autopar.schedules import rank_of_stage
 
@@ -246,7 +246,7 @@ def _ep_counts(layer: LayerProfile, cfg: ParallelConfig, full: bool) -> Counter[
         return Counter()
     m = cfg.num_microbatches
     counts = Counter({"all_to_all_single@ep": (10 if full else 6) * m})
-    if cfg.dp * cfg.cp // cfg.ep <= 1:
+    if expert_dp(cfg) <= 1:
         return counts
     if cfg.zero == 0:
         counts["all_reduce@edp"] = EXPERT_TENSORS * m

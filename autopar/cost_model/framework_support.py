@@ -74,8 +74,9 @@ def model_support(framework: Framework, config, profile) -> str | None:
     """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
     blocks under sequence parallelism; and, where the framework runs the profiled modules
     themselves (``runs_traced_modules``), context parallelism of a model that is not a zoo
-    transformer, expert parallelism of experts it cannot run one at a time, or tensor
-    parallelism of blocks with a weight across heads beside their split linears."""
+    transformer, expert parallelism of experts it cannot run one at a time, tensor parallelism
+    of blocks with a weight across heads beside their split linears, or of a fused q/k/v
+    projection under FSDP."""
     moe = next((x.moe for x in profile.layers if x.moe), None)
     reason = moe_support(framework, config, moe, _experts_blocker(profile))
     if reason or not framework.runs_traced_modules:
@@ -87,6 +88,13 @@ def model_support(framework: Framework, config, profile) -> str | None:
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "
                 f"use tp=1, {_OWN_CODE}")
+    # runtime/tp_checks.py refuses the same split when it applies a plan.
+    fused = next((x.tp.fused_qkv[0] for x in profile.layers if x.tp.fused_qkv), "")
+    if fused and config.tp > 1 and config.dp > 1 and config.zero >= 1:
+        return (f"{framework.name} splits the fused q/k/v projection {fused} over tp keeping "
+                "each rank's q, k and v heads together, a strided shard FSDP2 cannot cut again "
+                f"over dp (zero {config.zero}); use zero=0 for dp x tp, or pp with tp, "
+                f"{_OWN_CODE}")
     return None
 
 

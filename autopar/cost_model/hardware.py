@@ -33,7 +33,8 @@ from autopar.cost_model.presets import (
 from autopar.errors import ClusterConfigError
 from autopar.units import GIB
 
-__all__ = ["MAX_GPUS", "MAX_GPU_MEMORY_GB", "MIN_RATE_PER_S", "Cluster", "DeviceSpec", "LinkSpec"]
+__all__ = ["GPUS_PER_NODE", "MAX_GPUS", "MAX_GPU_MEMORY_GB", "MIN_RATE_PER_S", "Cluster",
+           "DeviceSpec", "LinkSpec"]
 
 # Bounds that keep every loop over a cluster's size short and every time finite: the largest
 # training clusters built hold ~10^5 GPUs; a FLOP/s or byte/s rate below 10^6 (a 1990s CPU) is a
@@ -41,6 +42,9 @@ __all__ = ["MAX_GPUS", "MAX_GPU_MEMORY_GB", "MIN_RATE_PER_S", "Cluster", "Device
 MAX_GPUS = 2**20
 MIN_RATE_PER_S = 1e6
 MAX_GPU_MEMORY_GB = 2**20  # 1 PiB a device
+# sourced: an HGX / DGX A100, H100 or H200 node holds 8 GPUs (the presets' nodes; DESIGN.md's
+# ``--gpus N`` alone means nodes of 8).
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -226,7 +230,7 @@ class Cluster:
         cls,
         name: str,
         nodes: int = 1,
-        gpus_per_node: int = 8,
+        gpus_per_node: int = GPUS_PER_NODE,
         gpu_memory_gb: float | None = None,
     ) -> Cluster:
         """A cluster of a known part (see ``list_presets()``).

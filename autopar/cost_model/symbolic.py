@@ -6,7 +6,8 @@ numbers from the plan's CostTable; tests check that they evaluate to what the nu
 
 Symbols: Psi parameters a rank holds after tensor-parallel and pipeline sharding, d data-parallel
 degree, w bytes of the training dtype, m micro-batches, p pipeline ranks, v chunks per rank,
-n group size, S message bytes, B bus bandwidth, alpha per-step latency, F FLOPs, P peak FLOP/s.
+c the schedule's bubble coefficient, n group size, S message bytes, B bus bandwidth, alpha
+per-step latency, F FLOPs, P peak FLOP/s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import sympy as sp
 from autopar.config import ParallelConfig
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    MASTER_BYTES,
     dp_mechanism,
     fsdp_accumulates_grads,
     fsdp_keeps_params_unsharded,
@@ -43,6 +47,7 @@ __all__ = [
 ]
 
 Psi, d, w, m, p, v, n, S, B, alpha = sp.symbols("Psi d w m p v n S B alpha", positive=True)
+c = sp.Symbol("c", nonnegative=True)
 F, P, eff_max, W, W_half = sp.symbols("F P eff_max W W_half", positive=True)
 R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
 
@@ -51,23 +56,29 @@ R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
 # keeps unsharded parameters through a pipeline step (memory.fsdp_accumulates_grads and
 # memory.fsdp_keeps_params_unsharded say when). An unsharded accumulator and the sharded gradient
 # that replaces it at its reduce-scatter never coexist: gradients are 4 a + 4 (1 - a) / d.
+# The byte counts are memory.py's (fp32 master weights, fp32 gradients, Adam's two moments; DDP's
+# reducer keeps a bucket copy of the gradients).
 a, u = sp.symbols("a u", nonnegative=True)
+_M, _G, _A = sp.Integer(MASTER_BYTES), sp.Integer(GRAD_BYTES), sp.Integer(ADAM_BYTES)
+_SHARDED_GRADS = (_G * a + _G * (1 - a) / d) * Psi
 MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
-    "none": ((4 + w) * Psi, 4 * Psi, 8 * Psi),
-    "ddp": ((4 + w) * Psi, 8 * Psi, 8 * Psi),
-    "replicate": ((4 + w) * Psi, (4 + 4 * a) * Psi, 8 * Psi),
-    "zero1": ((4 / d + w) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
-    "zero2": ((4 / d + w) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
-    "zero3": ((4 / d + w * u) * Psi, (4 * a + 4 * (1 - a) / d) * Psi, 8 * Psi / d),
+    "none": ((_M + w) * Psi, _G * Psi, _A * Psi),
+    "ddp": ((_M + w) * Psi, 2 * _G * Psi, _A * Psi),
+    "replicate": ((_M + w) * Psi, (_G + _G * a) * Psi, _A * Psi),
+    "zero1": ((_M / d + w) * Psi, _SHARDED_GRADS, _A * Psi / d),
+    "zero2": ((_M / d + w) * Psi, _SHARDED_GRADS, _A * Psi / d),
+    "zero3": ((_M / d + w * u) * Psi, _SHARDED_GRADS, _A * Psi / d),
 }
 # Ring all-reduce = reduce-scatter + all-gather (formulas.md section 6).
 REDUCE_SCATTER = (n - 1) / n * S / B + (n - 1) * alpha
 ALL_REDUCE = 2 * REDUCE_SCATTER
 # Matmul time at the saturating efficiency eff(W) = eff_max W / (W + W_half) (compute.py).
 MATMUL_TIME = F / (P * eff_max * W / (W + W_half))
-# Pipeline: step = m R_max + c sum_j T_j + max_k E_k, c = (p - 1) / (v p) (assemble.py).
+# Pipeline: step = m R_max + c sum_j T_j + max_k E_k (assemble.py), with c the schedule's
+# ``pipeline.bubble_coefficient``: (p - 1) / (v p) for 1F1B and interleaved 1F1B with m >= p (the
+# zero-bubble schedules keep ``ZERO_BUBBLE_RESIDUAL`` of it; fewer micro-batches than ranks more).
 BUBBLE_COEFFICIENT = (p - 1) / (v * p)
-STEP_TIME = m * R_max + BUBBLE_COEFFICIENT * T_sum + E_max
+STEP_TIME = m * R_max + c * T_sum + E_max
 
 
 def model_state_expr(
@@ -162,17 +173,17 @@ def _memory_lines(cfg: ParallelConfig, est: Estimate) -> list[str]:
 def _time_lines(
     cfg: ParallelConfig, cluster: Cluster, table: CostTable, est: Estimate, framework: str
 ) -> list[str]:
-    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
+    coef = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
     r_max = max(s.time_per_microbatch_s for s in est.stages)
     tb = est.time_breakdown
     e_max = est.step_time_s - table.num_microbatches * r_max - tb.bubble_s
-    step_values = {m: table.num_microbatches, R_max: r_max, E_max: e_max,
-                   T_sum: tb.bubble_s / c if c else 0.0, p: max(cfg.pp, 2),
-                   v: cfg.virtual_stages}
-    step = float(STEP_TIME.subs(step_values)) if c else table.num_microbatches * r_max + e_max
+    step_values = {m: table.num_microbatches, R_max: r_max, E_max: e_max, c: coef,
+                   T_sum: tb.bubble_s / coef if coef else 0.0}
+    step = float(STEP_TIME.subs(step_values))
     return [
         f"  m = {table.num_microbatches}, R_max = {r_max * 1e3:.3f} ms per micro-batch "
-        f"(slowest rank), c = {c:.4f}, E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer + "
+        f"(slowest rank), c = {coef:.4f} ({cfg.schedule}: pipeline.bubble_coefficient), "
+        f"E_max = {e_max * 1e3:.3f} ms (DP tail + optimizer + "
         f"{framework}'s fixed {table.step_fixed_s * 1e3:.3f} ms per step)",
         f"  step = {step:.4f} s -> {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
         "",

@@ -1,33 +1,81 @@
 """Checks of a ParallelConfig against a model profile and a cluster (what the config alone can't).
 
-Each failed check raises ``ValueError`` whose message names the constraint and what to do. The
-micro-batch rules per schedule (torch 2.13's ``torch.distributed.pipelining.schedules``) live in
+Each rule is one ``*_problem`` function (the reason a degree cannot run, or None), which
+``check_config`` raises as ``ValueError`` and the search's enumeration (``search/space.py``,
+``search/dimensions.py``) uses to skip the same degrees. The micro-batch rules per schedule
+(torch 2.13's ``torch.distributed.pipelining.schedules``) live in
 ``autopar.schedules.check_schedule``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import ModelProfile
 from autopar.schedules import check_schedule
 
-__all__ = ["check_config", "check_dimensions", "check_ep"]
+__all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "ep_problem",
+           "offload_problem", "stages_problem", "tp_problem"]
+
+
+def cp_problem(cp: int, seq_len: int) -> str | None:
+    """Load-balanced ring attention gives each cp rank two chunks: 2 cp divides the length."""
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"cp = {cp} needs the sequence length ({seq_len}) to be a multiple of "
+                f"2 * cp = {2 * cp} (load-balanced ring attention: two chunks per rank)")
+    return None
+
+
+def offload_problem(offload: str, cluster: Cluster) -> str | None:
+    """Offload needs the cluster's host memory and PCIe bandwidth per GPU."""
+    if offload != "none" and (cluster.host_memory_bytes_per_gpu <= 0
+                              or cluster.pcie_bytes_per_s <= 0):
+        return (f"offload {offload!r} needs the cluster's host_memory_bytes_per_gpu and "
+                "pcie_bytes_per_s (the GPU presets have them); use offload='none'")
+    return None
+
+
+def tp_problem(tp: int, counts: Iterable[tuple[str, int]]) -> str | None:
+    """Sharded attention views heads as -1: tp divides every (name, head count) given."""
+    for name, count in counts:
+        if tp > 1 and count and count % tp:
+            return f"tp = {tp} must divide {name} = {count}; pick a tp that divides {count}"
+    return None
+
+
+def stages_problem(num_stages: int, num_layers: int) -> str | None:
+    """Every pipeline stage holds at least one profile layer."""
+    if num_stages > 1 and num_stages > num_layers:
+        return (f"pp * virtual_stages = {num_stages} stages exceed the model's {num_layers} "
+                "layers; lower pp or virtual_stages")
+    return None
+
+
+def ep_problem(ep: int, data_ranks: int, experts: Iterable[int]) -> str | None:
+    """Experts shard over the dp * cp ranks (``data_ranks``): ep divides them and every
+    MoE layer's expert count; ep > 1 needs a mixture-of-experts model."""
+    counts = sorted(set(experts))
+    if ep == 1:
+        return None
+    if not counts:
+        return "needs a mixture-of-experts model"
+    if data_ranks % ep:
+        return (f"ep = {ep} must divide dp * cp = {data_ranks} (experts are sharded over "
+                "data-parallel ranks)")
+    for count in counts:
+        if count % ep:
+            return (f"ep = {ep} must divide the number of experts ({count}); pick an ep that "
+                    f"divides {count}")
+    return None
 
 
 def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> None:
     """Raise ValueError unless cp, offload and the dtype can run on this model and cluster."""
-    if cfg.cp > 1 and profile.seq_len % (2 * cfg.cp):
-        raise ValueError(
-            f"cp = {cfg.cp} needs the sequence length ({profile.seq_len}) to be a multiple of "
-            f"2 * cp = {2 * cfg.cp} (load-balanced ring attention: two chunks per rank)"
-        )
-    if cfg.offload != "none" and (cluster.host_memory_bytes_per_gpu <= 0
-                                  or cluster.pcie_bytes_per_s <= 0):
-        raise ValueError(
-            f"offload {cfg.offload!r} needs the cluster's host_memory_bytes_per_gpu and "
-            "pcie_bytes_per_s (the GPU presets have them); use offload='none'"
-        )
+    problem = cp_problem(cfg.cp, profile.seq_len) or offload_problem(cfg.offload, cluster)
+    if problem:
+        raise ValueError(problem)
     if cfg.dtype == "fp8" and cluster.device.peak_flops("fp8") <= 0:
         raise ValueError(
             f"dtype fp8 needs fp8 tensor cores; {cluster.device.name} has none (H100 and H200 "
@@ -36,27 +84,14 @@ def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfi
 
 
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
-    """Raise ValueError unless expert parallelism fits: a mixture-of-experts model, ep dividing
-    dp * cp (experts shard over data/context-parallel ranks) and every layer's expert count."""
-    if cfg.ep == 1:
-        return
-    experts = sorted({layer.moe.experts for layer in profile.layers if layer.moe is not None})
-    if not experts:
-        raise ValueError(
-            f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has no experts "
-            "(use ep=1)"
-        )
-    if (cfg.dp * cfg.cp) % cfg.ep:
-        raise ValueError(
-            f"ep = {cfg.ep} must divide dp * cp = {cfg.dp * cfg.cp} (experts are sharded over "
-            "data-parallel ranks)"
-        )
-    for count in experts:
-        if count % cfg.ep:
-            raise ValueError(
-                f"ep = {cfg.ep} must divide the number of experts ({count}); pick an ep that "
-                f"divides {count}"
-            )
+    """Raise ValueError unless expert parallelism fits (``ep_problem``)."""
+    experts = [layer.moe.experts for layer in profile.layers if layer.moe is not None]
+    problem = ep_problem(cfg.ep, cfg.dp * cfg.cp, experts)
+    if problem == "needs a mixture-of-experts model":
+        problem = (f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has no "
+                   "experts (use ep=1)")
+    if problem:
+        raise ValueError(problem)
 
 
 def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig) -> None:
@@ -78,24 +113,13 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
         )
     check_ep(profile, cfg)
     check_dimensions(profile, cluster, cfg)
-    if cfg.tp > 1:
-        for name, count in (("heads", profile.heads), ("kv_heads", profile.kv_heads)):
-            if count and count % cfg.tp:
-                raise ValueError(
-                    f"tp = {cfg.tp} must divide the model's {name} = {count}; pick a tp that "
-                    f"divides {count}"
-                )
-        for layer in profile.layers:
-            for name, count in (("heads", layer.tp.heads), ("kv_heads", layer.tp.kv_heads)):
-                if count and count % cfg.tp:
-                    raise ValueError(
-                        f"tp = {cfg.tp} must divide {name} = {count} of layer {layer.name}"
-                    )
+    counts = [("the model's heads", profile.heads), ("the model's kv_heads", profile.kv_heads)]
+    for layer in profile.layers:
+        counts += [(f"heads of layer {layer.name}", layer.tp.heads),
+                   (f"kv_heads of layer {layer.name}", layer.tp.kv_heads)]
+    problem = tp_problem(cfg.tp, counts) or stages_problem(cfg.num_stages, profile.num_layers)
+    if problem:
+        raise ValueError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ValueError("sequence_parallel needs tp > 1 (it shards activations over tp)")
-    if cfg.pp > 1 and cfg.num_stages > profile.num_layers:
-        raise ValueError(
-            f"pp * virtual_stages = {cfg.num_stages} stages exceed the model's "
-            f"{profile.num_layers} layers; lower pp or virtual_stages"
-        )
     check_schedule(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)

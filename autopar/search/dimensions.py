@@ -31,6 +31,7 @@ from autopar.cost_model.frameworks import Framework, framework_supports, get_fra
 from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.precision import supported_dtypes
+from autopar.cost_model.validate import cp_problem, offload_problem
 from autopar.graph.types import ModelProfile
 from autopar.search.options import SearchOptions
 
@@ -49,7 +50,7 @@ def cp_choices(data_ranks: int, seq_len: int | None, options: SearchOptions,
     if seq_len is None or not options.context_parallel or not framework.context_parallel:
         return [1]
     out, cp = [1], 2
-    while data_ranks % cp == 0 and seq_len % (2 * cp) == 0 and (
+    while data_ranks % cp == 0 and cp_problem(cp, seq_len) is None and (
             seq_len // cp >= options.min_cp_tokens):
         if options.max_cp is not None and cp > options.max_cp:
             break
@@ -106,7 +107,7 @@ def offload_variants(configs: list[ParallelConfig], cluster: Cluster,
                      options: SearchOptions) -> list[ParallelConfig]:
     """The offloaded variants of candidates that fit no split without offload."""
     framework = get_framework(options.framework)
-    if cluster.host_memory_bytes_per_gpu <= 0 or cluster.pcie_bytes_per_s <= 0:
+    if offload_problem("optimizer", cluster):
         return []
     out = []
     for config in configs:

@@ -99,12 +99,8 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
         moe_sequence_parallel=not any(moe_sp_blocker(get_framework(options.framework), x.moe)
                                       for x in profile.layers if x.moe),
     )
-    # A fused q/k/v split over tp is a strided shard FSDP2 cannot cut again over dp: the runtime
-    # refuses zero >= 1 with dp > 1 there (runtime/tp_checks.py), so the search does not offer it.
-    fused = any(layer.tp.fused_qkv for layer in profile.layers)
     fw = get_framework(options.framework)
-    return [c for c in configs if not (fused and c.tp > 1 and c.dp > 1 and c.zero >= 1)
-            and model_support(fw, c, profile) is None]
+    return [c for c in configs if model_support(fw, c, profile) is None]
 
 
 def _pipe_key(table: CostTable) -> tuple:

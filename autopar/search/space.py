@@ -6,8 +6,10 @@ split and per-layer recomputation for it.
 
 Rules (each one a constraint the runtime or torch imposes):
 - dp * tp * pp = number of GPUs; tp divides heads and kv_heads (sharded attention views heads
-  as -1); tp stays within a node (and divides its size) unless allowed across nodes;
-- pp * v <= number of profile layers (every stage holds at least one layer);
+  as -1; ``validate.tp_problem``, the rule ``estimate`` checks); tp stays within a node (and
+  divides its size) unless allowed across nodes;
+- pp * v <= number of profile layers (every stage holds at least one layer;
+  ``validate.stages_problem``);
 - global_batch divisible by dp; micro-batch sizes divide the per-replica batch;
 - micro-batch counts per schedule follow torch 2.13's ``torch.distributed.pipelining``:
   Schedule1F1B needs m >= stages; ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble need
@@ -16,7 +18,7 @@ Rules (each one a constraint the runtime or torch imposes):
 - sequence parallelism only when tp > 1; ZeRO stages > 0 only when dp > 1 (nothing to shard:
   they are the same plan as stage 0);
 - expert parallelism only for mixture-of-experts models: ep divides dp (* cp) and every layer's
-  number of experts (``expert_degrees``);
+  number of experts (``expert_degrees``, ``validate.ep_problem``);
 - only what the framework runs (``frameworks.framework_supports``: its schedules, ZeRO stages,
   ZeRO with pipelines, sequence parallelism, cp, HSDP, offload, dtypes);
 - cp, HSDP (dp_replicate) and the dtype as ``dimensions.py`` chooses them; offloaded variants
@@ -32,6 +34,7 @@ from collections.abc import Iterator
 from autopar.config import ParallelConfig
 from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.cost_model.hardware import DeviceSpec
+from autopar.cost_model.validate import ep_problem, stages_problem, tp_problem
 from autopar.schedules import DEFAULT_SCHEDULE, check_schedule, get_schedule
 from autopar.search.dimensions import cp_choices, dtype_choices, replicate_choices
 from autopar.search.options import SearchOptions
@@ -80,11 +83,12 @@ def mesh_shapes(
         allow_tp_across_nodes: let tp exceed the node size.
     """
     shapes = []
+    heads = [("heads", h) for h in head_counts]
     for pp in divisors(world_size):
-        if pp > num_layers:
+        if stages_problem(pp, num_layers):
             continue
         for tp in divisors(world_size // pp):
-            if any(h % tp for h in head_counts):
+            if tp_problem(tp, heads):
                 continue
             if max_tp is not None and tp > max_tp:
                 continue
@@ -99,7 +103,7 @@ def expert_degrees(dp: int, cp: int, expert_counts: tuple[int, ...]) -> list[int
     ``expert_counts`` (the routed experts of each MoE layer); [1] for a dense model."""
     if not expert_counts:
         return [1]
-    return [e for e in divisors(dp * cp) if all(n % e == 0 for n in expert_counts)]
+    return [e for e in divisors(dp * cp) if ep_problem(e, dp * cp, expert_counts) is None]
 
 
 def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> bool:
@@ -132,7 +136,7 @@ def schedule_variants(pp: int, num_layers: int, options: SearchOptions) -> list[
             vs = [schedule.chunks_per_rank]
         else:
             vs = list(range(2, options.max_virtual_stages + 1))
-        out.extend((name, v) for v in vs if pp * v <= num_layers)
+        out.extend((name, v) for v in vs if stages_problem(pp * v, num_layers) is None)
     return out
 
 

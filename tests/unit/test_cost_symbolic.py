@@ -10,8 +10,10 @@ from autopar.cost_model.estimator import default_split, estimate
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import layer_state
+from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.symbolic import (
     ALL_REDUCE,
+    BUBBLE_COEFFICIENT,
     STEP_TIME,
     B,
     E_max,
@@ -20,14 +22,16 @@ from autopar.cost_model.symbolic import (
     S,
     T_sum,
     alpha,
+    c,
     d,
+    explain,
     m,
     model_state_expr_for,
     n,
     p,
-    v,
     w,
 )
+from autopar.cost_model.symbolic import v as v_sym
 from autopar.costing import explain_plan
 from autopar.plan import Plan, StagePlan
 from tests.fixtures.profiles import analytic_transformer_profile
@@ -54,15 +58,36 @@ def test_all_reduce_expression_matches_comm():
     assert value == pytest.approx(comm.all_reduce_s(link, 1e9))
 
 
-def test_step_time_expression_matches_assemble():
-    cfg = ParallelConfig(dp=2, pp=2, global_batch=8, schedule="1f1b")
+@pytest.mark.parametrize(("schedule", "v", "batch"), [
+    ("1f1b", 1, 8), ("interleaved-1f1b", 2, 8), ("zbv-zero-bubble", 2, 8),
+    ("interleaved-zero-bubble", 2, 8), ("gpipe", 1, 2),  # the last: m = 1 < p
+])
+def test_step_time_expression_matches_assemble(schedule, v, batch):
+    cfg = ParallelConfig(dp=2, pp=2, global_batch=batch, schedule=schedule, virtual_stages=v)
     cluster = Cluster.preset("a100-80g", gpus_per_node=4)
     est = estimate(PROFILE, cluster, cfg)
     r = max(s.time_per_microbatch_s for s in est.stages)
     t_sum = sum(s.time_per_microbatch_s for s in est.stages)
-    e = est.step_time_s - 4 * r - est.time_breakdown.bubble_s
-    value = float(STEP_TIME.subs({m: 4, R_max: r, T_sum: t_sum, E_max: e, p: 2, v: 1}))
+    mb = cfg.num_microbatches
+    e = est.step_time_s - mb * r - est.time_breakdown.bubble_s
+    coef = bubble_coefficient(schedule, 2, v, mb)
+    value = float(STEP_TIME.subs({m: mb, R_max: r, T_sum: t_sum, E_max: e, c: coef}))
     assert value == pytest.approx(est.step_time_s)
+    if schedule == "1f1b" and mb >= 2:  # the printed 1F1B coefficient is the schedule's own
+        assert float(BUBBLE_COEFFICIENT.subs({p: 2, v_sym: 1})) == pytest.approx(coef)
+
+
+@pytest.mark.parametrize("schedule", ["zbv-zero-bubble", "interleaved-1f1b"])
+def test_explain_prints_the_estimates_step(schedule):
+    """explain's step line is the estimate's step for every schedule (a zero-bubble schedule's
+    coefficient is not (p - 1) / (v p))."""
+    cfg = ParallelConfig(dp=1, pp=4, global_batch=8, schedule=schedule, virtual_stages=2)
+    cluster = Cluster.preset("a100-80g", gpus_per_node=4)
+    table = build_cost_table(PROFILE, cluster, cfg)
+    split, recompute = default_split(table)
+    est = estimate(PROFILE, cluster, cfg)
+    text = explain(PROFILE, cluster, cfg, split, recompute, "autopar")
+    assert f"step = {est.step_time_s:.4f} s" in text
 
 
 def test_explain_plan_prints_formulas_and_numbers():

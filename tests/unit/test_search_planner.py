@@ -324,7 +324,9 @@ def test_ep_only_for_moe_models() -> None:
 
 
 def test_fused_qkv_is_not_offered_under_fsdp_and_tp() -> None:
-    # The runtime refuses FSDP over a fused q/k/v tp split (a strided shard): the search drops it.
+    """autopar's runtime refuses FSDP over a fused q/k/v tp split (a strided shard): the search
+    drops it and estimate refuses it, for that framework only (framework_support.model_support);
+    Megatron-LM runs its own attention module and keeps the splits."""
     layers = tuple(
         dataclasses.replace(layer, tp=dataclasses.replace(layer.tp, fused_qkv=layer.tp.colwise[:1]))
         if layer.kind == "block" else layer
@@ -337,3 +339,9 @@ def test_fused_qkv_is_not_offered_under_fsdp_and_tp() -> None:
     mixed = [c for c in plain if c.tp > 1 and c.dp > 1 and c.zero >= 1]
     assert mixed and not [c for c in kept if c.tp > 1 and c.dp > 1 and c.zero >= 1]
     assert len(kept) == len(plain) - len(mixed)
+    with pytest.raises(ValueError, match="fused q/k/v"):
+        autopar.estimate(fused, cluster, mixed[0])
+    assert autopar.estimate(TINY, cluster, mixed[0]).step_time_s > 0
+    megatron = SearchOptions(framework="megatron-lm")
+    assert len(_candidates(fused, cluster, 64, megatron)) == len(
+        _candidates(TINY, cluster, 64, megatron))

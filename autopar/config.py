@@ -130,9 +130,9 @@ class ParallelConfig:
 
     def _check_new_dimensions(self) -> None:
         """The rules of ep, dp_replicate and offload (DESIGN: dimensions beyond dp x tp x pp)."""
-        if (self.dp * self.cp) % self.ep:
+        if self.data_ranks % self.ep:
             raise ValueError(
-                f"ParallelConfig.ep {self.ep} does not divide dp * cp = {self.dp * self.cp}: "
+                f"ParallelConfig.ep {self.ep} does not divide dp * cp = {self.data_ranks}: "
                 "experts are sharded over the data/context-parallel ranks; pick ep dividing dp * cp"
             )
         if self.dp % self.dp_replicate:
@@ -162,6 +162,18 @@ class ParallelConfig:
     def dp_shard(self) -> int:
         """Ranks a ZeRO/FSDP shard group spans: dp / dp_replicate (dp itself without HSDP)."""
         return self.dp // self.dp_replicate
+
+    @property
+    def data_ranks(self) -> int:
+        """dp * cp: the ranks that hold the same parameters (context-parallel ranks hold whole
+        layers), over which gradients are reduced."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """dp_shard * cp: the ZeRO / FSDP2 shard group (HSDP's replicas are the outer part of
+        dp)."""
+        return self.dp_shard * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -228,7 +240,7 @@ def dp_mechanism(config: ParallelConfig) -> str:
     zero >= 1: FSDP2 (HSDP when dp_replicate > 1). The runtime applies exactly this and the cost
     model charges it.
     """
-    if config.dp * config.cp == 1:
+    if config.data_ranks == 1:
         return "none"
     if config.zero == 0:
         return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"

@@ -89,13 +89,13 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
         if "expandable-segments" in fw.settings:
             notes.append("launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the "
                          "plan's memory assumed it)")
-    if cfg.zero in (1, 2) and cfg.dp * cfg.cp > 1:
+    if cfg.zero in (1, 2) and cfg.data_ranks > 1:
         flags.append(["--use-distributed-optimizer"])
         extra["distributed_optimizer"] = True
         if cfg.dp_replicate > 1:  # HSDP of the optimizer: instances, all-reduced across
             flags.append(["--num-distributed-optimizer-instances", str(cfg.dp_replicate)])
             extra["optimizer_instances"] = cfg.dp_replicate
-    elif cfg.zero == 3 and cfg.dp * cfg.cp > 1:
+    elif cfg.zero == 3 and cfg.data_ranks > 1:
         flags += [["--use-torch-fsdp2"], ["--no-gradient-accumulation-fusion"],
                   ["--untie-embeddings-and-output-weights"]]
         extra.update(torch_fsdp2=True, gradient_accumulation_fusion=False, untie_embeddings=True)

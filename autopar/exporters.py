@@ -134,7 +134,7 @@ def to_torchtitan(plan: Plan) -> Export:
 def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
     """torchtitan's ``[parallelism]`` table of the plan (what it cannot express goes to notes)."""
     cfg = plan.config
-    sharded = cfg.zero > 0 and cfg.dp * cfg.cp > 1
+    sharded = cfg.zero > 0 and cfg.data_ranks > 1
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": cfg.dp_replicate if sharded else cfg.dp,
         "data_parallel_shard_degree": cfg.dp_shard if sharded else 1,

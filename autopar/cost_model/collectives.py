@@ -225,7 +225,7 @@ def multi_stage_fsdp(cfg: ParallelConfig) -> bool:
 
 def _dp_counts(cfg: ParallelConfig, units: int) -> Counter[str]:
     m, u = cfg.num_microbatches, units
-    if cfg.dp * cfg.cp == 1 or u == 0:
+    if cfg.data_ranks == 1 or u == 0:
         return Counter()
     reductions = u * grad_reductions_per_step(cfg)
     if cfg.zero == 0:

@@ -178,7 +178,7 @@ def parallel_groups(cluster: Cluster, config: ParallelConfig) -> dict[str, Group
     return {
         "tp": group_link(cluster, config.tp, stride["tp"]),
         "cp": group_link(cluster, config.cp, stride["cp"]),
-        "dp": group_link(cluster, config.dp_shard * config.cp, stride["cp"]),
+        "dp": group_link(cluster, config.shard_ranks, stride["cp"]),
         "dp_replicate": group_link(cluster, config.dp_replicate,
                                    stride["dp"] * config.dp_shard),
         "pp": group_link(cluster, config.pp, stride["pp"]),

@@ -150,7 +150,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
     # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
     # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
     if memory.dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
-        return fwd * params_tp, bwd * params_tp / (cfg.dp_shard * cfg.cp)
+        return fwd * params_tp, bwd * params_tp / (cfg.shard_ranks)
     return fwd * params_tp, bwd * params_tp
 
 
@@ -385,7 +385,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         layers=tuple(layers),
         num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
-        dp_tail_s=max(tails) if cfg.dp * cfg.cp > 1 else 0.0,
+        dp_tail_s=max(tails) if cfg.data_ranks > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency
         if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
@@ -397,7 +397,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         framework=fw,
         overlap_slowdown=fw.overlap_slowdown,
         step_overhead_s=fw.step_overhead_s,
-        dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.dp * cfg.cp > 1 else 0.0,
+        dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.data_ranks > 1 else 0.0,
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
         dtype_reason=dtype_reason(cluster.device, cfg.dtype),
     )

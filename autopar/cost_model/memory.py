@@ -134,7 +134,7 @@ def layer_state(
     w = DTYPE_BYTES[config.dtype]
     copy = w if config.dtype != "fp32" else 0  # autocast / replicate() 16-bit compute copy
     # the ZeRO shard group: dp_shard * cp (HSDP, cp), or the caller's (ep's routed experts)
-    p, n = params_per_rank, shard_ranks or config.dp_shard * config.cp
+    p, n = params_per_rank, shard_ranks or config.shard_ranks
     kind = dp_mechanism(config)
     if kind in ("none", "replicate", "ddp"):
         buckets = GRAD_BYTES if kind == "ddp" else 0
@@ -248,6 +248,6 @@ def buffers_bytes(config: ParallelConfig, cluster: Cluster | None = None) -> flo
     per_group = COMM_BUFFER_BYTES_PER_GROUP if cluster is None else (
         cluster.comm_buffer_bytes_per_group)
     reserve = ALLOCATOR_RESERVE_BYTES if cluster is None else cluster.allocator_reserve_bytes
-    groups = sum(1 for d in (config.tp, config.cp, config.dp_shard * config.cp,
+    groups = sum(1 for d in (config.tp, config.cp, config.shard_ranks,
                              config.dp_replicate, config.pp) if d > 1)
     return groups * per_group + reserve

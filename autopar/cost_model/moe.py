@@ -132,7 +132,7 @@ class EpTerms:
 
 def expert_dp(config: ParallelConfig) -> int:
     """Ranks the routed experts' state is sharded / reduced over: ``dp * cp / ep``."""
-    return max(1, config.dp * config.cp // config.ep)
+    return max(1, config.data_ranks // config.ep)
 
 
 def routed_params_off_rank(layer: LayerProfile, config: ParallelConfig) -> float:

@@ -104,7 +104,7 @@ def host_copies(config: ParallelConfig, dp_calls: tuple[comm.Collective, ...],
     mode = mode or config.offload
     if mode == "none" or unit_params <= 0:
         return ()
-    n = config.dp_shard * config.cp if memory.dp_mechanism(config) == "fsdp" else 1
+    n = config.shard_ranks if memory.dp_mechanism(config) == "fsdp" else 1
     shard = unit_params / n
 
     def copy(kind: str, c_per: str, phase: str, calls: float) -> comm.Collective:

@@ -151,7 +151,7 @@ def _memory_lines(cfg: ParallelConfig, est: Estimate) -> list[str]:
 
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
     psi = largest.num_params / cfg.tp
-    values = {Psi: psi, d: cfg.dp_shard * cfg.cp, w: DTYPE_BYTES[cfg.dtype]}  # the shard group
+    values = {Psi: psi, d: cfg.shard_ranks, w: DTYPE_BYTES[cfg.dtype]}  # the shard group
     lines = [
         f"memory of pipeline rank {largest.rank} (data parallel: {dp_mechanism(cfg)}, "
         f"zero {cfg.zero}):",

@@ -86,7 +86,7 @@ def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfi
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
     """Raise ValueError unless expert parallelism fits (``ep_problem``)."""
     experts = [layer.moe.experts for layer in profile.layers if layer.moe is not None]
-    problem = ep_problem(cfg.ep, cfg.dp * cfg.cp, experts)
+    problem = ep_problem(cfg.ep, cfg.data_ranks, experts)
     if problem == "needs a mixture-of-experts model":
         problem = (f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has no "
                    "experts (use ep=1)")

@@ -90,7 +90,7 @@ def ep_groups(cfg: ParallelConfig, device_type: str) -> EpGroups:
     differently on different ranks.
     """
     rank = dist.get_rank()
-    data = cfg.dp * cfg.cp
+    data = cfg.data_ranks
     blocks = data // cfg.ep
     mine: dict[str, Any] = {}
     ep_rank = 0
@@ -238,7 +238,7 @@ def apply_expert_parallel(part: nn.Module, groups: EpGroups | None, cfg: Paralle
         return set()
     modules = experts_modules(part)
     # ZeRO over the edp ranks when there are several (with one, nothing to shard).
-    data = cfg.dp * cfg.cp  # the ranks whose gradients the data-parallel mean averages
+    data = cfg.data_ranks  # the ranks whose gradients the data-parallel mean averages
     sharded = cfg.zero >= 1 and data > cfg.ep
     for module in modules:
         # Every parameter of the module is per expert (graph.moe.ep_blocker): weights, biases,
@@ -275,7 +275,7 @@ def _shard_experts(module: nn.Module, groups: EpGroups, cfg: ParallelConfig) -> 
 
     fully_shard(module, mesh=groups.edp_mesh, reshard_after_forward=cfg.zero == 3,
                 mp_policy=mp_policy(cfg))
-    module.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
+    module.set_gradient_divide_factor(float(cfg.data_ranks))
     # A sum then a division (not NCCL's PREMUL_SUM, which gloo lacks): the same result.
     module.set_force_sum_reduction_for_comms(True)
 

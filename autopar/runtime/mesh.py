@@ -94,7 +94,7 @@ def data_parallel_mesh(mesh: DeviceMesh, config: ParallelConfig) -> DeviceMesh:
         return dp_mesh
     shard_name = "dp_shard" if config.cp == 1 else "dp_shard_cp"
     return dp_mesh._unflatten(
-        0, (config.dp_replicate, config.dp_shard * config.cp), ("dp_replicate", shard_name)
+        0, (config.dp_replicate, config.shard_ranks), ("dp_replicate", shard_name)
     )
 
 

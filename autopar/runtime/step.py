@@ -161,7 +161,7 @@ def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:
     if pmodel.mesh.device_type == "cuda":
         value = value.cuda()
     dist.all_reduce(value)
-    return float(value.item()) / (cfg.dp * cfg.cp * cfg.tp)
+    return float(value.item()) / (cfg.data_ranks * cfg.tp)
 
 
 def train_step(

@@ -332,7 +332,7 @@ def time_lower_bound(
     pipeline = table.num_microbatches * bottleneck
     c = bubble_coefficient(cfg.schedule, p, cfg.virtual_stages, cfg.num_microbatches)
     pipeline += c * total
-    if cfg.dp * cfg.cp > 1:
+    if cfg.data_ranks > 1:
         tail = max(table.dp_tail_s + summary.opt_sum_s / p, summary.exposed_sum_s / p)
     else:
         tail = summary.opt_sum_s / p
@@ -386,7 +386,7 @@ def ilp_key(table: CostTable) -> tuple:
         table.capacity_bytes,
         cfg.pp,
         s,
-        cfg.dp * cfg.cp > 1,
+        cfg.data_ranks > 1,
         placement,
         flights,
         bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches),

@@ -232,7 +232,7 @@ def _time_objective(prob, table: CostTable, runs, slot_rank, slot_p2p, n, cnt, t
             )
 
         opt = on_k(lambda lay: lay.optimizer_s)
-        if cfg.dp * cfg.cp > 1:
+        if cfg.data_ranks > 1:
             d = new_var(prob, f"dp_exposed[rank{k}]", 0)
             # [Constraint] tail: exposed DP reduction is at least the last bucket
             prob += d >= table.dp_tail_s, f"dp_tail[rank{k}]"

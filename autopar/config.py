@@ -18,6 +18,7 @@ from autopar.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, check_schedule, 
 __all__ = [
     "DTYPES",
     "DTYPE_BYTES",
+    "FP8_ELEMENT_BYTES",
     "MAX_GLOBAL_BATCH",
     "MAX_SEQ_LEN",
     "MESH_AXES",
@@ -26,6 +27,7 @@ __all__ = [
     "SCHEDULES",
     "TORCH_DTYPE_NAMES",
     "ParallelConfig",
+    "base_dtype",
     "dp_mechanism",
     "mesh_strides",
     "uses_autocast",
@@ -41,6 +43,15 @@ DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
 # logits, or a fused one that keeps the logits and a log-sum-exp per token.
 LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+# One float8 element (e4m3 / e5m2): what an fp8 matmul's operands and an fp8 all-gather move.
+FP8_ELEMENT_BYTES = 1
+
+
+def base_dtype(dtype: str) -> str:
+    """The dtype of everything but fp8's matmuls (attention, norms, stored tensors): bf16 under
+    fp8, otherwise the training dtype itself."""
+    return "bf16" if dtype == "fp8" else dtype
+
 # The torch dtype (``torch.<name>``) of each stored-tensor dtype the runtime and profiler use.
 TORCH_DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
     {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

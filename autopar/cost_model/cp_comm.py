@@ -131,7 +131,7 @@ def kv_bytes(profile: ModelProfile, layer: LayerProfile, config: ParallelConfig,
         return 0.0
     kv_heads = layer.tp.kv_heads or profile.kv_heads
     head_dim = profile.hidden / profile.heads
-    w = DTYPE_BYTES["bf16" if config.dtype == "fp8" else config.dtype]
+    w = DTYPE_BYTES[config.dtype]  # fp8 runs attention in bf16: 2 bytes, as its entry
     return 2.0 * config.micro_batch * profile.seq_len * kv_heads / shard * head_dim * w
 
 

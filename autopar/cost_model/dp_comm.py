@@ -10,15 +10,13 @@ import dataclasses
 import math
 from collections import Counter
 
-from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.config import DTYPE_BYTES, FP8_ELEMENT_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.frameworks import DDP_BUCKET_BYTES, GATHER_BUCKET, Framework
 from autopar.cost_model.moe import routed_params_off_rank
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
-
-FP8_BYTES = 1  # a float8 element
 
 __all__ = [
     "DDP_BUCKET_BYTES",
@@ -114,7 +112,7 @@ def framework_dp_collectives(colls: tuple[comm.Collective, ...], cfg: ParallelCo
         if c.kind != AG:
             size *= fw.grad_reduce_bytes / memory.GRAD_BYTES
         elif fp8_gather:
-            size *= FP8_BYTES / DTYPE_BYTES[cfg.dtype]
+            size *= FP8_ELEMENT_BYTES / DTYPE_BYTES[cfg.dtype]
         calls = c.calls
         if fw.zero3_gather == GATHER_BUCKET and cfg.zero == 3 and c.kind != AR:
             elem = DTYPE_BYTES[cfg.dtype] if c.kind == AG else fw.grad_reduce_bytes

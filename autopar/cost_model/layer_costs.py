@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, uses_autocast
+from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, base_dtype, uses_autocast
 from autopar.cost_model import comm, memory
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
 from autopar.cost_model.compute import (
@@ -390,7 +390,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
-        peak_flops=cluster.device.peak_flops("bf16" if cfg.dtype == "fp8" else cfg.dtype),
+        peak_flops=cluster.device.peak_flops(base_dtype(cfg.dtype)),
         tokens_per_step=cfg.global_batch * whole.seq_len,
         world_size=cfg.world_size,
         recv_buffer_bytes=recv_bytes,

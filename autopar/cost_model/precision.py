@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from autopar.config import base_dtype
 from autopar.cost_model.hardware import DeviceSpec
 
 __all__ = [
@@ -103,7 +104,7 @@ def layer_peak_flops(matmul_peak_flops: float, attention_peak_flops: float,
 def attention_peak_flops(device: DeviceSpec, dtype: str, attention_ratio: float) -> float:
     """The attention core's peak rate: the 16-bit rate of the training dtype (bf16 under fp8)
     times its kernel's speed (``compute.attention_ratio``)."""
-    return device.peak_flops("bf16" if dtype == "fp8" else dtype) * attention_ratio
+    return device.peak_flops(base_dtype(dtype)) * attention_ratio
 
 
 def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: float, *,
@@ -113,7 +114,7 @@ def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: f
     the training dtype's rate (``fp8_linears``: the fp8 rate), the ``attention_flops`` of its
     attention core at the 16-bit rate times ``attention_ratio`` (``layer_peak_flops``); a
     selective mode that re-runs the attention core alone runs at the attention's own rate."""
-    half = device.peak_flops("bf16" if dtype == "fp8" else dtype)
+    half = device.peak_flops(base_dtype(dtype))
     attention_peak = attention_peak_flops(device, dtype, attention_ratio)
     peak = layer_peak_flops(device.peak_fp8_flops if fp8_linears else half, attention_peak,
                             flops - attention_flops, attention_flops)

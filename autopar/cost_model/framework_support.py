@@ -93,8 +93,8 @@ def model_support(framework: Framework, config, profile) -> str | None:
     if fused and config.tp > 1 and config.dp > 1 and config.zero >= 1:
         return (f"{framework.name} splits the fused q/k/v projection {fused} over tp keeping "
                 "each rank's q, k and v heads together, a strided shard FSDP2 cannot cut again "
-                f"over dp (zero {config.zero}); use zero=0 for dp x tp, or pp with tp, "
-                f"{_OWN_CODE}")
+                f"over dp (zero {config.zero}); use zero=0 (--zero 0) for dp x tp, or pp with "
+                f"tp, {_OWN_CODE}")
     return None
 
 

@@ -89,7 +89,7 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
     # HSDP: each reduce-scatter's shard is all-reduced over the replicas (FSDP2 HSDP).
     rs = calls[-1]
     shard = dataclasses.replace(rs, kind=AR, axis="dp_replicate",
-                                size_bytes=grads / (cfg.shard_ranks))
+                                size_bytes=grads / cfg.shard_ranks)
     return (*calls, shard)
 
 

@@ -150,7 +150,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
     # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
     # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
     if memory.dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
-        return fwd * params_tp, bwd * params_tp / (cfg.shard_ranks)
+        return fwd * params_tp, bwd * params_tp / cfg.shard_ranks
     return fwd * params_tp, bwd * params_tp
 
 

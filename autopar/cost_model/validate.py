@@ -54,17 +54,14 @@ def stages_problem(num_stages: int, num_layers: int) -> str | None:
 
 
 def ep_problem(ep: int, data_ranks: int, experts: Iterable[int]) -> str | None:
-    """Experts shard over the dp * cp ranks (``data_ranks``): ep divides them and every
-    MoE layer's expert count; ep > 1 needs a mixture-of-experts model."""
-    counts = sorted(set(experts))
+    """Experts shard over the dp * cp ranks (``data_ranks``): ep divides them and every MoE
+    layer's expert count (``experts``; ``check_ep`` refuses ep > 1 without any)."""
     if ep == 1:
         return None
-    if not counts:
-        return "needs a mixture-of-experts model"
     if data_ranks % ep:
         return (f"ep = {ep} must divide dp * cp = {data_ranks} (experts are sharded over "
                 "data-parallel ranks)")
-    for count in counts:
+    for count in sorted(set(experts)):
         if count % ep:
             return (f"ep = {ep} must divide the number of experts ({count}); pick an ep that "
                     f"divides {count}")
@@ -86,10 +83,10 @@ def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfi
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
     """Raise ValueError unless expert parallelism fits (``ep_problem``)."""
     experts = [layer.moe.experts for layer in profile.layers if layer.moe is not None]
+    if cfg.ep > 1 and not experts:
+        raise ValueError(f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has "
+                         "no experts (use ep=1)")
     problem = ep_problem(cfg.ep, cfg.data_ranks, experts)
-    if problem == "needs a mixture-of-experts model":
-        problem = (f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has no "
-                   "experts (use ep=1)")
     if problem:
         raise ValueError(problem)
 

@@ -383,7 +383,6 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     return CostTable(
         config=cfg,
         layers=tuple(layers),
-        num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
         dp_tail_s=max(tails) if cfg.data_ranks > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency
@@ -392,11 +391,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(base_dtype(cfg.dtype)),
         tokens_per_step=cfg.global_batch * whole.seq_len,
-        world_size=cfg.world_size,
         recv_buffer_bytes=recv_bytes,
         framework=fw,
-        overlap_slowdown=fw.overlap_slowdown,
-        step_overhead_s=fw.step_overhead_s,
         dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.data_ranks > 1 else 0.0,
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
         dtype_reason=dtype_reason(cluster.device, cfg.dtype),

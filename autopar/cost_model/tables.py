@@ -122,7 +122,6 @@ class CostTable:
     Attributes:
         config: the outer configuration (its ``recompute`` is the default per-layer choice).
         layers: one LayerCost per profile layer, in order.
-        num_microbatches: m, micro-batches per pipeline per step.
         p2p_s: exposed pipeline point-to-point time per micro-batch per stage (forward
             activation send plus backward gradient send); 0 when pp == 1.
         dp_tail_s: data-parallel reduction that no overlap can hide (the last bucket);
@@ -133,14 +132,10 @@ class CostTable:
         capacity_bytes: usable device memory: device memory minus the cluster's headroom.
         peak_flops: the device's peak FLOP/s at the training dtype (for MFU).
         tokens_per_step: global_batch * seq_len (the whole sequence, whatever cp).
-        world_size: dp * cp * tp * pp.
         recv_buffer_bytes: bytes of one micro-batch's stage-boundary activation on a rank (what
             torch's PipelineStage allocates per micro-batch to receive an input or an output
             gradient; ``pipeline.pipeline_buffer_microbatches`` counts them); 0 when pp == 1.
         framework: the training framework the terms are for (``frameworks.Framework``).
-        overlap_slowdown: compute slowed per second of data-parallel communication that
-            overlaps it (the framework's ``overlap_slowdown``).
-        step_overhead_s: the framework's fixed seconds per step outside the layers.
         dp_head_s: the step's first parameter gather, which nothing before it can hide
             (ZeRO 1-3 with ``first_gather_exposed``); 0 otherwise.
         host_capacity_bytes: host memory per device for offloaded state (the cluster's).
@@ -149,7 +144,6 @@ class CostTable:
 
     config: ParallelConfig
     layers: tuple[LayerCost, ...]
-    num_microbatches: int
     p2p_s: float
     dp_tail_s: float
     overlap_efficiency: float
@@ -157,14 +151,32 @@ class CostTable:
     capacity_bytes: float
     peak_flops: float
     tokens_per_step: int
-    world_size: int
     recv_buffer_bytes: float = 0.0
     framework: Framework = dataclasses.field(default_factory=lambda: get_framework("autopar"))
-    overlap_slowdown: float = 0.0
-    step_overhead_s: float = 0.0
     dp_head_s: float = 0.0
     host_capacity_bytes: float = 0.0
     dtype_reason: str = ""
+
+    @property
+    def num_microbatches(self) -> int:
+        """m, micro-batches per pipeline per step (the config's)."""
+        return self.config.num_microbatches
+
+    @property
+    def world_size(self) -> int:
+        """dp * cp * tp * pp (the config's)."""
+        return self.config.world_size
+
+    @property
+    def overlap_slowdown(self) -> float:
+        """Compute slowed per second of data-parallel communication that overlaps it (the
+        framework's)."""
+        return self.framework.overlap_slowdown
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The framework's fixed seconds per step outside the layers."""
+        return self.framework.step_overhead_s
 
     @property
     def step_fixed_s(self) -> float:

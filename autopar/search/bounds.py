@@ -178,7 +178,7 @@ def integer_bottleneck_s(table: CostTable) -> float:
     level = max(base[k] + need[k] * t_b for k in range(p))
     if t_b <= 0:
         return level
-    held = [need[k] + int((level - base[k] - need[k] * t_b) / t_b + 1e-9) for k in range(p)]
+    held = [need[k] + int((level - base[k] - need[k] * t_b) / t_b + FLOAT_SLACK) for k in range(p)]
     heap = [(base[k] + (held[k] + 1) * t_b, k) for k in range(p)]
     heapq.heapify(heap)
     while sum(held) < count:

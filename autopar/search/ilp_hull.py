@@ -59,6 +59,7 @@ R = range(len(RECOMPUTE))
 MAX_CONDITIONED_EDGES = 3  # optional edge layers per rank the hull conditions on (2^3 cases)
 COUNT_SLACK = 1e-9  # integer rounding slack: a count that fits up to float error still fits
 TIME_SLACK_S = 1e-9  # keeps float summation order from cutting off the exact optimum
+MEM_SLACK_GIB = 1e-9  # a memory sum that fits up to float error still fits
 
 
 def _modes(layer: LayerCost, fly: float) -> list[tuple[float, float, float]]:

@@ -37,7 +37,14 @@ from autopar.config import RECOMPUTE
 from autopar.cost_model.pipeline import in_flight_microbatches
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
-from autopar.search.ilp_hull import TIME_SLACK_S, _edge_combos, _modes, rank_time_limit
+from autopar.search.ilp_hull import (
+    COUNT_SLACK,
+    MEM_SLACK_GIB,
+    TIME_SLACK_S,
+    _edge_combos,
+    _modes,
+    rank_time_limit,
+)
 from autopar.search.ilp_pattern import Pattern
 from autopar.search.ilp_rank_kinds import window_spread
 from autopar.units import GIB
@@ -53,7 +60,7 @@ def _front(points, room: float = math.inf) -> list[tuple[float, float]]:
     (time falling)."""
     out: list[tuple[float, float]] = []
     for t, m in sorted(points, key=lambda x: (x[1], x[0])):
-        if m > room + 1e-9:
+        if m > room + MEM_SLACK_GIB:
             break
         if not out or t < out[-1][0]:
             out.append((t, m))
@@ -100,7 +107,7 @@ def _least_time(kinds: list[LayerCost], fly: float, vector: tuple[int, ...], com
         merged = _merged(kinds, fly, vector, ceiling, cache, room - ceiling)
         for t_e, m_e, tr_e in combos:
             budget = room - m_e - max(ceiling, tr_e)
-            fits = [t for t, m in merged if m <= budget + 1e-9]
+            fits = [t for t, m in merged if m <= budget + MEM_SLACK_GIB]
             if fits:
                 best = min(best, min(fits) + t_e)
     return best
@@ -121,9 +128,9 @@ def _vectors(table: CostTable, pat: Pattern, n: dict, k: int, fly: float,
     out = []
     for vector in itertools.product(*(range(h + 1) for h in highs)):
         total = sum(vector)
-        if sum(c * m for c, m in zip(vector, least, strict=True)) > room + 1e-9:
+        if sum(c * m for c, m in zip(vector, least, strict=True)) > room + MEM_SLACK_GIB:
             continue
-        if all(abs(c - share * total) <= windows * spread + 1e-9
+        if all(abs(c - share * total) <= windows * spread + COUNT_SLACK
                for c, share, spread in zip(vector, shares, spreads, strict=True)):
             out.append(vector)
     return out

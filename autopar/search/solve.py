@@ -15,7 +15,13 @@ from typing import Any
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.tables import CostTable
-from autopar.search.bounds import TableSummary, balanced_split, ilp_key, time_lower_bound
+from autopar.search.bounds import (
+    FLOAT_SLACK,
+    TableSummary,
+    balanced_split,
+    ilp_key,
+    time_lower_bound,
+)
 from autopar.search.envelope import envelope_table, lower_bound_holds, pattern_blocks
 from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, realized, solve_ilp
 from autopar.search.options import SearchOptions
@@ -108,7 +114,7 @@ def warm_bound(
             continue
         steps.append(outcome.step_s if outcome is not None and outcome.split else float("inf"))
     steps.sort()
-    bound = steps[top_k - 1] * (1 + 1e-9) if len(steps) >= top_k else float("inf")
+    bound = steps[top_k - 1] * (1 + FLOAT_SLACK) if len(steps) >= top_k else float("inf")
     return bound, seeded, ilps
 
 
@@ -143,7 +149,7 @@ def solve_candidate(
             return _better_of(enveloped, uniform, options) if enveloped.split else enveloped
     from_uniform = uniform is not None and (cutoff_s is None or uniform.step_s < cutoff_s)
     if from_uniform and uniform is not None:
-        cutoff_s = uniform.step_s * (1 + 1e-9)
+        cutoff_s = uniform.step_s * (1 + FLOAT_SLACK)
     model, sol, lb = _solve_split(table, options, time_limit_s, cutoff_s, lb)
     if sol.status == "infeasible":
         # Nothing beats the cutoff: the balanced split is optimal, or the candidate cannot

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -36,9 +37,8 @@ def _layer(name: str, t: float = 1.0, act: float = 10.0, static: float = 100.0) 
 
 def _table(cfg: ParallelConfig, n: int, p2p: float = 0.0) -> CostTable:
     return CostTable(
-        config=cfg,
+        config=cfg, framework=PLAIN_FRAMEWORK,
         layers=tuple(_layer(f"l{i}") for i in range(n)),
-        num_microbatches=cfg.num_microbatches,
         p2p_s=p2p,
         dp_tail_s=0.05,
         overlap_efficiency=1.0,
@@ -46,7 +46,6 @@ def _table(cfg: ParallelConfig, n: int, p2p: float = 0.0) -> CostTable:
         capacity_bytes=1e9,
         peak_flops=1e12,
         tokens_per_step=cfg.global_batch * 16,
-        world_size=cfg.world_size,
     )
 
 

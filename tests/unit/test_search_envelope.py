@@ -9,6 +9,7 @@ import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -50,9 +51,9 @@ def pattern_tables(draw) -> CostTable:
     cfg = ParallelConfig(dp=2, pp=pp, global_batch=16, schedule="1f1b")
     layers = (_layer("embed", 0.2, 1e8, 0.1), *blocks, _layer("head", 0.4, 3e8, 0.25))
     table = CostTable(
-        config=cfg, layers=layers, num_microbatches=8, p2p_s=0.01, dp_tail_s=0.02,
+        config=cfg, framework=PLAIN_FRAMEWORK, layers=layers, p2p_s=0.01, dp_tail_s=0.02,
         overlap_efficiency=0.8, buffers_bytes=1e8, capacity_bytes=1e13, peak_flops=1e12,
-        tokens_per_step=128, world_size=cfg.world_size,
+        tokens_per_step=128,
     )  # fmt: skip
     # A share of what the balanced split needs without recompute: tight shares mix the modes.
     need = assemble(table, balanced_split(table, "none"), ("none",) * len(layers))
@@ -95,10 +96,9 @@ def test_uniform_blocks_and_short_profiles_stay_exact() -> None:
     cfg = ParallelConfig(dp=2, pp=2, global_batch=16, schedule="1f1b")
 
     def table(layers) -> CostTable:
-        return CostTable(config=cfg, layers=tuple(layers), num_microbatches=8, p2p_s=0.0,
+        return CostTable(config=cfg, framework=PLAIN_FRAMEWORK, layers=tuple(layers), p2p_s=0.0,
                          dp_tail_s=0.0, overlap_efficiency=0.8, buffers_bytes=1e8,
-                         capacity_bytes=1e11, peak_flops=1e12, tokens_per_step=128,
-                         world_size=cfg.world_size)
+                         capacity_bytes=1e11, peak_flops=1e12, tokens_per_step=128)
 
     uniform = [dataclasses.replace(base, name=f"b{i}") for i in range(20)]
     assert pattern_blocks(table(uniform)) is None  # one run: counted per rank, exactly

@@ -9,6 +9,7 @@ import pulp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -74,9 +75,8 @@ def small_tables(draw, max_layers: int = 6, max_stages: int = 3) -> CostTable:
         else:
             layers.append(random_layer(draw, f"l{i}"))
     return CostTable(
-        config=cfg,
+        config=cfg, framework=PLAIN_FRAMEWORK,
         layers=tuple(layers),
-        num_microbatches=m,
         p2p_s=draw(st.integers(0, 10)) / 10,
         dp_tail_s=draw(st.integers(0, 30)) / 10,
         overlap_efficiency=draw(st.sampled_from([0.0, 0.5, 1.0])),
@@ -84,7 +84,6 @@ def small_tables(draw, max_layers: int = 6, max_stages: int = 3) -> CostTable:
         capacity_bytes=1e13,
         peak_flops=1e12,
         tokens_per_step=cfg.global_batch * 16,
-        world_size=cfg.world_size,
     )
 
 
@@ -194,9 +193,9 @@ def fixed_table(n: int = 5, pp: int = 2) -> CostTable:
         for i in range(n)
     )
     return CostTable(
-        config=cfg, layers=layers, num_microbatches=4, p2p_s=0.01, dp_tail_s=0.02,
+        config=cfg, framework=PLAIN_FRAMEWORK, layers=layers, p2p_s=0.01, dp_tail_s=0.02,
         overlap_efficiency=0.8, buffers_bytes=1e8, capacity_bytes=1e11, peak_flops=1e12,
-        tokens_per_step=128, world_size=cfg.world_size,
+        tokens_per_step=128,
     )  # fmt: skip
 
 

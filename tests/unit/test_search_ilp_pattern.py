@@ -12,6 +12,7 @@ import dataclasses
 import pulp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
@@ -42,9 +43,9 @@ def _layer(name: str, compute: float, act: float, params: float) -> LayerCost:
 def _table(layers, pp: int, schedule: str = "1f1b", v: int = 1, capacity: float = 1e13):
     cfg = ParallelConfig(dp=2, pp=pp, global_batch=16, schedule=schedule, virtual_stages=v)
     return CostTable(
-        config=cfg, layers=tuple(layers), num_microbatches=8, p2p_s=0.01, dp_tail_s=0.02,
+        config=cfg, framework=PLAIN_FRAMEWORK, layers=tuple(layers), p2p_s=0.01, dp_tail_s=0.02,
         overlap_efficiency=0.8, buffers_bytes=1e8, capacity_bytes=capacity, peak_flops=1e12,
-        tokens_per_step=128, world_size=cfg.world_size,
+        tokens_per_step=128,
     )  # fmt: skip
 
 

@@ -81,8 +81,8 @@ def _fx_order(model: nn.Module, blocks: Sequence[str]) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def quiet(stderr: bool = True) -> Iterator[None]:
-    """Silence what a failing trace or meta run prints (torch.export's partial graph on stderr,
-    fake tensors' error logs): the profiler reports the failure once, as one line."""
+    """Silence what a failing trace or meta run prints (warnings on stderr, fake tensors'
+    error logs): the profiler reports the failure once, as one line."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:

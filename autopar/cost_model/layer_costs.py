@@ -89,7 +89,7 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
-from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, named_costs
+from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import ModelProfile
 
@@ -396,6 +396,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.data_ranks > 1 else 0.0,
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
         dtype_reason=dtype_reason(cluster.device, cfg.dtype),
+        names=terms.names,
     )
 
 
@@ -406,14 +407,14 @@ def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, g
     layers: list = [None] * count
     tails = [0.0] * count
     first = terms.first_block
-    for index, shared, names in terms.computed:
+    for index, shared in terms.computed:
         # A repeated block shares its first occurrence's measurements, hence its costs (the
         # model's first block apart: with SP it cuts its input, one more collective).
         cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
                                  fw, terms.attention_flops[index])
         layers[index], tails[index] = cost, tail
-        for k, copy in zip(shared, named_costs(cost, names)):
-            layers[k], tails[k] = copy, tail
+        for k in shared:
+            layers[k], tails[k] = cost, tail
     return layers, tails
 
 

@@ -35,19 +35,20 @@ class ProfileTerms:
         max_output_bytes: the largest layer output per sample (the stage-boundary tensor).
         first_block: index of the first block layer (-1: none).
         computed: the layers whose costs are computed, in layer order, each as (its index,
-            the indices of the later layers that share its costs, their names): a repeated
-            block shares the costs of the latest computed layer with its ``repeat_of`` (or
-            name), the model's first block apart (with SP it cuts its input).
+            the indices of the later layers that share its costs): a repeated block shares the
+            costs of the latest computed layer with its ``repeat_of`` (or name), the model's
+            first block apart (with SP it cuts its input).
+        names: every layer's name, in layer order (``CostTable.names``).
     """
 
     attention_flops: tuple[float, ...]
     max_output_bytes: float
     first_block: int
-    computed: tuple[tuple[int, tuple[int, ...], tuple[str, ...]], ...]
+    computed: tuple[tuple[int, tuple[int, ...]], ...]
+    names: tuple[str, ...]
 
 
-def _computed(profile: ModelProfile, first: int
-              ) -> tuple[tuple[int, tuple[int, ...], tuple[str, ...]], ...]:
+def _computed(profile: ModelProfile, first: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``ProfileTerms.computed``: a block shares the costs of the latest computed layer with
     its key (``repeat_of`` or name, whether it is the first block)."""
     latest: dict[tuple[str, bool], int] = {}
@@ -59,9 +60,7 @@ def _computed(profile: ModelProfile, first: int
         else:
             latest[key] = index
             copies[index] = []
-    names = [layer.name for layer in profile.layers]
-    return tuple((index, tuple(shared), tuple(names[k] for k in shared))
-                 for index, shared in copies.items())
+    return tuple((index, tuple(shared)) for index, shared in copies.items())
 
 
 def _build_terms(profile: ModelProfile) -> ProfileTerms:
@@ -71,6 +70,7 @@ def _build_terms(profile: ModelProfile) -> ProfileTerms:
         max_output_bytes=max(layer.output_bytes for layer in profile.layers),
         first_block=first,
         computed=_computed(profile, first),
+        names=tuple(layer.name for layer in profile.layers),
     )
 
 

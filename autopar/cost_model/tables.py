@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.frameworks import Framework, get_framework
 
-__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "named_costs"]
+__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 
 RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 
@@ -28,7 +28,8 @@ class LayerCost:
     """Cost terms of one profile layer under one outer configuration.
 
     Attributes:
-        name: the profile layer's name.
+        name: the name of the profile layer the terms were computed for (repeated blocks share
+            one LayerCost, their first occurrence's: ``CostTable.names`` names every position).
         num_params: parameters of the layer (unsharded).
         model_flops_per_sample: forward + backward FLOPs per sample (unsharded; for MFU).
         recompute_flops_per_sample: extra forward FLOPs per sample, by recompute mode.
@@ -89,39 +90,14 @@ class LayerCost:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def named_costs(cost: LayerCost, names: tuple[str, ...]) -> list[LayerCost]:
-    """``cost`` under each of ``names``: what ``dataclasses.replace(cost, name=name)`` builds,
-    field for field, without the frozen class's generated ``__init__`` (one
-    ``object.__setattr__`` call per field): each slot is written through its descriptor once,
-    as ``__init__`` does. A repeated block's copies are most of a cost table's layers
-    (layer_costs.py), so this halves the tables' construction."""
-    pairs = tuple(zip(_VALUE_SETTERS, [get(cost) for get in _VALUE_GETTERS]))
-    out = []
-    for name in names:
-        copy = _new(LayerCost)
-        _SET_NAME(copy, name)
-        for setter, value in pairs:
-            setter(copy, value)
-        out.append(copy)
-    return out
-
-
-_new = object.__new__
-_SLOTS = tuple(LayerCost.__dict__[f.name] for f in dataclasses.fields(LayerCost))
-assert dataclasses.fields(LayerCost)[0].name == "name"  # named_costs sets it apart
-assert not hasattr(LayerCost, "__post_init__")  # named_costs skips only the assignments
-_SET_NAME = _SLOTS[0].__set__
-_VALUE_SETTERS = tuple(slot.__set__ for slot in _SLOTS[1:])
-_VALUE_GETTERS = tuple(slot.__get__ for slot in _SLOTS[1:])
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostTable:
     """All cost terms of one outer configuration (dp, tp, pp, micro-batch, schedule, ...).
 
     Attributes:
         config: the outer configuration (its ``recompute`` is the default per-layer choice).
-        layers: one LayerCost per profile layer, in order.
+        layers: one LayerCost per profile layer, in order; the copies of a repeated block are
+            one shared object (the same terms).
         p2p_s: exposed pipeline point-to-point time per micro-batch per stage (forward
             activation send plus backward gradient send); 0 when pp == 1.
         dp_tail_s: data-parallel reduction that no overlap can hide (the last bucket);
@@ -140,6 +116,8 @@ class CostTable:
             (ZeRO 1-3 with ``first_gather_exposed``); 0 otherwise.
         host_capacity_bytes: host memory per device for offloaded state (the cluster's).
         dtype_reason: why the config's precision, in words (precision.dtype_reason).
+        names: the profile layer's name at each position of ``layers`` (by default the
+            layers' own names: a table whose layers are all distinct objects).
     """
 
     config: ParallelConfig
@@ -156,6 +134,14 @@ class CostTable:
     dp_head_s: float = 0.0
     host_capacity_bytes: float = 0.0
     dtype_reason: str = ""
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            object.__setattr__(self, "names", tuple(x.name for x in self.layers))
+        elif len(self.names) != len(self.layers):
+            raise ValueError(f"CostTable has {len(self.layers)} layers but {len(self.names)} "
+                             "names")
 
     @property
     def num_microbatches(self) -> int:

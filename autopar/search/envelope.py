@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.cost_model.tables import CostTable, LayerCost, named_costs
+from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.search.ilp import cost_signature, layer_runs
 from autopar.search.ilp_ranks import rank_aggregable
 
@@ -102,9 +102,9 @@ def _envelope(layers: tuple[LayerCost, ...], upper: bool) -> LayerCost:
 
 def envelope_table(table: CostTable, blocks: tuple[int, int], *, upper: bool) -> CostTable:
     """``table`` with the blocks ``blocks`` (inclusive) replaced by their upper (or lower)
-    envelope, one identical block each, under the blocks' own names."""
+    envelope, one shared block (the table's names stay the blocks' own)."""
     first, last = blocks
     inner = table.layers[first:last + 1]
-    same = named_costs(_envelope(inner, upper), tuple(x.name for x in inner))
+    same = (_envelope(inner, upper),) * len(inner)
     return dataclasses.replace(
         table, layers=(*table.layers[:first], *same, *table.layers[last + 1:]))

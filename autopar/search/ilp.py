@@ -160,15 +160,15 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
         mt = new_var(prob, f"transient[rank{k}]", 0)
         # [Constraint] transient: the rank's largest working set over the modes it uses
         for g, (a, _b) in enumerate(runs):
-            lay = table.layers[a]
+            lay, name = table.layers[a], table.names[a]
             for r in R:
                 terms = [n[g, j, r] for j in stages if (g, j, r) in n]
                 if not terms or lay.transient_bytes[r] <= 0:
                     continue
-                u = new_var(prob, f"u[{lay.name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
+                u = new_var(prob, f"u[{name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
                 big_m = sum(var.upBound for var in terms)
-                prob += pulp.lpSum(terms) <= big_m * u, f"uses[{lay.name}][rank{k}][{r}]"
-                prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{lay.name}][rank{k}][{r}]"
+                prob += pulp.lpSum(terms) <= big_m * u, f"uses[{name}][rank{k}][{r}]"
+                prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{name}][rank{k}][{r}]"
         static = pulp.lpSum(
             table.layers[a].static_bytes / GIB * cnt[g, j]
             for g, (a, _b) in enumerate(runs)

@@ -311,7 +311,7 @@ def _add_rank(prob, table: CostTable, runs, n, big: int, k: int, room: float, li
         prob += (
             pulp.lpSum(v for mask in sorted(pick) if mask >> i & 1 for v in pick[mask])
             == pulp.lpSum(n[g, k, r] for r in R if (g, k, r) in n),
-            f"hull_edge[{layer[g].name}][rank{k}]",
+            f"hull_edge[{table.names[runs[g][0]]}][rank{k}]",
         )
     rank_time = pulp.lpSum(
         layer[g].time_per_microbatch_s(RECOMPUTE[r]) * n[g, k, r]

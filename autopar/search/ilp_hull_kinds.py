@@ -173,11 +173,11 @@ def _add_rank(prob, table: CostTable, keys, pat: Pattern, n: dict, k: int, room:
     for kappa, g in enumerate(kinds_g):
         # [Constraint] kind_hull_count: the vector is the rank's count of each kind
         prob += pulp.lpSum(count_terms[kappa]) == pulp.lpSum(n[g, k, r] for r in R), (
-            f"kind_hull_count[{kinds[kappa].name}][rank{k}]")
+            f"kind_hull_count[{table.names[keys[g][0]]}][rank{k}]")
     for g in edges:
         # [Constraint] kind_hull_edge: the case holds edge layer g exactly when rank k does
         prob += pulp.lpSum(holds[g]) == pulp.lpSum(n[g, k, r] for r in R if (g, k, r) in n), (
-            f"kind_hull_edge[{table.layers[keys[g][0]].name}][rank{k}]")
+            f"kind_hull_edge[{table.names[keys[g][0]]}][rank{k}]")
     rank_time = pulp.lpSum(table.layers[keys[g][0]].time_per_microbatch_s(RECOMPUTE[r]) * v
                            for (g, kk, r), v in sorted(n.items()) if kk == k)
     # [Constraint] kind_hull_time: the rank's layers take at least the fastest mix that fits

@@ -174,7 +174,7 @@ def add_pattern_counts(prob: pulp.LpProblem, table: CostTable, pat: Pattern, s: 
     lo, hi = stage_window(pat.first, pat.last, len(table.layers), s)
     a, c = _section(prob, pat, lo, hi, s, var)
     for k, rep in enumerate(pat.rep):
-        g, name = pat.key0 + k, table.layers[rep].name
+        g, name = pat.key0 + k, table.names[rep]
         for j in range(s):
             cnt[g, j] = c[k][j] - c[k][j - 1]
         for j in range(lo, hi + 1):
@@ -202,7 +202,7 @@ def add_kind_caps(prob: pulp.LpProblem, table: CostTable, pat: Pattern, n: dict,
             if least > 0 and terms:
                 cap = math.floor(max(room_gib, 0.0) / least)
                 # [Constraint] kind_cap: a rank holds at most what fits of one kind alone
-                prob += pulp.lpSum(terms) <= cap, f"kind_cap[{lay.name}][rank{k}]"
+                prob += pulp.lpSum(terms) <= cap, f"kind_cap[{table.names[rep]}][rank{k}]"
 
 
 def pattern_stages(table: CostTable, keys, pat: Pattern, counts: dict,

@@ -75,7 +75,7 @@ def add_kind_rank_counts(prob: pulp.LpProblem, table: CostTable, keys, pat: Patt
     kinds = range(pat.key0, pat.key0 + len(pat.rep))
     z, n, held, at, lead, trail = add_edge_placements(prob, table, keys, frozenset(kinds), var)
     for g in kinds:
-        kappa, name = g - pat.key0, table.layers[keys[g][0]].name
+        kappa, name = g - pat.key0, table.names[keys[g][0]]
         total = sum(1 for i in range(pat.size) if pat.kind_at(i) == kappa)
         for k in range(p):
             for r in R:
@@ -94,7 +94,7 @@ def add_kind_rank_counts(prob: pulp.LpProblem, table: CostTable, keys, pat: Patt
             kappa = g - pat.key0
             share = pat.per_period(kappa) / pat.period
             spread = windows * window_spread(pat, kappa)
-            name = table.layers[keys[g][0]].name
+            name = table.names[keys[g][0]]
             # [Constraint] window: a rank's stages hold the kind's share, up to their spread
             prob += cnt[g, k] - share * section_k <= spread, f"window_hi[{name}][rank{k}]"
             prob += share * section_k - cnt[g, k] <= spread, f"window_lo[{name}][rank{k}]"

@@ -71,7 +71,7 @@ def _edge_vars(prob, table: CostTable, runs, blocks: frozenset[int], var: Callab
             for j in _window(a, n_layers, s):
                 for r in R:
                     z[g, j, r] = var(
-                        prob, f"z[{table.layers[a].name}][{j}][{RECOMPUTE[r]}]", 0, 1, "Binary"
+                        prob, f"z[{table.names[a]}][{j}][{RECOMPUTE[r]}]", 0, 1, "Binary"
                     )
     stage = {
         g: pulp.lpSum(j * v for (gg, j, _r), v in sorted(z.items()) if gg == g)
@@ -92,7 +92,7 @@ def _edge_vars(prob, table: CostTable, runs, blocks: frozenset[int], var: Callab
         prob += h <= pulp.lpSum(here), f"held_some[stage{j}]"
         for g in stage:
             if any((g, j, r) in z for r in R):
-                prob += h >= at[g, j], f"held[{table.layers[runs[g][0]].name}][{j}]"
+                prob += h >= at[g, j], f"held[{table.names[runs[g][0]]}][{j}]"
     return z, stage, at, held
 
 
@@ -100,7 +100,7 @@ def _single_stage_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Call
     """One stage: every layer on rank 0, only the recompute modes are free."""
     n = {
         (g, 0, r): var(
-            prob, f"N[{table.layers[a].name}][rank0][{RECOMPUTE[r]}]", 0, b - a + 1, "Integer"
+            prob, f"N[{table.names[a]}][rank0][{RECOMPUTE[r]}]", 0, b - a + 1, "Integer"
         )
         for g, (a, b) in enumerate(runs)
         for r in R
@@ -109,7 +109,7 @@ def _single_stage_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Call
         # [Constraint] one_stage: every layer of a run is placed exactly once
         prob += (
             pulp.lpSum(n[g, 0, r] for r in R) == b - a + 1,
-            f"one_stage[{table.layers[a].name}]",
+            f"one_stage[{table.names[a]}]",
         )
     cnt = {(g, 0): pulp.lpSum(n[g, 0, r] for r in R) for g in range(len(runs))}
     return n, cnt, [0], [1], {}
@@ -120,7 +120,7 @@ def _edge_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, z, stage, st
     """Binary per-rank counts of the edge layers, tied to their stage placements ``z``."""
     n: dict[tuple[int, int, int], object] = {}
     for g in stage:
-        name = table.layers[runs[g][0]].name
+        name = table.names[runs[g][0]]
         # [Constraint] one_stage: every edge layer sits on exactly one stage
         prob += (
             pulp.lpSum(v for (gg, _j, _r), v in sorted(z.items()) if gg == g) == 1,
@@ -142,8 +142,8 @@ def _edge_order(prob: pulp.LpProblem, table: CostTable, runs, stage, lead, trail
     # [Constraint] edge_order: edge layers advance one stage at most, leading before trailing
     for side in (lead, trail):
         for g, g2 in itertools.pairwise(side):
-            prob += stage[g2] - stage[g] >= 0, f"edge_order[{table.layers[runs[g2][0]].name}]"
-            prob += stage[g2] - stage[g] <= 1, f"edge_step[{table.layers[runs[g2][0]].name}]"
+            prob += stage[g2] - stage[g] >= 0, f"edge_order[{table.names[runs[g2][0]]}]"
+            prob += stage[g2] - stage[g] <= 1, f"edge_step[{table.names[runs[g2][0]]}]"
     if lead and trail:
         prob += stage[trail[0]] >= stage[lead[-1]], "edge_order[lead_before_trail]"
 
@@ -192,12 +192,12 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
     for k in range(p):
         for r in R:
             n[big, k, r] = var(
-                prob, f"N[{table.layers[a_big].name}][rank{k}][{RECOMPUTE[r]}]", 0, size, "Integer"
+                prob, f"N[{table.names[a_big]}][rank{k}][{RECOMPUTE[r]}]", 0, size, "Integer"
             )
     # [Constraint] one_stage: every block is placed exactly once
     prob += (
         pulp.lpSum(n[big, k, r] for k in range(p) for r in R) == size,
-        (f"one_stage[{table.layers[a_big].name}]"),
+        (f"one_stage[{table.names[a_big]}]"),
     )
     cnt = {
         (g, k): pulp.lpSum(n[g, k, r] for r in R if (g, k, r) in n)

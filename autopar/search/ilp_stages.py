@@ -93,7 +93,7 @@ def add_run_counts(prob: pulp.LpProblem, table: CostTable, runs, s: int, var: Ca
     and ``cnt`` (stage j's layers of the run) and returns the runs as order units."""
     n_layers, units = len(table.layers), []
     for offset, (a, b) in enumerate(runs):
-        g, name = key0 + offset, table.layers[a].name
+        g, name = key0 + offset, table.names[a]
         size, (lo, hi) = b - a + 1, stage_window(a, b, n_layers, s)
         q: dict[int, Any] = {}
         for j in range(-1, s):

@@ -1,4 +1,4 @@
-"""The cost tables' shared terms (table_cache.py) and repeated blocks' copies (named_costs)."""
+"""The cost tables' shared terms (table_cache.py) and repeated blocks' shared costs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from autopar.cost_model import table_cache
 from autopar.cost_model.frameworks import FRAMEWORKS, framework_cluster, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.tables import LayerCost, named_costs
+from autopar.cost_model.tables import LayerCost
 from tests.fixtures.profiles import analytic_transformer_profile
 
 PROFILE = analytic_transformer_profile(6, 256, 8, 1024, 128)
@@ -32,29 +32,35 @@ def _bits(cost: LayerCost) -> tuple:
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_repeated_blocks_are_their_source_renamed(framework: str) -> None:
+def test_repeated_blocks_share_their_source(framework: str) -> None:
     terms = table_cache.profile_terms(PROFILE)
-    # layers.1 is computed (layers.0, the first block, apart); layers.2.. are its copies.
-    assert [(i, len(shared)) for i, shared, _ in terms.computed] == [
+    # layers.1 is computed (layers.0, the first block, apart); layers.2.. share its costs.
+    assert [(i, len(shared)) for i, shared in terms.computed] == [
         (0, 0), (1, 0), (2, 4), (7, 0)]
     for cfg in CONFIGS:
         cluster = Cluster.preset("h100", nodes=1, gpus_per_node=cfg.world_size)
         table = build_cost_table(PROFILE, cluster, cfg, framework)
-        assert [x.name for x in table.layers] == [x.name for x in PROFILE.layers]
+        assert table.names == tuple(x.name for x in PROFILE.layers)
         source = table.layers[2]
-        for copy in table.layers[3:7]:
-            assert _bits(copy) == _bits(dataclasses.replace(source, name=copy.name))
+        assert source.name == PROFILE.layers[2].name
+        assert all(copy is source for copy in table.layers[3:7])
+        # Computed on its own, a copy's position gives the same terms, bit for bit.
+        alone = build_cost_table(dataclasses.replace(PROFILE, layers=tuple(
+            dataclasses.replace(x, repeat_of=None) for x in PROFILE.layers)), cluster, cfg,
+            framework)
+        for k in range(3, 7):
+            assert _bits(alone.layers[k]) == _bits(dataclasses.replace(
+                source, name=PROFILE.layers[k].name))
 
 
-def test_named_costs_writes_every_field() -> None:
+def test_table_names_default_to_the_layers_and_must_match_them() -> None:
     table = build_cost_table(PROFILE, Cluster.preset("h100", nodes=1, gpus_per_node=2),
                              CONFIGS[0])
-    for cost in table.layers:
-        copies = named_costs(cost, ("a", "b"))
-        assert [_bits(c) for c in copies] == [
-            _bits(dataclasses.replace(cost, name=n)) for n in ("a", "b")]
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            copies[0].name = "c"  # type: ignore[misc]
+    own = dataclasses.replace(table, layers=table.layers[:2], names=())
+    assert own.names == tuple(x.name for x in table.layers[:2])
+    assert dataclasses.replace(table, config=CONFIGS[1]).names == table.names
+    with pytest.raises(ValueError, match="3 layers but 2 names"):
+        dataclasses.replace(table, layers=table.layers[:3], names=table.names[:2])
 
 
 def test_caches_answer_for_their_own_inputs() -> None:

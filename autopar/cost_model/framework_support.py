@@ -10,9 +10,11 @@ field sourced) and from the settings its user switched on
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from autopar.cost_model import framework_dimensions as dims
+from autopar.cost_model.identity_cache import IdentityCache
 
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
@@ -66,8 +68,38 @@ def model_framework(framework: Framework, profile) -> Framework:
     return framework
 
 
+@dataclass(frozen=True, slots=True)
+class _ModelFacts:
+    """What ``model_support`` reads of a profile: its first mixture-of-experts structure,
+    and the first blocker of ep, of a tp split and the first fused q/k/v projection ("": none)."""
+
+    moe: Any
+    experts_blocker: str
+    split_blocker: str
+    fused_qkv: str
+
+
+def _build_facts(profile) -> _ModelFacts:
+    layers = profile.layers
+    return _ModelFacts(
+        moe=next((x.moe for x in layers if x.moe), None),
+        experts_blocker=next((x.moe.ep_blocker for x in layers if x.moe and x.moe.ep_blocker),
+                             ""),
+        split_blocker=next((x.tp.split_blocker for x in layers if x.tp.split_blocker), ""),
+        fused_qkv=next((x.tp.fused_qkv[0] for x in layers if x.tp.fused_qkv), ""),
+    )
+
+
+_FACTS: IdentityCache[_ModelFacts] = IdentityCache(16)
+
+
+def _facts(profile) -> _ModelFacts:
+    """``profile``'s facts, read once per profile (a search asks for every candidate)."""
+    return _FACTS.get((profile,), None, lambda: _build_facts(profile))
+
+
 def _experts_blocker(profile) -> str:
-    return next((x.moe.ep_blocker for x in profile.layers if x.moe and x.moe.ep_blocker), "")
+    return _facts(profile).experts_blocker
 
 
 def model_support(framework: Framework, config, profile) -> str | None:
@@ -77,19 +109,19 @@ def model_support(framework: Framework, config, profile) -> str | None:
     transformer, expert parallelism of experts it cannot run one at a time, tensor parallelism
     of blocks with a weight across heads beside their split linears, or of a fused q/k/v
     projection under FSDP."""
-    moe = next((x.moe for x in profile.layers if x.moe), None)
-    reason = moe_support(framework, config, moe, _experts_blocker(profile))
+    facts = _facts(profile)
+    reason = moe_support(framework, config, facts.moe, facts.experts_blocker)
     if reason or not framework.runs_traced_modules:
         return reason
     if not cp_runs_on(framework, profile) and config.cp > 1:
         return (f"{framework.name} runs context parallelism inside the attention it runs, "
                 f"and {profile.cp_blocker}; use cp=1, {_OWN_CODE}")
-    blocker = next((x.tp.split_blocker for x in profile.layers if x.tp.split_blocker), "")
+    blocker = facts.split_blocker
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "
                 f"use tp=1, {_OWN_CODE}")
     # runtime/tp_checks.py refuses the same split when it applies a plan.
-    fused = next((x.tp.fused_qkv[0] for x in profile.layers if x.tp.fused_qkv), "")
+    fused = facts.fused_qkv
     if fused and config.tp > 1 and config.dp > 1 and config.zero >= 1:
         return (f"{framework.name} splits the fused q/k/v projection {fused} over tp keeping "
                 "each rank's q, k and v heads together, a strided shard FSDP2 cannot cut again "

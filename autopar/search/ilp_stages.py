@@ -52,16 +52,21 @@ def cost_signature(layer: LayerCost) -> tuple:
 
 
 def runs_between(table: CostTable, first: int, last: int) -> tuple[tuple[int, int], ...]:
-    """(first, last) layer index of each maximal run of identical layers in first..last."""
+    """(first, last) layer index of each maximal run of identical layers in first..last (a
+    repeated block's positions hold one shared LayerCost: identical without a comparison)."""
     runs: list[tuple[int, int]] = []
-    previous = None
+    previous, previous_layer = None, None
     for i in range(first, last + 1):
-        signature = _SIGNATURE(table.layers[i])
+        layer = table.layers[i]
+        if runs and layer is previous_layer:
+            runs[-1] = (runs[-1][0], i)
+            continue
+        signature = _SIGNATURE(layer)
         if runs and signature == previous:
             runs[-1] = (runs[-1][0], i)
         else:
             runs.append((i, i))
-        previous = signature
+        previous, previous_layer = signature, layer
     return tuple(runs)
 
 

@@ -56,7 +56,7 @@ def cp_runs_on(framework: Framework, profile) -> bool:
 def ep_blocker(framework: Framework, profile) -> str:
     """Why ``framework`` cannot shard this model's experts over ep ("" when it can): where it
     runs the traced experts themselves, what stops them (``MoEStructure.ep_blocker``)."""
-    return _experts_blocker(profile) if framework.runs_traced_modules else ""
+    return _facts(profile).experts_blocker if framework.runs_traced_modules else ""
 
 
 def model_framework(framework: Framework, profile) -> Framework:
@@ -96,10 +96,6 @@ _FACTS: IdentityCache[_ModelFacts] = IdentityCache(16)
 def _facts(profile) -> _ModelFacts:
     """``profile``'s facts, read once per profile (a search asks for every candidate)."""
     return _FACTS.get((profile,), None, lambda: _build_facts(profile))
-
-
-def _experts_blocker(profile) -> str:
-    return _facts(profile).experts_blocker
 
 
 def model_support(framework: Framework, config, profile) -> str | None:

@@ -1,11 +1,12 @@
 """Spawn harness for multi-process runtime tests: gloo over a FileStore in tmp_path, no ports.
 
 ``run_distributed(fn, world_size, *args, timeout_s=...)`` starts ``world_size`` processes with
-``torch.multiprocessing`` (spawn), each running ``fn(rank, world_size, *args)`` after
+``torch.multiprocessing`` (forkserver: fresh processes forked from a server that imported torch
+once, ``tests.processes``), each running ``fn(rank, world_size, *args)`` after
 ``init_process_group("gloo", init_method="file://...", timeout=...)``; ``fn`` must be a
 module-level function of a test module. Returns the per-rank results (picklable), or fails the
-test with every failing rank's traceback. Each launch costs seconds of ``import torch``: group
-many checks in one ``fn``.
+test with every failing rank's traceback. Each launch still costs a process group's setup and
+teardown: group many checks in one ``fn``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def run_distributed(tmp_path: Path) -> Callable[..., list[Any]]:
     """The launcher: ``run_distributed(fn, world_size, *args, timeout_s=120)``."""
     import torch.multiprocessing as mp
 
+    from tests.processes import preloaded_forkserver
+
+    preloaded_forkserver()
     launches = iter(range(1_000))
 
     def run(
@@ -94,7 +98,7 @@ def run_distributed(tmp_path: Path) -> Callable[..., list[Any]]:
             args=(world_size, str(work / "store"), str(work), fn, args, pg_timeout_s),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         failure = ""

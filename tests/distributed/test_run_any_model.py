@@ -14,12 +14,12 @@ q/k/v split.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.processes import run_autopar
 
 pytestmark = pytest.mark.distributed
 
@@ -39,11 +39,7 @@ HF_GPT2_TIED = {
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "run", *args],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-                          check=False)
+    return run_autopar("run", *args, timeout_s=120)
 
 
 def _losses(model: str, *split: str) -> list[float]:

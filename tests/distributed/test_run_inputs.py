@@ -8,9 +8,7 @@ one case and the dry run go through the CLI in a subprocess, as a user would.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from autopar.cli.cmd_run import main
 from autopar.runtime.manifest import write_manifest
 from tests.helpers import one_error_line, write_cpu_plan
+from tests.processes import run_autopar
 
 pytestmark = pytest.mark.distributed
 
@@ -27,10 +26,7 @@ OTHER_MODEL = "gpt:layers=3,hidden=32,heads=4,vocab=64,seq_len=16"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "run", *args],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-                          check=False)
+    return run_autopar("run", *args, timeout_s=120)
 
 
 @pytest.fixture(scope="module")

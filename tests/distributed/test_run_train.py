@@ -1,6 +1,8 @@
 """``autopar run`` end to end, as a user runs it: one process, dp, resume, faults, multi-node.
 
-Each test starts ``autopar run`` in a subprocess (torchrun and its workers below it). Launches
+Each test starts ``autopar run`` as a fresh process (torchrun and its workers below it; forked from
+a server that imported torch once, ``tests.processes``; the two-node test starts the console
+entry point itself as real subprocesses). Launches
 are grouped: the one-process and dp=2 4-step runs are module fixtures that several tests compare
 against.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_cpu_plan
+from tests.processes import run_autopar
 
 pytestmark = pytest.mark.distributed
 
@@ -31,17 +34,8 @@ BATCH = ["--global-batch", "4"]
 
 def autopar_run(*args: str, env: dict[str, str] | None = None, timeout_s: float = 150.0,
                 ) -> subprocess.CompletedProcess:
-    """``autopar run ARGS`` in a subprocess (stdout and stderr captured as text)."""
-    full_env = dict(os.environ)
-    full_env["OMP_NUM_THREADS"] = "1"
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p
-    )
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "run", *args],
-        capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=ROOT, check=False,
-    )
+    """``autopar run ARGS`` as a fresh process (``tests.processes``), streams captured as text."""
+    return run_autopar("run", *args, env=env, timeout_s=timeout_s)
 
 
 def run_json(*args: str, env: dict[str, str] | None = None, timeout_s: float = 150.0) -> dict:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -120,11 +120,11 @@ def run_autopar(
         p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p
     )
     full_env.update(env or {})
-    argv: Sequence[str] = list(args)
+    argv = list(args)
     with tempfile.TemporaryDirectory(prefix="autopar-cli-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         child = context.Process(
-            target=_cli_child, args=(list(argv), full_env, str(ROOT), str(out), str(err))
+            target=_cli_child, args=(argv, full_env, str(ROOT), str(out), str(err))
         )
         child.start()
         assert child.pid is not None
@@ -133,6 +133,7 @@ def run_autopar(
             _stop_group(child.pid)
             child.join()
             raise subprocess.TimeoutExpired(["autopar", *argv], timeout_s)
+        assert child.exitcode is not None  # joined: it has exited
         return subprocess.CompletedProcess(
-            ["autopar", *argv], int(child.exitcode or 0), out.read_text(), err.read_text()
+            ["autopar", *argv], child.exitcode, out.read_text(), err.read_text()
         )

@@ -2,9 +2,8 @@
 
 Each test starts ``autopar run`` as a fresh process (torchrun and its workers below it; forked from
 a server that imported torch once, ``tests.processes``; the two-node test starts the console
-entry point itself as real subprocesses). Launches
-are grouped: the one-process and dp=2 4-step runs are module fixtures that several tests compare
-against.
+entry point itself as real subprocesses). Launches are grouped: the one-process and dp=2 4-step
+runs are module fixtures that several tests compare against.
 """
 
 from __future__ import annotations

@@ -2,19 +2,25 @@
 the router's load imbalance decides between them (the figures README's "Experts, long context,
 precision" section quotes).
 
-Run: ``python benchmarks/moe_plans.py``. Prints, for autopar's runtime, the planned split; the
-step time of the best ep split (dp=16 pp=4 ep=8, TP 1 PP 4 EP 8) at the dropless router's
-imbalance (``cost_model.moe.DROPLESS_IMBALANCE``, sourced), at 1.1x and at 1.0x (the constant
-set for this sensitivity run only); the split the README showed before (dp=4 tp=4 pp=4) as
-autopar's runtime runs it (experts whole on every tp rank); megatron-lm's plan; and torchtitan's,
-without and with a force-balanced router and DeepEP's dispatch (its two settings).
+Run: ``python benchmarks/moe_plans.py``. Prints, for autopar's runtime, the planned split and
+the plan for the same model with a router that states no imbalance (the default); the
+step time of the best ep split (dp=16 pp=4 ep=8, TP 1 PP 4 EP 8) at the router imbalance the
+preset carries (``models.presets.MIXTRAL_ROUTER_IMBALANCE``, fitted by router_imbalance.py), at
+the default for a model that states none (``cost_model.moe.DROPLESS_IMBALANCE``) and at 1.0x
+(the profile's ``router_imbalance`` set for this sensitivity run only); the split the README
+showed before (dp=4 tp=4 pp=4) as autopar's runtime runs it (experts whole on every tp rank);
+megatron-lm's plan; and torchtitan's, without and with a force-balanced router and DeepEP's
+dispatch (its two settings).
 """
 
 from __future__ import annotations
 
+from router_imbalance import with_imbalance
+
 import autopar
 from autopar.config import ParallelConfig
-from autopar.cost_model import moe
+from autopar.cost_model.moe import DROPLESS_IMBALANCE
+from autopar.models.presets import MIXTRAL_ROUTER_IMBALANCE
 
 GPUS, BATCH = 64, 512
 EP_SPLIT = ParallelConfig(dp=16, pp=4, ep=8, zero=1, micro_batch=1, global_batch=BATCH,
@@ -34,13 +40,11 @@ def main() -> int:
     cluster = autopar.Cluster.preset("h100", nodes=GPUS // 8)
     best = autopar.plan(profile, cluster, BATCH)
     print(f"autopar plan: {_split(best.config)}  {best.estimate.step_time_s:.2f} s")
-    sourced = moe.DROPLESS_IMBALANCE
-    for factor in (sourced, 1.1, 1.0):
-        moe.DROPLESS_IMBALANCE = factor
-        try:
-            est = autopar.estimate(profile, cluster, EP_SPLIT)
-        finally:
-            moe.DROPLESS_IMBALANCE = sourced
+    unknown = autopar.plan(with_imbalance(profile, DROPLESS_IMBALANCE), cluster, BATCH)
+    print(f"autopar plan for a router that states no imbalance ({DROPLESS_IMBALANCE:g}x): "
+          f"{_split(unknown.config)}  {unknown.estimate.step_time_s:.2f} s")
+    for factor in (MIXTRAL_ROUTER_IMBALANCE, DROPLESS_IMBALANCE, 1.0):
+        est = autopar.estimate(with_imbalance(profile, factor), cluster, EP_SPLIT)
         print(f"ep split {_split(EP_SPLIT)} at {factor:.2f}x imbalance: "
               f"{est.step_time_s:.2f} s ({est.step_time_s / best.estimate.step_time_s - 1:+.1%})"
               f"  {est.memory_per_gpu_bytes / 2**30:.1f} GiB")

@@ -42,7 +42,8 @@ the training dtype:
 - load imbalance: a dropless router gives some ranks more tokens than T k' / ep; the busiest
   rank sets the pace (none where the framework forces the router's balance,
   ``Framework.moe_force_balance``: its benchmark mode). Its routed-expert compute and
-  activations are scaled by ``DROPLESS_IMBALANCE``, and so is what it receives in each
+  activations are scaled by the model's router imbalance (``MoEStructure.router_imbalance``;
+  ``DROPLESS_IMBALANCE`` where the model states none), and so is what it receives in each
   all-to-all (its NIC and NVLink carry that many more rows). With a capacity factor every
   expert runs exactly its padded capacity (already counted in the profile's FLOPs): no further
   imbalance.
@@ -60,7 +61,7 @@ the training dtype:
   expert_tp.py.
 - activations: the routed experts keep per dispatched row its input, the gate and up outputs,
   the activated product and the output (2 h + 4 f_e elements, what graph/moe.py's stand-in
-  keeps); the busiest rank keeps ``DROPLESS_IMBALANCE`` times the average. The all-to-all send
+  keeps); the busiest rank keeps the router imbalance times the average. The all-to-all send
   and receive buffers (2 S) are transient.
 """
 
@@ -93,13 +94,12 @@ __all__ = [
     "routed_params_off_rank",
 ]
 
-# measured (published): Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Qwen3-235B-A22B
-# on 256 H100, EP 8, aux-loss dropless routing against --moe-router-force-load-balancing:
-# 237 / 295, 277 / 335, 320 / 368, 357 / 389 TFLOP/s at 16k-128k tokens, the whole step
-# 1.09-1.24x slower dropless; the routed experts and their all-to-all are part of the step, so
-# their own slowdown is at least that. Switch Transformer (Fedus et al., JMLR 2022, section
-# 2.2, Table 1) provisions the same 1.25x headroom (capacity factor) over a balanced share.
-# autopar takes the busiest expert-parallel rank to carry 1.25x the average routed rows.
+# sourced: Switch Transformer (Fedus et al., JMLR 2022, section 2.2, Table 1) provisions 1.25x
+# headroom (capacity factor) over a balanced share. The default for a model that states no
+# ``router_imbalance``: the busiest expert-parallel rank carries 1.25x the average routed rows.
+# It lies between the two families fitted by benchmarks/router_imbalance.py through this cost
+# model to Megatron-MoE-ModelZoo's dropless / force-balanced pairs on H100 at EP 8 (Mixtral
+# 8x22B 1.063; Qwen3-235B 1.65-1.71 at 16k-128k tokens).
 DROPLESS_IMBALANCE = 1.25
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
@@ -210,7 +210,12 @@ def all_to_all_s(cluster: Cluster, ep: int, stride: int, size_bytes: float,
 
 
 def _imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
-    return 1.0 if moe.capacity_factor > 0 or force_balance else DROPLESS_IMBALANCE
+    """The busiest ep rank's routed rows over the average: 1 with a capacity factor or a
+    force-balanced router, else the model's ``router_imbalance`` where it states one, else
+    ``DROPLESS_IMBALANCE``."""
+    if moe.capacity_factor > 0 or force_balance:
+        return 1.0
+    return moe.router_imbalance or DROPLESS_IMBALANCE
 
 
 def ep_terms(

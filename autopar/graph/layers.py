@@ -23,7 +23,7 @@ from torch import nn
 
 from autopar.graph.facts import ModelFacts
 from autopar.graph.measure import Measured, ModelRun
-from autopar.graph.moe import block_moe
+from autopar.graph.moe_structure import block_moe
 from autopar.graph.recorder import SavedTotals
 from autopar.graph.structure import Structure
 from autopar.graph.tp import block_tp, embedding_tp, head_tp

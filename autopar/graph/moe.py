@@ -60,12 +60,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.graph.types import MoEStructure
-
-__all__ = ["GLU_MATRICES", "ExpertWeights", "MoEStructure", "block_moe", "ep_blocker",
-           "expert_activation", "expert_modules", "expert_params", "expert_weights",
-           "install_expert_standins", "local_experts", "modules_ep_blocker", "moe_modules",
-           "routed_rows", "run_expert", "run_sorted", "stacked_names"]
+__all__ = ["GLU_MATRICES", "ExpertWeights", "ep_blocker", "expert_activation",
+           "expert_modules", "expert_params", "expert_weights", "install_expert_standins",
+           "local_experts", "modules_ep_blocker", "routed_rows", "routed_top_k", "run_expert",
+           "run_sorted", "stacked_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,13 +422,15 @@ def install_expert_standins(model: nn.Module) -> int:
     found = expert_modules(model)
     for name, module in found:
         parent = model.get_submodule(name.rpartition(".")[0])
-        module.forward = _standin(module, _int_attr(parent, ("top_k", "num_experts_per_tok")))
+        module.forward = _standin(module, routed_top_k(parent))
     return len(found)
 
 
-def _int_attr(root: nn.Module, names: tuple[str, ...]) -> int:
+def routed_top_k(root: nn.Module) -> int:
+    """Experts per token: the first ``top_k`` / ``num_experts_per_tok`` attribute (or config
+    field) found under ``root``, else 0."""
     for module in root.modules():
-        for name in names:
+        for name in ("top_k", "num_experts_per_tok"):
             value = getattr(module, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
@@ -439,54 +439,3 @@ def _int_attr(root: nn.Module, names: tuple[str, ...]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 0
-
-
-def _shared_width(block: nn.Module) -> int:
-    """Inner width of the block's shared experts (a dense MLP named shared_expert(s))."""
-    width = 0
-    for name, module in block.named_modules():
-        if name.rpartition(".")[2] not in ("shared_expert", "shared_experts"):
-            continue
-        for leaf in ("w2", "down_proj"):
-            down = getattr(module, leaf, None)
-            if isinstance(down, nn.Linear):
-                width += down.in_features
-    return width
-
-
-def block_moe(block: nn.Module) -> MoEStructure | None:
-    """The MoEStructure of a block (its first experts module), or None for a dense block."""
-    found = expert_modules(block)
-    if not found:
-        return None
-    weights = expert_weights(found[0][1])
-    assert weights is not None  # expert_modules keeps recognised modules only
-    return MoEStructure(
-        experts=weights.experts,
-        top_k=_int_attr(block, ("top_k", "num_experts_per_tok")),
-        shared_experts=round(_shared_width(block) / weights.inner) if weights.inner else 0,
-        hidden=weights.hidden,
-        expert_hidden=weights.inner,
-        expert_params=weights.params,
-        capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
-        ep_blocker=modules_ep_blocker([m for _n, m in found]),
-        module=_moe_module(block, found[0][0]),
-    )
-
-
-def moe_modules(root: nn.Module) -> list[str]:
-    """FQNs (relative to ``root``) of the modules that hold a router and grouped experts
-    (``MoEStructure.module``'s modules), sorted."""
-    return sorted({held for name, _m in expert_modules(root)
-                   if (held := _moe_module(root, name))})
-
-
-def _moe_module(block: nn.Module, experts_path: str) -> str:
-    """The path of the experts' parent when it also holds the router (a child that is neither
-    the experts nor shared experts), else "" (``MoEStructure.module``)."""
-    parent, _, name = experts_path.rpartition(".")
-    if not parent:
-        return ""
-    others = [child for child, _m in block.get_submodule(parent).named_children()
-              if child not in (name, "shared_expert", "shared_experts", "shared_expert_gate")]
-    return parent if others else ""

@@ -90,6 +90,9 @@ class MoEStructure:
         expert_hidden: inner width f_e of one routed expert.
         expert_params: parameters of one routed expert (SwiGLU: 3 h f_e).
         capacity_factor: c (0: dropless).
+        router_imbalance: under dropless routing, the busiest expert-parallel rank's routed
+            rows over the average, as the model states it (``ModelSpec.router_imbalance``; 0:
+            unknown, the cost model's default). In JSON only when set.
         ep_blocker: why autopar's runtime cannot run the traced experts one at a time and so
             shard them over ep ("" when it can; ``graph.moe.ep_blocker``): a framework that
             runs its own code shards them regardless (in JSON only when set).
@@ -108,13 +111,14 @@ class MoEStructure:
     expert_hidden: int
     expert_params: int
     capacity_factor: float = 0.0
+    router_imbalance: float = 0.0
     ep_blocker: str = ""
     module: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record."""
         data = dataclasses.asdict(self)
-        for name in ("ep_blocker", "module"):
+        for name in ("router_imbalance", "ep_blocker", "module"):
             if not data[name]:
                 del data[name]
         return data

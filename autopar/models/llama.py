@@ -55,7 +55,7 @@ class LlamaBlock(nn.Module):
         self.feed_forward = None if spec.is_moe else SwiGLU(spec.hidden, spec.ffn_hidden)
         self.moe = MoE(
             spec.hidden, spec.expert_hidden, spec.experts, spec.top_k, spec.shared_experts,
-            spec.capacity_factor,
+            spec.capacity_factor, spec.router_imbalance,
         ) if spec.is_moe else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

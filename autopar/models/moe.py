@@ -117,6 +117,9 @@ class MoE(nn.Module):
         top_k: experts per token k.
         shared_experts: shared experts (their combined inner width is ``shared * f_e``).
         capacity_factor: c; 0 is dropless.
+        router_imbalance: the busiest expert-parallel rank's routed rows over the average
+            (ModelSpec.router_imbalance; 0: unknown). The forward does not use it: the
+            profiler reads it as the cost model's input (graph/moe_structure.py ``block_moe``).
     """
 
     def __init__(
@@ -127,11 +130,13 @@ class MoE(nn.Module):
         top_k: int,
         shared_experts: int = 0,
         capacity_factor: float = 0.0,
+        router_imbalance: float = 0.0,
     ) -> None:
         super().__init__()
         from autopar.models.llama import SwiGLU  # llama imports this module
 
         self.top_k = top_k
+        self.router_imbalance = router_imbalance
         self.router = TopKRouter(hidden, experts, top_k)
         self.experts = Experts(hidden, expert_hidden, experts, capacity_factor)
         self.shared_experts = (

@@ -20,6 +20,12 @@ Sources:
   num_attention_heads, num_key_value_heads, num_local_experts 8, num_experts_per_tok 2,
   vocab_size 32000, rope_theta 1e6) and Jiang et al. 2024 ("Mixtral of Experts", Table 1).
   Context 4096 for planning (the configs allow 32768 / 65536; pass ``seq_len=`` for more).
+  Router imbalance ``MIXTRAL_ROUTER_IMBALANCE`` (the busiest expert-parallel rank's routed rows
+  over the average, dropless): fitted by benchmarks/router_imbalance.py, through the cost model,
+  to Megatron-MoE-ModelZoo's Mixtral 8x22B run on 128 H100 (EP 8, released checkpoint, the same
+  run 445 TFLOP/s dropless and 465 force-balanced: benchmarks/data/moe_router_balance.json).
+  8x7B has no pair of its own; it carries its family's value (the same router design: 8
+  experts, top-2, an auxiliary balancing loss; both released by Mistral AI).
 - DeepSeek-V3-shaped: huggingface.co/deepseek-ai/DeepSeek-V3 config.json (hidden_size 7168, 61
   layers, 128 heads, n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1,
   moe_intermediate_size 2048, vocab_size 129280) and DeepSeek-AI 2024 (arXiv 2412.19437, section
@@ -34,7 +40,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["PRESETS", "preset_shape"]
+__all__ = ["MIXTRAL_ROUTER_IMBALANCE", "PRESETS", "preset_shape"]
+
+# fitted: benchmarks/router_imbalance.py (the module docstring's Mixtral pair): 1.063.
+MIXTRAL_ROUTER_IMBALANCE = 1.06
 
 
 def _gpt3(layers: int, hidden: int, heads: int) -> dict[str, Any]:
@@ -101,9 +110,11 @@ PRESETS: Mapping[str, tuple[Mapping[str, Any], str]] = MappingProxyType(
         "llama3-70b": (_llama3(80, 8192, 64, 28672), _LLAMA3),
         "llama3-405b": (_llama3(126, 16384, 128, 53248), _LLAMA3),
         "mixtral-8x7b": (_moe(32, 4096, 32, 8, 32000, ffn_hidden=14336, experts=8, top_k=2,
-                              rope_theta=1e6), _MIXTRAL),
+                              rope_theta=1e6, router_imbalance=MIXTRAL_ROUTER_IMBALANCE),
+                         _MIXTRAL),
         "mixtral-8x22b": (_moe(56, 6144, 48, 8, 32000, ffn_hidden=16384, experts=8, top_k=2,
-                               rope_theta=1e6), _MIXTRAL),
+                               rope_theta=1e6, router_imbalance=MIXTRAL_ROUTER_IMBALANCE),
+                          _MIXTRAL),
         "deepseek-v3": (_moe(61, 7168, 128, 128, 129280, ffn_hidden=18432, experts=256,
                              top_k=8, shared_experts=1, expert_hidden=2048), _DSV3),
     }

@@ -24,7 +24,7 @@ __all__ = ["ModelBuilder", "parse_model_spec", "resolve_model"]
 # build_model(device="meta", *, dtype=..., seed=None) -> nn.Module
 ModelBuilder = Callable[..., nn.Module]
 
-_FLOAT_KEYS = ("dropout", "rope_theta", "capacity_factor")
+_FLOAT_KEYS = ("dropout", "rope_theta", "capacity_factor", "router_imbalance")
 _BOOL_KEYS = ("tie_embeddings",)
 _STR_KEYS = ("attention",)
 _TRUE = ("1", "true", "yes")

@@ -12,6 +12,9 @@ __all__ = ["ATTENTIONS", "KINDS", "ModelSpec", "llama_default_ffn_hidden"]
 
 KINDS = ("gpt", "llama", "mlp")
 ATTENTIONS = ("sdpa", "eager")
+# The busiest of ep ranks carries at most ep times the average rows (every row on it); no
+# cluster has more than this many ranks in an expert-parallel group.
+MAX_ROUTER_IMBALANCE = 1024.0
 
 # Llama's default SwiGLU width (Touvron et al. 2023, reference code's FeedForward): start from 4h,
 # take 2/3 of it (SwiGLU has three matrices instead of two, so the parameter count stays ~8h^2),
@@ -57,6 +60,11 @@ class ModelSpec:
             ``shared_experts * expert_hidden`` together.
         expert_hidden: inner width of one expert (0: ``ffn_hidden``).
         capacity_factor: per-expert token capacity factor (0: dropless), see models/moe.py.
+        router_imbalance: under dropless routing, the busiest expert-parallel rank's routed
+            rows over the average, as the trained router spreads the training data's tokens
+            (0: unknown, the cost model's default ``cost_model.moe.DROPLESS_IMBALANCE``). A
+            property of the router and its data the runtime does not use: an input of the
+            cost model, set by the presets whose family has a measured value.
     """
 
     kind: str
@@ -77,6 +85,7 @@ class ModelSpec:
     shared_experts: int = 0
     expert_hidden: int = 0
     capacity_factor: float = 0.0
+    router_imbalance: float = 0.0
 
     def __post_init__(self) -> None:
         """Check the sizes fit together; raise ValueError naming the first that does not."""
@@ -107,11 +116,16 @@ class ModelSpec:
         cf = self.capacity_factor
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 <= cf < 1e6:
             raise ValueError(f"capacity_factor must be >= 0 (0: dropless), got {cf!r}")
+        ri = self.router_imbalance
+        if isinstance(ri, bool) or not isinstance(ri, (int, float)) or not (
+                ri == 0 or 1 <= ri <= MAX_ROUTER_IMBALANCE):
+            raise ValueError(f"router_imbalance must be 0 (unknown) or between 1 and "
+                             f"{MAX_ROUTER_IMBALANCE:g} (the busiest rank's rows over the "
+                             f"average), got {ri!r}")
         if not self.experts:
-            if self.top_k or self.shared_experts or self.expert_hidden or cf:
-                raise ValueError(
-                    "top_k, shared_experts, expert_hidden and capacity_factor need experts > 0"
-                )
+            if self.top_k or self.shared_experts or self.expert_hidden or cf or ri:
+                raise ValueError("top_k, shared_experts, expert_hidden, capacity_factor and "
+                                 "router_imbalance need experts > 0")
             return
         if self.kind != "llama":
             raise ValueError("experts (mixture of experts) are a llama option")

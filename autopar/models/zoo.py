@@ -37,7 +37,8 @@ _REQUIRED = {
 _OPTIONAL = {
     "gpt": ("ffn_hidden", "kv_heads", "attention", "dropout", "tie_embeddings"),
     "llama": ("ffn_hidden", "kv_heads", "attention", "tie_embeddings", "rope_theta", "experts",
-              "top_k", "shared_experts", "expert_hidden", "capacity_factor"),
+              "top_k", "shared_experts", "expert_hidden", "capacity_factor",
+              "router_imbalance"),
     "mlp": ("ffn_hidden", "tie_embeddings"),
 }
 # Every keyword a kind accepts, by kind.

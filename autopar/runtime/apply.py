@@ -175,7 +175,8 @@ def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
     cfg = plan.config
     if not (cfg.sequence_parallel and cfg.tp > 1) or not isinstance(model_or_spec, nn.Module):
         return
-    from autopar.graph.moe import expert_modules, moe_modules
+    from autopar.graph.moe import expert_modules
+    from autopar.graph.moe_structure import moe_modules
 
     held = moe_modules(model_or_spec)
     loose = [name for name, _m in expert_modules(model_or_spec)

@@ -28,12 +28,12 @@ around them, Megatron-LM style:
   first block cuts its full input to the local shard (``PrepareHidden(Replicate() -> Shard(1))``,
   no communication forward, an all-gather backward). The head all-gathers the sequence before
   the vocabulary projection.
-* A mixture of experts (the module holding a router and grouped experts: ``graph.moe.
-  moe_modules``) keeps its routed experts whole on every tp rank, so under sequence parallelism
-  it runs on the whole sequence (``tp_styles.GatherSequence``: its input all-gathered, its
-  replicated output cut back to the rank's shard) and the linears inside it (shared experts)
-  are split as without sequence parallelism: their parent's input replicated, their row-parallel
-  output all-reduced.
+* A mixture of experts (the module holding a router and grouped experts:
+  ``graph.moe_structure.moe_modules``) keeps its routed experts whole on every tp rank, so under
+  sequence parallelism it runs on the whole sequence (``tp_styles.GatherSequence``: its input
+  all-gathered, its replicated output cut back to the rank's shard) and the linears inside it
+  (shared experts) are split as without sequence parallelism: their parent's input replicated,
+  their row-parallel output all-reduced.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def _head_norm_styles(parent: str, module: nn.Module) -> dict[str, ParallelStyle
 
 def _moe_holders(module: nn.Module, container: str) -> list[str]:
     """FQNs of the blocks' modules holding a router and its experts (``graph.moe``)."""
-    from autopar.graph.moe import moe_modules
+    from autopar.graph.moe_structure import moe_modules
 
     return [fqn for fqn in moe_modules(module) if fqn.startswith(container + ".")]
 

@@ -196,6 +196,7 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
         f"{format_bytes(est.memory_capacity_bytes)} per GPU "
         f"({'fits' if est.fits else '[red]does not fit[/red]'})",
         *_host_lines(est),
+        *_experts_lines(config, plan),
         f"[bold]Precision[/bold] {est.precision or config.dtype}",
         f"[bold]Binding[/bold] {est.binding or 'n/a'}",
     ]
@@ -209,6 +210,31 @@ def _host_lines(est: Estimate) -> list[str]:
     return [f"[bold]Host memory[/bold] {format_bytes(est.host_memory_per_gpu_bytes)} of "
             f"{format_bytes(est.host_memory_capacity_bytes)} per GPU (offloaded state; "
             f"{'fits' if fits else '[red]does not fit[/red]'})"]
+
+
+def _experts_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
+    """How the step was costed for a mixture of experts (the plan's ``moe``): the routing and
+    the busiest expert-parallel rank's share of the routed rows, with where that figure comes
+    from (cost_model/moe.py ``routed_imbalance``)."""
+    moe = getattr(plan, "moe", None)
+    if moe is None:
+        return []
+    from autopar.cost_model.frameworks import get_framework
+    from autopar.cost_model.moe import routed_imbalance
+
+    head = f"[bold]Experts[/bold] {moe.experts} routed, top-{moe.top_k}"
+    if moe.capacity_factor > 0:
+        return [f"{head}, capacity factor {moe.capacity_factor:g}: every expert runs its padded "
+                f"capacity"]
+    if config.ep <= 1:
+        return [f"{head}, dropless; no expert parallelism: each rank runs its own tokens' "
+                f"experts, no router imbalance to pay"]
+    force = get_framework(getattr(plan, "framework", "autopar")).moe_force_balance
+    why = ("the framework forces the router's balance" if force
+           else "the model's router_imbalance" if moe.router_imbalance
+           else "the default: the model states no router_imbalance")
+    return [f"{head}, dropless: the busiest of ep {config.ep} ranks takes "
+            f"{routed_imbalance(moe, force):.2f}x its share of routed rows ({why})"]
 
 
 def _layer_text(ranges: Sequence[Sequence[int]]) -> str:

@@ -91,6 +91,7 @@ __all__ = [
     "expert_dp",
     "inter_node_share",
     "remote_nodes",
+    "routed_imbalance",
     "routed_params_off_rank",
 ]
 
@@ -209,7 +210,7 @@ def all_to_all_s(cluster: Cluster, ep: int, stride: int, size_bytes: float,
     return max(intra_s, inter_s) + (ep - 1) * latency
 
 
-def _imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
+def routed_imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
     """The busiest ep rank's routed rows over the average: 1 with a capacity factor or a
     force-balanced router, else the model's ``router_imbalance`` where it states one, else
     ``DROPLESS_IMBALANCE``."""
@@ -240,7 +241,7 @@ def ep_terms(
         return EpTerms()
     b, w = config.micro_batch, DTYPE_BYTES[config.dtype]
     rows = b * seq_len * moe.routed_rows_per_token()
-    extra = _imbalance(moe, force_balance) - 1.0
+    extra = routed_imbalance(moe, force_balance) - 1.0
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     size = rows / _tokens_div(config, whole_sequence) * moe.hidden * w
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
@@ -288,7 +289,7 @@ def ep_collectives(layer: LayerProfile, config: ParallelConfig, *, seq_len: int,
         return (), (), ()
     rows = (config.micro_batch * seq_len * moe.routed_rows_per_token()
             / _tokens_div(config, whole_sequence))
-    rows *= _imbalance(moe, force_balance)
+    rows *= routed_imbalance(moe, force_balance)
     data = rows * moe.hidden * DTYPE_BYTES[config.dtype]
 
     def call(size: float, phase: str, calls: int) -> comm.Collective:

@@ -122,3 +122,26 @@ def test_mixtral_plan_on_64_h100_uses_expert_parallelism():
     assert plan.config.ep > 1
     unknown = autopar.plan(_with(profile, DROPLESS_IMBALANCE), cluster, 512)
     assert unknown.estimate.step_time_s > plan.estimate.step_time_s
+
+
+@pytest.mark.parametrize("options, args, says", [
+    ("", ["--ep", "2", "--zero", "1"],
+     "busiest of ep 2 ranks takes 1.25x its share of routed rows (the default: the model "
+     "states no router_imbalance)"),
+    (",router_imbalance=1.1", ["--ep", "2", "--zero", "1"],
+     "busiest of ep 2 ranks takes 1.10x its share of routed rows (the model's router_imbalance)"),
+    (",router_imbalance=1.1", ["--ep", "2", "--zero", "1", "--framework",
+                               "torchtitan+moe-force-balance"],
+     "takes 1.00x its share of routed rows (the framework forces the router's balance)"),
+    ("", [], "no expert parallelism: each rank runs its own tokens' experts"),
+    (",capacity_factor=1.25", [], "capacity factor 1.25: every expert runs its padded capacity"),
+])
+def test_report_says_how_the_routed_rows_were_costed(capsys, options, args, says):
+    from autopar.cli import main
+
+    code = main(["estimate", TINY + options, "--gpus", "4", "--dp", "4", "--global-batch", "8",
+                 *args])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0
+    assert "Experts 4 routed, top-2" in out
+    assert says in out

@@ -23,7 +23,7 @@ from torch import nn
 
 from autopar.graph.facts import ModelFacts
 from autopar.graph.measure import Measured, ModelRun
-from autopar.graph.moe_structure import block_moe
+from autopar.graph.moe_structure import block_moe, model_router_imbalance
 from autopar.graph.recorder import SavedTotals
 from autopar.graph.structure import Structure
 from autopar.graph.tp import block_tp, embedding_tp, head_tp
@@ -136,6 +136,7 @@ def _blocks(
     dtype_bytes: int,
 ) -> list[LayerProfile]:
     layers = []
+    stated_imbalance = model_router_imbalance(model)
     for index, fqn in enumerate(structure.blocks, start=1):
         rep = representative[fqn]
         tp = block_tp(
@@ -155,7 +156,7 @@ def _blocks(
                 m=measured[rep],
                 tp=tp,
                 repeat_of="" if rep == fqn else rep,
-                moe=block_moe(model.get_submodule(fqn)),
+                moe=block_moe(model.get_submodule(fqn), stated_imbalance),
             )
         )
     return layers

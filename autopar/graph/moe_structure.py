@@ -12,28 +12,46 @@ from autopar.graph.moe import expert_modules, expert_weights, modules_ep_blocker
 from autopar.graph.types import MoEStructure
 from autopar.models.spec import MAX_ROUTER_IMBALANCE
 
-__all__ = ["block_moe", "moe_modules"]
+__all__ = ["block_moe", "model_router_imbalance", "moe_modules"]
+
+
+def _stated(value: object, where: str) -> float:
+    """A stated router imbalance as a float (0: none stated).
+
+    Raises:
+        ValueError: a value that is not a number in [1, MAX_ROUTER_IMBALANCE] (nor 0).
+    """
+    if value is None or (not isinstance(value, bool) and value == 0):
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            1 <= value <= MAX_ROUTER_IMBALANCE):
+        raise ValueError(f"{where} states router_imbalance {value!r}: give a number between 1 "
+                         f"and {MAX_ROUTER_IMBALANCE:g} (or 0: unknown)")
+    return float(value)
 
 
 def _router_imbalance(block: nn.Module) -> float:
     """The block's ``router_imbalance`` attribute (models/moe.py MoE; a model of one's own may
     set it on any of its block's modules): the busiest expert-parallel rank's routed rows over
-    the average under dropless routing; 0 where no module states it.
-
-    Raises:
-        ValueError: a stated value that is not a number in [1, MAX_ROUTER_IMBALANCE].
-    """
+    the average under dropless routing; 0 where no module states it."""
     for name, module in block.named_modules():
-        value = getattr(module, "router_imbalance", None)
-        if value is None or (not isinstance(value, bool) and value == 0):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                1 <= value <= MAX_ROUTER_IMBALANCE):
-            raise ValueError(f"module {name or '<block>'!r} states router_imbalance "
-                             f"{value!r}: give a number between 1 and "
-                             f"{MAX_ROUTER_IMBALANCE:g} (or 0: unknown)")
-        return float(value)
+        value = _stated(getattr(module, "router_imbalance", None),
+                        f"module {name or '<block>'!r}")
+        if value:
+            return value
     return 0.0
+
+
+def model_router_imbalance(model: nn.Module) -> float:
+    """The router imbalance a whole model states for its blocks: its own ``router_imbalance``
+    attribute, else its config's (a Hugging Face config.json may carry a ``router_imbalance``
+    key, which transformers keeps on the config); 0 where it states none. A block's own
+    statement (``block_moe``) wins over it."""
+    own = _stated(getattr(model, "router_imbalance", None), "the model")
+    if own:
+        return own
+    return _stated(getattr(getattr(model, "config", None), "router_imbalance", None),
+                   "the model's config")
 
 
 def _shared_width(block: nn.Module) -> int:
@@ -49,8 +67,10 @@ def _shared_width(block: nn.Module) -> int:
     return width
 
 
-def block_moe(block: nn.Module) -> MoEStructure | None:
-    """The MoEStructure of a block (its first experts module), or None for a dense block."""
+def block_moe(block: nn.Module, model_imbalance: float = 0.0) -> MoEStructure | None:
+    """The MoEStructure of a block (its first experts module), or None for a dense block;
+    ``model_imbalance`` (``model_router_imbalance``) where the block states no router
+    imbalance of its own."""
     found = expert_modules(block)
     if not found:
         return None
@@ -64,7 +84,7 @@ def block_moe(block: nn.Module) -> MoEStructure | None:
         expert_hidden=weights.inner,
         expert_params=weights.params,
         capacity_factor=float(getattr(found[0][1], "capacity_factor", 0.0) or 0.0),
-        router_imbalance=_router_imbalance(block),
+        router_imbalance=_router_imbalance(block) or model_imbalance,
         ep_blocker=modules_ep_blocker([m for _n, m in found]),
         module=_moe_module(block, found[0][0]),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -145,3 +146,28 @@ def test_report_says_how_the_routed_rows_were_costed(capsys, options, args, says
     assert code == 0
     assert "Experts 4 routed, top-2" in out
     assert says in out
+
+
+HF_MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=256, num_local_experts=4, num_experts_per_tok=2)
+
+
+def test_hf_config_states_it_with_a_router_imbalance_key_and_a_block_wins_over_it(tmp_path):
+    pytest.importorskip("transformers")
+    from autopar.models.hf import from_hf_config
+
+    def imbalances(model):
+        return {x.moe.router_imbalance for x in autopar.profile(model, seq_len=32).layers
+                if x.moe}
+
+    assert imbalances(from_hf_config(HF_MIXTRAL)) == {0.0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF_MIXTRAL, "router_imbalance": 1.06}))
+    model = from_hf_config(str(path))
+    assert imbalances(model) == {1.06}
+    model.model.layers[0].mlp.router_imbalance = 1.5  # a block's own statement wins
+    assert sorted(imbalances(model)) == [1.06, 1.5]
+    bad = from_hf_config({**HF_MIXTRAL, "router_imbalance": 0.3})
+    with pytest.raises(ValueError, match=r"the model's config states router_imbalance 0\.3"):
+        autopar.profile(bad, seq_len=32)

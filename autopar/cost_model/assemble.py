@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from autopar.config import RECOMPUTE
 from autopar.cost_model.comm import COMM_SPREAD
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from autopar.cost_model.moe import DROPLESS_IMBALANCE, FITTED_ROUTER_IMBALANCE_RANGE
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import (
     bubble_coefficient,
@@ -172,7 +173,9 @@ def assemble(
     ]
     largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
     host = max(sum(table.layers[i].host_bytes for i in layers_of[k]) for k in ranks)
-    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host)
+    unstated_s = m * sum(table.layers[i].unstated_imbalance_s[idx[i]] for i in blayers)
+    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host,
+                   unstated_s)
 
 
 def _placement(cfg, stage_layers) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -188,7 +191,7 @@ def _placement(cfg, stage_layers) -> tuple[dict[int, list[int]], dict[int, list[
 
 
 def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
-            host: float) -> Estimate:
+            host: float, unstated_s: float = 0.0) -> Estimate:
     cfg = table.config
     batch = cfg.global_batch
     model_flops = batch * sum(layer.model_flops_per_sample for layer in table.layers)
@@ -214,21 +217,30 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
         stages=tuple(per_rank),
         binding=_binding(table, breakdown, step_s, largest, bottleneck, host),
         framework=table.framework.spec,
-        step_time_interval_s=step_time_interval_s(table, step_s, breakdown),
+        step_time_interval_s=step_time_interval_s(table, step_s, breakdown, unstated_s),
         host_memory_per_gpu_bytes=host,
         host_memory_capacity_bytes=table.host_capacity_bytes,
         precision=table.dtype_reason,
     )
 
 
-def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdown):
+def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdown,
+                         unstated_s: float = 0.0) -> tuple[float, float]:
     """(low, high) step time: the framework's cross-validated band around the prediction,
     widened at the high end by ``comm.COMM_SPREAD`` per second of exposed communication (one
-    collective in ten runs that much slower than modelled on published clusters)."""
+    collective in ten runs that much slower than modelled on published clusters), and over
+    the fitted range of router imbalance (``moe.FITTED_ROUTER_IMBALANCE_RANGE``) where the
+    model states none: ``unstated_s`` is the binding rank's seconds beyond a balanced router
+    at the default ``DROPLESS_IMBALANCE`` f, which grow as f - 1 (compute and all-to-all
+    bytes), so the range's ends move the step by ``unstated_s (f_lo - f) / (f - 1)`` and
+    ``unstated_s (f_hi - f) / (f - 1)``."""
     low, high = table.framework.step_time_band
     exposed = (breakdown.tp_comm_s + breakdown.dp_comm_s + breakdown.pp_comm_s
                + breakdown.ep_comm_s + breakdown.cp_comm_s)
-    return step_s * low, step_s * high + COMM_SPREAD * exposed
+    per_excess = unstated_s / (DROPLESS_IMBALANCE - 1.0)
+    f_lo, f_hi = FITTED_ROUTER_IMBALANCE_RANGE
+    return (step_s * low - per_excess * (DROPLESS_IMBALANCE - f_lo),
+            step_s * high + COMM_SPREAD * exposed + per_excess * (f_hi - DROPLESS_IMBALANCE))
 
 
 def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int,

@@ -75,9 +75,16 @@ from autopar.cost_model.layer_terms import (
     activation_bytes_of,
     framework_layer,
     kept_less_of,
+    net_of_backward_state,
     transient_bytes_of,
 )
-from autopar.cost_model.moe import ep_collectives, ep_layer_state, ep_terms, expert_call_flops
+from autopar.cost_model.moe import (
+    ep_collectives,
+    ep_layer_state,
+    ep_terms,
+    expert_call_flops,
+    unstated_imbalance,
+)
 from autopar.cost_model.offload import (
     cpu_adam_s,
     host_copies,
@@ -98,37 +105,6 @@ __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_col
 # torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
-
-def _net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
-                           local_params: float, params_tp: float) -> tuple[float, float, float]:
-    """Saved activations net of the model state that the backward creates in their place.
-
-    When every forward of the step runs before any backward (one micro-batch, or a GPipe
-    pipeline), the state born in the backward never peaks together with all the activations:
-    the gradients (freed at every step's end, ``zero_grad(set_to_none=True)``; 4 bytes per
-    local parameter) or FSDP2's unsharded fp32 gradient accumulators (4 bytes per parameter).
-    A layer's share x appears in the first backward as that micro-batch's activations a of
-    the layer are released, so the layer peaks at (m - 1) a + max(a, x). The table's memory
-    adds x (static) to m a (assemble.py), so a is charged as a - min(a, x) / m (with one
-    micro-batch: max(0, a - x)). With other schedules (and with gradient accumulation at
-    pp == 1) the state exists from the first backward on while later forwards still save
-    activations: both are charged in full.
-    """
-    m = cfg.num_microbatches
-    if m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe"):
-        return act
-    # The fp32 gradient: the local one, or FSDP2's unsharded accumulator (which the sharded one
-    # replaces at its reduce-scatter: memory.layer_state charges the larger of the two).
-    born = memory.GRAD_BYTES * local_params
-    if memory.fsdp_accumulates_grads(cfg):
-        born = memory.GRAD_BYTES * params_tp
-    # Zero 3's unsharded parameters under a pipeline are not born in the backward: measured
-    # (gpt dp2 pp2 gpipe zero 3 of benchmarks/accuracy.py) they are live before the step's first
-    # forward (the stage root is never resharded, the blocks' all-gathers persist), so they
-    # peak with all the activations and are not netted.
-    return (act[0] - min(act[0], born) / m, act[1] - min(act[1], born) / m,
-            act[2] - min(act[2], born) / m)
-
 
 def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
     """Compute speed-up of a pipeline's ranks from sharing compute units with idle neighbours
@@ -176,11 +152,9 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     fp8, rates = _layer_rates(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
-    casts = _fp8_casts(fp8, fw, act[0], held, cfg)
-    traffic = tuple(cluster.param_traffic_factor * x + c
-                    for x, c in zip(_param_traffic_bytes(cfg, held), casts))
-    times = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
-    times = _with_experts(times, ep, cluster, cfg, layer, shard, fw)
+    traffic = _traffic_bytes(cluster, cfg, fw, fp8, act[0], held)
+    base = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
+    times = _with_experts(base, ep, cluster, cfg, layer, shard, fw)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held,
                                       run_offload(cfg, fw))
     # A framework that waits for its gathers / reductions gives them no compute window.
@@ -205,7 +179,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times),
         dp_microbatch_s=mb_s,
-        act_bytes=_fragmented(_net_of_backward_state(tuple(a - k for a, k in zip(
+        act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
             act, kept_less)), cfg, state.local_params, held), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
@@ -218,8 +192,34 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
         cp_comm_s=cp.comm_s,
         host_bytes=host_bytes,
+        unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
+                                                   base, (times, ep)),
     )
     return cost, tail_s
+
+
+def _traffic_bytes(cluster: Cluster, cfg: ParallelConfig, fw: Framework, fp8: bool,
+                   act_bytes: float, held: float) -> tuple[float, float]:
+    """(forward, backward) bytes a layer's parameters and fp8 casts move per micro-batch."""
+    (fwd, bwd), (cast_f, cast_b) = (_param_traffic_bytes(cfg, held),
+                                    _fp8_casts(fp8, fw, act_bytes, held, cfg))
+    return cluster.param_traffic_factor * fwd + cast_f, cluster.param_traffic_factor * bwd + cast_b
+
+
+def _unstated_imbalance_s(profile, layer, cfg: ParallelConfig, cluster: Cluster, shard: int,
+                          fw: Framework, base, costed) -> tuple[float, float, float]:
+    """Per micro-batch, by recompute mode: the busiest ep rank's seconds beyond a balanced
+    router (``costed``: the layer's times and ep terms as charged, ``base``: its times before
+    the routed excess), where the model states no router imbalance (LayerCost field)."""
+    if cfg.ep <= 1 or not unstated_imbalance(layer.moe, fw.moe_force_balance):
+        return (0.0, 0.0, 0.0)
+    even = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
+                    force_balance=True, dispatch=fw.ep_dispatch,
+                    whole_sequence=moe_routes_whole_sequence(fw, cfg))
+    balanced = (_with_experts(base, even, cluster, cfg, layer, shard, fw), even)
+    a, b = (tuple(t.forward_s + t.backward_s + t.recompute_s[k] + terms.comm_s[k]
+                  for k in range(3)) for t, terms in (costed, balanced))
+    return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
 
 
 def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,

@@ -18,7 +18,8 @@ from autopar.cost_model.precision import fp8_linears
 from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["activation_bytes_of", "framework_layer", "kept_less_of", "transient_bytes_of"]
+__all__ = ["activation_bytes_of", "framework_layer", "kept_less_of", "net_of_backward_state",
+           "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -152,3 +153,34 @@ def kept_less_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float
     kept = _less_saved(layer, dropped, dropped_rep)
     less = activation_bytes_of(profile, kept, cfg, ratio, shard, fw, head_elems)
     return (full[0] - less[0], full[1] - less[1], full[2] - less[2])
+
+
+def net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
+                           local_params: float, params_tp: float) -> tuple[float, float, float]:
+    """Saved activations net of the model state that the backward creates in their place.
+
+    When every forward of the step runs before any backward (one micro-batch, or a GPipe
+    pipeline), the state born in the backward never peaks together with all the activations:
+    the gradients (freed at every step's end, ``zero_grad(set_to_none=True)``; 4 bytes per
+    local parameter) or FSDP2's unsharded fp32 gradient accumulators (4 bytes per parameter).
+    A layer's share x appears in the first backward as that micro-batch's activations a of
+    the layer are released, so the layer peaks at (m - 1) a + max(a, x). The table's memory
+    adds x (static) to m a (assemble.py), so a is charged as a - min(a, x) / m (with one
+    micro-batch: max(0, a - x)). With other schedules (and with gradient accumulation at
+    pp == 1) the state exists from the first backward on while later forwards still save
+    activations: both are charged in full.
+    """
+    m = cfg.num_microbatches
+    if m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe"):
+        return act
+    # The fp32 gradient: the local one, or FSDP2's unsharded accumulator (which the sharded one
+    # replaces at its reduce-scatter: memory.layer_state charges the larger of the two).
+    born = memory.GRAD_BYTES * local_params
+    if memory.fsdp_accumulates_grads(cfg):
+        born = memory.GRAD_BYTES * params_tp
+    # Zero 3's unsharded parameters under a pipeline are not born in the backward: measured
+    # (gpt dp2 pp2 gpipe zero 3 of benchmarks/accuracy.py) they are live before the step's first
+    # forward (the stage root is never resharded, the blocks' all-gathers persist), so they
+    # peak with all the activations and are not netted.
+    return (act[0] - min(act[0], born) / m, act[1] - min(act[1], born) / m,
+            act[2] - min(act[2], born) / m)

@@ -80,6 +80,7 @@ __all__ = [
     "DROPLESS_IMBALANCE",
     "EP_DISPATCHES",
     "EXPERT_TENSORS",
+    "FITTED_ROUTER_IMBALANCE_RANGE",
     "GEMMS_PER_LAYER",
     "EpTerms",
     "all_to_all_s",
@@ -93,6 +94,7 @@ __all__ = [
     "remote_nodes",
     "routed_imbalance",
     "routed_params_off_rank",
+    "unstated_imbalance",
 ]
 
 # sourced: Switch Transformer (Fedus et al., JMLR 2022, section 2.2, Table 1) provisions 1.25x
@@ -102,6 +104,10 @@ __all__ = [
 # model to Megatron-MoE-ModelZoo's dropless / force-balanced pairs on H100 at EP 8 (Mixtral
 # 8x22B 1.063; Qwen3-235B 1.65-1.71 at 16k-128k tokens).
 DROPLESS_IMBALANCE = 1.25
+# fitted: benchmarks/router_imbalance.py, the two families' medians (Mixtral 1.063, Qwen3 1.684):
+# the range an unstated router's imbalance is taken to lie in, which the step-time interval
+# of an expert-parallel split spans (assemble.py).
+FITTED_ROUTER_IMBALANCE_RANGE = (1.06, 1.68)
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
 A2A = "all_to_all_single"
@@ -217,6 +223,13 @@ def routed_imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
     if moe.capacity_factor > 0 or force_balance:
         return 1.0
     return moe.router_imbalance or DROPLESS_IMBALANCE
+
+
+def unstated_imbalance(moe: MoEStructure | None, force_balance: bool = False) -> bool:
+    """Whether a layer's routed rows are costed at the default ``DROPLESS_IMBALANCE`` because
+    its model states none (dropless, not force-balanced, no ``router_imbalance``)."""
+    return (moe is not None and moe.capacity_factor <= 0 and not force_balance
+            and not moe.router_imbalance)
 
 
 def ep_terms(

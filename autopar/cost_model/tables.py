@@ -54,6 +54,11 @@ class LayerCost:
         cp_comm_s: exposed ring-attention K/V exchange per micro-batch, by recompute mode
             (context parallelism, cp_comm.py; recompute repeats the forward ring).
         host_bytes: host memory this rank holds for the layer (offload.py).
+        unstated_imbalance_s: per micro-batch, by recompute mode, what the busiest expert-
+            parallel rank spends beyond a balanced router (routed-expert compute and
+            all-to-all, included in the terms above) where the model states no router
+            imbalance and the cost model takes ``moe.DROPLESS_IMBALANCE``: the part of the
+            step the interval widens over the fitted range (assemble.py); 0 otherwise.
     """
 
     name: str
@@ -75,6 +80,7 @@ class LayerCost:
     ep_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cp_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     host_bytes: float = 0.0
+    unstated_imbalance_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def time_per_microbatch_s(self, recompute: str) -> float:
         """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + cp_comm(r) + dp per

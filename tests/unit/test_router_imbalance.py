@@ -84,7 +84,10 @@ def test_cost_model_charges_the_models_imbalance_and_none_when_force_balanced():
         return build_cost_table(p, CLUSTER, cfg, framework).layers[1]
 
     default, stated = block(profile), block(_with(profile, 1.06))
-    assert block(_with(profile, DROPLESS_IMBALANCE)) == default  # unstated: the default
+    # Unstated: costed at the default; only the interval's share of it differs.
+    stated_default = block(_with(profile, DROPLESS_IMBALANCE))
+    assert stated_default == dataclasses.replace(default, unstated_imbalance_s=(0.0, 0.0, 0.0))
+    assert min(default.unstated_imbalance_s) > 0
     assert stated.compute_s < default.compute_s
     assert stated.ep_comm_s < default.ep_comm_s
     assert stated.act_bytes[0] < default.act_bytes[0]
@@ -171,3 +174,38 @@ def test_hf_config_states_it_with_a_router_imbalance_key_and_a_block_wins_over_i
     bad = from_hf_config({**HF_MIXTRAL, "router_imbalance": 0.3})
     with pytest.raises(ValueError, match=r"the model's config states router_imbalance 0\.3"):
         autopar.profile(bad, seq_len=32)
+
+
+def test_interval_spans_the_fitted_imbalance_range_where_the_model_states_none():
+    """An ep split of a model that states no router imbalance is costed at the default; its
+    interval reaches the fitted range's ends (the step at 1.06 and at 1.68, up to the band);
+    a stated imbalance or a force-balanced router leaves only the framework's band."""
+    from autopar.cost_model.moe import FITTED_ROUTER_IMBALANCE_RANGE
+
+    profile = moe_profile(2, 1024, 8, s=512)
+    cfg = ParallelConfig(dp=16, ep=8, global_batch=32, micro_batch=1, zero=1)
+
+    def est(p, framework="torchtitan"):
+        return autopar.estimate(p, CLUSTER, cfg, framework=framework)
+
+    unstated, default = est(profile), est(_with(profile, DROPLESS_IMBALANCE))
+    assert unstated.step_time_s == default.step_time_s
+    low, high = unstated.step_time_interval_s
+    d_low, d_high = default.step_time_interval_s
+    assert low < d_low and high > d_high
+    f_lo, f_hi = FITTED_ROUTER_IMBALANCE_RANGE
+    up = est(_with(profile, f_hi)).step_time_s - default.step_time_s
+    down = default.step_time_s - est(_with(profile, f_lo)).step_time_s
+    assert high - d_high == pytest.approx(up, rel=0.05)
+    assert d_low - low == pytest.approx(down, rel=0.05)
+    balanced = est(profile, "torchtitan+moe-force-balance")
+    assert balanced.step_time_interval_s == est(
+        _with(profile, 1.0), "torchtitan+moe-force-balance").step_time_interval_s
+
+
+def test_fitted_range_is_the_families_fits():
+    from autopar.cost_model.moe import FITTED_ROUTER_IMBALANCE_RANGE
+
+    fits = router_imbalance.family_fits(router_imbalance.load_pairs())
+    assert FITTED_ROUTER_IMBALANCE_RANGE == pytest.approx(
+        (min(fits.values()), max(fits.values())), abs=0.01)

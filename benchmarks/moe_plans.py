@@ -9,6 +9,7 @@ preset carries (``models.presets.MIXTRAL_ROUTER_IMBALANCE``, fitted by router_im
 the default for a model that states none (``cost_model.moe.DROPLESS_IMBALANCE``) and at 1.0x
 (the profile's ``router_imbalance`` set for this sensitivity run only); the split the README
 showed before (dp=4 tp=4 pp=4) as autopar's runtime runs it (experts whole on every tp rank);
+NeMo's split for Megatron-LM against EP 4 x TP 2 at the fitted and the default imbalance;
 megatron-lm's plan; and torchtitan's, without and with a force-balanced router and DeepEP's
 dispatch (its two settings).
 """
@@ -27,6 +28,13 @@ EP_SPLIT = ParallelConfig(dp=16, pp=4, ep=8, zero=1, micro_batch=1, global_batch
                           schedule="zbv-zero-bubble", virtual_stages=2)
 TP_SPLIT = ParallelConfig(dp=4, tp=4, pp=4, zero=1, micro_batch=4, global_batch=BATCH,
                           schedule="interleaved-zero-bubble", virtual_stages=2)
+
+# NeMo's recommended split for this model (TP 1 PP 4 EP 8 VP 8, global batch 256) and the
+# EP 4 x TP 2 one the Megatron-Core MoE README says it outperforms (docs/frameworks.md).
+NEMO_SPLITS = tuple(
+    ParallelConfig(zero=1, micro_batch=1, global_batch=256, schedule="interleaved-1f1b",
+                   virtual_stages=8, **kw)
+    for kw in (dict(dp=16, pp=4, ep=8), dict(dp=8, tp=2, pp=4, ep=4, sequence_parallel=True)))
 
 
 def _split(cfg) -> str:
@@ -51,6 +59,12 @@ def main() -> int:
     tp = autopar.estimate(profile, cluster, TP_SPLIT)
     print(f"{_split(TP_SPLIT)} as autopar's runtime runs it: {tp.step_time_s:.2f} s, "
           f"{tp.memory_per_gpu_bytes / 2**30:.0f} GiB a GPU (fits: {tp.fits})")
+    for factor in (MIXTRAL_ROUTER_IMBALANCE, DROPLESS_IMBALANCE):
+        times = [autopar.estimate(with_imbalance(profile, factor), cluster, cfg,
+                                  framework="megatron-lm") for cfg in NEMO_SPLITS]
+        print(f"megatron-lm, NeMo's split (EP 8 TP 1) against EP 4 TP 2 at {factor:.2f}x: "
+              + " against ".join(f"{e.step_time_s:.2f} s ({e.memory_per_gpu_bytes / 2**30:.1f}"
+                                 f" GiB)" for e in times))
     mega = autopar.plan(profile, cluster, BATCH, framework="megatron-lm")
     print(f"megatron-lm plan: {_split(mega.config)}  {mega.estimate.step_time_s:.2f} s")
     for fw in ("torchtitan", "torchtitan+moe-force-balance+ep-deepep"):

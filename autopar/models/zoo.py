@@ -188,6 +188,8 @@ def list_presets() -> dict[str, str]:
             shared = f" + {spec.shared_experts} shared" if spec.shared_experts else ""
             kv += (f", {spec.experts} experts{shared} of width {spec.expert_hidden}, "
                    f"top-{spec.top_k}")
+            if spec.router_imbalance:
+                kv += f", router imbalance {spec.router_imbalance:g}"
         out[name] = (
             f"{spec.kind}: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads{kv}, "
             f"ffn {spec.ffn_hidden}, vocab {spec.vocab}, seq {spec.seq_len}, "

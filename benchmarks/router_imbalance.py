@@ -22,6 +22,8 @@ import json
 import statistics
 from pathlib import Path
 
+from calibration import record_cluster
+
 import autopar
 from autopar.cost_model.moe import DROPLESS_IMBALANCE
 from autopar.models.presets import PRESETS
@@ -59,15 +61,13 @@ def with_imbalance(profile, factor: float):
 
 def pair_inputs(pair: dict):
     """(profile, cluster, config) of a pair's runs."""
-    c, p = pair["cluster"], pair["plan"]
-    cluster = autopar.Cluster.preset(c["gpu"], nodes=c["n_gpus"] // c["gpus_per_node"],
-                                     gpus_per_node=c["gpus_per_node"])
+    p = pair["plan"]
     config = autopar.ParallelConfig(
         dp=p["dp"], tp=p["tp"], pp=p["pp"], cp=p.get("cp", 1), ep=p["ep"],
         micro_batch=p["microbatch"], global_batch=p["global_batch"],
         schedule=p["schedule"], virtual_stages=p["virtual_stages"], recompute=p["recompute"],
         sequence_parallel=p["sequence_parallel"], zero=p["zero_stage"], dtype=p["precision"])
-    return _profile(pair["model"], pair["seq_len"]), cluster, config
+    return _profile(pair["model"], pair["seq_len"]), record_cluster(pair), config
 
 
 def step_s(pair: dict, factor: float | None) -> float:

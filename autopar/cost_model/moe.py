@@ -228,8 +228,8 @@ def routed_imbalance(moe: MoEStructure, force_balance: bool = False) -> float:
 def unstated_imbalance(moe: MoEStructure | None, force_balance: bool = False) -> bool:
     """Whether a layer's routed rows are costed at the default ``DROPLESS_IMBALANCE`` because
     its model states none (dropless, not force-balanced, no ``router_imbalance``)."""
-    return (moe is not None and moe.capacity_factor <= 0 and not force_balance
-            and not moe.router_imbalance)
+    return (moe is not None and not moe.router_imbalance
+            and routed_imbalance(moe, force_balance) == DROPLESS_IMBALANCE)
 
 
 def ep_terms(

@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.graph.moe import expert_modules, expert_weights, modules_ep_blocker, routed_top_k
 from autopar.graph.types import MoEStructure
-from autopar.models.spec import MAX_ROUTER_IMBALANCE
+from autopar.models.spec import MAX_ROUTER_IMBALANCE, router_imbalance_valid
 
 __all__ = ["block_moe", "model_router_imbalance", "moe_modules"]
 
@@ -21,13 +21,12 @@ def _stated(value: object, where: str) -> float:
     Raises:
         ValueError: a value that is not a number in [1, MAX_ROUTER_IMBALANCE] (nor 0).
     """
-    if value is None or (not isinstance(value, bool) and value == 0):
+    if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            1 <= value <= MAX_ROUTER_IMBALANCE):
+    if not router_imbalance_valid(value):
         raise ValueError(f"{where} states router_imbalance {value!r}: give a number between 1 "
                          f"and {MAX_ROUTER_IMBALANCE:g} (or 0: unknown)")
-    return float(value)
+    return float(value)  # type: ignore[arg-type]  # router_imbalance_valid: a number
 
 
 def _router_imbalance(block: nn.Module) -> float:

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ATTENTIONS", "KINDS", "ModelSpec", "llama_default_ffn_hidden"]
+__all__ = ["ATTENTIONS", "KINDS", "MAX_ROUTER_IMBALANCE", "ModelSpec", "llama_default_ffn_hidden",
+           "router_imbalance_valid"]
 
 KINDS = ("gpt", "llama", "mlp")
 ATTENTIONS = ("sdpa", "eager")
 # The busiest of ep ranks carries at most ep times the average rows (every row on it); no
 # cluster has more than this many ranks in an expert-parallel group.
 MAX_ROUTER_IMBALANCE = 1024.0
+
+
+def router_imbalance_valid(value: object) -> bool:
+    """Whether ``value`` can be a router imbalance: 0 (unknown) or a number in
+    [1, MAX_ROUTER_IMBALANCE] (the busiest ep rank's routed rows over the average)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and (value == 0 or 1 <= value <= MAX_ROUTER_IMBALANCE))
 
 # Llama's default SwiGLU width (Touvron et al. 2023, reference code's FeedForward): start from 4h,
 # take 2/3 of it (SwiGLU has three matrices instead of two, so the parameter count stays ~8h^2),
@@ -117,8 +125,7 @@ class ModelSpec:
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 <= cf < 1e6:
             raise ValueError(f"capacity_factor must be >= 0 (0: dropless), got {cf!r}")
         ri = self.router_imbalance
-        if isinstance(ri, bool) or not isinstance(ri, (int, float)) or not (
-                ri == 0 or 1 <= ri <= MAX_ROUTER_IMBALANCE):
+        if not router_imbalance_valid(ri):
             raise ValueError(f"router_imbalance must be 0 (unknown) or between 1 and "
                              f"{MAX_ROUTER_IMBALANCE:g} (the busiest rank's rows over the "
                              f"average), got {ri!r}")

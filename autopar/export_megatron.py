@@ -111,12 +111,15 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
 
 # Megatron-LM settings whose flags are not ``--<setting>`` (written with the MoE and fp8 flags).
 _MEGATRON_SETTING_FLAGS = {"moe-force-balance": [["--moe-router-force-load-balancing"]],
-                           "ep-deepep": [], "fp8-tensorwise": [], "expandable-segments": []}
+                           "ep-deepep": [], "fp8-tensorwise": [], "expandable-segments": [],
+                           "expert-tp-1": []}
 
 
 def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
     """Megatron-Core MoE flags for a mixture-of-experts plan (none for a dense one), with the
-    token dispatcher the prediction assumed (the flex dispatcher's DeepEP for ``ep-deepep``)."""
+    token dispatcher the prediction assumed (the flex dispatcher's DeepEP for ``ep-deepep``)
+    and the experts' tensor parallelism (``--expert-tensor-parallel-size 1`` for
+    ``expert-tp-1``; else Megatron-Core's default, the tp size)."""
     moe, cfg = plan.moe, plan.config
     if moe is None:
         return []
@@ -127,6 +130,8 @@ def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
              ["--moe-token-dispatcher-type", "flex" if flex else "alltoall"],
              *([["--moe-flex-dispatcher-backend", "deepep"]] if flex else []),
              ["--moe-grouped-gemm"]]
+    if get_framework(plan.framework).expert_tp_folded:  # setting expert-tp-1
+        flags.append(["--expert-tensor-parallel-size", "1"])
     if moe.shared_experts:
         flags.append(["--moe-shared-expert-intermediate-size",
                       str(moe.shared_experts * moe.expert_hidden)])

@@ -7,6 +7,9 @@ consecutive): with zero >= 1 the experts module is its own FSDP2 unit over that 
 same all-gathers and reduce-scatters as a block's unit, on the "edp" axis); with zero 0 a hook
 all-reduces each expert tensor's gradient every micro-batch. With ``edp == 1`` nothing is
 reduced. Measured: tests/distributed/test_runtime_moe.py counts them on the running runtime.
+Experts folded over tp (moe.py ``experts_whole``, Megatron-Core's expert tensor parallel size 1)
+are whole on every tp rank: their group is the ``tp * dp * cp / ep`` ranks ``ep`` apart, at
+ep 1 too.
 """
 
 from __future__ import annotations
@@ -17,23 +20,28 @@ from autopar.config import ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.dp_comm import dp_collectives
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp
+from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp, experts_whole
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.graph.types import LayerProfile
 
 __all__ = ["edp_link", "local_expert_params", "unit_collectives"]
 
 
-def edp_link(cluster: Cluster, config: ParallelConfig) -> comm.GroupLink:
-    """The expert-data-parallel group's link: ``dp * cp / ep`` ranks, ``ep * tp`` apart."""
-    return comm.group_link(cluster, expert_dp(config), config.ep * config.tp)
+def edp_link(cluster: Cluster, config: ParallelConfig, whole: bool = False) -> comm.GroupLink:
+    """The expert-data-parallel group's link: ``dp * cp / ep`` ranks, ``ep * tp`` apart; with
+    the experts folded over tp (``whole``), ``tp * dp * cp / ep`` ranks ``ep`` apart."""
+    return comm.group_link(cluster, expert_dp(config, whole),
+                           config.ep * (1 if whole else config.tp))
 
 
 def local_expert_params(layer: LayerProfile, config: ParallelConfig) -> float:
-    """Routed-expert parameters of ``layer`` one rank holds under ep (after tp); 0 at ep 1."""
-    if layer.moe is None or config.ep <= 1:
+    """Routed-expert parameters of ``layer`` one rank holds on their own group (after tp;
+    whole where folded over tp); 0 at ep 1 unless folded."""
+    whole = experts_whole(layer, config.tp)
+    if layer.moe is None or (config.ep <= 1 and not whole):
         return 0.0
-    return layer.moe.routed_params / config.ep / (config.tp if tp_sharded(layer) else 1)
+    shard = config.tp if tp_sharded(layer) and not whole else 1
+    return layer.moe.routed_params / config.ep / shard
 
 
 def unit_collectives(layer: LayerProfile, config: ParallelConfig,
@@ -42,7 +50,7 @@ def unit_collectives(layer: LayerProfile, config: ParallelConfig,
     ``dp_comm.fsdp_unit_params``) and, under ep, of its routed experts (module docstring)."""
     experts = local_expert_params(layer, config) if unit_params > 0 else 0.0
     dense = dp_collectives(config, unit_params - experts)
-    if experts <= 0 or expert_dp(config) <= 1:
+    if experts <= 0 or expert_dp(config, experts_whole(layer, config.tp)) <= 1:
         return dense
     if config.zero == 0:
         hook = comm.Collective(kind="all_reduce", axis="edp",

@@ -1,13 +1,24 @@
-"""Routed experts a framework keeps whole on every tensor-parallel rank.
+"""Routed experts a framework keeps whole on tensor-parallel ranks: replicated, or folded.
 
-A framework without expert tensor parallelism (``Framework.expert_tensor_parallel`` False:
-autopar's runtime shards linears only, DeepSpeed-MoE by default) holds all E / ep routed
+Replicated: a framework without expert tensor parallelism
+(``Framework.expert_tensor_parallel`` False: autopar's runtime shards linears only,
+DeepSpeed-MoE by default) holds all E / ep routed
 experts on each of its tp ranks and runs them on every token of the (replicated) block input.
 ``replicated_experts`` costs that as the same layer with routed experts tp times wider
 (f_e -> tp f_e, so P_e and the routed FLOPs and activations grow tp-fold): divided by tp like
 the rest of the block, they come back whole, and every term of the cost model (compute,
 activations, parameters and their data-parallel traffic, ep's sharding) follows. The model
 FLOPs still count each expert once (``model_flops_once``): the repeated work is hardware work.
+
+Folded (``Framework.expert_tp_folded``: Megatron-Core's ``--expert-tensor-parallel-size 1``,
+its MoE "parallel folding", arXiv:2504.14960): the routed experts are whole on each rank and
+each tp rank routes only its own sequence shard, so nothing is repeated: a rank's expert FLOPs
+and routed activations are the tp-sharded ones (T k / tp rows, each through a whole expert),
+but its routed-expert parameters are E / ep whole experts, sharded by ZeRO over the
+``tp * dp * cp / ep`` ranks holding the same experts, and its ep group is ep consecutive ranks
+(inside a node where ep fits in one) instead of ranks tp apart. ``folded_experts`` marks the
+tensor-parallel MoE layers so (``MoEStructure.expert_tp_folded``); moe.py and ep_comm.py read
+the mark, and the MoE module issues no tp collectives of its own (``moe_tp`` "linears").
 """
 
 from __future__ import annotations
@@ -20,10 +31,22 @@ from autopar.cost_model.tables import LayerCost
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["model_flops_once", "replicated_experts"]
+__all__ = ["folded_experts", "model_flops_once", "replicated_experts"]
 
 # One widened profile per (profile, tp): a search builds thousands of tables from one profile.
 _WIDENED: IdentityCache[ModelProfile] = IdentityCache()
+_FOLDED: IdentityCache[ModelProfile] = IdentityCache()
+
+
+def folded_experts(profile: ModelProfile, tp: int) -> ModelProfile:
+    """``profile`` as a framework folding its routed experts over tp runs it (module
+    docstring): each tp-sharded MoE layer marked ``expert_tp_folded``; unchanged at tp 1."""
+    if tp <= 1 or not any(layer.moe is not None for layer in profile.layers):
+        return profile
+    return _FOLDED.get((profile,), tp, lambda: dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, expert_tp_folded=True))
+        if layer.moe is not None and tp_sharded(layer) else layer
+        for layer in profile.layers)))
 
 
 def replicated_experts(profile: ModelProfile, tp: int) -> ModelProfile:

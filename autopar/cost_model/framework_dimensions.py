@@ -7,9 +7,12 @@ all-gather per attention, exposed) or "all_gather_rotate" (torch's gather under 
 block: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
 calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
-runs them whole: moe.py ``replicated_experts``); ``moe_sequence_parallel``, mixture-of-experts
-blocks run under sequence parallelism (with experts whole on every tp rank, by gathering the
-whole sequence into the MoE module); ``moe_tp``, how MoE blocks talk over tp
+runs them whole: expert_tp.py ``replicated_experts``); ``expert_tp_folded``, routed experts
+whole on each rank with each tp rank routing its own tokens over an ep group of consecutive
+ranks (Megatron-Core's expert tensor parallel size 1: expert_tp.py ``folded_experts``);
+``moe_sequence_parallel``, mixture-of-experts blocks run under sequence parallelism (with
+experts whole on every tp rank, by gathering the whole sequence into the MoE module);
+``moe_tp``, how MoE blocks talk over tp
 (collectives.MOE_TPS, framework_support ``moe_tp_mode``): "gather" (that whole sequence),
 "boundary" (with ep off the routed experts split over tp and the MoE output, shared experts'
 included, reduced once at the module's boundary: an MLP's calls), "rows" (the dispatched rows
@@ -55,7 +58,8 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), cp_comm="all_gather", ep_with_cp=True,
         offload_optimizer_moves_params=True, expert_gemm_calls=2,
-        expert_tensor_parallel=False, moe_sequence_parallel=True, moe_tp="gather",
+        expert_tensor_parallel=False, expert_tp_folded=False, moe_sequence_parallel=True,
+        moe_tp="gather",
         attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
@@ -64,19 +68,21 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp="boundary",
+        expert_tp_folded=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
-        moe_tp="rows",
+        moe_tp="rows", expert_tp_folded=False,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=True, fused_norms=True, scatter_combine=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
+        expert_tp_folded=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False,
@@ -122,6 +128,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "linears only: the zoo's Experts tensors stay whole on "
                                   "every tp rank, which runs every token's experts "
                                   "(tests/distributed/test_runtime_moe.py tp case)",
+        "expert_tp_folded": "sourced: autopar's runtime keeps routed experts whole on every "
+                            "tp rank and runs every token's (expert_tensor_parallel above), "
+                            "not folded",
         "moe_sequence_parallel": "sourced: autopar/runtime/tensor_parallel.py gathers the "
                                  "whole sequence into a MoE module (GatherSequence: "
                                  "all-gather in, its replicated output cut back to the "
@@ -180,6 +189,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tensor_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md: with "
                                   "ep off the routed experts are TP-sharded (colwise / "
                                   "rowwise), with ep on sharded over ep",
+        "expert_tp_folded": "sourced: torchtitan v0.2.2 ParallelDims: ep borrows its ranks "
+                            "from dp_shard * cp, never from tp (no folding over tp)",
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
         "moe_tp": "sourced: torchtitan models/common/MOE_SHARDING.md: with ep off the MoE "
@@ -230,6 +241,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tensor_parallel": "sourced: Megatron-Core ModelParallelConfig."
                                   "expert_tensor_parallel_size defaults to "
                                   "tensor_model_parallel_size",
+        "expert_tp_folded": "sourced: off unless the 'expert-tp-1' setting is on "
+                            "(--expert-tensor-parallel-size defaults to the tp size)",
         "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
                                  "(training with tp > 1 and MoE expects sequence "
                                  "parallelism)",
@@ -284,6 +297,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tensor_parallel": "sourced: deepspeed/moe/layer.py MoE("
                                   "enable_expert_tensor_parallelism=False) by default: experts "
                                   "whole on every tensor-parallel rank",
+        "expert_tp_folded": "sourced: deepspeed/moe/layer.py: ep groups are cut from the "
+                            "data-parallel ranks (groups._create_expert_and_data_parallel), "
+                            "experts whole on every tp rank: not folded",
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
         "moe_tp": "sourced: deepspeed/moe/layer.py MoE keeps experts whole on every tp "
                   "rank by default (expert_tensor_parallel): only the listed linears' calls",

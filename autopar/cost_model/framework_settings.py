@@ -59,6 +59,13 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                      "--moe-flex-dispatcher-backend deepep (the default) or hybridep "
                      "(megatron/core/transformer/transformer_config.py): DeepEP's or "
                      "HybridEP's hierarchical dispatch and combine",
+        "expert-tp-1": "sourced: Megatron-LM --expert-tensor-parallel-size 1 "
+                       "(ModelParallelConfig.expert_tensor_parallel_size; default the tp "
+                       "size), Megatron-Core's MoE parallel folding (arXiv:2504.14960; "
+                       "megatron/core/parallel_state.py orders expert ranks tp-ep-dp with "
+                       "etp 1): routed experts whole on each rank, each tp rank routing its "
+                       "own sequence shard over an ep group of consecutive ranks; every "
+                       "Megatron-MoE-ModelZoo config sets it",
     }),
     "deepspeed": MappingProxyType({
         "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
@@ -79,6 +86,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "cp-rotate-alltoall": {"cp_comm": "ring"},
     "moe-force-balance": {"moe_force_balance": True},
     "ep-deepep": {"ep_dispatch": "hierarchical"},
+    "expert-tp-1": {"expert_tp_folded": True, "moe_tp": "linears"},
     "fp8-tensorwise": {"fp8_scaling": "dynamic"},
     "expandable-segments": {"fragmentation_fraction": EXPANDABLE_FRAGMENTATION},
 })

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from autopar.config import SCHEDULES
@@ -59,7 +58,7 @@ GATHER_BLOCK = "block"  # FSDP2: one unit per block, the next one prefetched
 GATHER_BUCKET = "bucket"  # DeepSpeed stage 3: parameters gathered in bounded buckets
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Framework:
     """One training framework's behaviour, as the cost model and the search use it.
 
@@ -191,6 +190,7 @@ class Framework:
     offload_optimizer_moves_params: bool = False
     expert_gemm_calls: int = 0
     expert_tensor_parallel: bool = True
+    expert_tp_folded: bool = False
     moe_sequence_parallel: bool = True
     moe_tp: str = "linears"
     attention_kernel: str = "fused"

@@ -63,7 +63,7 @@ from autopar.cost_model.dp_comm import (
     params_tp,
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
-from autopar.cost_model.expert_tp import model_flops_once, replicated_experts
+from autopar.cost_model.expert_tp import folded_experts, model_flops_once, replicated_experts
 from autopar.cost_model.framework_support import (
     model_framework,
     moe_routes_whole_sequence,
@@ -83,6 +83,7 @@ from autopar.cost_model.moe import (
     ep_layer_state,
     ep_terms,
     expert_call_flops,
+    experts_whole,
     unstated_imbalance,
 )
 from autopar.cost_model.offload import (
@@ -360,16 +361,18 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     fw = model_framework(get_framework(framework), profile)
     cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search
     whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
-    # Routed experts whole on every tp rank where the framework does not shard them
-    # (expert_tp.py).
-    profile = local if fw.expert_tensor_parallel else replicated_experts(local, cfg.tp)
+    # Routed experts whole on every tp rank where the framework does not shard them, or folded
+    # over tp (expert_tp.py).
+    profile = (replicated_experts(local, cfg.tp) if not fw.expert_tensor_parallel
+               else folded_experts(local, cfg.tp) if fw.expert_tp_folded else local)
     # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
     # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
     terms = profile_terms(profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     groups = comm.parallel_groups(cluster, cfg)
     dp_efficiency = fw.dp_comm_efficiency * (fw.zero3_comm_efficiency if cfg.zero == 3 else 1.0)
-    groups["edp"] = edp_link(cluster, cfg)
+    groups["edp"] = edp_link(cluster, cfg, whole=any(
+        experts_whole(layer, cfg.tp) for layer in profile.layers))
     for axis in ("dp", "dp_replicate", "edp"):
         link = groups[axis]
         groups[axis] = dataclasses.replace(
@@ -377,7 +380,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     groups["cp_ring"] = cp_link(cluster, cfg)
     groups["pcie"] = pcie_link(cluster)
     layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, terms)
-    if profile is not local:
+    if not fw.expert_tensor_parallel and profile is not local:
         layers = model_flops_once(layers, local, cfg.cp)
     p2p, recv_bytes = _pipeline_sends(terms.max_output_bytes, cfg, groups, ratio)
     return CostTable(

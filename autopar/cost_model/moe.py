@@ -59,6 +59,11 @@ the training dtype:
   full recompute. Expert parallelism cuts the local experts ep-fold: fewer, larger GEMMs.
 - experts whole on every tp rank (a framework without expert tensor parallelism):
   expert_tp.py.
+- experts folded over tp (``experts_whole``: Megatron-Core's expert tensor parallel size 1,
+  expert_tp.py): a rank holds E / ep whole experts, sharded by ZeRO over the ``tp dp cp / ep``
+  ranks holding the same ones (``expert_dp``), and its ep group is ep consecutive ranks (stride
+  1, Megatron-Core's expert rank order etp-ep-edp), so the all-to-all stays inside a node
+  wherever ep fits in one.
 - activations: the routed experts keep per dispatched row its input, the gate and up outputs,
   the activated product and the output (2 h + 4 f_e elements, what graph/moe.py's stand-in
   keeps); the busiest rank keeps the router imbalance times the average. The all-to-all send
@@ -87,9 +92,11 @@ __all__ = [
     "dispatch_share",
     "ep_collectives",
     "ep_layer_state",
+    "ep_stride",
     "ep_terms",
     "expert_call_flops",
     "expert_dp",
+    "experts_whole",
     "inter_node_share",
     "remote_nodes",
     "routed_imbalance",
@@ -102,12 +109,12 @@ __all__ = [
 # ``router_imbalance``: the busiest expert-parallel rank carries 1.25x the average routed rows.
 # It lies between the two families fitted by benchmarks/router_imbalance.py through this cost
 # model to Megatron-MoE-ModelZoo's dropless / force-balanced pairs on H100 at EP 8 (Mixtral
-# 8x22B 1.063; Qwen3-235B 1.65-1.71 at 16k-128k tokens).
+# 8x22B 1.063; Qwen3-235B 1.64-1.85 at 16k-128k tokens).
 DROPLESS_IMBALANCE = 1.25
-# fitted: benchmarks/router_imbalance.py, the two families' medians (Mixtral 1.063, Qwen3 1.684):
+# fitted: benchmarks/router_imbalance.py, the two families' medians (Mixtral 1.063, Qwen3 1.787):
 # the range an unstated router's imbalance is taken to lie in, which the step-time interval
 # of an expert-parallel split spans (assemble.py).
-FITTED_ROUTER_IMBALANCE_RANGE = (1.06, 1.68)
+FITTED_ROUTER_IMBALANCE_RANGE = (1.06, 1.79)
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
 A2A = "all_to_all_single"
@@ -137,9 +144,22 @@ class EpTerms:
     buffer_bytes: float = 0.0
 
 
-def expert_dp(config: ParallelConfig) -> int:
-    """Ranks the routed experts' state is sharded / reduced over: ``dp * cp / ep``."""
-    return max(1, config.data_ranks // config.ep)
+def experts_whole(layer: LayerProfile, tp: int) -> bool:
+    """Whether ``layer``'s routed experts run whole on each of its ``tp`` ranks, each rank
+    routing its own tokens (folded over tp: ``MoEStructure.expert_tp_folded``)."""
+    return layer.moe is not None and layer.moe.expert_tp_folded and tp > 1
+
+
+def expert_dp(config: ParallelConfig, whole: bool = False) -> int:
+    """Ranks the routed experts' state is sharded / reduced over: ``dp * cp / ep``, or
+    ``tp * dp * cp / ep`` with the experts whole on every tp rank (``whole``, folded)."""
+    return max(1, config.data_ranks * (config.tp if whole else 1) // config.ep)
+
+
+def ep_stride(layer: LayerProfile, config: ParallelConfig) -> int:
+    """Global ranks between two members of an ep group: tp (ep cut from the data-parallel
+    axis), or 1 for experts folded over tp (module docstring)."""
+    return 1 if experts_whole(layer, config.tp) else config.tp
 
 
 def routed_params_off_rank(layer: LayerProfile, config: ParallelConfig) -> float:
@@ -151,12 +171,16 @@ def routed_params_off_rank(layer: LayerProfile, config: ParallelConfig) -> float
 
 def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> memory.LayerState:
     """Model state of ``layer`` on one rank: the dense part ZeRO-sharded over dp, the rank's
-    E / ep routed experts over the ``expert_dp`` ranks (both after tp sharding by ``shard``)."""
-    routed = layer.moe.routed_params / shard if layer.moe is not None and config.ep > 1 else 0.0
+    E / ep routed experts over the ``expert_dp`` ranks (both after tp sharding by ``shard``;
+    folded experts are whole: ``experts_whole``)."""
+    whole = experts_whole(layer, shard)
+    routed = layer.moe.routed_params / shard if layer.moe is not None and (
+        config.ep > 1 or whole) else 0.0
     dense = memory.layer_state(layer.num_params / shard - routed, config)
     if not routed:
         return dense
-    experts = memory.layer_state(routed / config.ep, config, shard_ranks=expert_dp(config))
+    local = routed * (shard if whole else 1) / config.ep
+    experts = memory.layer_state(local, config, shard_ranks=expert_dp(config, whole))
     return memory.LayerState(
         param_bytes=dense.param_bytes + experts.param_bytes,
         grad_bytes=dense.grad_bytes + experts.grad_bytes,
@@ -258,8 +282,9 @@ def ep_terms(
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     size = rows / _tokens_div(config, whole_sequence) * moe.hidden * w
     act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
-    share = dispatch_share(cluster, config.ep, config.tp, moe, dispatch)
-    none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, config.tp,
+    stride = ep_stride(layer, config)
+    share = dispatch_share(cluster, config.ep, stride, moe, dispatch)
+    none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, stride,
                                                          c.size_bytes, share) for c in calls))
                        for calls in ep_collectives(layer, config, seq_len=seq_len,
                                                    force_balance=force_balance,

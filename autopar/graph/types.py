@@ -102,6 +102,11 @@ class MoEStructure:
             gathers the whole sequence into that module (framework_support
             ``moe_tp_mode``), so the tp collectives of its linears differ from the
             rest of the block's. In JSON only when set.
+        expert_tp_folded: the routed experts run whole on each rank of a tensor-parallel
+            layer, each tp rank routing its own tokens to an ep group of consecutive ranks
+            (Megatron-Core's ``--expert-tensor-parallel-size 1``). Never profiled: the cost
+            model's view of a layer as such a framework runs it
+            (``cost_model.expert_tp.folded_experts``). In JSON only when set.
     """
 
     experts: int
@@ -114,11 +119,12 @@ class MoEStructure:
     router_imbalance: float = 0.0
     ep_blocker: str = ""
     module: str = ""
+    expert_tp_folded: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record."""
         data = dataclasses.asdict(self)
-        for name in ("router_imbalance", "ep_blocker", "module"):
+        for name in ("router_imbalance", "ep_blocker", "module", "expert_tp_folded"):
             if not data[name]:
                 del data[name]
         return data

@@ -178,7 +178,7 @@ def test_hf_config_states_it_with_a_router_imbalance_key_and_a_block_wins_over_i
 
 def test_interval_spans_the_fitted_imbalance_range_where_the_model_states_none():
     """An ep split of a model that states no router imbalance is costed at the default; its
-    interval reaches the fitted range's ends (the step at 1.06 and at 1.68, up to the band);
+    interval reaches the fitted range's ends (the step at 1.06 and at 1.79, up to the band);
     a stated imbalance or a force-balanced router leaves only the framework's band."""
     from autopar.cost_model.moe import FITTED_ROUTER_IMBALANCE_RANGE
 

@@ -1,0 +1,118 @@
+"""Megatron-Core's MoE parallel folding (setting ``expert-tp-1``): routed experts whole on each
+rank, each tp rank routing its own tokens over an ep group of consecutive ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.config import ParallelConfig
+from autopar.cost_model.dp_comm import params_tp
+from autopar.cost_model.ep_comm import edp_link
+from autopar.cost_model.expert_tp import folded_experts
+from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.moe import ep_stride, expert_dp, experts_whole
+from autopar.exporters import export_plan
+from autopar.search import plan_from_config
+from tests.unit.test_search_planner import moe_profile
+
+PROFILE = moe_profile(2, 1024, 8, s=512)
+MOE = PROFILE.layers[1].moe
+TWO_NODES = Cluster.preset("h100", nodes=2)  # 16 GPUs, 8 a node
+FOLDED = "megatron-lm+expert-tp-1"
+
+
+def _cfg(**kw) -> ParallelConfig:
+    base = dict(dp=4, tp=4, ep=4, zero=1, sequence_parallel=True, global_batch=32,
+                micro_batch=1)
+    return ParallelConfig(**{**base, **kw})
+
+
+def _block(framework, cfg: ParallelConfig, cluster: Cluster = TWO_NODES):
+    return build_cost_table(PROFILE, cluster, cfg, framework).layers[1]
+
+
+def test_setting_folds_megatrons_experts_only():
+    fw = get_framework(FOLDED)
+    assert fw.expert_tp_folded and fw.moe_tp == "linears"
+    assert not get_framework("megatron-lm").expert_tp_folded
+    assert "expert_tp_folded" in fw.sources
+    with pytest.raises(ValueError, match="expert-tp-1"):
+        get_framework("torchtitan+expert-tp-1")
+
+
+def test_folded_experts_are_whole_and_zero_sharded_over_tp_dp_over_ep():
+    """Each rank holds E / ep whole experts (not E / ep / tp), their ZeRO shard group the
+    tp dp / ep ranks holding the same ones: the optimizer state per rank is the same, the
+    16-bit weights tp times more; the FLOPs a rank runs are the same."""
+    cfg = _cfg()
+    layer, folded = PROFILE.layers[1], folded_experts(PROFILE, cfg.tp).layers[1]
+    assert experts_whole(folded, cfg.tp) and not experts_whole(layer, cfg.tp)
+    assert params_tp(folded, cfg) - params_tp(layer, cfg) == pytest.approx(
+        MOE.routed_params / cfg.ep * (1 - 1 / cfg.tp))
+    assert expert_dp(cfg, whole=True) == cfg.tp * cfg.dp // cfg.ep == 4
+    assert expert_dp(cfg) == 1
+    sharded, whole = _block("megatron-lm", cfg), _block(FOLDED, cfg)
+    assert whole.model_flops_per_sample == pytest.approx(sharded.model_flops_per_sample)
+    assert whole.recompute_flops_per_sample == pytest.approx(sharded.recompute_flops_per_sample)
+    assert whole.optimizer_bytes == pytest.approx(sharded.optimizer_bytes)
+    assert whole.param_bytes > sharded.param_bytes
+
+
+def test_folded_moe_module_issues_no_routed_rows_over_tp():
+    """Megatron's default (experts sharded over tp) all-gathers the dispatched rows over tp and
+    reduce-scatters them back ("rows"); folded, only the listed linears talk over tp."""
+    cfg = _cfg()
+    sharded, whole = _block("megatron-lm", cfg), _block(FOLDED, cfg)
+    linears = _block(dataclasses.replace(get_framework("megatron-lm"), moe_tp="linears"), cfg)
+    assert whole.tp_comm_s == pytest.approx(linears.tp_comm_s)
+    assert whole.tp_comm_s[0] < sharded.tp_comm_s[0]
+
+
+def test_folded_ep_group_is_consecutive_ranks():
+    """ep 4 at tp 4: ranks 4 apart span two 8-GPU nodes; folded, 4 consecutive ranks share
+    one. The folded all-to-all on 8-GPU nodes costs what the sharded one costs where its
+    group also fits in a node (16-GPU nodes)."""
+    cfg = _cfg()
+    folded = folded_experts(PROFILE, cfg.tp).layers[1]
+    assert ep_stride(folded, cfg) == 1 and ep_stride(PROFILE.layers[1], cfg) == cfg.tp
+    wide = Cluster.preset("h100", nodes=1, gpus_per_node=16)
+    sharded, whole = _block("megatron-lm", cfg), _block(FOLDED, cfg)
+    assert whole.ep_comm_s[0] < sharded.ep_comm_s[0] / 2
+    in_node = _block(dataclasses.replace(get_framework("megatron-lm"), moe_tp="linears"),
+                     cfg, wide)
+    assert whole.ep_comm_s == pytest.approx(in_node.ep_comm_s, rel=0.01)
+    # the experts' data-parallel group: tp dp / ep = 4 ranks, ep = 4 apart (0, 4, 8, 12)
+    link = edp_link(TWO_NODES, cfg, whole=True)
+    assert link == edp_link(TWO_NODES, dataclasses.replace(cfg, tp=1, dp=16), whole=False)
+
+
+def test_folding_changes_nothing_without_tp():
+    cfg = _cfg(dp=16, tp=1, sequence_parallel=False)
+    plain, folded = _block("megatron-lm", cfg), _block(FOLDED, cfg)
+    assert dataclasses.replace(folded, name=plain.name) == plain
+
+
+def test_folded_experts_at_ep_1_are_whole_on_every_tp_rank():
+    """ep 1, tp 4: every rank holds all routed experts whole, their ZeRO group tp dp."""
+    cfg = _cfg(ep=1)
+    folded = folded_experts(PROFILE, cfg.tp).layers[1]
+    assert params_tp(folded, cfg) == pytest.approx(
+        (PROFILE.layers[1].num_params - MOE.routed_params) / cfg.tp + MOE.routed_params)
+    assert expert_dp(cfg, whole=True) == 16
+    assert _block(FOLDED, cfg).ep_comm_s == (0.0, 0.0, 0.0)
+
+
+def test_megatron_export_writes_the_folding():
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    profile = moe_profile(2, 256, 8, s=128)
+    cfg = ParallelConfig(dp=2, tp=2, ep=2, zero=1, sequence_parallel=True, global_batch=8)
+    folded = plan_from_config(profile, cluster, cfg, model="moe", framework=FOLDED)
+    plain = plan_from_config(profile, cluster, cfg, model="moe", framework="megatron-lm")
+    text = export_plan(folded, "megatron").text
+    assert "--expert-tensor-parallel-size 1" in text and "--expert-tp-1" not in text
+    assert "--expert-tensor-parallel-size" not in export_plan(plain, "megatron").text
+    assert folded.framework == FOLDED

@@ -222,19 +222,23 @@ def _experts_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
     from autopar.cost_model.frameworks import get_framework
     from autopar.cost_model.moe import routed_imbalance
 
+    fw = get_framework(getattr(plan, "framework", "autopar"))
     head = f"[bold]Experts[/bold] {moe.experts} routed, top-{moe.top_k}"
+    folded = ("; experts whole on each rank, each tp rank routing its own tokens (folded "
+              "over tp: --expert-tensor-parallel-size 1)"
+              if fw.expert_tp_folded and config.tp > 1 else "")
     if moe.capacity_factor > 0:
         return [f"{head}, capacity factor {moe.capacity_factor:g}: every expert runs its padded "
-                f"capacity"]
+                f"capacity{folded}"]
     if config.ep <= 1:
         return [f"{head}, dropless; no expert parallelism: each rank runs its own tokens' "
-                f"experts, no router imbalance to pay"]
-    force = get_framework(getattr(plan, "framework", "autopar")).moe_force_balance
-    why = ("the framework forces the router's balance" if force
+                f"experts, no router imbalance to pay{folded}"]
+    why = ("the framework forces the router's balance" if fw.moe_force_balance
            else "the model's router_imbalance" if moe.router_imbalance
            else "the default: the model states no router_imbalance")
     return [f"{head}, dropless: the busiest of ep {config.ep} ranks takes "
-            f"{routed_imbalance(moe, force):.2f}x its share of routed rows ({why})"]
+            f"{routed_imbalance(moe, fw.moe_force_balance):.2f}x its share of routed rows "
+            f"({why}){folded}"]
 
 
 def _layer_text(ranges: Sequence[Sequence[int]]) -> str:

@@ -11,7 +11,11 @@ the default for a model that states none (``cost_model.moe.DROPLESS_IMBALANCE``)
 showed before (dp=4 tp=4 pp=4) as autopar's runtime runs it (experts whole on every tp rank);
 NeMo's split for Megatron-LM against EP 4 x TP 2 at the fitted and the default imbalance;
 megatron-lm's plan; and torchtitan's, without and with a force-balanced router and DeepEP's
-dispatch (its two settings).
+dispatch (its two settings). Then Mixtral 8x22B on 128 H100 (global batch 256, bf16, the
+Megatron-MoE-ModelZoo benchmark's model, GPUs and batch): megatron-lm's plan, whose framework
+spec says whether the planner chose Megatron-Core's experts folded over tp (``expert-tp-1``,
+a searched setting), and the ModelZoo's own layout (TP 2 PP 8 EP 8 VPP 7) with the experts
+split over tp (Megatron's default) and folded (what the ModelZoo runs).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import autopar
 from autopar.config import ParallelConfig
 from autopar.cost_model.moe import DROPLESS_IMBALANCE
 from autopar.models.presets import MIXTRAL_ROUTER_IMBALANCE
+from autopar.search import SearchOptions
 
 GPUS, BATCH = 64, 512
 EP_SPLIT = ParallelConfig(dp=16, pp=4, ep=8, zero=1, micro_batch=1, global_batch=BATCH,
@@ -66,11 +71,29 @@ def main() -> int:
               + " against ".join(f"{e.step_time_s:.2f} s ({e.memory_per_gpu_bytes / 2**30:.1f}"
                                  f" GiB)" for e in times))
     mega = autopar.plan(profile, cluster, BATCH, framework="megatron-lm")
-    print(f"megatron-lm plan: {_split(mega.config)}  {mega.estimate.step_time_s:.2f} s")
+    print(f"megatron-lm plan: {_split(mega.config)}  {mega.estimate.step_time_s:.2f} s "
+          f"({mega.framework})")
     for fw in ("torchtitan", "torchtitan+moe-force-balance+ep-deepep"):
         titan = autopar.plan(profile, cluster, BATCH, framework=fw)
         print(f"{fw} plan: {_split(titan.config)}  {titan.estimate.step_time_s:.2f} s")
+    _mixtral_8x22b()
     return 0
+
+
+def _mixtral_8x22b() -> None:
+    """Megatron-LM's plan for Mixtral 8x22B on the ModelZoo's 128 H100, and its layout."""
+    profile = autopar.profile(autopar.models.build("mixtral-8x22b"))
+    cluster = autopar.Cluster.preset("h100", nodes=16)
+    mega = autopar.plan(profile, cluster, 256, framework="megatron-lm",
+                        options=SearchOptions(dtype="bf16"))
+    print(f"mixtral-8x22b on 128 h100, megatron-lm plan: {_split(mega.config)}  "
+          f"{mega.estimate.step_time_s:.2f} s ({mega.framework})")
+    zoo = ParallelConfig(dp=8, tp=2, pp=8, ep=8, zero=1, micro_batch=1, global_batch=256,
+                         schedule="interleaved-1f1b", virtual_stages=7, sequence_parallel=True)
+    for fw in ("megatron-lm", "megatron-lm+expert-tp-1"):
+        est = autopar.estimate(profile, cluster, zoo, framework=fw)
+        print(f"  the ModelZoo's layout TP 2 PP 8 EP 8 VPP 7 under {fw}: "
+              f"{est.step_time_s:.2f} s, {est.memory_per_gpu_bytes / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

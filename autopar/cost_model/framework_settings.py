@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "OVERLAP_SOURCES", "SETTINGS",
-           "SETTING_EFFECTS", "SETTING_OFF"]
+__all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "OVERLAP_SOURCES", "SEARCHED_SETTINGS",
+           "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
 # what each one changes is in ``SETTING_EFFECTS``.
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
@@ -94,6 +94,12 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
               "the next unit (torch/distributed/fsdp/_fully_shard)")
 SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framework's default)"
+# Settings that are parallelism choices rather than the environment's: the planner plans with
+# each off and on (where the model has what it changes: "moe", mixture-of-experts layers) and
+# keeps the faster plan, whose framework spec then names it (search/dimensions.py).
+SEARCHED_SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "megatron-lm": MappingProxyType({"expert-tp-1": "moe"}),
+})
 # Where each framework's overlap fields come from (its record's ``sources``).
 OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
     "autopar": {

@@ -15,6 +15,10 @@
   communicates what bf16 does (2-byte parameters, gradients, activations), so it differs only
   in compute; when every layer computes faster in fp8 at the smallest matmuls the search
   considers (the widest tp, one sequence a micro-batch), bf16 cannot win and is not costed.
+- framework settings that are parallelism choices (``SEARCHED_SETTINGS``: Megatron-LM's
+  ``expert-tp-1``, its experts folded over tp): the whole search runs once per combination
+  for a model they apply to (``framework_variants``), and the faster plan wins; its framework
+  spec names the settings, so the export writes their flags.
 - offload: when no candidate fits without it, the offloaded variants of those whose memory
   lower bound exceeds the capacity, with the settings the framework and ``options.offloads``
   allow (planner.plan's second pass). The cost model charges offload only extra time (copies,
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.framework_settings import SEARCHED_SETTINGS
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.cost_model.layer_costs import build_cost_table
@@ -39,9 +44,25 @@ __all__ = [
     "cp_choices",
     "dominant_dtypes",
     "dtype_choices",
+    "framework_variants",
     "offload_variants",
     "replicate_choices",
 ]
+
+
+def framework_variants(spec: str, profile: ModelProfile) -> tuple[str, ...]:
+    """The framework specs the planner searches for ``spec`` (module docstring): ``spec``
+    first, then with each ``SEARCHED_SETTINGS`` combination it leaves off that applies to the
+    profile (a "moe" setting to a model with mixture-of-experts layers)."""
+    fw = get_framework(spec)
+    has_moe = any(layer.moe is not None for layer in profile.layers)
+    extra = [name for name, needs in SEARCHED_SETTINGS.get(fw.name, {}).items()
+             if name not in fw.settings and (needs != "moe" or has_moe)]
+    combos: list[tuple[str, ...]] = [fw.settings]
+    for name in extra:
+        combos += [(*combo, name) for combo in combos]
+    return tuple(dict.fromkeys(get_framework("+".join((fw.name, *combo))).spec
+                               for combo in combos))
 
 
 def cp_choices(data_ranks: int, seq_len: int | None, options: SearchOptions,

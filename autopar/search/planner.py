@@ -42,7 +42,12 @@ from autopar.search.bounds import (
     summarize,
     time_lower_bound,
 )
-from autopar.search.dimensions import dominant_dtypes, dtype_choices, offload_variants
+from autopar.search.dimensions import (
+    dominant_dtypes,
+    dtype_choices,
+    framework_variants,
+    offload_variants,
+)
 from autopar.search.infeasible import infeasible_error
 from autopar.search.options import SearchOptions
 from autopar.search.plan_records import plan_record, robust_order
@@ -301,6 +306,27 @@ def plan(
         options = dataclasses.replace(options, framework=framework)
     _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile.seq_len)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+    plans: list[Plan] = []
+    refusals: list[InfeasiblePlanError] = []
+    for spec in framework_variants(options.framework, profile):  # its searched settings
+        try:
+            plans += _plan_one(profile, cluster, global_batch, top_k, model,
+                               dataclasses.replace(options, framework=spec), progress,
+                               (deadline, time_budget_s))
+        except InfeasiblePlanError as refused:
+            refusals.append(refused)
+    if not plans:
+        raise refusals[0]  # the framework as asked for
+    plans.sort(key=lambda p: p.estimate.step_time_s)  # stable: ties keep the asked-for one
+    plans = robust_order(plans)[:top_k] if options.robust else plans[:top_k]
+    return plans[0] if top_k == 1 else plans
+
+
+def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
+              options: SearchOptions, progress, budget: tuple) -> list[Plan]:
+    """The best ``top_k`` plans of one framework spec (``plan``), best first; ``budget``:
+    (the deadline, the whole search's time budget in seconds), both None without one."""
+    deadline, time_budget_s = budget
     wanted = top_k
     if options.robust:  # re-rank the best few by their pessimistic step time (``_robust``)
         top_k = max(top_k, ROBUST_POOL)
@@ -315,8 +341,7 @@ def plan(
         )
     if not state.best:
         raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
-    plans = _best_plans(profile, cluster, state, model, options, wanted)
-    return plans[0] if wanted == 1 else plans
+    return _best_plans(profile, cluster, state, model, options, wanted)
 
 
 def _search_all(profile, cluster, configs, top_k, options, progress, deadline):

@@ -17,7 +17,7 @@ from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.moe import ep_stride, expert_dp, experts_whole
 from autopar.exporters import export_plan
 from autopar.search import plan_from_config
-from tests.unit.test_search_planner import moe_profile
+from tests.unit.test_search_planner import gpt_profile, moe_profile
 
 PROFILE = moe_profile(2, 1024, 8, s=512)
 MOE = PROFILE.layers[1].moe
@@ -116,3 +116,31 @@ def test_megatron_export_writes_the_folding():
     assert "--expert-tensor-parallel-size 1" in text and "--expert-tp-1" not in text
     assert "--expert-tensor-parallel-size" not in export_plan(plain, "megatron").text
     assert folded.framework == FOLDED
+
+
+def test_planner_searches_the_folding_for_megatron_moe_models():
+    """``expert-tp-1`` is a parallelism choice: the planner plans Megatron-LM with it off and on
+    for a model with experts and keeps the faster plan, whose spec names it; nothing else."""
+    from autopar.search.dimensions import framework_variants
+
+    dense = gpt_profile(2, 256, 8, s=128, vocab=4096)
+    assert framework_variants("megatron-lm", PROFILE) == ("megatron-lm", FOLDED)
+    assert framework_variants("megatron-lm", dense) == ("megatron-lm",)
+    assert framework_variants(FOLDED, PROFILE) == (FOLDED,)
+    assert framework_variants("torchtitan", PROFILE) == ("torchtitan",)
+    assert framework_variants("megatron-lm+moe-force-balance", PROFILE) == (
+        "megatron-lm+moe-force-balance", "megatron-lm+expert-tp-1+moe-force-balance")
+
+
+def test_planned_megatron_moe_split_is_the_faster_of_folded_and_not():
+    from autopar.search import SearchOptions, plan
+    from autopar.search.planner import _plan_one
+
+    options = SearchOptions(framework="megatron-lm")
+    best = plan(PROFILE, TWO_NODES, 64, options=options)
+    each = [_plan_one(PROFILE, TWO_NODES, 64, 1, "", dataclasses.replace(
+        options, framework=spec), None, (None, None))[0] for spec in ("megatron-lm", FOLDED)]
+    faster = min(each, key=lambda p: p.estimate.step_time_s)
+    assert best.estimate.step_time_s == faster.estimate.step_time_s
+    assert best.framework == faster.framework
+    assert best.to_json() == plan(PROFILE, TWO_NODES, 64, options=options).to_json()

@@ -9,7 +9,8 @@ calls per local expert of a framework that loops over its experts (0: one groupe
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: expert_tp.py ``replicated_experts``); ``expert_tp_folded``, routed experts
 whole on each rank with each tp rank routing its own tokens over an ep group of consecutive
-ranks (Megatron-Core's expert tensor parallel size 1: expert_tp.py ``folded_experts``);
+ranks (Megatron-Core's expert tensor parallel size 1: expert_tp.py ``folded_experts``), and
+``fold_needs_ep``, only with ep > 1 (else the experts stay split over tp);
 ``moe_sequence_parallel``, mixture-of-experts blocks run under sequence parallelism (with
 experts whole on every tp rank, by gathering the whole sequence into the MoE module);
 ``moe_tp``, how MoE blocks talk over tp
@@ -68,7 +69,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         context_parallel=True, hsdp=True, offloads=("none", "params"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp="boundary",
-        expert_tp_folded=False,
+        expert_tp_folded=False, fold_needs_ep=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False,
     ),
@@ -131,6 +132,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tp_folded": "sourced: autopar's runtime keeps routed experts whole on every "
                             "tp rank and runs every token's (expert_tensor_parallel above), "
                             "not folded",
+        "fold_needs_ep": "sourced: no folding (expert_tp_folded)",
         "moe_sequence_parallel": "sourced: autopar/runtime/tensor_parallel.py gathers the "
                                  "whole sequence into a MoE module (GatherSequence: "
                                  "all-gather in, its replicated output cut back to the "
@@ -189,8 +191,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tensor_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md: with "
                                   "ep off the routed experts are TP-sharded (colwise / "
                                   "rowwise), with ep on sharded over ep",
-        "expert_tp_folded": "sourced: torchtitan v0.2.2 ParallelDims: ep borrows its ranks "
-                            "from dp_shard * cp, never from tp (no folding over tp)",
+        "expert_tp_folded": "sourced: off unless the 'expert-tp-1' setting is on (autopar's "
+                            "torchtitan export writes expert_tensor_parallel_degree = tp)",
+        "fold_needs_ep": "sourced: torchtitan v0.2.2 job_config.py "
+                         "expert_tensor_parallel_degree 'No effect ... when ep = 1'",
         "moe_sequence_parallel": "sourced: torchtitan models/common/MOE_SHARDING.md (SP on: "
                                  "the MoE input Shard(1) -> Replicate, output -> Shard(1))",
         "moe_tp": "sourced: torchtitan models/common/MOE_SHARDING.md: with ep off the MoE "
@@ -243,6 +247,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                   "tensor_model_parallel_size",
         "expert_tp_folded": "sourced: off unless the 'expert-tp-1' setting is on "
                             "(--expert-tensor-parallel-size defaults to the tp size)",
+        "fold_needs_ep": "sourced: megatron/core/parallel_state.py builds the expert groups "
+                         "from expert_tensor_parallel_size at any ep, ep 1 included",
         "moe_sequence_parallel": "sourced: megatron/core/transformer/moe/moe_layer.py "
                                  "(training with tp > 1 and MoE expects sequence "
                                  "parallelism)",
@@ -300,6 +306,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "expert_tp_folded": "sourced: deepspeed/moe/layer.py: ep groups are cut from the "
                             "data-parallel ranks (groups._create_expert_and_data_parallel), "
                             "experts whole on every tp rank: not folded",
+        "fold_needs_ep": "sourced: no folding (expert_tp_folded)",
         "moe_sequence_parallel": "sourced: no sequence parallelism (sequence_parallel=False)",
         "moe_tp": "sourced: deepspeed/moe/layer.py MoE keeps experts whole on every tp "
                   "rank by default (expert_tensor_parallel): only the listed linears' calls",

@@ -35,6 +35,11 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
         "ep-deepep": "sourced: torchtitan v0.2.2 job_config.py "
                      "parallelism.expert_parallel_comm_backend = 'deepep' (default "
                      "'standard', torch all-to-all): DeepEP's dispatch and combine kernels",
+        "expert-tp-1": "sourced: torchtitan v0.2.2 job_config.py "
+                       "parallelism.expert_tensor_parallel_degree = 1 ('[partial dp + all "
+                       "tp -> ep]'; no effect at ep 1): ParallelDims' sparse mesh (pp, "
+                       "dp_replicate, efsdp, ep, etp) puts ep on consecutive ranks, efsdp = "
+                       "dp_shard * cp * tp / ep",
     }),
     "megatron-lm": MappingProxyType({
         "tp-comm-overlap": _MEGATRON_ARGS + "--tp-comm-overlap: Transformer Engine userbuffers "
@@ -86,7 +91,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "cp-rotate-alltoall": {"cp_comm": "ring"},
     "moe-force-balance": {"moe_force_balance": True},
     "ep-deepep": {"ep_dispatch": "hierarchical"},
-    "expert-tp-1": {"expert_tp_folded": True, "moe_tp": "linears"},
+    "expert-tp-1": {"expert_tp_folded": True},
     "fp8-tensorwise": {"fp8_scaling": "dynamic"},
     "expandable-segments": {"fragmentation_fraction": EXPANDABLE_FRAGMENTATION},
 })
@@ -98,6 +103,7 @@ SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framewo
 # each off and on (where the model has what it changes: "moe", mixture-of-experts layers) and
 # keeps the faster plan, whose framework spec then names it (search/dimensions.py).
 SEARCHED_SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "torchtitan": MappingProxyType({"expert-tp-1": "moe"}),
     "megatron-lm": MappingProxyType({"expert-tp-1": "moe"}),
 })
 # Where each framework's overlap fields come from (its record's ``sources``).

@@ -154,11 +154,19 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
     return None
 
 
+def folds_experts(framework: Framework, config) -> bool:
+    """Whether ``framework`` runs ``config``'s routed experts folded over tp (whole on each
+    rank, each tp rank routing its own tokens: ``Framework.expert_tp_folded``, at ep > 1 only
+    where ``fold_needs_ep``; expert_tp.py)."""
+    return framework.expert_tp_folded and config.tp > 1 and (
+        config.ep > 1 or not framework.fold_needs_ep)
+
+
 def moe_tp_mode(framework: Framework, config) -> str:
     """How ``framework``'s MoE blocks talk over tp under ``config`` (``Framework.moe_tp``;
     ``collectives.block_tp_calls``): "boundary" holds with ep off only (with ep on each tp
-    rank routes its own tokens: "linears")."""
-    if framework.moe_tp == "boundary" and config.ep > 1:
+    rank routes its own tokens: "linears"); folded experts gather nothing ("linears")."""
+    if (framework.moe_tp == "boundary" and config.ep > 1) or folds_experts(framework, config):
         return "linears"
     return framework.moe_tp
 

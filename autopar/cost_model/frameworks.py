@@ -121,9 +121,8 @@ class Framework:
         exports: autopar's export formats that configure this framework.
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
-        step_time_band: (low, high) factors on the predicted step time that hold 80% of this
-            framework's leave-one-source-out outcomes (the 10th and 90th percentile of measured
-            over predicted step time).
+        step_time_band: (low, high) factors on the predicted step time holding 80% of this
+            framework's leave-one-source-out outcomes (measured / predicted, p10 and p90).
         context_parallel ... scatter_combine: the other dimensions and kernels, each field of
             framework_dimensions.DIMENSIONS (documented there).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
@@ -191,6 +190,7 @@ class Framework:
     expert_gemm_calls: int = 0
     expert_tensor_parallel: bool = True
     expert_tp_folded: bool = False
+    fold_needs_ep: bool = False
     moe_sequence_parallel: bool = True
     moe_tp: str = "linears"
     attention_kernel: str = "fused"

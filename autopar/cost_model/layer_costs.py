@@ -65,6 +65,7 @@ from autopar.cost_model.dp_comm import (
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import folded_experts, model_flops_once, replicated_experts
 from autopar.cost_model.framework_support import (
+    folds_experts,
     model_framework,
     moe_routes_whole_sequence,
     moe_tp_mode,
@@ -364,7 +365,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     # Routed experts whole on every tp rank where the framework does not shard them, or folded
     # over tp (expert_tp.py).
     profile = (replicated_experts(local, cfg.tp) if not fw.expert_tensor_parallel
-               else folded_experts(local, cfg.tp) if fw.expert_tp_folded else local)
+               else folded_experts(local, cfg.tp) if folds_experts(fw, cfg) else local)
     # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
     # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
     terms = profile_terms(profile)

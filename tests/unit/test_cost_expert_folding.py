@@ -35,13 +35,17 @@ def _block(framework, cfg: ParallelConfig, cluster: Cluster = TWO_NODES):
     return build_cost_table(PROFILE, cluster, cfg, framework).layers[1]
 
 
-def test_setting_folds_megatrons_experts_only():
+def test_setting_folds_megatrons_and_torchtitans_experts_only():
+    from autopar.cost_model.framework_support import moe_tp_mode
+
     fw = get_framework(FOLDED)
-    assert fw.expert_tp_folded and fw.moe_tp == "linears"
+    assert fw.expert_tp_folded and moe_tp_mode(fw, _cfg()) == "linears"
+    assert moe_tp_mode(get_framework("megatron-lm"), _cfg()) == "rows"
     assert not get_framework("megatron-lm").expert_tp_folded
     assert "expert_tp_folded" in fw.sources
+    assert get_framework("torchtitan+expert-tp-1").fold_needs_ep
     with pytest.raises(ValueError, match="expert-tp-1"):
-        get_framework("torchtitan+expert-tp-1")
+        get_framework("deepspeed+expert-tp-1")
 
 
 def test_folded_experts_are_whole_and_zero_sharded_over_tp_dp_over_ep():
@@ -127,7 +131,8 @@ def test_planner_searches_the_folding_for_megatron_moe_models():
     assert framework_variants("megatron-lm", PROFILE) == ("megatron-lm", FOLDED)
     assert framework_variants("megatron-lm", dense) == ("megatron-lm",)
     assert framework_variants(FOLDED, PROFILE) == (FOLDED,)
-    assert framework_variants("torchtitan", PROFILE) == ("torchtitan",)
+    assert framework_variants("torchtitan", PROFILE) == ("torchtitan", "torchtitan+expert-tp-1")
+    assert framework_variants("autopar", PROFILE) == ("autopar",)
     assert framework_variants("megatron-lm+moe-force-balance", PROFILE) == (
         "megatron-lm+moe-force-balance", "megatron-lm+expert-tp-1+moe-force-balance")
 
@@ -144,3 +149,23 @@ def test_planned_megatron_moe_split_is_the_faster_of_folded_and_not():
     assert best.estimate.step_time_s == faster.estimate.step_time_s
     assert best.framework == faster.framework
     assert best.to_json() == plan(PROFILE, TWO_NODES, 64, options=options).to_json()
+
+
+def test_torchtitan_folds_its_experts_with_ep_only():
+    """torchtitan's expert_tensor_parallel_degree = 1 ("partial dp + all tp -> ep") has no
+    effect at ep 1: the experts stay split over tp there; at ep > 1 they are folded as
+    Megatron-LM's, and the torchtitan export writes the degree the prediction assumed."""
+    titan = "torchtitan+expert-tp-1"
+    at_ep1 = _cfg(ep=1)
+    plain, setting = _block("torchtitan", at_ep1), _block(titan, at_ep1)
+    assert dataclasses.replace(setting, name=plain.name) == plain
+    cfg = _cfg()
+    split, whole = _block("torchtitan", cfg), _block(titan, cfg)
+    assert whole.optimizer_bytes == pytest.approx(split.optimizer_bytes)
+    assert whole.param_bytes > split.param_bytes and whole.ep_comm_s[0] < split.ep_comm_s[0]
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    profile = moe_profile(2, 256, 8, s=128)
+    small = ParallelConfig(dp=2, tp=2, ep=2, zero=1, sequence_parallel=True, global_batch=8)
+    for spec, etp in ((titan, 1), ("torchtitan", 2)):
+        plan = plan_from_config(profile, cluster, small, model="moe", framework=spec)
+        assert f"expert_tensor_parallel_degree = {etp}" in export_plan(plan, "torchtitan").text

@@ -148,7 +148,7 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
     }
     if cfg.ep > 1:  # torchtitan's "partial dp -> ep" (etp = tp), or with the experts folded
         # over tp (setting expert-tp-1) its "partial dp + all tp -> ep" (etp = 1)
-        folded = get_framework(plan.framework).expert_tp_folded and cfg.tp > 1
+        folded = get_framework(plan.framework).expert_tp_folded
         parallelism.update(expert_parallel_degree=cfg.ep,
                            expert_tensor_parallel_degree=1 if folded else cfg.tp)
         if get_framework(plan.framework).ep_dispatch == "hierarchical":  # setting ep-deepep

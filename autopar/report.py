@@ -219,14 +219,14 @@ def _experts_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
     moe = getattr(plan, "moe", None)
     if moe is None:
         return []
+    from autopar.cost_model.framework_support import folds_experts
     from autopar.cost_model.frameworks import get_framework
     from autopar.cost_model.moe import routed_imbalance
 
     fw = get_framework(getattr(plan, "framework", "autopar"))
     head = f"[bold]Experts[/bold] {moe.experts} routed, top-{moe.top_k}"
     folded = ("; experts whole on each rank, each tp rank routing its own tokens (folded "
-              "over tp: --expert-tensor-parallel-size 1)"
-              if fw.expert_tp_folded and config.tp > 1 else "")
+              "over tp: expert-tp-1)" if folds_experts(fw, config) else "")
     if moe.capacity_factor > 0:
         return [f"{head}, capacity factor {moe.capacity_factor:g}: every expert runs its padded "
                 f"capacity{folded}"]

@@ -139,6 +139,11 @@ def test_mixtral_plan_on_64_h100_uses_expert_parallelism():
      "takes 1.00x its share of routed rows (the framework forces the router's balance)"),
     ("", [], "no expert parallelism: each rank runs its own tokens' experts"),
     (",capacity_factor=1.25", [], "capacity factor 1.25: every expert runs its padded capacity"),
+    ("", ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel",
+          "--framework", "megatron-lm+expert-tp-1"],
+     "experts whole on each rank, each tp rank routing its own tokens (folded over tp"),
+    ("", ["--dp", "2", "--tp", "2", "--zero", "1", "--sequence-parallel", "--framework",
+          "torchtitan+expert-tp-1"], "no router imbalance to pay"),
 ])
 def test_report_says_how_the_routed_rows_were_costed(capsys, options, args, says):
     from autopar.cli import main
@@ -149,6 +154,8 @@ def test_report_says_how_the_routed_rows_were_costed(capsys, options, args, says
     assert code == 0
     assert "Experts 4 routed, top-2" in out
     assert says in out
+    if "--tp" in args and "--ep" not in args:  # torchtitan folds its experts with ep only
+        assert "folded" not in out
 
 
 HF_MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=128,

@@ -1,9 +1,10 @@
-"""The settings a framework's user switches on, what each changes, what each requires, and the
-sources of the overlap fields they switch.
+"""The settings a framework's user switches on, what each changes, what each requires, which
+the planner searches, and the sources of the overlap fields they switch.
 
 Each setting is off by default, as in the framework itself; ``get_framework("megatron-lm+
 tp-comm-overlap")`` turns one on (``Framework.with_settings``), which sets the record fields of
-``SETTING_EFFECTS``; what each requires of a split is in ``framework_support.py``.
+``SETTING_EFFECTS``; what each requires of a split is in ``framework_support.py``. A setting
+that is a parallelism choice (``SEARCHED_SETTINGS``) the planner also tries by itself.
 """
 
 from __future__ import annotations

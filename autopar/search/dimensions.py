@@ -1,4 +1,5 @@
-"""The search's choices of the dimensions beyond dp x tp x pp: cp, HSDP, offload, precision.
+"""The search's choices of the dimensions beyond dp x tp x pp: cp, HSDP, offload, precision, and
+the framework settings that are parallelism choices.
 
 - cp: powers of two dividing the data/context ranks, at most ``max_cp``, with the sequence a
   multiple of 2 cp (load-balanced ring attention: two chunks per rank) and at least

@@ -33,6 +33,7 @@ import dataclasses
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.framework_settings import SEARCHED_SETTINGS
+from autopar.cost_model.framework_support import folds_experts
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.cost_model.layer_costs import build_cost_table
@@ -42,6 +43,7 @@ from autopar.graph.types import ModelProfile
 from autopar.search.options import SearchOptions
 
 __all__ = [
+    "changed_by_settings",
     "cp_choices",
     "dominant_dtypes",
     "dtype_choices",
@@ -64,6 +66,13 @@ def framework_variants(spec: str, profile: ModelProfile) -> tuple[str, ...]:
         combos += [(*combo, name) for combo in combos]
     return tuple(dict.fromkeys(get_framework("+".join((fw.name, *combo))).spec
                                for combo in combos))
+
+
+def changed_by_settings(fw: Framework, configs: list[ParallelConfig]) -> list[ParallelConfig]:
+    """The candidates whose cost ``fw``'s searched settings change (``expert-tp-1``: those
+    whose experts it folds, tp > 1); a variant's search costs only these, the framework as
+    given having costed the rest the same."""
+    return [c for c in configs if not fw.expert_tp_folded or folds_experts(fw, c)]
 
 
 def cp_choices(data_ranks: int, seq_len: int | None, options: SearchOptions,

@@ -43,6 +43,7 @@ from autopar.search.bounds import (
     time_lower_bound,
 )
 from autopar.search.dimensions import (
+    changed_by_settings,
     dominant_dtypes,
     dtype_choices,
     framework_variants,
@@ -308,11 +309,11 @@ def plan(
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     plans: list[Plan] = []
     refusals: list[InfeasiblePlanError] = []
-    for spec in framework_variants(options.framework, profile):  # its searched settings
-        try:
+    for index, spec in enumerate(framework_variants(options.framework, profile)):
+        try:  # the framework as given, then with each searched setting (where it changes)
             plans += _plan_one(profile, cluster, global_batch, top_k, model,
                                dataclasses.replace(options, framework=spec), progress,
-                               (deadline, time_budget_s))
+                               (deadline, time_budget_s), changed_only=index > 0)
         except InfeasiblePlanError as refused:
             refusals.append(refused)
     if not plans:
@@ -323,14 +324,21 @@ def plan(
 
 
 def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
-              options: SearchOptions, progress, budget: tuple) -> list[Plan]:
+              options: SearchOptions, progress, budget: tuple, *,
+              changed_only: bool = False) -> list[Plan]:
     """The best ``top_k`` plans of one framework spec (``plan``), best first; ``budget``:
-    (the deadline, the whole search's time budget in seconds), both None without one."""
+    (the deadline, the whole search's time budget in seconds), both None without one;
+    ``changed_only``: only the candidates a searched setting changes (``changed_by_settings``;
+    the others were costed without it), none of them: no plan."""
     deadline, time_budget_s = budget
     wanted = top_k
     if options.robust:  # re-rank the best few by their pessimistic step time (``_robust``)
         top_k = max(top_k, ROBUST_POOL)
     configs = _candidates(profile, cluster, global_batch, options)
+    if changed_only:
+        configs = changed_by_settings(get_framework(options.framework), configs)
+        if not configs:
+            return []
     if not configs:
         raise _no_split_error(profile, cluster, global_batch)
     cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline)

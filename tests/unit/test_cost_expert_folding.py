@@ -137,6 +137,15 @@ def test_planner_searches_the_folding_for_megatron_moe_models():
         "megatron-lm+moe-force-balance", "megatron-lm+expert-tp-1+moe-force-balance")
 
 
+def test_a_searched_setting_recosts_only_the_candidates_it_changes():
+    from autopar.search.dimensions import changed_by_settings
+
+    configs = [_cfg(), _cfg(ep=1), _cfg(dp=16, tp=1, sequence_parallel=False)]
+    assert changed_by_settings(get_framework("megatron-lm"), configs) == configs
+    assert changed_by_settings(get_framework(FOLDED), configs) == configs[:2]
+    assert changed_by_settings(get_framework("torchtitan+expert-tp-1"), configs) == configs[:1]
+
+
 def test_planned_megatron_moe_split_is_the_faster_of_folded_and_not():
     from autopar.search import SearchOptions, plan
     from autopar.search.planner import _plan_one

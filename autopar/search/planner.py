@@ -153,11 +153,13 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
     return out
 
 
-def _search(cands: list[Candidate], top_k, options, progress, deadline) -> _State:
+def _search(cands: list[Candidate], top_k, options, progress, deadline,
+            beat_s: float = math.inf) -> _State:
     state = _State()
     order = sorted(cands, key=lambda c: (c.time_lb_s, c.index))
     total = len(order)
     warm, cache, state.ilps = warm_bound(order, top_k, options, deadline)
+    warm = min(warm, beat_s)  # a plan found elsewhere: only what beats it is of use
     recv: dict[tuple, tuple[int, ...]] = {}  # receive buffers per rank, by pipeline shape
     refined: dict[tuple, float] = {}  # refined time bounds, by what they read
     for pos, cand in enumerate(order):
@@ -310,10 +312,15 @@ def plan(
     plans: list[Plan] = []
     refusals: list[InfeasiblePlanError] = []
     for index, spec in enumerate(framework_variants(options.framework, profile)):
-        try:  # the framework as given, then with each searched setting (where it changes)
+        # The framework as given, then with each searched setting: only the candidates it
+        # changes, and only what beats the k-th best plan so far (not under --robust, which
+        # re-ranks a wider pool by the pessimistic time).
+        beat = (sorted(p.estimate.step_time_s for p in plans)[top_k - 1]
+                if len(plans) >= top_k and not options.robust else math.inf)
+        try:
             plans += _plan_one(profile, cluster, global_batch, top_k, model,
                                dataclasses.replace(options, framework=spec), progress,
-                               (deadline, time_budget_s), changed_only=index > 0)
+                               (deadline, time_budget_s), changed_only=index > 0, beat_s=beat)
         except InfeasiblePlanError as refused:
             refusals.append(refused)
     if not plans:
@@ -325,11 +332,12 @@ def plan(
 
 def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
               options: SearchOptions, progress, budget: tuple, *,
-              changed_only: bool = False) -> list[Plan]:
+              changed_only: bool = False, beat_s: float = math.inf) -> list[Plan]:
     """The best ``top_k`` plans of one framework spec (``plan``), best first; ``budget``:
     (the deadline, the whole search's time budget in seconds), both None without one;
     ``changed_only``: only the candidates a searched setting changes (``changed_by_settings``;
-    the others were costed without it), none of them: no plan."""
+    the others were costed without it), and only plans faster than ``beat_s``: none, no
+    plan."""
     deadline, time_budget_s = budget
     wanted = top_k
     if options.robust:  # re-rank the best few by their pessimistic step time (``_robust``)
@@ -341,7 +349,10 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
             return []
     if not configs:
         raise _no_split_error(profile, cluster, global_batch)
-    cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline)
+    cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline,
+                               beat_s)
+    if not state.best and changed_only:
+        return []
     if not state.best and state.time_limit_hit:
         raise InfeasiblePlanError(
             f"the time budget ({time_budget_s:g} s) ran out before any split was found; "
@@ -352,20 +363,23 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
     return _best_plans(profile, cluster, state, model, options, wanted)
 
 
-def _search_all(profile, cluster, configs, top_k, options, progress, deadline):
-    """Cost, bound and search every candidate; when none fits, their offloading variants too.
+def _search_all(profile, cluster, configs, top_k, options, progress, deadline,
+                beat_s: float = math.inf):
+    """Cost, bound and search every candidate (only what beats ``beat_s``); when none fits,
+    their offloading variants too (not when only a faster plan than one found is sought).
     Returns (candidates, state); a search cut short by the deadline is flagged in the state."""
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
     truncated = len(cands) < len(configs)
-    state = _search(cands, top_k, options, progress, deadline)
-    if not state.best and not state.time_limit_hit and not truncated:  # try offloading
+    state = _search(cands, top_k, options, progress, deadline, beat_s)
+    if (not state.best and not state.time_limit_hit and not truncated
+            and beat_s == math.inf):  # try offloading
         extra = offload_variants([c.table.config for c in cands if c.memory_lb_bytes
                                   > c.table.capacity_bytes], cluster, options)
         more = _bounded(profile, cluster, extra, options, progress, deadline, len(cands))
         truncated = len(more) < len(extra)
         if more:
             cands += more
-            state = _search(cands, top_k, options, progress, deadline)
+            state = _search(cands, top_k, options, progress, deadline, beat_s)
     if truncated:
         state.time_limit_hit = True
         state.remaining_lb_s = min(state.remaining_lb_s, 0.0)

@@ -1,7 +1,7 @@
 """Planning time of ``autopar.plan`` on large models and clusters (figures in docs/search.md).
 
 Run: ``python benchmarks/plan_speed.py`` (add ``--quick`` for the first case only,
-``--long-context``, ``--llama4`` and ``--maverick`` for more). Profiling
+``--long-context``, ``--llama4``, ``--maverick`` and ``--moe`` for more). Profiling
 the model (tracing on the meta device) is timed separately from the search itself.
 """
 
@@ -38,6 +38,11 @@ LLAMA4 = ("data/hf_llama4_scout.json", "h100", 64, 512, 30.0, None, "autopar")
 # MoE block 128 experts, so the kinds are far apart and the section is counted by kind
 # (search/ilp_pattern.py). No goal: the per-layer ILP took past 10 minutes.
 MAVERICK = ("data/hf_llama4_maverick.json", "h100", 256, 512, None, None, "autopar")
+# DeepSeek-V3 on 2,048 H100 for torchtitan and Megatron-LM, whose searched setting (expert-tp-1,
+# the experts folded over tp) costs a second search over the candidates it changes
+# (search/dimensions.py; docs/search.md). No goal.
+MOE = tuple(("deepseek-v3", "h100", 2048, 4096, None, None, framework)
+            for framework in ("torchtitan", "megatron-lm"))
 
 
 def run_case(preset: str, gpu: str, gpus: int, global_batch: int, seq_len: int | None = None,
@@ -71,6 +76,8 @@ def main() -> None:
                         help="also Llama 4 Scout (Hugging Face config) on 64 H100")
     parser.add_argument("--maverick", action="store_true",
                         help="also Llama 4 Maverick (Hugging Face config) on 256 H100 (minutes)")
+    parser.add_argument("--moe", action="store_true",
+                        help="also DeepSeek-V3 on 2,048 H100 for torchtitan and megatron-lm")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     cases = [(*c, None, "autopar") for c in cases if args.only in (None, c[0])]
@@ -80,6 +87,8 @@ def main() -> None:
         cases.append(LLAMA4)
     if args.maverick:
         cases.append(MAVERICK)
+    if args.moe:
+        cases.extend(MOE)
     header = (
         f"{'model':12s} {'cluster':16s} {'batch':>5s} {'plan s':>7s} {'cpu s':>6s} {'goal':>5s} "
         f"{'cands':>6s} {'pruned':>6s} {'ILPs':>4s} {'proven':>6s} {'gap':>6s}  best split (MFU)"
@@ -95,7 +104,8 @@ def main() -> None:
             f"{goal or '-':>5} {info.candidates_considered:6d} {info.candidates_pruned:6d} "
             f"{info.ilps_solved:4d} {info.optimal and info.mip_gap <= 1e-4!s:>6s} "
             f"{100 * info.mip_gap:5.2f}%  "
-            f"{r['plan'].config.describe()} ({100 * est.mfu:.1f}%)",
+            f"{r['plan'].config.describe()} ({100 * est.mfu:.1f}%)"
+            + (f" [{r['plan'].framework}]" if framework != "autopar" else ""),
             flush=True,
         )
 

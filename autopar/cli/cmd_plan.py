@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument("--no-hsdp", action="store_true", help="no HSDP (dp_replicate = 1)")
     space.add_argument("--no-offload", action="store_true",
                        help="never offload optimizer state or parameters to host memory")
+    space.add_argument("--no-setting-search", action="store_true",
+                       help="plan the framework with exactly the settings named (by default "
+                       "settings that are parallelism choices, such as expert-tp-1, are tried)")
     parser.add_argument(
         "--robust", action="store_true",
         help="pick the plan with the best pessimistic step time (high end of its interval) "
@@ -69,6 +72,7 @@ def search(
                 framework=args.framework, robust=args.robust, dtype=args.dtype,
                 context_parallel=not args.no_cp, max_cp=args.max_cp, hsdp=not args.no_hsdp,
                 offloads=("none",) if args.no_offload else OFFLOADS,
+                settings_search=not args.no_setting_search,
             ),
         )
     return list(result) if isinstance(result, (list, tuple)) else [result]

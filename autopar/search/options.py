@@ -56,6 +56,9 @@ class SearchOptions:
         robust: pick, among the best plans, the one with the best pessimistic step time (the
             high end of ``step_time_interval_s``) whose memory also fits with the framework's
             memory band.
+        settings_search: also plan with each of the framework's searched settings it leaves off
+            (``framework_settings.SEARCHED_SETTINGS``: ``expert-tp-1``) and keep the faster
+            plan; False: the framework exactly as named.
     """
 
     time_limit_s: float = 10.0
@@ -78,6 +81,7 @@ class SearchOptions:
     min_cp_tokens: int = MIN_CP_TOKENS
     hsdp: bool = True
     offloads: tuple[str, ...] = OFFLOADS
+    settings_search: bool = True
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:

@@ -311,7 +311,9 @@ def plan(
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     plans: list[Plan] = []
     refusals: list[InfeasiblePlanError] = []
-    for index, spec in enumerate(framework_variants(options.framework, profile)):
+    specs = (framework_variants(options.framework, profile) if options.settings_search
+             else (options.framework,))
+    for index, spec in enumerate(specs):
         # The framework as given, then with each searched setting: only the candidates it
         # changes, and only what beats the k-th best plan so far (not under --robust, which
         # re-ranks a wider pool by the pessimistic time).

@@ -178,3 +178,33 @@ def test_torchtitan_folds_its_experts_with_ep_only():
     for spec, etp in ((titan, 1), ("torchtitan", 2)):
         plan = plan_from_config(profile, cluster, small, model="moe", framework=spec)
         assert f"expert_tensor_parallel_degree = {etp}" in export_plan(plan, "torchtitan").text
+
+
+@pytest.mark.parametrize("search, specs", [(True, ["megatron-lm", FOLDED]),
+                                           (False, ["megatron-lm"])])
+def test_setting_search_can_be_turned_off(monkeypatch, search, specs):
+    """``SearchOptions.settings_search`` False (CLI ``--no-setting-search``): the framework is
+    planned exactly as named, no searched setting tried."""
+    from autopar.search import SearchOptions, planner
+
+    searched = []
+    one = planner._plan_one
+
+    def spy(profile, cluster, batch, top_k, model, options, *args, **kw):
+        searched.append(options.framework)
+        return one(profile, cluster, batch, top_k, model, options, *args, **kw)
+
+    monkeypatch.setattr(planner, "_plan_one", spy)
+    options = SearchOptions(framework="megatron-lm", settings_search=search)
+    assert planner.plan(PROFILE, TWO_NODES, 64, options=options).framework in specs
+    assert searched == specs
+
+
+def test_cli_no_setting_search(tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32,experts=4,top_k=2"
+    assert main(["plan", spec, "--gpus", "4", "--global-batch", "8", "--framework",
+                 "megatron-lm", "--no-setting-search", "--out", str(out)]) == 0
+    assert '"framework": "megatron-lm"' in out.read_text()

@@ -313,16 +313,12 @@ def plan(
     refusals: list[InfeasiblePlanError] = []
     specs = (framework_variants(options.framework, profile) if options.settings_search
              else (options.framework,))
-    for index, spec in enumerate(specs):
-        # The framework as given, then with each searched setting: only the candidates it
-        # changes, and only what beats the k-th best plan so far (not under --robust, which
-        # re-ranks a wider pool by the pessimistic time).
-        beat = (sorted(p.estimate.step_time_s for p in plans)[top_k - 1]
-                if len(plans) >= top_k and not options.robust else math.inf)
+    for index, spec in enumerate(specs):  # as given, then with each searched setting
         try:
             plans += _plan_one(profile, cluster, global_batch, top_k, model,
                                dataclasses.replace(options, framework=spec), progress,
-                               (deadline, time_budget_s), changed_only=index > 0, beat_s=beat)
+                               (deadline, time_budget_s), changed_only=index > 0,
+                               beat_s=_to_beat(plans, top_k, options))
         except InfeasiblePlanError as refused:
             refusals.append(refused)
     if not plans:
@@ -330,6 +326,15 @@ def plan(
     plans.sort(key=lambda p: p.estimate.step_time_s)  # stable: ties keep the asked-for one
     plans = robust_order(plans)[:top_k] if options.robust else plans[:top_k]
     return plans[0] if top_k == 1 else plans
+
+
+def _to_beat(plans: list[Plan], top_k: int, options: SearchOptions) -> float:
+    """The step time a searched setting's plans must beat: the k-th best so far (only the
+    candidates it changes are searched with it; none under --robust, which re-ranks a wider
+    pool by the pessimistic time)."""
+    if len(plans) < top_k or options.robust:
+        return math.inf
+    return sorted(p.estimate.step_time_s for p in plans)[top_k - 1]
 
 
 def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,

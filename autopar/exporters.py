@@ -148,10 +148,10 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
     }
     if cfg.ep > 1:  # torchtitan's "partial dp -> ep" (etp = tp), or with the experts folded
         # over tp (setting expert-tp-1) its "partial dp + all tp -> ep" (etp = 1)
-        folded = get_framework(plan.framework).expert_tp_folded
+        fw = get_framework(plan.framework)
         parallelism.update(expert_parallel_degree=cfg.ep,
-                           expert_tensor_parallel_degree=1 if folded else cfg.tp)
-        if get_framework(plan.framework).ep_dispatch == "hierarchical":  # setting ep-deepep
+                           expert_tensor_parallel_degree=1 if fw.expert_tp_folded else cfg.tp)
+        if fw.ep_dispatch == "hierarchical":  # setting ep-deepep
             parallelism["expert_parallel_comm_backend"] = "deepep"
     if cfg.cp > 1:  # how the prediction exchanged K/V: the ring, or torchtitan's all-gather
         ring = get_framework(plan.framework).cp_comm == "ring"

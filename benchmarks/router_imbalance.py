@@ -10,8 +10,10 @@ Run: ``python benchmarks/router_imbalance.py``. For each pair of
 solved so that the predicted step-time ratio equals the measured one (the two runs' TFLOP/s
 share one FLOP count, so their ratio is the step times'). Printed per pair: the measured ratio,
 the ratio at the default ``DROPLESS_IMBALANCE``, the fitted f, and the forced-balance run's
-predicted TFLOP/s beside the measured (the absolute level, which the pair does not fit); then
-each family's fit (the median of its pairs) beside the value its zoo presets carry.
+predicted TFLOP/s beside the measured (the absolute level, which the pair does not fit), and
+beside them the same run costed with the experts split over tp (the framework without the
+pair's ``expert-tp-1``: Megatron-LM's default); then each family's fit (the median of its
+pairs) beside the value its zoo presets carry.
 """
 
 from __future__ import annotations
@@ -111,15 +113,18 @@ def family_fits(pairs: list[dict]) -> dict[str, float]:
 def main() -> int:
     pairs = load_pairs()
     print(f"{'pair':40s} {'measured':>9s} {f'at {DROPLESS_IMBALANCE:g}x':>9s} "
-          f"{'fitted f':>9s}   forced-balance TFLOP/s predicted / measured")
+          f"{'fitted f':>9s}   forced-balance TFLOP/s predicted / measured (experts split)")
     for pair in pairs:
         profile, cluster, config = pair_inputs(pair)
-        forced = autopar.estimate(profile, cluster, config,
-                                  framework=pair["framework"] + "+moe-force-balance")
+        forced, split = (autopar.estimate(profile, cluster, config, framework=spec
+                                          + "+moe-force-balance")
+                         for spec in (pair["framework"],
+                                      pair["framework"].replace("+expert-tp-1", "")))
         default = step_s(pair, DROPLESS_IMBALANCE) / forced.step_time_s
         print(f"{pair['id']:40s} {measured_ratio(pair):9.3f} {default:9.3f} "
               f"{fit_imbalance(pair):9.3f}   {forced.tflops_per_gpu:6.0f} / "
-              f"{pair['measured']['forced_balance_tflops_per_gpu']}")
+              f"{pair['measured']['forced_balance_tflops_per_gpu']} "
+              f"({split.tflops_per_gpu:.0f})")
     print()
     for family, value in family_fits(pairs).items():
         carried = [f"{name} {dict(PRESETS[name][0]).get('router_imbalance', 0):g}"

@@ -13,7 +13,7 @@ from collections import Counter
 from autopar.config import DTYPE_BYTES, FP8_ELEMENT_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.frameworks import DDP_BUCKET_BYTES, GATHER_BUCKET, Framework
-from autopar.cost_model.moe import experts_whole, routed_params_off_rank
+from autopar.cost_model.moe import held_expert_params
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.tp_comm import AG, AR, RS, tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
@@ -31,14 +31,11 @@ __all__ = [
 
 def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
     """Parameters of ``layer`` one rank holds after tp (and ep: its E / ep routed experts,
-    whole where folded over tp: moe.py ``experts_whole``)."""
-    off_rank = routed_params_off_rank(layer, cfg)
+    whole where folded over tp: moe.py ``held_expert_params``)."""
     shard = cfg.tp if tp_sharded(layer) else 1
-    held = (layer.num_params - off_rank) / shard
-    if experts_whole(layer, shard):
-        assert layer.moe is not None  # experts_whole: a MoE layer
-        held += layer.moe.routed_params / cfg.ep * (1 - 1 / shard)
-    return held
+    experts = held_expert_params(layer, cfg, shard)
+    routed = layer.moe.routed_params if experts and layer.moe is not None else 0.0
+    return (layer.num_params - routed) / shard + experts
 
 
 def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:

@@ -20,11 +20,11 @@ from autopar.config import ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.dp_comm import dp_collectives
 from autopar.cost_model.hardware import Cluster
-from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp, experts_whole
+from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp, experts_whole, held_expert_params
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.graph.types import LayerProfile
 
-__all__ = ["edp_link", "local_expert_params", "unit_collectives"]
+__all__ = ["edp_link", "unit_collectives"]
 
 
 def edp_link(cluster: Cluster, config: ParallelConfig, whole: bool = False) -> comm.GroupLink:
@@ -34,23 +34,14 @@ def edp_link(cluster: Cluster, config: ParallelConfig, whole: bool = False) -> c
                            config.ep * (1 if whole else config.tp))
 
 
-def local_expert_params(layer: LayerProfile, config: ParallelConfig) -> float:
-    """Routed-expert parameters of ``layer`` one rank holds on their own group (after tp;
-    whole where folded over tp); 0 at ep 1 unless folded."""
-    whole = experts_whole(layer, config.tp)
-    if layer.moe is None or (config.ep <= 1 and not whole):
-        return 0.0
-    shard = config.tp if tp_sharded(layer) and not whole else 1
-    return layer.moe.routed_params / config.ep / shard
-
-
 def unit_collectives(layer: LayerProfile, config: ParallelConfig,
                      unit_params: float) -> tuple[comm.Collective, ...]:
     """The dp collectives of the unit charged on ``layer`` (``unit_params`` on this rank,
     ``dp_comm.fsdp_unit_params``) and, under ep, of its routed experts (module docstring)."""
-    experts = local_expert_params(layer, config) if unit_params > 0 else 0.0
+    shard = config.tp if tp_sharded(layer) else 1
+    experts = held_expert_params(layer, config, shard) if unit_params > 0 else 0.0
     dense = dp_collectives(config, unit_params - experts)
-    if experts <= 0 or expert_dp(config, experts_whole(layer, config.tp)) <= 1:
+    if experts <= 0 or expert_dp(config, experts_whole(layer, shard)) <= 1:
         return dense
     if config.zero == 0:
         hook = comm.Collective(kind="all_reduce", axis="edp",

@@ -97,10 +97,10 @@ __all__ = [
     "expert_call_flops",
     "expert_dp",
     "experts_whole",
+    "held_expert_params",
     "inter_node_share",
     "remote_nodes",
     "routed_imbalance",
-    "routed_params_off_rank",
     "unstated_imbalance",
 ]
 
@@ -162,25 +162,26 @@ def ep_stride(layer: LayerProfile, config: ParallelConfig) -> int:
     return 1 if experts_whole(layer, config.tp) else config.tp
 
 
-def routed_params_off_rank(layer: LayerProfile, config: ParallelConfig) -> float:
-    """Routed-expert parameters of ``layer`` a rank does not hold under ep (before tp)."""
-    if layer.moe is None or config.ep <= 1:
+def held_expert_params(layer: LayerProfile, config: ParallelConfig, shard: int) -> float:
+    """Routed-expert parameters of ``layer`` one rank holds apart from its dense part (after tp
+    sharding by ``shard``): its E / ep experts, whole where folded over tp (``experts_whole``);
+    0 where they stay in the dense part (ep 1, not folded)."""
+    whole = experts_whole(layer, shard)
+    if layer.moe is None or (config.ep <= 1 and not whole):
         return 0.0
-    return layer.moe.routed_params * (1.0 - 1.0 / config.ep)
+    return layer.moe.routed_params / config.ep / (1 if whole else shard)
 
 
 def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> memory.LayerState:
     """Model state of ``layer`` on one rank: the dense part ZeRO-sharded over dp, the rank's
-    E / ep routed experts over the ``expert_dp`` ranks (both after tp sharding by ``shard``;
-    folded experts are whole: ``experts_whole``)."""
-    whole = experts_whole(layer, shard)
-    routed = layer.moe.routed_params / shard if layer.moe is not None and (
-        config.ep > 1 or whole) else 0.0
-    dense = memory.layer_state(layer.num_params / shard - routed, config)
-    if not routed:
-        return dense
-    local = routed * (shard if whole else 1) / config.ep
-    experts = memory.layer_state(local, config, shard_ranks=expert_dp(config, whole))
+    ``held_expert_params`` over the ``expert_dp`` ranks (both after tp sharding by ``shard``)."""
+    held = held_expert_params(layer, config, shard)
+    if not held:
+        return memory.layer_state(layer.num_params / shard, config)
+    assert layer.moe is not None  # held_expert_params: a MoE layer
+    dense = memory.layer_state((layer.num_params - layer.moe.routed_params) / shard, config)
+    experts = memory.layer_state(held, config,
+                                 shard_ranks=expert_dp(config, experts_whole(layer, shard)))
     return memory.LayerState(
         param_bytes=dense.param_bytes + experts.param_bytes,
         grad_bytes=dense.grad_bytes + experts.grad_bytes,

@@ -86,6 +86,10 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
     if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
         flags += [flag for setting in fw.settings
                   for flag in _MEGATRON_SETTING_FLAGS.get(setting, [["--" + setting]])]
+        if "distribute-saved-activations" in fw.settings and cfg.recompute != "full":
+            flags.remove(["--distribute-saved-activations"])  # full recompute's option only
+            notes.append("--distribute-saved-activations dropped: Megatron-LM takes it with "
+                         "full recompute only, and the plan recomputes no block fully")
         if "expandable-segments" in fw.settings:
             notes.append("launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the "
                          "plan's memory assumed it)")

@@ -220,11 +220,12 @@ def to_deepspeed(plan: Plan) -> Export:
         doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if cfg.offload == "params":
         doc["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if cfg.recompute != "none":
+    if cfg.recompute != "none":  # as the prediction assumed (checkpoints.py)
+        fw = get_framework(plan.framework)
         doc["activation_checkpointing"] = {
-            "partition_activations": cfg.tp > 1,
+            "partition_activations": fw.checkpoint_partitioned,
             "contiguous_memory_optimization": False,
-            "cpu_checkpointing": False,
+            "cpu_checkpointing": fw.checkpoint_offloaded,
         }
         if cfg.recompute == "selective":
             notes.append("DeepSpeed checkpoints whole layers; selective recompute needs the model")

@@ -28,7 +28,7 @@ FIT: dict[str, dict[str, object]] = {
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.9792, "step_overhead_s": 0.0,
                     "step_time_band": (0.90, 1.13)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.776, "step_overhead_s": 0.5,
-                  "step_time_band": (0.88, 1.25)},
+                  "step_time_band": (0.87, 1.25)},
 }
 # The fields each framework's calibration fits (the rest are sourced or measured).
 FITTED_FIELDS: dict[str, tuple[str, ...]] = {

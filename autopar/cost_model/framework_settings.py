@@ -72,11 +72,25 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                        "etp 1): routed experts whole on each rank, each tp rank routing its "
                        "own sequence shard over an ep group of consecutive ranks; every "
                        "Megatron-MoE-ModelZoo config sets it",
+        "distribute-saved-activations": _MEGATRON_ARGS + "--distribute-saved-activations "
+                                        "(TransformerConfig.distribute_saved_activations): "
+                                        "full recompute's saved block input split over the "
+                                        "tp group, gathered again before the re-run "
+                                        "(checkpoints.py)",
     }),
     "deepspeed": MappingProxyType({
         "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
                         "stage 3 only, deepspeed/runtime/zero/config.py overlap_comm_valid): "
                         "gradient reductions under the backward",
+        "partition-activations": "sourced: DeepSpeed activation_checkpointing."
+                                 "partition_activations (default false; deepspeed/runtime/"
+                                 "activation_checkpointing/config.py): each checkpointed "
+                                 "block input split over the model-parallel (tp) group, "
+                                 "all-gathered before the re-run (checkpoints.py)",
+        "cpu-checkpointing": "sourced: DeepSpeed activation_checkpointing.cpu_checkpointing "
+                             "(default false; deepspeed.ai config-json: 'Offloads partitioned "
+                             "activations to CPU if partition_activations is enabled'): the "
+                             "partitions in host memory, copied down and up (checkpoints.py)",
     }),
 })
 # sourced: the caching allocator's unusable share of churning memory with expandable segments
@@ -95,6 +109,9 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "expert-tp-1": {"expert_tp_folded": True},
     "fp8-tensorwise": {"fp8_scaling": "dynamic"},
     "expandable-segments": {"fragmentation_fraction": EXPANDABLE_FRAGMENTATION},
+    "partition-activations": {"checkpoint_partitioned": True},
+    "distribute-saved-activations": {"checkpoint_partitioned": True},
+    "cpu-checkpointing": {"checkpoint_offloaded": True},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "
@@ -103,6 +120,9 @@ SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framewo
 # Settings that are parallelism choices rather than the environment's: the planner plans with
 # each off and on (where the model has what it changes: "moe", mixture-of-experts layers) and
 # keeps the faster plan, whose framework spec then names it (search/dimensions.py).
+# Partitioned checkpoints (partition-activations, distribute-saved-activations) are not
+# searched: they trade time for memory only under full recompute at large micro-batches, where
+# the planner's splits seldom are, and would double the search.
 SEARCHED_SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "torchtitan": MappingProxyType({"expert-tp-1": "moe"}),
     "megatron-lm": MappingProxyType({"expert-tp-1": "moe"}),

@@ -26,6 +26,13 @@ def default_sources(name: str) -> dict[str, str]:
     out.setdefault("fp8_param_gather", SETTING_OFF.format("float8-all-gather") if (
         "float8-all-gather" in SETTINGS[name]) else "sourced: parameters gathered at their "
                                                     "16-bit dtype")
+    for key, settings in (("checkpoint_partitioned", ("partition-activations",
+                                                      "distribute-saved-activations")),
+                          ("checkpoint_offloaded", ("cpu-checkpointing",))):
+        named = [x for x in settings if x in SETTINGS[name]]
+        out.setdefault(key, SETTING_OFF.format(named[0]) if named else "sourced: full "
+                       "recompute keeps the block input whole on the device (the framework's "
+                       "checkpoint keeps its inputs as given)")
     out.setdefault("loss_grad_in_place", "sourced: torch's cross_entropy on fp32 logits "
                                              "(log_softmax and nll_loss backward allocate)")
     out.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "

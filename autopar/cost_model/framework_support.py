@@ -211,4 +211,12 @@ def settings_support(fw: Framework, config) -> str | None:
             config.zero == 0 or "overlap-grad-reduce" not in fw.settings):
         return ("megatron-lm's --overlap-param-gather needs the distributed optimizer (zero=1) "
                 "and --overlap-grad-reduce (validate_args)")
+    if "distribute-saved-activations" in fw.settings and (
+            config.tp == 1 or config.sequence_parallel):
+        return ("megatron-lm's --distribute-saved-activations needs tp > 1 without sequence "
+                "parallelism (validate_args, TransformerConfig); use tp > 1 and "
+                "sequence_parallel=False")
+    if "cpu-checkpointing" in fw.settings and "partition-activations" not in fw.settings:
+        return ("deepspeed's cpu_checkpointing offloads partitioned activations only; add the "
+                "partition-activations setting")
     return None

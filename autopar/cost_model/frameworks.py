@@ -124,7 +124,8 @@ class Framework:
         step_time_band: (low, high) factors on the predicted step time holding 80% of this
             framework's leave-one-source-out outcomes (measured / predicted, p10 and p90).
         context_parallel ... scatter_combine: the other dimensions and kernels, each field of
-            framework_dimensions.DIMENSIONS (documented there).
+            framework_dimensions.DIMENSIONS (documented there); checkpoint_partitioned and
+            checkpoint_offloaded: checkpoints.py's, each off unless a setting turns it on.
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -202,6 +203,8 @@ class Framework:
     moe_force_balance: bool = False
     ep_dispatch: str = "all_to_all"
     runs_traced_modules: bool = False
+    checkpoint_partitioned: bool = False
+    checkpoint_offloaded: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -464,11 +467,8 @@ _BY_NAME: Mapping[str, Framework] = MappingProxyType({n: _build(n) for n in FRAM
 
 def get_framework(framework: str | Framework) -> Framework:
     """The record of ``framework``: a name from ``FRAMEWORKS``, optionally with the settings
-    its user turned on (``"megatron-lm+tp-comm-overlap"``), or a Framework itself.
-
-    Raises:
-        ValueError: an unknown name, naming the known ones.
-    """
+    its user turned on (``"megatron-lm+tp-comm-overlap"``), or a Framework itself (raises
+    ValueError naming the known ones for an unknown name)."""
     if isinstance(framework, Framework):
         return framework
     if isinstance(framework, str):

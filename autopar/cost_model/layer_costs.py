@@ -39,6 +39,7 @@ from collections import Counter
 
 from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, base_dtype, uses_autocast
 from autopar.cost_model import comm, memory
+from autopar.cost_model.checkpoints import checkpoint_terms
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
 from autopar.cost_model.compute import (
     attention_ratio,
@@ -146,6 +147,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
     kept_less = kept_less_of(profile, layer, cfg, ratio, shard, fw, head_elems, act)
+    ckpt = checkpoint_terms(fw, cfg, layer.kind == "block", act[2], groups["tp"], groups["pcie"])
+    act = ckpt.activations(act)
     ep = _ep_terms(profile, layer, cfg, cluster, shard, fw)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
@@ -165,8 +168,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         times.forward_s if fw.param_gather_overlapped else 0.0,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         cluster.dp_overlap_efficiency, fw.overlap_slowdown)
-    transient = tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
-        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes))
+    transient = ckpt.transient(tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
+        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes)))
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,
@@ -175,25 +178,23 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         recompute_flops_per_sample=tuple(x * cfg.cp for x in rec_flops),
         compute_s=times.forward_s + times.backward_s,
         backward_s=times.backward_s,
-        recompute_s=times.recompute_s,
-        # Per micro-batch: a per-step collective counts 1/m per micro-batch.
-        tp_comm_s=_tp_comm_s(fw, cfg, tp_collectives(
+        recompute_s=ckpt.rerun(times.recompute_s),
+        tp_comm_s=ckpt.tp_comm(_tp_comm_s(fw, cfg, tp_collectives(
             profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
-            moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times),
+            moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
             act, kept_less)), cfg, state.local_params, held), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
-        # Gradients kept at the framework's reduce dtype (autopar's runtime: fp32).
-        grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,
+        grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,  # reduce dtype
         optimizer_bytes=state.optimizer_bytes,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
         optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
         cp_comm_s=cp.comm_s,
-        host_bytes=host_bytes,
+        host_bytes=host_bytes + ckpt.host_bytes,
         unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
                                                    base, (times, ep)),
     )
@@ -347,17 +348,9 @@ def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framew
 
 def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelConfig,
                      framework: str | Framework = "autopar") -> CostTable:
-    """Every per-layer cost term of ``config`` on ``cluster`` for ``profile``.
-
-    Args:
-        profile: the model profile (bytes at ``profile.dtype``, counts per sample).
-        cluster: the cluster.
-        config: the outer configuration.
-        framework: the training framework (a name in ``FRAMEWORKS`` or a Framework record).
-
-    Returns:
-        The CostTable that ``assemble`` and the search's ILP consume.
-    """
+    """The CostTable (what ``assemble`` and the search's ILP consume) of every per-layer cost
+    term of ``config`` on ``cluster`` for ``profile`` (bytes at ``profile.dtype``, counts per
+    sample) under ``framework`` (a name in ``FRAMEWORKS`` or a Framework record)."""
     cfg = config
     fw = model_framework(get_framework(framework), profile)
     cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import autopar
+from autopar.cost_model.frameworks import get_framework
 from autopar.export_rules import MegatronArgs, deepspeed_unknown_keys, megatron_violations
 from autopar.exporters import export_plan, export_refusal
 from autopar.search import plan_from_config
@@ -56,9 +57,17 @@ def _require(module: str) -> types.ModuleType:
     return pytest.importorskip(module, reason="install requirements-dev.txt")
 
 
+# The DeepSpeed settings a plan's prediction assumed, which its export writes (checkpoints.py).
+DEEPSPEED_SPECS = {"zero3": "deepspeed+partition-activations+cpu-checkpointing"}
+
+
 @functools.cache
-def _plan(name: str) -> autopar.Plan:
-    return plan_from_config(PROFILE, CLUSTER, CONFIGS[name])
+def _plan(name: str, framework: str = "autopar") -> autopar.Plan:
+    return plan_from_config(PROFILE, CLUSTER, CONFIGS[name], framework=framework)
+
+
+def _ds_plan(name: str) -> autopar.Plan:
+    return _plan(name, DEEPSPEED_SPECS.get(name, "autopar"))
 
 
 @pytest.mark.parametrize(("name", "to"), sorted(REFUSED))
@@ -220,7 +229,7 @@ def deepspeed_read() -> dict[str, dict[str, Any]]:
     cases = []
     for name in DEEPSPEED_PLANS:
         cfg = CONFIGS[name]
-        doc = json.loads(export_plan(_plan(name), "deepspeed").text)
+        doc = json.loads(export_plan(_ds_plan(name), "deepspeed").text)
         cases.append({"config": doc, "pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -235,7 +244,8 @@ def deepspeed_read() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("name", DEEPSPEED_PLANS)
 def test_deepspeed_config_loads_with_the_plans_topology(name, deepspeed_read):
-    cfg, doc = CONFIGS[name], json.loads(export_plan(_plan(name), "deepspeed").text)
+    plan = _ds_plan(name)
+    cfg, doc = CONFIGS[name], json.loads(export_plan(plan, "deepspeed").text)
     read = deepspeed_read[name]
     assert "error" not in read, read.get("error")
     assert read["world_size"] == cfg.dp  # the data-parallel size of the pp x tp x dp topology
@@ -246,7 +256,9 @@ def test_deepspeed_config_loads_with_the_plans_topology(name, deepspeed_read):
     assert read["autotp_size"] == (cfg.tp if cfg.tp > 1 else 0)
     full_pipe = cfg.pp > 1 and cfg.recompute == "full"
     assert read["activation_checkpoint_interval"] == (1 if full_pipe else 0)
-    assert read["partition_activations"] == (cfg.recompute != "none" and cfg.tp > 1)
+    fw = get_framework(plan.framework)  # its checkpoints as the prediction kept them
+    assert read["partition_activations"] == (cfg.recompute != "none" and fw.checkpoint_partitioned)
+    assert read["cpu_checkpointing"] == (cfg.recompute != "none" and fw.checkpoint_offloaded)
     assert deepspeed_unknown_keys(doc) == []
 
 

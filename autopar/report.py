@@ -195,20 +195,26 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
         f"[bold]Memory[/bold] {format_bytes(est.memory_per_gpu_bytes)} of "
         f"{format_bytes(est.memory_capacity_bytes)} per GPU "
         f"({'fits' if est.fits else '[red]does not fit[/red]'})",
-        *_host_lines(est),
+        *_host_lines(est, config),
         *_experts_lines(config, plan),
         f"[bold]Precision[/bold] {est.precision or config.dtype}",
         f"[bold]Binding[/bold] {est.binding or 'n/a'}",
     ]
 
 
-def _host_lines(est: Estimate) -> list[str]:
-    """The offloaded state's host memory, when the plan offloads."""
+def _host_lines(est: Estimate, config: ParallelConfig) -> list[str]:
+    """The host memory of the offloaded state and of checkpoints kept on the host
+    (``Framework.checkpoint_offloaded``), when the plan keeps any there."""
+    from autopar.cost_model.frameworks import get_framework
+
     if est.host_memory_per_gpu_bytes <= 0:
         return []
+    held = [what for what, on in (
+        ("offloaded state", config.offload != "none"),
+        ("activation checkpoints", get_framework(est.framework).checkpoint_offloaded)) if on]
     fits = est.host_memory_per_gpu_bytes <= est.host_memory_capacity_bytes
     return [f"[bold]Host memory[/bold] {format_bytes(est.host_memory_per_gpu_bytes)} of "
-            f"{format_bytes(est.host_memory_capacity_bytes)} per GPU (offloaded state; "
+            f"{format_bytes(est.host_memory_capacity_bytes)} per GPU ({' and '.join(held)}; "
             f"{'fits' if fits else '[red]does not fit[/red]'})"]
 
 

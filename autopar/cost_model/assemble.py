@@ -248,7 +248,7 @@ def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck
     """What limits the split most, in words."""
     mem, cap = largest.memory_bytes, table.capacity_bytes
     if host > table.host_capacity_bytes:
-        return (f"host memory: offloaded state needs {host / GIB:.1f} GiB per GPU of "
+        return (f"host memory: what the plan keeps there needs {host / GIB:.1f} GiB per GPU of "
                 f"{table.host_capacity_bytes / GIB:.1f} GiB")
     if mem > cap:
         return (

@@ -166,7 +166,8 @@ class Estimate:
         framework: the training framework the prediction is for.
         step_time_interval_s: (low, high) step time that holds 80% of the framework's
             cross-validated outcomes (``Framework.step_time_band`` around ``step_time_s``).
-        host_memory_per_gpu_bytes: host memory the largest rank's offloaded state needs.
+        host_memory_per_gpu_bytes: host memory the largest rank's offloaded state and
+            host-kept activation checkpoints need.
         host_memory_capacity_bytes: host memory per GPU of the cluster; ``fits`` needs both
             the device and the host memory to fit.
         precision: the training precision and why, in words.

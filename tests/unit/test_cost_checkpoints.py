@@ -108,3 +108,18 @@ def test_exports_write_what_the_prediction_assumed():
     out = export_plan(none, "megatron")
     assert "--distribute-saved-activations" not in out.text
     assert any("distribute-saved-activations" in note for note in out.notes)
+
+
+def test_cli_estimate_reports_the_checkpoints_host_memory_and_refuses_what_deepspeed_refuses(
+        capsys):
+    from autopar.cli import main
+
+    args = ["estimate", "gpt:layers=4,hidden=1024,heads=16,seq_len=1024,vocab=1024", "--gpus",
+            "8", "--gpu", "v100-32g", "--dp", "2", "--tp", "4", "--micro-batch", "2",
+            "--global-batch", "8", "--recompute", "full", "--zero", "1", "--dtype", "fp16"]
+    assert main([*args, "--framework", OFFLOADED]) == 0
+    assert "(activation checkpoints; fits)" in capsys.readouterr().out
+    assert main([*args, "--framework", "deepspeed+cpu-checkpointing"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopar: error:") and (
+        "partition-activations" in err[0])

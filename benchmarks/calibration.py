@@ -80,9 +80,6 @@ def load_records(path: Path = RUNS) -> list[dict]:
 
 def out_of_space(rec: dict) -> str | None:
     """Why autopar cannot express a record yet (None when it can)."""
-    m = rec["model"]
-    if m["kind"] == "gpt" and m.get("kv_heads") and m["kv_heads"] != m["heads"]:
-        return "grouped-query attention in a GPT block (the zoo's gpt kind is multi-head)"
     if rec["plan"].get("master_weights", "fp32") != "fp32":
         return "16-bit weights and optimizer states without an fp32 master copy (autopar's " \
                "16-bit training keeps fp32 master weights, gradients and Adam moments)"

@@ -160,8 +160,6 @@ class ModelSpec:
             raise ValueError(
                 f"kv_heads={self.kv_heads} must divide heads={self.heads} (grouped-query attention)"
             )
-        if self.kind == "gpt" and self.kv_heads != self.heads:
-            raise ValueError("gpt models use multi-head attention: kv_heads must equal heads")
         if self.kind == "llama" and self.head_dim % 2:
             raise ValueError(
                 f"llama needs an even head_dim for RoPE, got hidden/heads = {self.head_dim}"

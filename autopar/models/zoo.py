@@ -155,8 +155,10 @@ def build(
 def num_params(spec: ModelSpec) -> int:
     """Closed-form parameter count of the model ``spec`` describes (tied weights counted once).
 
-    gpt (Megatron-LM SC'21 eq. 2 generalised to any ffn width f, plus the final LayerNorm):
-    ``l (4h^2 + 4h + 2hf + f + h + 4h) + (V + s) h + 2h`` (+ ``V h`` untied).
+    gpt (Megatron-LM SC'21 eq. 2 generalised to any ffn width f and k = kv_heads * head_dim
+    key/value width, plus the final LayerNorm):
+    ``l (2h^2 + 2hk + 2h + 2k + 2hf + f + h + 4h) + (V + s) h + 2h`` (+ ``V h`` untied; k = h
+    without grouped-query attention: ``4h^2 + 4h`` for the attention).
     llama: ``l (2h^2 + 2h k + 3h f + 2h) + V h + h`` (+ ``V h`` untied), with k = kv_heads *
     head_dim; with E experts of width f_e (s_e shared) the ``3 h f`` becomes
     ``E h + 3 h f_e (E + s_e)`` (router, routed and shared experts).
@@ -165,7 +167,8 @@ def num_params(spec: ModelSpec) -> int:
     h, f, v, n = spec.hidden, spec.ffn_hidden, spec.vocab, spec.layers
     head = 0 if spec.tie_embeddings else v * h
     if spec.kind == "gpt":
-        block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        kv = spec.kv_heads * spec.head_dim
+        block = 2 * h * h + 2 * h * kv + 2 * h + 2 * kv + 2 * h * f + f + h + 4 * h
         return n * block + (v + spec.seq_len) * h + 2 * h + head
     if spec.kind == "llama":
         kv = spec.kv_heads * spec.head_dim

@@ -47,6 +47,22 @@ def test_gpt_params_equal_megatron_eq2(L, a, d, V, s, tied):
 
 
 @settings(max_examples=25, deadline=None)
+@given(L=st.integers(1, 3), kv=st.integers(1, 4), group=st.integers(1, 4), d=st.integers(1, 8),
+       f=st.integers(1, 100), V=st.integers(1, 300), s=st.integers(1, 32))
+def test_gpt_with_grouped_query_attention_counts_its_narrower_k_and_v(L, kv, group, d, f, V, s):
+    """A GPT block with fewer kv heads (Nemotron-4's): wk and wv (and their biases) are
+    kv_heads * head_dim wide; the closed form equals the built model."""
+    a, h = kv * group, kv * group * d
+    model = build("gpt", layers=L, hidden=h, heads=a, kv_heads=kv, ffn_hidden=f, vocab=V,
+                  seq_len=s)
+    k = kv * d
+    attention = 2 * h * h + 2 * h * k + 2 * h + 2 * k
+    expected = L * (attention + 2 * h * f + f + h + 4 * h) + (V + s) * h + 2 * h + V * h
+    assert count(model) == expected == num_params(model.autopar_spec)
+    assert model.layers["0"].attention.wk.weight.shape == (k, h)
+
+
+@settings(max_examples=25, deadline=None)
 @given(
     L=st.integers(1, 4),
     kv=st.integers(1, 4),

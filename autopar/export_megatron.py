@@ -84,10 +84,11 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
             extra.update(recompute_method="uniform", recompute_num_layers=1)
     fw = get_framework(plan.framework)
     if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
-        flags += [flag for setting in fw.settings
+        # --distribute-saved-activations is full recompute's option only.
+        dropped = {"distribute-saved-activations"} if cfg.recompute != "full" else set()
+        flags += [flag for setting in fw.settings if setting not in dropped
                   for flag in _MEGATRON_SETTING_FLAGS.get(setting, [["--" + setting]])]
-        if "distribute-saved-activations" in fw.settings and cfg.recompute != "full":
-            flags.remove(["--distribute-saved-activations"])  # full recompute's option only
+        if dropped & set(fw.settings):
             notes.append("--distribute-saved-activations dropped: Megatron-LM takes it with "
                          "full recompute only, and the plan recomputes no block fully")
         if "expandable-segments" in fw.settings:

@@ -16,7 +16,8 @@ block keeps only its input, whole on every tp rank without sequence parallelism
   part goes to host memory after the block's forward (``partition.cpu()``, a blocking copy)
   and comes back before the gather (``.to(device)``), each copy at the host link's bandwidth
   (``Cluster.pcie_bytes_per_s``, offload.py ``pcie_link``) and waited for; the device keeps
-  none of it. Host memory: the part of every micro-batch in flight (at most pp under 1F1B).
+  none of it. Host memory: the part of every micro-batch in flight on the first pipeline
+  rank, the most (``pipeline.in_flight_microbatches``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import dataclasses
 
 from autopar.config import ParallelConfig
 from autopar.cost_model import comm
+from autopar.cost_model.pipeline import in_flight_microbatches
 
 __all__ = ["CheckpointTerms", "checkpoint_terms"]
+
+Modes = tuple[float, float, float]  # one value per recompute mode (none, selective, full)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,21 +51,26 @@ class CheckpointTerms:
     copy_s: float = 0.0
     host_bytes: float = 0.0
 
-    def activations(self, act: tuple[float, float, float]) -> tuple[float, float, float]:
+    def activations(self, act: Modes) -> Modes:
         """Saved bytes by recompute mode with the full mode's input as kept."""
         return (act[0], act[1], self.kept_bytes)
 
-    def transient(self, values: tuple[float, float, float]) -> tuple[float, float, float]:
+    def transient(self, values: Modes) -> Modes:
         """The working set by recompute mode with the gathered input in the full mode's."""
-        return (values[0], values[1], values[2] + self.gathered_bytes)
+        return _full(values, self.gathered_bytes)
 
-    def rerun(self, values: tuple[float, float, float]) -> tuple[float, float, float]:
+    def rerun(self, values: Modes) -> Modes:
         """Per-mode seconds (the re-run's) with the host copies in the full mode's."""
-        return (values[0], values[1], values[2] + self.copy_s)
+        return _full(values, self.copy_s)
 
-    def tp_comm(self, values: tuple[float, float, float]) -> tuple[float, float, float]:
+    def tp_comm(self, values: Modes) -> Modes:
         """Per-mode exposed tp seconds with the gather in the full mode's."""
-        return (values[0], values[1], values[2] + self.gather_s)
+        return _full(values, self.gather_s)
+
+
+def _full(values: Modes, extra: float) -> Modes:
+    """``values`` (none, selective, full) with ``extra`` added to the full mode's entry."""
+    return (values[0], values[1], values[2] + extra)
 
 
 def checkpoint_terms(fw, cfg: ParallelConfig, is_block: bool, input_bytes: float,
@@ -78,4 +87,5 @@ def checkpoint_terms(fw, cfg: ParallelConfig, is_block: bool, input_bytes: float
     return CheckpointTerms(
         kept_bytes=0.0, gathered_bytes=input_bytes, gather_s=gather_s,
         copy_s=2 * comm.host_copy_s(pcie_link, part),
-        host_bytes=part * min(cfg.pp, cfg.num_microbatches))
+        host_bytes=part * in_flight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages,
+                                                 cfg.num_microbatches, 0))

@@ -1,9 +1,9 @@
 """Megatron-LM ``pretrain_gpt.py`` flags for a Plan, checked against Megatron-LM's own
 ``validate_args`` rules (``export_rules``): the parallel degrees, the pipeline schedule and its
 chunk sizes, recompute, the distributed optimizer or FSDP, mixture-of-experts flags with the
-token dispatcher the prediction assumed, the precision and its fp8 recipe, and the framework
-settings the plan's prediction assumed (``megatron-lm+...``), as flags or, where the setting is
-not a flag, as a note.
+token dispatcher the prediction assumed, the precision with its fp8 recipe and gradient dtype,
+and the framework settings the plan's prediction assumed (``megatron-lm+...``), as flags or,
+where the setting is not a flag, as a note.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) 
         last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
         bf16=cfg.dtype in ("bf16", "fp8"), fp16=cfg.dtype == "fp16", cp=cfg.cp,
         seq_length=seq_len(plan), fp8=cfg.dtype == "fp8",
+        grad_reduce_in_bf16=_grad_reduce_in_bf16(plan),
         num_experts=plan.moe.experts if plan.moe is not None else None, ep=cfg.ep, **extra)
 
 
@@ -145,6 +146,14 @@ def _megatron_moe_flags(plan: Plan) -> list[list[str]]:
     return flags
 
 
+def _grad_reduce_in_bf16(plan: Plan) -> bool:
+    """Whether the prediction kept bf16 gradients (a 2-byte main_grad buffer, reduced in bf16)
+    where Megatron-LM's validate_args would accumulate and reduce them in fp32: a bf16 or fp8
+    plan without the ``accumulate-allreduce-grads-in-fp32`` setting."""
+    fw = get_framework(plan.framework)
+    return plan.config.dtype in ("bf16", "fp8") and fw.grad_reduce_bytes == 2
+
+
 def to_megatron(plan: Plan) -> Export:
     """Megatron-LM ``pretrain_gpt.py`` flags, one per line with shell continuations.
 
@@ -179,5 +188,7 @@ def to_megatron(plan: Plan) -> Export:
     if cfg.dtype == "fp8":  # Transformer Engine fp8 linears, bf16 elsewhere, the costed recipe
         recipe = {"dynamic": "tensorwise"}.get(get_framework(plan.framework).fp8_scaling, "delayed")
         flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", recipe]]
+    if _grad_reduce_in_bf16(plan):
+        flags.append(["--grad-reduce-in-bf16"])
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
     return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))

@@ -80,6 +80,7 @@ class MegatronArgs:
     cp: int = 1
     seq_length: int | None = None
     fp8: bool = False
+    grad_reduce_in_bf16: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_instances: int = 1
 
@@ -114,6 +115,9 @@ def _parallel_rules(a: MegatronArgs) -> list[str]:
                    "(validate_args turns it off); drop --sequence-parallel")
     if a.fp16 and a.bf16:
         out.append("--fp16 and --bf16 are exclusive; keep one")
+    if a.grad_reduce_in_bf16 and not a.bf16:
+        out.append("--grad-reduce-in-bf16 acts with --bf16 only (validate_args reads it in the "
+                   "bf16 branch); drop it")
     return out
 
 

@@ -77,6 +77,12 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                                         "full recompute's saved block input split over the "
                                         "tp group, gathered again before the re-run "
                                         "(checkpoints.py)",
+        "accumulate-allreduce-grads-in-fp32": _MEGATRON_ARGS + "--accumulate-allreduce-grads"
+                                              "-in-fp32: gradients accumulate in an fp32 "
+                                              "main_grad buffer and reduce in fp32, as "
+                                              "validate_args sets for --bf16 unless "
+                                              "--grad-reduce-in-bf16 (Megatron-LM's default "
+                                              "before that flag, 2025)",
     }),
     "deepspeed": MappingProxyType({
         "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
@@ -112,6 +118,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "partition-activations": {"checkpoint_partitioned": True},
     "distribute-saved-activations": {"checkpoint_partitioned": True},
     "cpu-checkpointing": {"checkpoint_offloaded": True},
+    "accumulate-allreduce-grads-in-fp32": {"grad_reduce_bytes": 4},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

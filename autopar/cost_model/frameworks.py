@@ -390,13 +390,13 @@ _RECORDS: dict[str, dict[str, object]] = {
             "sp_regathers_inputs": "sourced: megatron/core/tensor_parallel/layers.py "
                                    "LinearWithGradAccumulationAndAsyncCommunication saves the "
                                    "sharded input and all-gathers it again in backward",
-            "grad_reduce_bytes": "sourced: Megatron-Core DistributedDataParallelConfig "
-                                 "grad_reduce_in_fp32=False (reduced at the param dtype)",
+            "grad_reduce_bytes": "sourced: --grad-reduce-in-bf16 (exported; Megatron-Bridge's "
+                                 "perf recipes' grad_reduce_in_fp32=False): bf16 main_grad",
             "reduce_bucket_params": "sourced: Megatron-Core DDP bucket_size default "
                                     "max(40000000, 1000000 * dp) (distributed_data_parallel)",
             "fragmentation_fraction": _NO_EXPANDABLE,
             "param_traffic_factor": "sourced: --gradient-accumulation-fusion (default on): "
-                                    "wgrad GEMM accumulates into fp32 main_grad; bf16 params",
+                                    "wgrad GEMM accumulates into main_grad; bf16 params",
             "zero_stages": "sourced: --use-distributed-optimizer shards optimizer state "
                            "(ZeRO-1); parameters and gradients replicated",
             "schedules": "sourced: schedules.py forward_backward_pipelining_without/with_"

@@ -201,7 +201,8 @@ def _megatron_args(plan: autopar.Plan) -> MegatronArgs:
         torch_fsdp2="--use-torch-fsdp2" in flags,
         gradient_accumulation_fusion="--no-gradient-accumulation-fusion" not in flags,
         untie_embeddings="--untie-embeddings-and-output-weights" in flags,
-        fp16="--fp16" in flags, bf16="--bf16" in flags)
+        fp16="--fp16" in flags, bf16="--bf16" in flags,
+        grad_reduce_in_bf16="--grad-reduce-in-bf16" in flags)
 
 
 @pytest.mark.parametrize("name", ["pp1", "interleaved", "tp_pp"])

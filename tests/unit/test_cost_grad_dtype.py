@@ -1,0 +1,59 @@
+"""Megatron-LM's gradient dtype: the bf16 main_grad buffer autopar costs (and exports as
+``--grad-reduce-in-bf16``) against Megatron-LM's fp32 accumulation under --bf16, the
+``accumulate-allreduce-grads-in-fp32`` setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import estimate
+from autopar.config import ParallelConfig
+from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.hardware import Cluster
+from autopar.export_rules import MegatronArgs, megatron_violations
+from autopar.exporters import export_plan
+from autopar.search import plan_from_config
+from tests.unit.test_search_planner import gpt_profile
+
+PROFILE = gpt_profile(4, 1024, 16, s=1024)
+H100 = Cluster.preset("h100", nodes=2, gpus_per_node=4)
+FP32_GRADS = "megatron-lm+accumulate-allreduce-grads-in-fp32"
+
+
+def _cfg(**kw) -> ParallelConfig:
+    base = dict(dp=4, tp=2, zero=1, global_batch=16, micro_batch=1, dtype="bf16")
+    return ParallelConfig(**{**base, **kw})
+
+
+def test_fp32_accumulation_doubles_the_gradient_buffer_and_the_reduced_bytes():
+    cfg = _cfg()
+    bf16, fp32 = (estimate(PROFILE, H100, cfg, framework=f) for f in ("megatron-lm", FP32_GRADS))
+    assert fp32.memory_breakdown.gradients_bytes == pytest.approx(
+        2 * bf16.memory_breakdown.gradients_bytes)
+    assert fp32.time_breakdown.dp_comm_s > bf16.time_breakdown.dp_comm_s
+    # everything else is the same split
+    assert fp32.memory_breakdown.parameters_bytes == bf16.memory_breakdown.parameters_bytes
+    assert fp32.time_breakdown.compute_s == bf16.time_breakdown.compute_s
+    assert get_framework(FP32_GRADS).grad_reduce_bytes == 4
+    assert get_framework("megatron-lm").grad_reduce_bytes == 2
+
+
+@pytest.mark.parametrize(("spec", "dtype", "written", "absent"), [
+    ("megatron-lm", "bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"),
+    ("megatron-lm", "fp8", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"),
+    ("megatron-lm", "fp16", None, "--grad-reduce-in-bf16"),
+    (FP32_GRADS, "bf16", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"),
+])
+def test_the_export_runs_the_gradient_dtype_the_prediction_costed(spec, dtype, written, absent):
+    plan = plan_from_config(PROFILE, H100, _cfg(dtype=dtype), framework=spec)
+    words = export_plan(plan, "megatron").text.split()
+    assert absent not in words
+    if written is not None:
+        assert written in words
+
+
+def test_megatron_rules_refuse_grad_reduce_in_bf16_without_bf16():
+    args = dict(world_size=8, num_layers=4, tp=2, pp=1, micro_batch=1, global_batch=16)
+    assert megatron_violations(MegatronArgs(**args, bf16=True, grad_reduce_in_bf16=True)) == []
+    broken = megatron_violations(MegatronArgs(**args, fp16=True, grad_reduce_in_bf16=True))
+    assert len(broken) == 1 and "--grad-reduce-in-bf16" in broken[0]

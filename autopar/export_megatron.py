@@ -117,6 +117,9 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
 
 # Megatron-LM settings whose flags are not ``--<setting>`` (written with the MoE and fp8 flags).
 _MEGATRON_SETTING_FLAGS = {"moe-force-balance": [["--moe-router-force-load-balancing"]],
+                           "bf16-adam-moments": [["--use-precision-aware-optimizer"],
+                                                 ["--exp-avg-dtype", "bf16"],
+                                                 ["--exp-avg-sq-dtype", "bf16"]],
                            "ep-deepep": [], "fp8-tensorwise": [], "expandable-segments": [],
                            "expert-tp-1": []}
 

@@ -204,11 +204,12 @@ def record_inputs(rec: dict, framework: Framework | None = None):
 @functools.cache
 def _record_split(record_id: str):
     """(profile, cluster, config-or-plan) of a record under its framework's committed record
-    (the fitted fields change no memory term, so the recompute choice does not depend on them)."""
+    with the record's settings (the fitted fields change no memory term, so the recompute
+    choice does not depend on them; settings such as bf16-adam-moments do)."""
     rec = _BY_ID[record_id]
     profile = record_profile(rec)
     cluster = record_cluster(rec)
-    fw = get_framework(rec["framework"])
+    fw = record_framework(rec)
     configs = record_configs(rec, profile.num_layers)
     every = rec["plan"].get("recompute_every")
     if every:

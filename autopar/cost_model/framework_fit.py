@@ -25,7 +25,7 @@ FIT: dict[str, dict[str, object]] = {
     "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.975, "step_overhead_s": 0.138,
                    "dp_comm_efficiency": 0.964, "step_time_band": (0.86, 1.13)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.9952, "step_overhead_s": 0.0,
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.991, "step_overhead_s": 0.0,
                     "step_time_band": (0.88, 1.12)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.776, "step_overhead_s": 0.5,
                   "step_time_band": (0.87, 1.25)},

@@ -83,6 +83,11 @@ SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
                                               "validate_args sets for --bf16 unless "
                                               "--grad-reduce-in-bf16 (Megatron-LM's default "
                                               "before that flag, 2025)",
+        "bf16-adam-moments": _MEGATRON_ARGS + "--use-precision-aware-optimizer with "
+                             "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (defaults fp32; "
+                             "Transformer Engine's FusedAdam): Adam's two moments in bf16, 4 "
+                             "bytes a parameter instead of 8, sharded by the distributed "
+                             "optimizer (DeepSeek-V3 report section 3.3.3 trains so)",
     }),
     "deepspeed": MappingProxyType({
         "overlap-comm": "sourced: DeepSpeed zero_optimization.overlap_comm (default: on for "
@@ -119,6 +124,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "distribute-saved-activations": {"checkpoint_partitioned": True},
     "cpu-checkpointing": {"checkpoint_offloaded": True},
     "accumulate-allreduce-grads-in-fp32": {"grad_reduce_bytes": 4},
+    "bf16-adam-moments": {"adam_moment_bytes": 4},
 })
 
 FSDP2_UNIT = ("sourced: torch FSDP2 fully_shard per block with forward/backward prefetch of "

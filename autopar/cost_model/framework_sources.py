@@ -33,6 +33,9 @@ def default_sources(name: str) -> dict[str, str]:
         out.setdefault(key, SETTING_OFF.format(named[0]) if named else "sourced: full "
                        "recompute keeps the block input whole on the device (the framework's "
                        "checkpoint keeps its inputs as given)")
+    out.setdefault("adam_moment_bytes", SETTING_OFF.format("bf16-adam-moments") if (
+        "bf16-adam-moments" in SETTINGS[name]) else "sourced: fp32 exp_avg and exp_avg_sq "
+                                                    "(Adam's state at the fp32 master dtype)")
     out.setdefault("loss_grad_in_place", "sourced: torch's cross_entropy on fp32 logits "
                                              "(log_softmax and nll_loss backward allocate)")
     out.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "

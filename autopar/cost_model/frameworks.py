@@ -48,8 +48,7 @@ __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framewor
 
 FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
 
-# sourced: DistributedDataParallel's default bucket_cap_mb (25 MiB of fp32 gradients).
-DDP_BUCKET_BYTES = 25 * MIB
+DDP_BUCKET_BYTES = 25 * MIB  # sourced: DistributedDataParallel's default bucket_cap_mb
 # Receive-buffer policies of a pipeline runtime.
 PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
 IN_FLIGHT = "in_flight"  # one tensor per transfer, freed with its micro-batch
@@ -116,8 +115,7 @@ class Framework:
         zero_stages: ZeRO / FSDP stages it runs.
         zero_with_pipeline: the largest ZeRO stage it runs together with pipeline parallelism.
         sequence_parallel: whether it runs Megatron-style sequence parallelism.
-        per_layer_recompute: whether it can choose recomputation per layer (else the search
-            keeps one mode for every block, on the balanced split).
+        per_layer_recompute: whether it recomputes per layer (else one mode for every block).
         exports: autopar's export formats that configure this framework.
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
@@ -125,7 +123,8 @@ class Framework:
             framework's leave-one-source-out outcomes (measured / predicted, p10 and p90).
         context_parallel ... scatter_combine: the other dimensions and kernels, each field of
             framework_dimensions.DIMENSIONS (documented there); checkpoint_partitioned and
-            checkpoint_offloaded: checkpoints.py's, each off unless a setting turns it on.
+            checkpoint_offloaded: checkpoints.py's, off unless a setting turns it on;
+            adam_moment_bytes: bytes a parameter of Adam's two moments (8 fp32, 4 bf16).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -205,6 +204,7 @@ class Framework:
     runs_traced_modules: bool = False
     checkpoint_partitioned: bool = False
     checkpoint_offloaded: bool = False
+    adam_moment_bytes: int = 8
 
     def __post_init__(self) -> None:
         for name, allowed in (

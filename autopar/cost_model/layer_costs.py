@@ -188,7 +188,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,  # reduce dtype
-        optimizer_bytes=state.optimizer_bytes,
+        optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
         optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))

@@ -1,6 +1,7 @@
-"""Megatron-LM's gradient dtype: the bf16 main_grad buffer autopar costs (and exports as
-``--grad-reduce-in-bf16``) against Megatron-LM's fp32 accumulation under --bf16, the
-``accumulate-allreduce-grads-in-fp32`` setting."""
+"""Megatron-LM's gradient and optimizer-state dtypes: the bf16 main_grad buffer autopar costs
+(and exports as ``--grad-reduce-in-bf16``) against Megatron-LM's fp32 accumulation under --bf16
+(the ``accumulate-allreduce-grads-in-fp32`` setting), and Adam's moments in bf16 (the
+``bf16-adam-moments`` setting: Megatron-LM's precision-aware optimizer)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.unit.test_search_planner import gpt_profile
 PROFILE = gpt_profile(4, 1024, 16, s=1024)
 H100 = Cluster.preset("h100", nodes=2, gpus_per_node=4)
 FP32_GRADS = "megatron-lm+accumulate-allreduce-grads-in-fp32"
+BF16_MOMENTS = "megatron-lm+bf16-adam-moments"
 
 
 def _cfg(**kw) -> ParallelConfig:
@@ -57,3 +59,37 @@ def test_megatron_rules_refuse_grad_reduce_in_bf16_without_bf16():
     assert megatron_violations(MegatronArgs(**args, bf16=True, grad_reduce_in_bf16=True)) == []
     broken = megatron_violations(MegatronArgs(**args, fp16=True, grad_reduce_in_bf16=True))
     assert len(broken) == 1 and "--grad-reduce-in-bf16" in broken[0]
+
+
+def test_bf16_moments_halve_the_optimizer_state_and_nothing_else():
+    cfg = _cfg()
+    fp32, bf16 = (estimate(PROFILE, H100, cfg, framework=f) for f in ("megatron-lm", BF16_MOMENTS))
+    assert bf16.memory_breakdown.optimizer_bytes == pytest.approx(
+        fp32.memory_breakdown.optimizer_bytes / 2)
+    assert bf16.memory_breakdown.parameters_bytes == fp32.memory_breakdown.parameters_bytes
+    assert bf16.memory_breakdown.gradients_bytes == fp32.memory_breakdown.gradients_bytes
+    assert bf16.step_time_s == pytest.approx(fp32.step_time_s)
+    assert get_framework(BF16_MOMENTS).sources["adam_moment_bytes"].startswith("sourced:")
+
+
+def test_a_split_that_fits_only_with_bf16_moments():
+    big = gpt_profile(8, 4096, 32, s=2048)
+    small = Cluster.preset("h100", nodes=1, gpus_per_node=2, gpu_memory_gb=14)
+    cfg = ParallelConfig(dp=2, zero=1, global_batch=2, micro_batch=1, recompute="full")
+    fp32 = estimate(big, small, cfg, framework="megatron-lm")
+    bf16 = estimate(big, small, cfg, framework=BF16_MOMENTS)
+    assert not fp32.fits and bf16.fits
+
+
+@pytest.mark.parametrize("cfg", [_cfg(zero=0), _cfg(offload="optimizer")])
+def test_bf16_moments_need_the_distributed_optimizer_on_the_device(cfg):
+    with pytest.raises(ValueError, match="precision-aware-optimizer"):
+        estimate(PROFILE, H100, cfg, framework=BF16_MOMENTS)
+
+
+def test_the_export_writes_the_precision_aware_optimizer_with_bf16_moments():
+    plan = plan_from_config(PROFILE, H100, _cfg(), framework=BF16_MOMENTS)
+    text = " ".join(export_plan(plan, "megatron").text.split())
+    for flag in ("--use-precision-aware-optimizer", "--exp-avg-dtype bf16",
+                 "--exp-avg-sq-dtype bf16", "--use-distributed-optimizer"):
+        assert flag in text

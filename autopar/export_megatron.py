@@ -193,5 +193,9 @@ def to_megatron(plan: Plan) -> Export:
         flags += [["--bf16"], ["--fp8-format", "hybrid"], ["--fp8-recipe", recipe]]
     if _grad_reduce_in_bf16(plan):
         flags.append(["--grad-reduce-in-bf16"])
+        notes.append("--grad-reduce-in-bf16: gradients accumulate and reduce in bf16, as the "
+                     "prediction costed them; for Megatron-LM's fp32 accumulation plan with "
+                     f"--framework {plan.framework}+accumulate-allreduce-grads-in-fp32 (2 more "
+                     "bytes a parameter, twice the gradient traffic)")
     lines = [" ".join(shlex.quote(part) for part in flag) for flag in flags]
     return Export(text=" \\\n".join(lines) + "\n", notes=tuple(notes))

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 __all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "OVERLAP_SOURCES", "SEARCHED_SETTINGS",
-           "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF"]
+           "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF", "setting_changes"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
 # what each one changes is in ``SETTING_EFFECTS``.
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
@@ -175,3 +175,24 @@ OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {
 }
 
 
+def setting_changes(name: str, settings: tuple[str, ...],
+                    sources: Mapping[str, str]) -> dict[str, object]:
+    """The record fields ``settings`` of framework ``name`` set (``SETTING_EFFECTS``), the
+    sorted settings, and ``sources`` with each changed field's source now the setting's own.
+
+    Raises:
+        ValueError: a setting the framework does not have (its settings named).
+    """
+    known = SETTINGS.get(name, {})
+    unknown = [x for x in settings if x not in known]
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of framework {name}; its "
+                         f"settings: {', '.join(known) or 'none'}")
+    changes: dict[str, object] = {"settings": tuple(sorted(set(settings)))}
+    new_sources = dict(sources)
+    for setting in settings:
+        changes.update(SETTING_EFFECTS[setting])
+        new_sources.update({field: f"{known[setting]} (setting {setting!r})"
+                            for field in SETTING_EFFECTS[setting]})
+    changes["sources"] = MappingProxyType(new_sources)
+    return changes

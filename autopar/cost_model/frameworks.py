@@ -32,8 +32,8 @@ from autopar.cost_model.framework_fit import FIT
 from autopar.cost_model.framework_settings import (
     EXPANDABLE_FRAGMENTATION,
     FSDP2_UNIT,
-    SETTING_EFFECTS,
     SETTINGS,
+    setting_changes,
 )
 from autopar.cost_model.framework_sources import default_sources
 from autopar.cost_model.framework_support import framework_supports
@@ -239,16 +239,9 @@ class Framework:
         return "+".join((self.name, *self.settings))
 
     def with_settings(self, settings: tuple[str, ...]) -> Framework:
-        """The record with ``settings`` (switches of ``SETTINGS[name]``) turned on."""
-        known = SETTINGS.get(self.name, {})
-        unknown = [x for x in settings if x not in known]
-        if unknown:
-            choices = ", ".join(known) or "none"
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)} of framework "
-                             f"{self.name}; its settings: {choices}")
-        changes: dict[str, object] = {"settings": tuple(sorted(set(settings)))}
-        for setting in settings:
-            changes.update(SETTING_EFFECTS[setting])
+        """The record with ``settings`` (switches of ``SETTINGS[name]``) turned on, each
+        changed field sourced to its setting (``framework_settings.setting_changes``)."""
+        changes = setting_changes(self.name, settings, self.sources)
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 

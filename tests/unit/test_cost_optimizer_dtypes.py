@@ -48,10 +48,15 @@ def test_fp32_accumulation_doubles_the_gradient_buffer_and_the_reduced_bytes():
 ])
 def test_the_export_runs_the_gradient_dtype_the_prediction_costed(spec, dtype, written, absent):
     plan = plan_from_config(PROFILE, H100, _cfg(dtype=dtype), framework=spec)
-    words = export_plan(plan, "megatron").text.split()
+    out = export_plan(plan, "megatron")
+    words = out.text.split()
     assert absent not in words
     if written is not None:
         assert written in words
+    # the bf16 reduce is said, with the framework spec that costs fp32 accumulation instead
+    said = [n for n in out.notes if n.startswith("--grad-reduce-in-bf16")]
+    assert len(said) == (written == "--grad-reduce-in-bf16")
+    assert all(FP32_GRADS in n for n in said)
 
 
 def test_megatron_rules_refuse_grad_reduce_in_bf16_without_bf16():

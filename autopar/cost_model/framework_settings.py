@@ -2,8 +2,9 @@
 the planner searches, and the sources of the overlap fields they switch.
 
 Each setting is off by default, as in the framework itself; ``get_framework("megatron-lm+
-tp-comm-overlap")`` turns one on (``Framework.with_settings``), which sets the record fields of
-``SETTING_EFFECTS``; what each requires of a split is in ``framework_support.py``. A setting
+tp-comm-overlap")`` turns one on (``Framework.with_settings``, ``setting_changes``), which sets
+the record fields of ``SETTING_EFFECTS`` and sources each to the setting; what each requires of
+a split is in ``framework_support.py``. A setting
 that is a parallelism choice (``SEARCHED_SETTINGS``) the planner also tries by itself.
 """
 

@@ -36,6 +36,9 @@ def default_sources(name: str) -> dict[str, str]:
     out.setdefault("adam_moment_bytes", SETTING_OFF.format("bf16-adam-moments") if (
         "bf16-adam-moments" in SETTINGS[name]) else "sourced: fp32 exp_avg and exp_avg_sq "
                                                     "(Adam's state at the fp32 master dtype)")
+    out.setdefault("interleaved_groups_of_pp", "sourced: torch's ScheduleInterleaved1F1B / "
+                   "InterleavedZeroBubble (rounds max(1, m // pp), m % rounds == 0), or no "
+                   "interleaved schedule (the record's schedules)")
     out.setdefault("loss_grad_in_place", "sourced: torch's cross_entropy on fp32 logits "
                                              "(log_softmax and nll_loss backward allocate)")
     out.setdefault("fp8_scaling", "sourced: torchao Float8Linear's tensorwise dynamic "

@@ -29,6 +29,12 @@ def framework_supports(framework: Framework, config) -> str | None:
     if config.pp > 1 and config.schedule not in fw.schedules:
         return (f"{fw.name} runs the pipeline schedules {', '.join(fw.schedules)}, not "
                 f"{config.schedule!r}")
+    if (config.pp > 1 and config.virtual_stages > 1 and fw.interleaved_groups_of_pp
+            and config.num_microbatches % config.pp):
+        return (f"{fw.name}'s interleaved schedule runs micro-batches in groups of pp = "
+                f"{config.pp} and needs their count per pipeline ({config.num_microbatches}) to "
+                f"be a multiple of it; use a global batch that gives a multiple of {config.pp} "
+                "micro-batches, or the 1f1b schedule")
     if config.dp > 1 and config.zero not in fw.zero_stages:
         return f"{fw.name} runs ZeRO stages {fw.zero_stages}, not zero={config.zero}"
     if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:

@@ -125,6 +125,8 @@ class Framework:
             framework_dimensions.DIMENSIONS (documented there); checkpoint_partitioned and
             checkpoint_offloaded: checkpoints.py's, off unless a setting turns it on;
             adam_moment_bytes: bytes a parameter of Adam's two moments (8 fp32, 4 bf16).
+        interleaved_groups_of_pp: its interleaved schedule runs micro-batches in groups of pp
+            per chunk, so m must be a multiple of pp (torch's takes others: autopar.schedules).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -205,6 +207,7 @@ class Framework:
     checkpoint_partitioned: bool = False
     checkpoint_offloaded: bool = False
     adam_moment_bytes: int = 8
+    interleaved_groups_of_pp: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -368,7 +371,11 @@ _RECORDS: dict[str, dict[str, object]] = {
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
         sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
         expert_parallel=True, fp8_scaling="delayed", loss_grad_in_place=True,
+        interleaved_groups_of_pp=True,
         sources={
+            "interleaved_groups_of_pp": "sourced: megatron/core/pipeline_parallel/schedules.py"
+                                        " (interleaving: N contiguous micro-batches, default "
+                                        "pp, in [pp, m]; m % N 0 or >= pp)",
             "loss_grad_in_place": _MEGATRON_XENT,
             "fp8_scaling": "sourced: Megatron-Core --fp8-recipe delayed (default) runs "
                            "Transformer Engine's DelayedScaling recipe; TE user guide "

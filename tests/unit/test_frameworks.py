@@ -84,6 +84,28 @@ def test_the_search_proposes_only_what_the_framework_runs(name: str) -> None:
     assert autopar.Plan.from_json(plans[0].to_json()).framework == name
 
 
+def test_megatron_interleaves_only_whole_groups_of_pp_micro_batches() -> None:
+    """Megatron-LM's interleaved schedule takes N contiguous micro-batches per chunk, N = pp by
+    default, pp <= N <= m and m % N either 0 or >= pp: m a multiple of pp. torch's takes m < pp."""
+    def cfg(global_batch: int) -> autopar.ParallelConfig:  # dp 4 x micro-batch 2
+        return autopar.ParallelConfig(dp=4, pp=4, global_batch=global_batch, micro_batch=2,
+                                      zero=1, schedule="interleaved-1f1b", virtual_stages=2)
+    megatron = get_framework("megatron-lm")
+    for m in (2, 6, 10):  # below pp, and a remainder below pp
+        assert "multiple of it" in framework_supports(megatron, cfg(8 * m))
+        assert framework_supports(get_framework("torchtitan"), cfg(8 * m)) is None
+    for m in (4, 8, 12):
+        assert framework_supports(megatron, cfg(8 * m)) is None
+    with pytest.raises(ValueError, match="groups of pp = 4"):
+        autopar.estimate(TINY, CLUSTER, cfg(16), framework="megatron-lm")
+    plan = plan_from_config(TINY, CLUSTER, cfg(16))  # autopar runs it (torch's schedule)
+    with pytest.raises(ValueError, match="groups of pp"):
+        export_plan(plan, "megatron")
+    for p in autopar.plan(TINY, CLUSTER, global_batch=16, top_k=5, framework="megatron-lm"):
+        c = p.config
+        assert c.virtual_stages == 1 or c.num_microbatches % c.pp == 0, c
+
+
 def test_export_refuses_a_plan_the_tool_cannot_run() -> None:
     cfg = autopar.ParallelConfig(dp=4, pp=2, tp=2, global_batch=32, zero=3)
     plan = plan_from_config(TINY, CLUSTER, cfg)  # autopar runs zero 3 under a pipeline

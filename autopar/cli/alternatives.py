@@ -1,6 +1,7 @@
 """Reference splits to compare the chosen plan with (pure DP, pure FSDP, tp doubled; for a
 mixture-of-experts model the chosen split with the other ep choice, and FSDP with experts
-sharded over the largest ep).
+sharded over the largest ep; for a plan that recomputes, the same split without recompute under
+each memory-saving setting of its framework, ``MEMORY_SETTINGS``).
 
 The planner's own runners-up say how close the race was; these references say why the obvious
 splits lose (memory, communication). Each is estimated with ``autopar.estimate``.
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.framework_settings import MEMORY_SETTINGS
+from autopar.cost_model.frameworks import get_framework
 from autopar.errors import AutoparError
 from autopar.report import Alternative, config_label
 from autopar.schedules import DEFAULT_SCHEDULE
@@ -60,6 +63,35 @@ def _with_batch(best: ParallelConfig, fields: dict[str, Any]) -> ParallelConfig:
     return ParallelConfig.from_dict(merged)
 
 
+def _memory_levers(profile: Any, cluster: Any, best: Any) -> list[Alternative]:
+    """The chosen split without recompute under each memory-saving setting its framework has
+    and the plan does not use, when the plan recomputes any layer."""
+    import autopar
+
+    fw = get_framework(best.framework)
+    if all(mode == "none" for mode in best.recompute_per_layer):
+        return []
+    # on the device, its optimizer sharded over the data ranks (zero 1) where the plan's was not
+    zero = 1 if best.config.data_ranks > 1 and best.config.zero == 0 else best.config.zero
+    config = ParallelConfig.from_dict({**best.config.to_dict(), "recompute": "none",
+                                       "zero": zero, "offload": "none"})
+    out = []
+    for setting, words in MEMORY_SETTINGS.get(fw.name, {}).items():
+        if setting in fw.settings:
+            continue
+        spec = f"{fw.spec}+{setting}"
+        label = f"{words} (--framework {spec}), no recompute" + "".join(
+            f", {k}={getattr(config, k)}" for k in ("zero", "offload")
+            if getattr(config, k) != getattr(best.config, k))
+        try:
+            estimate = autopar.estimate(profile, cluster, config, framework=spec)
+        except (AutoparError, ValueError) as e:
+            out.append(Alternative(label=label, config=config, reason=str(e)))
+            continue
+        out.append(Alternative(label=label, config=config, estimate=estimate))
+    return out
+
+
 def alternatives_for(
     profile: Any, cluster: Any, best: Any, runners_up: Sequence[Any] = ()
 ) -> list[Alternative]:
@@ -104,6 +136,6 @@ def alternatives_for(
             out.append(Alternative(label=name, config=config, reason=str(e)))
             continue
         out.append(Alternative(label=name, config=config, estimate=estimate))
-    return out
+    return out + _memory_levers(profile, cluster, best)
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "OVERLAP_SOURCES", "SEARCHED_SETTINGS",
-           "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF", "setting_changes"]
+__all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "MEMORY_SETTINGS", "OVERLAP_SOURCES",
+           "SEARCHED_SETTINGS", "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF", "setting_changes"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
 # what each one changes is in ``SETTING_EFFECTS``.
 _MEGATRON_ARGS = "sourced: Megatron-LM megatron/training/arguments.py (store_true, default off): "
@@ -140,6 +140,12 @@ SETTING_OFF = "sourced: off unless the '{}' setting is on (SETTINGS, the framewo
 SEARCHED_SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "torchtitan": MappingProxyType({"expert-tp-1": "moe"}),
     "megatron-lm": MappingProxyType({"expert-tp-1": "moe"}),
+})
+# Settings that free memory at the cost of numerics, not time, which the planner leaves to the
+# user: ``autopar plan`` shows what one would buy when the chosen plan recomputes (the chosen
+# split without recompute under it: cli/alternatives.py). setting -> its words in the report.
+MEMORY_SETTINGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "megatron-lm": MappingProxyType({"bf16-adam-moments": "Adam's moments in bf16"}),
 })
 # Where each framework's overlap fields come from (its record's ``sources``).
 OVERLAP_SOURCES: Mapping[str, Mapping[str, str]] = {

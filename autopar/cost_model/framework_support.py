@@ -222,7 +222,8 @@ def settings_support(fw: Framework, config) -> str | None:
         return ("megatron-lm's --distribute-saved-activations needs tp > 1 without sequence "
                 "parallelism (validate_args, TransformerConfig); use tp > 1 and "
                 "sequence_parallel=False")
-    if "bf16-adam-moments" in fw.settings and (config.zero != 1 or config.offload != "none"):
+    if "bf16-adam-moments" in fw.settings and (
+            (config.zero != 1 and config.data_ranks > 1) or config.offload != "none"):
         return ("megatron-lm's --use-precision-aware-optimizer runs with the distributed "
                 "optimizer only (megatron/core/optimizer); use zero=1, and offload=none "
                 "(autopar does not cost bf16 moments in host memory)")

@@ -98,3 +98,30 @@ def test_the_export_writes_the_precision_aware_optimizer_with_bf16_moments():
     for flag in ("--use-precision-aware-optimizer", "--exp-avg-dtype bf16",
                  "--exp-avg-sq-dtype bf16", "--use-distributed-optimizer"):
         assert flag in text
+
+
+def test_at_dp_1_bf16_moments_need_no_zero_and_the_export_still_runs_the_distributed_optimizer():
+    cfg = ParallelConfig(tp=2, global_batch=4, micro_batch=1, sequence_parallel=True)
+    plan = plan_from_config(PROFILE, Cluster.preset("h100", nodes=1, gpus_per_node=2), cfg,
+                            framework=BF16_MOMENTS)
+    assert "--use-distributed-optimizer" in export_plan(plan, "megatron").text.split()
+
+
+def test_plan_shows_what_bf16_moments_would_buy_when_it_recomputes():
+    from autopar import plan as make_plan
+    from autopar.cli.alternatives import alternatives_for
+
+    big = gpt_profile(8, 4096, 32, s=2048)
+    tight = Cluster.preset("h100", nodes=1, gpus_per_node=2, gpu_memory_gb=15)
+    best = make_plan(big, tight, global_batch=8, framework="megatron-lm")
+    assert any(mode != "none" for mode in best.recompute_per_layer)
+    levers = [a for a in alternatives_for(big, tight, best) if BF16_MOMENTS in a.label]
+    assert len(levers) == 1 and levers[0].config.recompute == "none"
+    assert levers[0].label.endswith("no recompute")  # the same split otherwise
+    again = estimate(big, tight, levers[0].config, framework=BF16_MOMENTS)
+    assert levers[0].estimate.step_time_s == pytest.approx(again.step_time_s)
+    assert levers[0].estimate.fits and levers[0].estimate.step_time_s < best.estimate.step_time_s
+    roomy = make_plan(big, Cluster.preset("h100", nodes=1, gpus_per_node=2), global_batch=8,
+                      framework="megatron-lm")
+    assert all(mode == "none" for mode in roomy.recompute_per_layer)
+    assert not [a for a in alternatives_for(big, tight, roomy) if BF16_MOMENTS in a.label]

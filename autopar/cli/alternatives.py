@@ -73,8 +73,7 @@ def _memory_levers(profile: Any, cluster: Any, best: Any) -> list[Alternative]:
         return []
     # on the device, its optimizer sharded over the data ranks (zero 1) where the plan's was not
     zero = 1 if best.config.data_ranks > 1 and best.config.zero == 0 else best.config.zero
-    config = ParallelConfig.from_dict({**best.config.to_dict(), "recompute": "none",
-                                       "zero": zero, "offload": "none"})
+    config = _with_batch(best.config, {"recompute": "none", "zero": zero, "offload": "none"})
     out = []
     for setting, words in MEMORY_SETTINGS.get(fw.name, {}).items():
         if setting in fw.settings:

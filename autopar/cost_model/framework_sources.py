@@ -5,9 +5,25 @@ the bands, the shared overlap sources, each setting's default, and the documenta
 from __future__ import annotations
 
 from autopar.cost_model.framework_fit import FITTED_FIELDS
-from autopar.cost_model.framework_settings import OVERLAP_SOURCES, SETTING_OFF, SETTINGS
+from autopar.cost_model.framework_settings import (
+    OVERLAP_SOURCES,
+    SETTING_EFFECTS,
+    SETTING_OFF,
+    SETTINGS,
+)
 
 __all__ = ["default_sources"]
+
+_WHOLE_INPUT = ("sourced: full recompute keeps the block input whole on the device (the "
+                "framework's checkpoint keeps its inputs as given)")
+# Fields a setting switches, with their source where the framework has no such setting.
+_SETTING_FIELDS = {
+    "fp8_param_gather": "sourced: parameters gathered at their 16-bit dtype",
+    "checkpoint_partitioned": _WHOLE_INPUT,
+    "checkpoint_offloaded": _WHOLE_INPUT,
+    "adam_moment_bytes": "sourced: fp32 exp_avg and exp_avg_sq (Adam's state at the fp32 "
+                         "master dtype)",
+}
 
 
 def default_sources(name: str) -> dict[str, str]:
@@ -23,19 +39,10 @@ def default_sources(name: str) -> dict[str, str]:
     for key, text in OVERLAP_SOURCES[name].items():
         out.setdefault(key, text)
     out.setdefault("settings", "sourced: the user's switches (SETTINGS), none by default")
-    out.setdefault("fp8_param_gather", SETTING_OFF.format("float8-all-gather") if (
-        "float8-all-gather" in SETTINGS[name]) else "sourced: parameters gathered at their "
-                                                    "16-bit dtype")
-    for key, settings in (("checkpoint_partitioned", ("partition-activations",
-                                                      "distribute-saved-activations")),
-                          ("checkpoint_offloaded", ("cpu-checkpointing",))):
-        named = [x for x in settings if x in SETTINGS[name]]
-        out.setdefault(key, SETTING_OFF.format(named[0]) if named else "sourced: full "
-                       "recompute keeps the block input whole on the device (the framework's "
-                       "checkpoint keeps its inputs as given)")
-    out.setdefault("adam_moment_bytes", SETTING_OFF.format("bf16-adam-moments") if (
-        "bf16-adam-moments" in SETTINGS[name]) else "sourced: fp32 exp_avg and exp_avg_sq "
-                                                    "(Adam's state at the fp32 master dtype)")
+    # a field one of the framework's settings turns on: off unless that setting is on
+    for key, otherwise in _SETTING_FIELDS.items():
+        named = [x for x in SETTINGS[name] if key in SETTING_EFFECTS[x]]
+        out.setdefault(key, SETTING_OFF.format(named[0]) if named else otherwise)
     out.setdefault("interleaved_groups_of_pp", "sourced: torch's ScheduleInterleaved1F1B / "
                    "InterleavedZeroBubble (rounds max(1, m // pp), m % rounds == 0), or no "
                    "interleaved schedule (the record's schedules)")

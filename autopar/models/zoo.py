@@ -166,12 +166,11 @@ def num_params(spec: ModelSpec) -> int:
     """
     h, f, v, n = spec.hidden, spec.ffn_hidden, spec.vocab, spec.layers
     head = 0 if spec.tie_embeddings else v * h
+    kv = spec.kv_heads * spec.head_dim  # key/value width
     if spec.kind == "gpt":
-        kv = spec.kv_heads * spec.head_dim
         block = 2 * h * h + 2 * h * kv + 2 * h + 2 * kv + 2 * h * f + f + h + 4 * h
         return n * block + (v + spec.seq_len) * h + 2 * h + head
     if spec.kind == "llama":
-        kv = spec.kv_heads * spec.head_dim
         ffn = 3 * h * f
         if spec.experts:
             ffn = spec.experts * h + 3 * h * spec.expert_hidden * (

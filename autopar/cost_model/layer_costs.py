@@ -392,7 +392,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         framework=fw,
         dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.data_ranks > 1 else 0.0,
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
-        dtype_reason=dtype_reason(cluster.device, cfg.dtype),
+        dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling),
         names=terms.names,
     )
 

@@ -41,6 +41,7 @@ from autopar.cost_model.hardware import DeviceSpec
 __all__ = [
     "FP8_CAST_BYTES_PER_ACT_BYTE",
     "FP8_CAST_BYTES_PER_PARAM",
+    "FP8_RECIPE_WORDS",
     "FP8_SCALINGS",
     "attention_peak_flops",
     "dtype_reason",
@@ -52,6 +53,11 @@ __all__ = [
 ]
 
 FP8_SCALINGS = ("dynamic", "delayed")
+# How each scaling reads in a report: dynamic is torchao's Float8Linear tensorwise recipe or
+# Transformer Engine's per-tensor current scaling; delayed is Transformer Engine's alone.
+FP8_RECIPE_WORDS = MappingProxyType({
+    "dynamic": "tensorwise dynamic scaling",
+    "delayed": "Transformer Engine delayed scaling"})
 # sourced (module docstring): bytes moved per bf16 byte of the linears' inputs, forward and
 # backward together; dynamic: amax read + cast (2.5 per bf16 byte each way); delayed: the cast
 # alone (1.5).
@@ -122,12 +128,13 @@ def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: f
     return peak, selective
 
 
-def dtype_reason(device: DeviceSpec, dtype: str) -> str:
-    """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line)."""
+def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str = "dynamic") -> str:
+    """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line); an
+    fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``)."""
     tera = 1e12
     if dtype == "fp8":
-        return (f"fp8 matmuls at {device.peak_fp8_flops / tera:.0f} TFLOP/s (torchao float8, "
-                f"tensorwise scaling), attention and the rest in bf16 at "
+        return (f"fp8 matmuls at {device.peak_fp8_flops / tera:.0f} TFLOP/s "
+                f"({FP8_RECIPE_WORDS[fp8_scaling]}), attention and the rest in bf16 at "
                 f"{device.peak_bf16_flops / tera:.0f}")
     if dtype == "fp16":
         if device.peak_bf16_flops <= device.peak_fp32_flops:

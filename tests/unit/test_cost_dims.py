@@ -214,6 +214,22 @@ def test_fp8_delayed_scaling_moves_less_than_dynamic_and_caches_weights() -> Non
         dataclasses.replace(megatron, fp8_scaling="blockwise")
 
 
+def test_the_precision_line_names_the_frameworks_fp8_scaling() -> None:
+    """The report's precision line says how the framework scales its fp8 linears: Megatron-LM's
+    Transformer Engine delayed scaling, its fp8-tensorwise setting and torchtitan dynamic."""
+    cfg = ParallelConfig(dp=8, global_batch=64, zero=1, recompute="full", dtype="fp8")
+    h100 = Cluster.preset("h100")
+
+    def line(spec: str) -> str:
+        return autopar.estimate(LLAMA, h100, cfg, framework=spec).precision
+
+    assert "Transformer Engine delayed scaling" in line("megatron-lm")
+    assert "tensorwise dynamic scaling" in line("megatron-lm+fp8-tensorwise")
+    assert "tensorwise dynamic scaling" in line("torchtitan")
+    assert "bf16" in autopar.estimate(LLAMA, h100, dataclasses.replace(cfg, dtype="bf16"),
+                                      framework="megatron-lm").precision
+
+
 def test_autopar_charges_its_kv_all_gather_the_others_their_ring() -> None:
     cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
     cfg = ParallelConfig(dp=2, cp=2, global_batch=8, zero=3)

@@ -1,13 +1,16 @@
 """What every exporter shares: the ``Export`` document and the plan facts the formats write
-(tokens per sequence, a one-sentence header, blocks per stage)."""
+(tokens per sequence, a one-sentence header, blocks per stage, the recompute pattern)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
 from autopar.plan import Plan
 
-__all__ = ["Export", "blocks_per_stage", "header", "seq_len"]
+__all__ = ["Export", "block_mode", "blocks_per_stage", "header", "plan_recompute",
+           "recompute_refusal_for", "seq_len"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,3 +41,32 @@ def header(plan: Plan) -> str:
 def blocks_per_stage(plan: Plan) -> list[int]:
     """Transformer blocks (``layers.<i>``) in each of the plan's stages."""
     return [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
+
+
+def _plan_layout(plan: Plan) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
+    """The plan's stage split, which layers are blocks (``layers.<i>``), each stage's rank."""
+    split = [tuple(s.layers) for s in plan.stages]
+    blocks = [n.startswith("layers.") for s in plan.stages for n in s.layer_names]
+    return split, blocks, [plan.rank_of_stage(s.index) for s in plan.stages]  # type: ignore[return-value]
+
+
+def plan_recompute(plan: Plan, framework: str) -> tuple[str, int] | None:
+    """How ``framework`` sets the plan's per-layer recompute (``recompute_pattern``): ("uniform",
+    0), its pattern with a count, or None when it cannot."""
+    split, blocks, ranks = _plan_layout(plan)
+    return recompute_pattern(get_framework(framework).recompute_layers,
+                             plan.recompute_per_layer, split, blocks, ranks)
+
+
+def recompute_refusal_for(plan: Plan, framework: str) -> str | None:
+    """Why ``framework`` cannot set the plan's per-layer recompute (None when it can)."""
+    split, blocks, ranks = _plan_layout(plan)
+    return recompute_refusal(framework, get_framework(framework).recompute_layers,
+                             plan.recompute_per_layer, split, blocks, ranks)
+
+
+def block_mode(plan: Plan) -> str:
+    """The recompute mode of the plan's blocks when they share one (else its config's)."""
+    modes = {r for s in plan.stages for n, r in zip(s.layer_names, s.recompute, strict=True)
+             if n.startswith("layers.")}
+    return modes.pop() if len(modes) == 1 else plan.config.recompute

@@ -12,46 +12,46 @@ import shlex
 from typing import Any
 
 from autopar.cost_model.frameworks import get_framework
-from autopar.export_base import Export, blocks_per_stage, seq_len
+from autopar.export_base import Export, block_mode, blocks_per_stage, plan_recompute, seq_len
 from autopar.export_rules import MEGATRON_COMMIT, MegatronArgs, megatron_violations
 from autopar.plan import Plan
 
 __all__ = ["to_megatron"]
 
 
-def _megatron_pipeline(plan: Plan, notes: list[str]) -> dict[str, int]:
-    """The pipeline layout flags (flag -> value) Megatron accepts for the plan's stages."""
+def _megatron_pipeline(plan: Plan, notes: list[str]) -> dict[str, Any]:
+    """The pipeline layout flags (flag -> value) that set the plan's own stages: none for an
+    even split, the chunk size for even interleaved chunks, the first and last stage's blocks
+    when the middle ones are even, else ``--pipeline-model-parallel-layout`` stage by stage."""
     cfg = plan.config
     blocks = blocks_per_stage(plan)
     total = sum(blocks)
     if cfg.pp == 1:
         return {}
-    if cfg.virtual_stages > 1:
-        chunks = cfg.pp * cfg.virtual_stages
-        if len(set(blocks)) > 1:
-            notes.append(f"autopar's chunks hold {blocks} blocks; Megatron interleaving splits "
-                         "the blocks evenly over the chunks")
-        if cfg.schedule != "interleaved-1f1b":
-            notes.append(f"Megatron has no {cfg.schedule}; exported as interleaved 1F1B")
-        if total % chunks == 0:
-            return {"--num-layers-per-virtual-pipeline-stage": total // chunks}
-        return {"--num-virtual-stages-per-pipeline-rank": cfg.virtual_stages}
-    if cfg.schedule == "gpipe":
-        notes.append("Megatron runs 1F1B; GPipe's bubble is the same, its memory is higher")
+    if cfg.schedule not in ("1f1b", "interleaved-1f1b"):
+        notes.append(f"Megatron has no {cfg.schedule}; exported as "
+                     f"{'interleaved 1F1B' if cfg.virtual_stages > 1 else '1F1B'}")
     if len(set(blocks)) == 1:
-        return {}
-    uneven = {"--decoder-first-pipeline-num-layers": blocks[0],
-              "--decoder-last-pipeline-num-layers": blocks[-1]}
-    if not megatron_violations(_megatron_args(plan, uneven, {})):
-        if len(set(blocks[1:-1])) > 1:
-            notes.append(f"middle stages hold {blocks[1:-1]} blocks; Megatron splits them evenly")
-        return uneven
-    notes.append(f"stages hold {blocks} blocks, a split Megatron cannot set (its first/last "
-                 "stage flags need the middle blocks to divide evenly); Megatron splits evenly")
-    return {}
+        if cfg.virtual_stages == 1:
+            return {}
+        return {"--num-layers-per-virtual-pipeline-stage": total // len(blocks)}
+    if cfg.virtual_stages == 1:
+        uneven = {"--decoder-first-pipeline-num-layers": blocks[0],
+                  "--decoder-last-pipeline-num-layers": blocks[-1]}
+        if not megatron_violations(_megatron_args(plan, uneven, {})):
+            return uneven
+    return {"--pipeline-model-parallel-layout": _layout(blocks)}
 
 
-def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) -> MegatronArgs:
+def _layout(blocks: list[int]) -> str:
+    """Megatron's layout string of stages holding ``blocks`` blocks each, in stage order (E the
+    embedding on the first, L the loss on the last)."""
+    last = len(blocks) - 1
+    return "|".join(("E" if j == 0 else "") + (f"t*{n}" if n else "") + ("L" if j == last else "")
+                    for j, n in enumerate(blocks))
+
+
+def _megatron_args(plan: Plan, pipeline: dict[str, Any], extra: dict[str, Any]) -> MegatronArgs:
     """The MegatronArgs the exported flags set (``extra``: MegatronArgs fields)."""
     cfg = plan.config
     return MegatronArgs(
@@ -61,6 +61,7 @@ def _megatron_args(plan: Plan, pipeline: dict[str, int], extra: dict[str, Any]) 
         virtual_per_rank=pipeline.get("--num-virtual-stages-per-pipeline-rank"),
         first_layers=pipeline.get("--decoder-first-pipeline-num-layers"),
         last_layers=pipeline.get("--decoder-last-pipeline-num-layers"),
+        layout=pipeline.get("--pipeline-model-parallel-layout"),
         bf16=cfg.dtype in ("bf16", "fp8"), fp16=cfg.dtype == "fp16", cp=cfg.cp,
         seq_length=seq_len(plan), fp8=cfg.dtype == "fp8",
         grad_reduce_in_bf16=_grad_reduce_in_bf16(plan),
@@ -77,16 +78,20 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
         extra["sequence_parallel"] = True
     elif cfg.sequence_parallel:
         notes.append("Megatron turns sequence parallelism off at tp=1; --sequence-parallel dropped")
-    if cfg.recompute != "none":
-        flags.append(["--recompute-granularity", cfg.recompute])
-        extra["recompute_granularity"] = cfg.recompute
-        if cfg.recompute == "full":
-            flags += [["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
-            extra.update(recompute_method="uniform", recompute_num_layers=1)
+    pattern = plan_recompute(plan, "megatron-lm")
+    recompute = "full" if pattern and pattern[0] == "first-n" else block_mode(plan)
+    if recompute != "none":  # the first n blocks of each stage, or every block alike
+        flags.append(["--recompute-granularity", recompute])
+        extra["recompute_granularity"] = recompute
+        if recompute == "full":
+            method, n = ("block", pattern[1]) if pattern and pattern[0] == "first-n" else (
+                "uniform", 1)
+            flags += [["--recompute-method", method], ["--recompute-num-layers", str(n)]]
+            extra.update(recompute_method=method, recompute_num_layers=n)
     fw = get_framework(plan.framework)
     if fw.name == "megatron-lm":  # the switches the plan's prediction assumed
         # --distribute-saved-activations is full recompute's option only.
-        dropped = {"distribute-saved-activations"} if cfg.recompute != "full" else set()
+        dropped = {"distribute-saved-activations"} if recompute != "full" else set()
         flags += [flag for setting in fw.settings if setting not in dropped
                   for flag in _MEGATRON_SETTING_FLAGS.get(setting, [["--" + setting]])]
         if dropped & set(fw.settings):

@@ -26,6 +26,7 @@ release has no split-points key). The tests load the export with that release's 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ class MegatronArgs:
 
     ``first_layers`` / ``last_layers`` are ``--decoder-first/last-pipeline-num-layers``;
     ``layers_per_virtual`` is ``--num-layers-per-virtual-pipeline-stage``; ``virtual_per_rank``
-    is ``--num-virtual-stages-per-pipeline-rank``.
+    is ``--num-virtual-stages-per-pipeline-rank``; ``layout`` is
+    ``--pipeline-model-parallel-layout`` (stages split by "|", E embedding, t a block, L loss).
     """
 
     world_size: int
@@ -66,6 +68,7 @@ class MegatronArgs:
     virtual_per_rank: int | None = None
     first_layers: int | None = None
     last_layers: int | None = None
+    layout: str | None = None
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -87,7 +90,9 @@ class MegatronArgs:
 
 def _vpp(a: MegatronArgs) -> int | None:
     """Megatron's virtual_pipeline_model_parallel_size (None for 1), as validate_args sets it."""
-    if a.virtual_per_rank is not None:
+    if a.layout is not None:
+        vpp = (a.layout.count("|") + 1) // max(a.pp, 1)
+    elif a.virtual_per_rank is not None:
         vpp = a.virtual_per_rank
     elif a.layers_per_virtual is not None and a.pp > 0 and a.num_layers % a.pp == 0:
         vpp = a.num_layers // a.pp // a.layers_per_virtual
@@ -139,7 +144,30 @@ def _dimension_rules(a: MegatronArgs, dp: int) -> list[str]:
     return out
 
 
+def _layout_rules(a: MegatronArgs) -> list[str]:
+    """arguments.py and pipeline_parallel_layer_layout.py on --pipeline-model-parallel-layout
+    (with "t*n" unrolled as Megatron's parser does)."""
+    out = []
+    if (a.layers_per_virtual, a.virtual_per_rank, a.first_layers, a.last_layers) != (None,) * 4:
+        out.append("--pipeline-model-parallel-layout excludes --num-layers-per-virtual-pipeline-"
+                   "stage, --num-virtual-stages-per-pipeline-rank and --decoder-first/last-"
+                   "pipeline-num-layers")
+    stages = [re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), x)
+              for x in (a.layout or "").split("|")]
+    if len(stages) % max(a.pp, 1):
+        out.append(f"the layout's {len(stages)} stages are not divisible by pp={a.pp}")
+    flat = "".join(stages)
+    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") + flat.count(
+            "L") != 2 or set(flat) - set("EtL"):
+        out.append("the layout needs E first, L last, once each, and t for the blocks")
+    if flat.count("t") != a.num_layers:
+        out.append(f"the layout holds {flat.count('t')} blocks, not --num-layers {a.num_layers}")
+    return out
+
+
 def _pipeline_rules(a: MegatronArgs) -> list[str]:
+    if a.layout is not None:
+        return _layout_rules(a)
     out = []
     if a.layers_per_virtual is not None and a.virtual_per_rank is not None:
         out.append("--num-layers-per-virtual-pipeline-stage and "
@@ -206,7 +234,8 @@ def _recompute_rules(a: MegatronArgs) -> list[str]:
         per_rank = a.num_layers // max(a.pp, 1)
         if method is None:
             out.append("full recompute needs --recompute-method uniform|block")
-        if a.recompute_num_layers is None or not 1 <= a.recompute_num_layers <= max(per_rank, 1):
+        most = max(per_rank, 1) if method == "uniform" else a.num_layers  # block: each stage's
+        if a.recompute_num_layers is None or not 1 <= a.recompute_num_layers <= most:
             out.append(f"full recompute needs --recompute-num-layers between 1 and {per_rank}")
     return out
 

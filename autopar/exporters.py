@@ -25,7 +25,14 @@ from typing import Any
 from autopar.config import TORCH_DTYPE_NAMES
 from autopar.cost_model.framework_support import moe_support
 from autopar.cost_model.frameworks import framework_supports, get_framework
-from autopar.export_base import Export, header, seq_len
+from autopar.export_base import (
+    Export,
+    block_mode,
+    header,
+    plan_recompute,
+    recompute_refusal_for,
+    seq_len,
+)
 from autopar.export_megatron import to_megatron
 from autopar.export_rules import (
     DEEPSPEED_COMMIT,
@@ -81,6 +88,15 @@ def _module_fqns_per_model_part(plan: Plan) -> list[list[str]] | None:
     return parts
 
 
+def _titan_recompute(plan: Plan) -> dict[str, str]:
+    """torchtitan's ``[activation_checkpoint]``: one mode for every block, or full recompute
+    of every n-th block (``mode = "selective"``, ``selective_ac_option = "n"``)."""
+    pattern = plan_recompute(plan, "torchtitan")
+    if pattern is not None and pattern[0] == "every-nth":
+        return {"mode": "selective", "selective_ac_option": str(pattern[1])}
+    return {"mode": block_mode(plan), "selective_ac_option": "op"}
+
+
 def to_torchtitan(plan: Plan) -> Export:
     """torchtitan job TOML: ``[parallelism]``, ``[activation_checkpoint]``, ``[training]``.
 
@@ -93,15 +109,10 @@ def to_torchtitan(plan: Plan) -> Export:
     parallelism = _titan_parallelism(plan, notes)
     if cfg.tp > 1 and not cfg.sequence_parallel:
         notes.append("torchtitan always runs sequence parallelism with tp > 1")
-    if len(set(plan.recompute_per_layer)) > 1:
-        notes.append(
-            "the plan recomputes per layer; torchtitan takes one mode, set to the plan's "
-            f"most common ({cfg.recompute})"
-        )
     tables = {
         "job": {"description": header(plan)},
         "parallelism": parallelism,
-        "activation_checkpoint": {"mode": cfg.recompute, "selective_ac_option": "op"},
+        "activation_checkpoint": _titan_recompute(plan),
         "training": {
             # pp > 1: the local batch is split into pipeline micro-batches; pp = 1: one
             # micro-batch a forward, train.py accumulates global // (local * dp) of them.
@@ -212,7 +223,7 @@ def to_deepspeed(plan: Plan) -> Export:
             "(stage bounds "
             f"{[list(s.layers) for s in plan.stages]} in profile layers)"
         )
-        if cfg.recompute == "full":  # the pipe engine checkpoints every interval layers
+        if block_mode(plan) == "full":  # the pipe engine checkpoints every interval layers
             doc["pipeline"] = {"activation_checkpoint_interval": 1}
     if cfg.tp > 1:
         doc["tensor_parallel"] = {"autotp_size": cfg.tp}
@@ -220,14 +231,14 @@ def to_deepspeed(plan: Plan) -> Export:
         doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if cfg.offload == "params":
         doc["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if cfg.recompute != "none":  # as the prediction assumed (checkpoints.py)
+    if block_mode(plan) != "none":  # as the prediction assumed (checkpoints.py)
         fw = get_framework(plan.framework)
         doc["activation_checkpointing"] = {
             "partition_activations": fw.checkpoint_partitioned,
             "contiguous_memory_optimization": False,
             "cpu_checkpointing": fw.checkpoint_offloaded,
         }
-        if cfg.recompute == "selective":
+        if block_mode(plan) == "selective":
             notes.append("DeepSpeed checkpoints whole layers; selective recompute needs the model")
         elif cfg.pp == 1:
             notes.append("full recompute: wrap each block in deepspeed.checkpointing.checkpoint "
@@ -320,7 +331,8 @@ def export_refusal(plan: Plan, to: str) -> str | None:
     framework = get_framework(target)
     moe = plan.moe
     reason = framework_supports(framework, plan.config) or moe_support(
-        framework, plan.config, moe, moe.ep_blocker if moe else "")
+        framework, plan.config, moe, moe.ep_blocker if moe else "") or recompute_refusal_for(
+        plan, target)
     if reason is None:
         return None
     return (f"cannot export a plan made for {plan.framework} to {to}: {reason}; re-plan for it "

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import autopar  # noqa: E402
 from autopar.cost_model.framework_fit import FITTED_FIELDS, NEUTRAL_FIT  # noqa: E402
 from autopar.cost_model.frameworks import Framework, get_framework  # noqa: E402
+from autopar.cost_model.recompute_layers import pattern_recompute, stage_ranks  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "data" / "published_runs.json"
 # Fields a record leaves out: one default each, never a per-record choice.
@@ -170,17 +171,17 @@ def record_configs(rec: dict, num_layers: int) -> list[autopar.ParallelConfig]:
 
 
 def _every_other_plan(profile, cluster, config, framework, every: int):
-    """A Plan recomputing every ``every``-th block fully (torchtitan's layer AC,
-    Megatron's --recompute-num-layers), the others not at all."""
+    """A Plan recomputing every ``every``-th block of a rank fully (torchtitan's layer AC,
+    selective_ac_option "every"), the others not at all."""
     from autopar.search import plan_from_config
 
     plan = plan_from_config(profile, cluster, dataclasses.replace(config, recompute="none"),
                             framework=framework)
-    blocks = [i for i, lay in enumerate(profile.layers) if lay.kind == "block"]
-    full = {b for k, b in enumerate(blocks) if k % every == every - 1}
-    stages = tuple(dataclasses.replace(s, recompute=tuple(
-        "full" if i in full else "none" for i in range(s.layers[0], s.layers[1] + 1)))
-        for s in plan.stages)
+    recompute = pattern_recompute(
+        "every-nth", every, [s.layers for s in plan.stages],
+        [lay.kind == "block" for lay in profile.layers], stage_ranks(plan.config))
+    stages = tuple(dataclasses.replace(s, recompute=recompute[s.layers[0]:s.layers[1] + 1])
+                   for s in plan.stages)
     return dataclasses.replace(plan, stages=stages)
 
 

@@ -15,6 +15,7 @@ from autopar.cost_model.frameworks import Framework, framework_supports, get_fra
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
+from autopar.cost_model.recompute_layers import recompute_refusal, stage_ranks
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
 from autopar.graph.types import ModelProfile
@@ -83,4 +84,9 @@ def estimate(
         recompute = default_recompute if recompute is None else recompute
     elif recompute is None:
         recompute = (config.recompute,) * len(table.layers)
+    fw = table.framework
+    reason = recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
+                               stage_ranks(config)) if len(split) == config.num_stages else None
+    if reason:
+        raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
     return assemble(table, split, recompute)

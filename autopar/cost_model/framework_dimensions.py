@@ -36,7 +36,9 @@ setting turns them on); ``runs_traced_modules``, the framework runs the profiled
 themselves (autopar's runtime), so it shards only what they let it: cp on the zoo's attention
 and on Hugging Face decoders calling transformers' attention interface with rotary positions
 (``ModelProfile.cp_blocker``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
-tp where no weight across heads sits beside the split linears (``TPStructure.split_blocker``); a
+tp where no weight across heads sits beside the split linears (``TPStructure.split_blocker``);
+``recompute_layers``, the per-layer recompute it sets (recompute_layers.py: any mix, the first n
+blocks of each stage, every n-th block of a rank, or one mode for all); a
 framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
@@ -64,6 +66,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
+        recompute_layers="any",
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -71,14 +74,14 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp="boundary",
         expert_tp_folded=False, fold_needs_ep=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
-        fused_norms=True, scatter_combine=False,
+        fused_norms=True, scatter_combine=False, recompute_layers="every-nth",
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
         dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="fused", fused_swiglu=True,
         moe_tp="rows", expert_tp_folded=False,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
-        fp8_saves_inputs=True, fused_norms=True, scatter_combine=True,
+        fp8_saves_inputs=True, fused_norms=True, scatter_combine=True, recompute_layers="first-n",
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
@@ -86,7 +89,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         expert_tp_folded=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
-        fused_norms=True, scatter_combine=False,
+        fused_norms=True, scatter_combine=False, recompute_layers="uniform",
     ),
 }
 
@@ -98,6 +101,8 @@ _OWN_MODEL_CODE = ("sourced: the framework runs its own model code (torchtitan's
 
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
+        "recompute_layers": "sourced: autopar/runtime/recompute.py apply_recompute wraps each "
+                            "block in its own plan mode (none, selective or full)",
         "context_parallel": "sourced: autopar/runtime/context_parallel.py (the zoo's "
                             "attention, or a Hugging Face decoder's through transformers' "
                             "attention interface, all-gathers K/V over cp, load-balanced "
@@ -167,6 +172,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                "(tp_checks.py)",
     },
     "torchtitan": {
+        "recompute_layers": "sourced: torchtitan v0.2.2 activation_checkpoint mode 'selective' "
+                            "with selective_ac_option 'N': full recompute of every N-th block "
+                            "a rank builds (_apply_layer_sac, one count per process), or one "
+                            "mode for all",
         "context_parallel": "sourced: torchtitan v0.2.2 parallelism.context_parallel_degree "
                             "(torch context_parallel, ring attention; FSDP over dp_shard_cp)",
         "hsdp": "sourced: torchtitan v0.2.2 parallelism.data_parallel_replicate_degree with "
@@ -225,6 +234,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "megatron-lm": {
+        "recompute_layers": "sourced: --recompute-granularity full --recompute-method block "
+                            "--recompute-num-layers N: the first N layers of each stage "
+                            "(megatron/core/recompute.py), or one granularity for all",
         "context_parallel": "sourced: Megatron-LM --context-parallel-size with "
                             "--cp-comm-type p2p (the default: ring attention in TE)",
         "hsdp": "sourced: Megatron-LM --num-distributed-optimizer-instances (the "
@@ -286,6 +298,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "deepspeed": {
+        "recompute_layers": "sourced: PipelineModule activation_checkpoint_interval and "
+                            "Megatron-DeepSpeed --checkpoint-activations: every layer alike",
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "
                             "(DeepSpeed-Ulysses shards heads with all-to-all instead)",
         "hsdp": "sourced: DeepSpeed ZeRO shards over the whole data-parallel group (ZeRO++ "

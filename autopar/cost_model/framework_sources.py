@@ -59,7 +59,7 @@ def default_sources(name: str) -> dict[str, str]:
                                 "(neutral value)")
     for key in ("elementwise_traffic_scale", "first_gather_exposed", "zero3_live_params",
                 "sequence_parallel", "zero_with_pipeline", "exports", "runtime",
-                "zero3_gather", "schedules", "zero_stages", "per_layer_recompute",
+                "zero3_gather", "schedules", "zero_stages",
                 "reduce_bucket_params", "dp_overlap_efficiency", "param_traffic_factor",
                 "ep_needs_sharded_dp", "ep_with_tp"):
         out.setdefault(key, "sourced: the framework's documentation (docs/frameworks.md)")

@@ -41,6 +41,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.moe import EP_DISPATCHES
 from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.cost_model.presets import DP_OVERLAP
+from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
 from autopar.units import MIB
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
@@ -115,7 +116,8 @@ class Framework:
         zero_stages: ZeRO / FSDP stages it runs.
         zero_with_pipeline: the largest ZeRO stage it runs together with pipeline parallelism.
         sequence_parallel: whether it runs Megatron-style sequence parallelism.
-        per_layer_recompute: whether it recomputes per layer (else one mode for every block).
+        recompute_layers: the per-layer recompute it sets (recompute_layers.RECOMPUTE_LAYERS):
+            any mix, the first n blocks of each stage, every n-th block, or one mode.
         exports: autopar's export formats that configure this framework.
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
@@ -170,7 +172,7 @@ class Framework:
     zero_stages: tuple[int, ...]
     zero_with_pipeline: int
     sequence_parallel: bool
-    per_layer_recompute: bool
+    recompute_layers: str
     exports: tuple[str, ...]
     memory_band: float
     step_time_band: tuple[float, float]
@@ -213,6 +215,7 @@ class Framework:
         for name, allowed in (
                 ("cp_comm", CP_COMMS), ("attention_kernel", ATTENTION_KERNELS),
                 ("fp8_scaling", FP8_SCALINGS), ("selective_policy", ("attention", "op")),
+                ("recompute_layers", RECOMPUTE_LAYERS),
                 ("ep_dispatch", EP_DISPATCHES), ("moe_tp", MOE_TPS),
                 ("pipeline_recv_buffers", (PER_MICROBATCH, IN_FLIGHT)),
                 ("zero3_gather", (GATHER_BLOCK, GATHER_BUCKET))):
@@ -278,7 +281,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
-        sequence_parallel=True, per_layer_recompute=True,
+        sequence_parallel=True,
         exports=("torchtitan", "megatron", "deepspeed", "slurm"),
         expert_parallel=True, ep_with_tp=True,
         sources={
@@ -326,7 +329,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
-        sequence_parallel=True, per_layer_recompute=True, exports=("torchtitan", "slurm"),
+        sequence_parallel=True, exports=("torchtitan", "slurm"),
         expert_parallel=True, ep_needs_sharded_dp=True,
         sources={
             "ep_needs_sharded_dp": "sourced: torchtitan job_config.py Parallelism."
@@ -355,8 +358,6 @@ _RECORDS: dict[str, dict[str, object]] = {
             "zero_stages": "sourced: torchtitan parallel dims dp_shard (FSDP2, zero 3; "
                            "fsdp_reshard_after_forward='never' keeps parameters gathered "
                            "between forward and backward: zero 1 and 2) / dp_replicate (DDP)",
-            "per_layer_recompute": "sourced: torchtitan activation_checkpoint mode "
-                                   "selective with selective_ac_option=N (every N-th layer)",
         },
     ),
     "megatron-lm": dict(
@@ -369,7 +370,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
-        sequence_parallel=True, per_layer_recompute=True, exports=("megatron", "slurm"),
+        sequence_parallel=True, exports=("megatron", "slurm"),
         expert_parallel=True, fp8_scaling="delayed", loss_grad_in_place=True,
         interleaved_groups_of_pp=True,
         sources={
@@ -401,7 +402,6 @@ _RECORDS: dict[str, dict[str, object]] = {
                            "(ZeRO-1); parameters and gradients replicated",
             "schedules": "sourced: schedules.py forward_backward_pipelining_without/with_"
                          "interleaving",
-            "per_layer_recompute": "sourced: --recompute-method block --recompute-num-layers N",
             "dp_overlap_efficiency": "sourced: autopar's preset value (--overlap-grad-reduce "
                                      "buckets overlap the backward)",
         },
@@ -417,7 +417,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
-        sequence_parallel=False, per_layer_recompute=False, exports=("deepspeed", "slurm"),
+        sequence_parallel=False, exports=("deepspeed", "slurm"),
         expert_parallel=True, loss_grad_in_place=True,
         sources={
             "loss_grad_in_place": _MEGATRON_XENT + " (Megatron-DeepSpeed's)",
@@ -447,9 +447,6 @@ _RECORDS: dict[str, dict[str, object]] = {
                            "ZeRO-1 only",
             "schedules": "sourced: deepspeed/runtime/pipe/schedule.py TrainSchedule (1F1B)",
             "dp_overlap_efficiency": "sourced: autopar's preset value (overlap_comm)",
-            "per_layer_recompute": "sourced: PipelineModule activation_checkpoint_interval "
-                                   "(every n-th layer alike) and Megatron-DeepSpeed "
-                                   "--checkpoint-activations (all layers)",
         },
     ),
 }

@@ -394,6 +394,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
         dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling),
         names=terms.names,
+        blocks=tuple(layer.kind == "block" for layer in profile.layers),
     )
 
 

@@ -124,6 +124,8 @@ class CostTable:
         dtype_reason: why the config's precision, in words (precision.dtype_reason).
         names: the profile layer's name at each position of ``layers`` (by default the
             layers' own names: a table whose layers are all distinct objects).
+        blocks: whether each profile layer is a block (what a framework's recompute pattern
+            counts: recompute_layers.py); empty: every layer is (``block_mask``).
     """
 
     config: ParallelConfig
@@ -141,6 +143,7 @@ class CostTable:
     host_capacity_bytes: float = 0.0
     dtype_reason: str = ""
     names: tuple[str, ...] = ()
+    blocks: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -148,6 +151,14 @@ class CostTable:
         elif len(self.names) != len(self.layers):
             raise ValueError(f"CostTable has {len(self.layers)} layers but {len(self.names)} "
                              "names")
+        if self.blocks and len(self.blocks) != len(self.layers):
+            raise ValueError(f"CostTable has {len(self.layers)} layers but {len(self.blocks)} "
+                             "block flags")
+
+    @property
+    def block_mask(self) -> tuple[bool, ...]:
+        """Whether each layer is a block (``blocks``, or every layer when it is empty)."""
+        return self.blocks or (True,) * len(self.layers)
 
     @property
     def num_microbatches(self) -> int:

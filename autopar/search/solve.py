@@ -14,6 +14,7 @@ from typing import Any
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import assemble
+from autopar.cost_model.recompute_layers import pattern_counts, pattern_recompute, stage_ranks
 from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import (
     FLOAT_SLACK,
@@ -27,7 +28,8 @@ from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, realized, solv
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
 
-__all__ = ["Candidate", "Outcome", "best_uniform", "fits_host", "solve_candidate", "warm_bound"]
+__all__ = ["Candidate", "Outcome", "best_pattern", "best_uniform", "fits_host", "solve_candidate",
+           "warm_bound"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,16 +59,36 @@ class Outcome:
 
 def best_uniform(table: CostTable) -> Outcome | None:
     """The fastest fitting split among the most balanced ones with uniform recompute."""
+    return _fastest(table, ((balanced_split(table, mode), (mode,) * len(table.layers))
+                            for mode in RECOMPUTE))
+
+
+def best_pattern(table: CostTable) -> Outcome | None:
+    """The fastest fitting split a framework that sets fewer per-layer recompute choices than
+    the ILP's runs (``recompute_layers.py``): uniform recompute on the most balanced splits, or
+    its pattern (the first n blocks of every stage, every n-th block of a rank) with every
+    count n on each of them."""
+    kind, ranks = table.framework.recompute_layers, stage_ranks(table.config)
+    splits = dict.fromkeys(balanced_split(table, mode) for mode in RECOMPUTE)
+    tried = [(split, (mode,) * len(table.layers)) for split in splits for mode in RECOMPUTE]
+    blocks = table.block_mask
+    tried += [(split, pattern_recompute(kind, n, split, blocks, ranks)) for split in splits
+              for n in pattern_counts(kind, split, blocks, ranks)]
+    return _fastest(table, tried)
+
+
+def _fastest(table: CostTable, tried) -> Outcome | None:
+    """The fastest of (split, recompute) pairs that fits the device and the host (None if
+    none does), not proven optimal."""
     best = None
-    for mode in RECOMPUTE:
-        split = balanced_split(table, mode)
-        est = assemble(table, split, (mode,) * len(table.layers))
-        room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
+    room = table.capacity_bytes - MEM_SAFETY_GIB * GIB  # the ILP's own memory margin
+    for split, recompute in tried:
+        est = assemble(table, split, recompute)
         host_ok = est.host_memory_per_gpu_bytes <= table.host_capacity_bytes
         if est.memory_per_gpu_bytes <= room and host_ok and (
                 best is None or est.step_time_s < best.step_s):
-            best = Outcome(split=split, recompute=(mode,) * len(table.layers),
-                            step_s=est.step_time_s, optimal=False)  # fmt: skip
+            best = Outcome(split=split, recompute=recompute, step_s=est.step_time_s,
+                           optimal=False)
     return best
 
 
@@ -135,11 +157,11 @@ def solve_candidate(
     lb = time_lower_bound(table, refined=True) if lb_s is None else lb_s
     if cutoff_s is not None and lb >= cutoff_s:
         return Outcome()  # cannot enter the top k
+    if table.framework.recompute_layers != "any":
+        # The framework sets one mode for all blocks or a pattern: balanced splits, its
+        # choices (not proven optimal over uneven splits).
+        return best_pattern(table) or Outcome()
     uniform = best_uniform(table)
-    if not table.framework.per_layer_recompute:
-        # The framework recomputes every block alike: balanced split, one mode (not proven
-        # optimal over uneven splits).
-        return uniform or Outcome()
     if uniform is not None and uniform.step_s <= lb * (1 + options.mip_gap):
         return dataclasses.replace(uniform, optimal=True)  # meets the lower bound
     blocks = pattern_blocks(table)

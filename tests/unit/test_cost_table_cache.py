@@ -56,8 +56,12 @@ def test_repeated_blocks_share_their_source(framework: str) -> None:
 def test_table_names_default_to_the_layers_and_must_match_them() -> None:
     table = build_cost_table(PROFILE, Cluster.preset("h100", nodes=1, gpus_per_node=2),
                              CONFIGS[0])
-    own = dataclasses.replace(table, layers=table.layers[:2], names=())
+    own = dataclasses.replace(table, layers=table.layers[:2], names=(), blocks=())
     assert own.names == tuple(x.name for x in table.layers[:2])
+    assert own.block_mask == (True, True)
+    assert table.blocks == tuple(layer.kind == "block" for layer in PROFILE.layers)
+    with pytest.raises(ValueError, match=r"2 layers but \d+ block flags"):
+        dataclasses.replace(table, layers=table.layers[:2], names=())
     assert dataclasses.replace(table, config=CONFIGS[1]).names == table.names
     with pytest.raises(ValueError, match="3 layers but 2 names"):
         dataclasses.replace(table, layers=table.layers[:3], names=table.names[:2])

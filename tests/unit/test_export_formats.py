@@ -70,8 +70,10 @@ def test_megatron_flags_interleaved_plan():
     flags = _flags(export_plan(plan, "megatron").text)
     assert flags["--tensor-model-parallel-size"] == "2"
     assert flags["--pipeline-model-parallel-size"] == "2"
-    # 4 blocks over pp * v = 4 chunks: Megatron splits them evenly, 1 per chunk
-    assert flags["--num-layers-per-virtual-pipeline-stage"] == "1"
+    # the plan's chunks hold 1, 1, 2 and 0 blocks (the head alone on the last): Megatron's
+    # layout sets them stage by stage (layout index j runs on rank j % pp, as autopar places it)
+    assert flags["--pipeline-model-parallel-layout"] == "Et*1|t*1|t*2|L"
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags
     assert flags["--micro-batch-size"] == "1" and flags["--global-batch-size"] == "16"
     assert flags["--recompute-granularity"] == "selective"
     assert "--recompute-method" not in flags

@@ -58,6 +58,8 @@ def parse_megatron(text: str, plan) -> MegatronArgs:
             fields["recompute_granularity"] = value
         elif flag == "--recompute-method":
             fields["recompute_method"] = value
+        elif flag == "--pipeline-model-parallel-layout":
+            fields["layout"] = value
         else:
             assert flag == "--seq-length", f"unexpected flag {flag}"
     return MegatronArgs(**fields)
@@ -70,7 +72,7 @@ def test_megatron_export_passes_validate_args_rules(name):
     assert megatron_violations(args) == []
     assert (args.tp, args.pp) == (plan.config.tp, plan.config.pp)
     if name == "pp2-interleaved":
-        assert args.layers_per_virtual == 1  # 4 blocks over pp * v = 4 chunks
+        assert args.layout == "Et*1|t*1|t*2|L"  # the plan's own chunks, 1, 1, 2 and 0 blocks
     if plan.config.recompute == "full":
         assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
 
@@ -107,6 +109,10 @@ def test_megatron_drops_sequence_parallel_without_tensor_parallel():
     (dict(pp=2, layers_per_virtual=3), "not divisible by --num-layers-per-virtual"),
     (dict(pp=2, layers_per_virtual=1, first_layers=1), "cannot be used with"),
     (dict(world_size=4, pp=4, first_layers=1, last_layers=1, num_layers=7), "middle layers"),
+    (dict(pp=2, layout="Et*2|t*1|t*1L"), "not divisible by pp=2"),
+    (dict(pp=2, layout="Et*2|t*1"), "L last"),
+    (dict(pp=2, layout="Et*2|t*1L"), "holds 3 blocks, not --num-layers 4"),
+    (dict(pp=2, layout="Et*2|t*2L", first_layers=2), "excludes"),
     (dict(recompute_granularity="selective", recompute_method="uniform"), "selective"),
     (dict(recompute_granularity="full"), "--recompute-method"),
     (dict(torch_fsdp2=True), "--no-gradient-accumulation-fusion"),

@@ -15,6 +15,7 @@ from autopar.cost_model.frameworks import (
     framework_supports,
     get_framework,
 )
+from autopar.export_base import plan_recompute
 from autopar.exporters import export_plan
 from autopar.search import SearchOptions, plan_from_config
 from tests.fixtures.profiles import analytic_transformer_profile
@@ -75,8 +76,9 @@ def test_the_search_proposes_only_what_the_framework_runs(name: str) -> None:
     for p in plans:
         assert p.framework == name and p.estimate.framework == name
         assert framework_supports(fw, p.config) is None, p.config
-        if not fw.per_layer_recompute:
-            assert len(set(p.recompute_per_layer)) == 1
+        assert plan_recompute(p, name) is not None  # a recompute the framework sets
+        if fw.recompute_layers == "uniform":
+            assert plan_recompute(p, name) == ("uniform", 0)
         again = autopar.estimate(TINY, CLUSTER, p)
         assert again.step_time_s == pytest.approx(p.estimate.step_time_s)
     doc = json.loads(plans[0].to_json())

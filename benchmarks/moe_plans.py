@@ -84,10 +84,12 @@ def _mixtral_8x22b() -> None:
     """Megatron-LM's plan for Mixtral 8x22B on the ModelZoo's 128 H100, and its layout."""
     profile = autopar.profile(autopar.models.build("mixtral-8x22b"))
     cluster = autopar.Cluster.preset("h100", nodes=16)
-    mega = autopar.plan(profile, cluster, 256, framework="megatron-lm",
-                        options=SearchOptions(dtype="bf16"))
-    print(f"mixtral-8x22b on 128 h100, megatron-lm plan: {_split(mega.config)}  "
-          f"{mega.estimate.step_time_s:.2f} s ({mega.framework})")
+    for chunks in (SearchOptions().max_virtual_stages, 8):  # the default, and up to 8 chunks
+        mega = autopar.plan(profile, cluster, 256, framework="megatron-lm",
+                            options=SearchOptions(dtype="bf16", max_virtual_stages=chunks))
+        print(f"mixtral-8x22b on 128 h100, megatron-lm plan with up to {chunks} chunks a rank: "
+              f"{_split(mega.config)} v={mega.config.virtual_stages}  "
+              f"{mega.estimate.step_time_s:.2f} s ({mega.framework})")
     zoo = ParallelConfig(dp=8, tp=2, pp=8, ep=8, zero=1, micro_batch=1, global_batch=256,
                          schedule="interleaved-1f1b", virtual_stages=7, sequence_parallel=True)
     for fw in ("megatron-lm", "megatron-lm+expert-tp-1"):

@@ -162,6 +162,21 @@ def recompute_mix(recompute: Sequence[str]) -> str:
         f"{mode} on {k}" for mode, k in rest)
 
 
+def _pattern_words(plan: Any) -> str | None:
+    """A framework pattern's recompute in its own terms ("full on the first 3 blocks of each
+    stage", Megatron-LM's; "full on every 2nd block of each rank", torchtitan's), else None."""
+    from autopar.export_base import plan_recompute
+
+    pattern = plan_recompute(plan, plan.framework) if getattr(plan, "framework", "") else None
+    if pattern is None or pattern[0] not in ("first-n", "every-nth"):
+        return None
+    n = pattern[1]
+    if pattern[0] == "first-n":
+        return f"full on the first {n} block{'s' * (n > 1)} of each stage, none on the rest"
+    nth = {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+    return f"full on every {nth} block of each rank, none on the rest"
+
+
 def interval_text(est: Estimate) -> str:
     """``14.1-21.5 s for megatron-lm``: the step-time interval and whose it is."""
     low, high = est.step_time_interval_s
@@ -182,7 +197,7 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
     per_layer = getattr(plan, "recompute_per_layer", None)
     if per_layer:
         split = split.replace(f"recompute={config.recompute}",
-                              f"recompute={recompute_mix(per_layer)}")
+                              f"recompute={_pattern_words(plan) or recompute_mix(per_layer)}")
     return [
         f"[bold]Split[/bold]  {split}",
         f"  global batch {config.global_batch}{_tokens_text(plan)} = dp {config.dp} x micro-batch "

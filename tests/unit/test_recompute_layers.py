@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import tomllib
+from rich.console import Console
 
 import autopar
 from autopar.cost_model.recompute_layers import (
@@ -18,6 +19,7 @@ from autopar.cost_model.recompute_layers import (
 from autopar.export_base import plan_recompute
 from autopar.exporters import export_plan
 from autopar.plan import Plan
+from autopar.report import render_report
 from tests.fixtures.profiles import analytic_transformer_profile
 
 PROFILE = analytic_transformer_profile(16, 1024, 16, 2048, 1024)
@@ -84,6 +86,13 @@ def test_the_search_recomputes_as_each_framework_sets_it_and_the_exports_write_i
     for p in (megatron, titan):
         assert autopar.estimate(PROFILE, TIGHT, p).step_time_s == pytest.approx(
             p.estimate.step_time_s)
+    # the report says each in the framework's terms, and that the search was not the ILP's
+    console = Console(record=True, width=200)
+    render_report(console, megatron.config, megatron.estimate, plan=megatron)
+    text = console.export_text()
+    first = plan_recompute(megatron, "megatron-lm")[1]
+    assert f"recompute=full on the first {first} blocks of each stage, none on the rest" in text
+    assert "recompute choices on balanced splits" in text
 
 
 def test_a_mix_the_framework_cannot_set_is_refused_by_estimate_and_export() -> None:

@@ -45,9 +45,9 @@ def blocks_per_stage(plan: Plan) -> list[int]:
 
 def _plan_layout(plan: Plan) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
     """The plan's stage split, which layers are blocks (``layers.<i>``), each stage's rank."""
-    split = [tuple(s.layers) for s in plan.stages]
+    split = [(s.layers[0], s.layers[1]) for s in plan.stages]
     blocks = [n.startswith("layers.") for s in plan.stages for n in s.layer_names]
-    return split, blocks, [plan.rank_of_stage(s.index) for s in plan.stages]  # type: ignore[return-value]
+    return split, blocks, [plan.rank_of_stage(s.index) for s in plan.stages]
 
 
 def plan_recompute(plan: Plan, framework: str) -> tuple[str, int] | None:

@@ -236,7 +236,7 @@ def _recompute_rules(a: MegatronArgs) -> list[str]:
             out.append("full recompute needs --recompute-method uniform|block")
         most = max(per_rank, 1) if method == "uniform" else a.num_layers  # block: each stage's
         if a.recompute_num_layers is None or not 1 <= a.recompute_num_layers <= most:
-            out.append(f"full recompute needs --recompute-num-layers between 1 and {per_rank}")
+            out.append(f"full recompute needs --recompute-num-layers between 1 and {most}")
     return out
 
 

@@ -103,8 +103,8 @@ def recompute_refusal(framework_spec: str, kind: str, recompute: Sequence[str], 
     if recompute_pattern(kind, recompute, split, blocks, ranks) is not None:
         return None
     full = sum(1 for mode, b in zip(recompute, blocks, strict=True) if b and mode != "none")
-    sets = {"first-n": "the same number of leading blocks in every stage",
-            "every-nth": "every n-th block of a pipeline rank",
+    sets = {"first-n": "the same number of leading blocks in every stage, or one mode for all",
+            "every-nth": "every n-th block of a pipeline rank, or one mode for all",
             "uniform": "one mode for every block"}[kind]
-    return (f"{framework_spec} recomputes {sets} or one mode for all, not this plan's mix "
-            f"({full} of {sum(blocks)} blocks recomputed)")
+    return (f"{framework_spec} recomputes {sets}, not this plan's mix ({full} of "
+            f"{sum(blocks)} blocks recomputed)")

@@ -9,8 +9,8 @@ from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
 from autopar.plan import Plan
 
-__all__ = ["Export", "block_mode", "blocks_per_stage", "header", "plan_recompute",
-           "recompute_refusal_for", "seq_len"]
+__all__ = ["NOT_BLOCKS", "Export", "block_mode", "blocks_per_stage", "header", "is_block",
+           "plan_recompute", "recompute_refusal_for", "seq_len"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,15 +38,26 @@ def header(plan: Plan) -> str:
     return f"autopar plan for {model}: {plan.config.describe()}"
 
 
+# The profile's layers that are not blocks (graph/layers.py): the embedding, the head, and the
+# single layer of a model without blocks; a block is named by its module (``layers.3`` in the
+# zoo, ``model.layers.3`` in a Hugging Face decoder).
+NOT_BLOCKS = frozenset({"embedding", "head", "model"})
+
+
+def is_block(layer_name: str) -> bool:
+    """Whether a plan's profile layer is a transformer block."""
+    return layer_name not in NOT_BLOCKS
+
+
 def blocks_per_stage(plan: Plan) -> list[int]:
-    """Transformer blocks (``layers.<i>``) in each of the plan's stages."""
-    return [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
+    """Transformer blocks in each of the plan's stages."""
+    return [sum(is_block(n) for n in s.layer_names) for s in plan.stages]
 
 
 def _plan_layout(plan: Plan) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
-    """The plan's stage split, which layers are blocks (``layers.<i>``), each stage's rank."""
+    """The plan's stage split, which layers are blocks (``is_block``), each stage's rank."""
     split = [(s.layers[0], s.layers[1]) for s in plan.stages]
-    blocks = [n.startswith("layers.") for s in plan.stages for n in s.layer_names]
+    blocks = [is_block(n) for s in plan.stages for n in s.layer_names]
     return split, blocks, [plan.rank_of_stage(s.index) for s in plan.stages]
 
 
@@ -68,5 +79,5 @@ def recompute_refusal_for(plan: Plan, framework: str) -> str | None:
 def block_mode(plan: Plan) -> str:
     """The recompute mode of the plan's blocks when they share one (else its config's)."""
     modes = {r for s in plan.stages for n, r in zip(s.layer_names, s.recompute, strict=True)
-             if n.startswith("layers.")}
+             if is_block(n)}
     return modes.pop() if len(modes) == 1 else plan.config.recompute

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -79,6 +80,17 @@ def test_megatron_flags_interleaved_plan():
     assert "--recompute-method" not in flags
     assert flags["--sequence-parallel"] is True and flags["--use-distributed-optimizer"] is True
     assert flags["--bf16"] is True
+
+
+def test_megatron_counts_the_blocks_of_a_hugging_face_plan():
+    """A Hugging Face decoder's blocks are named by module (``model.layers.<i>``): the layout
+    counts them as the zoo's ``layers.<i>``."""
+    plan = make_plan()
+    stages = tuple(dataclasses.replace(s, layer_names=tuple(
+        "model." + n if n.startswith("layers.") else n for n in s.layer_names))
+        for s in plan.stages)
+    flags = _flags(export_plan(dataclasses.replace(plan, stages=stages), "megatron").text)
+    assert flags["--pipeline-model-parallel-layout"] == "Et*1|t*1|t*2|L"
 
 
 def test_megatron_flags_full_recompute_no_pipeline():

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument("--no-cp", action="store_true", help="no context parallelism")
     space.add_argument("--max-cp", type=int_in(1, MAX_GPUS), default=None,
                        help="largest context-parallel degree")
+    space.add_argument("--max-virtual-stages", type=int_in(2, 64), default=4, metavar="V",
+                       help="most model chunks a pipeline rank holds in interleaved schedules "
+                       "(default 4)")
     space.add_argument("--no-hsdp", action="store_true", help="no HSDP (dp_replicate = 1)")
     space.add_argument("--no-offload", action="store_true",
                        help="never offload optimizer state or parameters to host memory")
@@ -71,6 +74,7 @@ def search(
             options=SearchOptions(
                 framework=args.framework, robust=args.robust, dtype=args.dtype,
                 context_parallel=not args.no_cp, max_cp=args.max_cp, hsdp=not args.no_hsdp,
+                max_virtual_stages=args.max_virtual_stages,
                 offloads=("none",) if args.no_offload else OFFLOADS,
                 settings_search=not args.no_setting_search,
             ),

@@ -162,3 +162,14 @@ def test_torchtitan_loads_the_new_dimensions(tmp_path) -> None:
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 2, 2, 2)
     assert job.training.enable_cpu_offload and job.model.converters == ["quantize.linear.float8"]
     assert job.quantize.linear.float8.enable_fsdp_float8_all_gather
+
+
+def test_plan_max_virtual_stages_bounds_the_chunks_a_rank_holds(capfd) -> None:
+    """GPT-3 175B on 1024 A100s is planned with 4 chunks a rank by default; at most 2 when
+    told, and a bound below 2 is one line."""
+    argv = ["plan", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80g", "--global-batch",
+            "1536", "--json"]
+    assert _json(capfd, argv)["config"]["virtual_stages"] == 4
+    assert _json(capfd, [*argv, "--max-virtual-stages", "2"])["config"]["virtual_stages"] <= 2
+    one_error_line(main([*argv, "--max-virtual-stages", "1"]), *capfd.readouterr(),
+                   "--max-virtual-stages")

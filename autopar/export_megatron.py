@@ -79,13 +79,13 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
     elif cfg.sequence_parallel:
         notes.append("Megatron turns sequence parallelism off at tp=1; --sequence-parallel dropped")
     pattern = plan_recompute(plan, "megatron-lm")
-    recompute = "full" if pattern and pattern[0] == "first-n" else block_mode(plan)
+    first_n = pattern[1] if pattern is not None and pattern[0] == "first-n" else 0
+    recompute = "full" if first_n else block_mode(plan)
     if recompute != "none":  # the first n blocks of each stage, or every block alike
         flags.append(["--recompute-granularity", recompute])
         extra["recompute_granularity"] = recompute
         if recompute == "full":
-            method, n = ("block", pattern[1]) if pattern and pattern[0] == "first-n" else (
-                "uniform", 1)
+            method, n = ("block", first_n) if first_n else ("uniform", 1)
             flags += [["--recompute-method", method], ["--recompute-num-layers", str(n)]]
             extra.update(recompute_method=method, recompute_num_layers=n)
     fw = get_framework(plan.framework)

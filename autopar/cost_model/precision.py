@@ -128,7 +128,7 @@ def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: f
     return peak, selective
 
 
-def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str = "dynamic") -> str:
+def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str) -> str:
     """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line); an
     fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``)."""
     tera = 1e12

@@ -1,5 +1,6 @@
 """What every exporter shares: the ``Export`` document and the plan facts the formats write
-(tokens per sequence, a one-sentence header, blocks per stage, the recompute pattern)."""
+(tokens per sequence, a one-sentence header, blocks per stage, the recompute pattern, the stage
+split's partition method)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from dataclasses import dataclass
 
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
+from autopar.cost_model.stage_splits import split_method, split_refusal
 from autopar.plan import Plan
 
 __all__ = ["NOT_BLOCKS", "Export", "block_mode", "blocks_per_stage", "header", "is_block",
-           "plan_recompute", "recompute_refusal_for", "seq_len"]
+           "plan_recompute", "plan_split_method", "recompute_refusal_for", "seq_len",
+           "split_refusal_for"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +77,19 @@ def recompute_refusal_for(plan: Plan, framework: str) -> str | None:
     split, blocks, ranks = _plan_layout(plan)
     return recompute_refusal(framework, get_framework(framework).recompute_layers,
                              plan.recompute_per_layer, split, blocks, ranks)
+
+
+def plan_split_method(plan: Plan, framework: str) -> str | None:
+    """How ``framework`` cuts the plan's stages (``split_method``): "any", its partition method,
+    or None when it cannot."""
+    split, blocks, _ranks = _plan_layout(plan)
+    return split_method(get_framework(framework).stage_splits, split, blocks)
+
+
+def split_refusal_for(plan: Plan, framework: str) -> str | None:
+    """Why ``framework`` cannot cut the plan's stages (None when it can)."""
+    split, blocks, _ranks = _plan_layout(plan)
+    return split_refusal(framework, get_framework(framework).stage_splits, split, blocks)
 
 
 def block_mode(plan: Plan) -> str:

@@ -30,8 +30,10 @@ from autopar.export_base import (
     block_mode,
     header,
     plan_recompute,
+    plan_split_method,
     recompute_refusal_for,
     seq_len,
+    split_refusal_for,
 )
 from autopar.export_megatron import to_megatron
 from autopar.export_rules import (
@@ -217,10 +219,13 @@ def to_deepspeed(plan: Plan) -> Export:
         # PipelineModule takes the stage count and partition from its constructor (DeepSpeed
         # parses but never reads pipeline.stages / .partition); its topology must name the tp
         # ranks, or num_stages alone counts them as data parallel and the batch check fails.
+        method = plan_split_method(plan, "deepspeed")  # export_refusal: never None here
+        method = "type:<your block's class name>" if method == "type:<block>" else method
         notes.append(
-            "build the PipelineModule with topology=PipeModelDataParallelTopology("
-            f"num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={cfg.dp}) and partition_method='uniform' "
-            "(stage bounds "
+            "build the PipelineModule from one layer per profile layer (the embedding, each "
+            "block, the head), with topology=PipeModelDataParallelTopology("
+            f"num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={cfg.dp}) and "
+            f"partition_method='{method}' (stage bounds "
             f"{[list(s.layers) for s in plan.stages]} in profile layers)"
         )
         if block_mode(plan) == "full":  # the pipe engine checkpoints every interval layers
@@ -332,7 +337,7 @@ def export_refusal(plan: Plan, to: str) -> str | None:
     moe = plan.moe
     reason = framework_supports(framework, plan.config) or moe_support(
         framework, plan.config, moe, moe.ep_blocker if moe else "") or recompute_refusal_for(
-        plan, target)
+        plan, target) or split_refusal_for(plan, target)
     if reason is None:
         return None
     return (f"cannot export a plan made for {plan.framework} to {to}: {reason}; re-plan for it "

@@ -162,6 +162,26 @@ def recompute_mix(recompute: Sequence[str]) -> str:
         f"{mode} on {k}" for mode, k in rest)
 
 
+def _search_line(plan: Any) -> str | None:
+    """How the search went: candidates, pruned, ILPs, and whether the plan is proven optimal."""
+    from autopar.cost_model.frameworks import get_framework
+
+    search = getattr(plan, "search", None)
+    if search is None or not search.candidates_considered:
+        return None
+    # `optimal` is per configuration; a time limit can leave a search-wide gap all the same.
+    proven = search.optimal and search.mip_gap * 100 < 0.05  # shows as 0.0% anyway
+    gap = "optimal" if proven else f"gap {search.mip_gap * 100:.1f}%"
+    if not search.optimal and search.mip_gap * 100 < 0.05:  # a framework's own choices
+        gap = "the framework's recompute choices on balanced splits; uneven ones not searched"
+        if get_framework(plan.framework).stage_splits != "any":
+            gap = ("the framework's recompute choices on the splits its partition methods "
+                   "cut; others not searched")
+    limit = ", time limit hit" if search.time_limit_hit else ""
+    return (f"Search: {search.candidates_considered} candidates, {search.candidates_pruned} "
+            f"pruned, {search.ilps_solved} ILPs ({gap}{limit})")
+
+
 def _pattern_words(plan: Any) -> str | None:
     """A framework pattern's recompute in its own terms ("full on the first 3 blocks of each
     stage", Megatron-LM's; "full on every 2nd block of each rank", torchtitan's), else None."""
@@ -353,16 +373,7 @@ def render_report(
         for alt in alternatives:
             line = describe_alternative(alt, est, gpus_per_node=gpus_per_node)
             console.print(f"  - {line}", markup=False)
-    search = getattr(plan, "search", None)
-    if search is not None and search.candidates_considered:
-        # `optimal` is per configuration; a time limit can leave a search-wide gap all the same.
-        proven = search.optimal and search.mip_gap * 100 < 0.05  # shows as 0.0% anyway
-        gap = "optimal" if proven else f"gap {search.mip_gap * 100:.1f}%"
-        if not search.optimal and search.mip_gap * 100 < 0.05:  # a framework's own choices
-            gap = "the framework's recompute choices on balanced splits; uneven ones not searched"
-        limit = ", time limit hit" if search.time_limit_hit else ""
+    search_line = _search_line(plan)
+    if search_line:
         console.print()
-        console.print(
-            f"Search: {search.candidates_considered} candidates, {search.candidates_pruned} "
-            f"pruned, {search.ilps_solved} ILPs ({gap}{limit})"
-        )
+        console.print(search_line)

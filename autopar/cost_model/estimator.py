@@ -16,6 +16,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.recompute_layers import recompute_refusal, stage_ranks
+from autopar.cost_model.stage_splits import method_splits, split_refusal
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
 from autopar.graph.types import ModelProfile
@@ -24,13 +25,18 @@ __all__ = ["checked_table", "default_split", "estimate"]
 
 
 def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
-    """The balanced contiguous split and the config's recompute for every layer."""
+    """The balanced contiguous split (of those the framework cuts) and the config's recompute
+    for every layer."""
     cfg = table.config
     recompute = (cfg.recompute,) * len(table.layers)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
-    return balanced_partition(costs, cfg.num_stages), recompute
+    if table.framework.stage_splits == "any":
+        return balanced_partition(costs, cfg.num_stages), recompute
+    # the framework's own splits (stage_splits.py): the one with the lightest heaviest stage
+    splits = method_splits(table.block_mask, cfg.num_stages).values()
+    return min(splits, key=lambda split: max(sum(costs[a:b + 1]) for a, b in split)), recompute
 
 
 def checked_table(
@@ -85,8 +91,11 @@ def estimate(
     elif recompute is None:
         recompute = (config.recompute,) * len(table.layers)
     fw = table.framework
-    reason = recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
-                               stage_ranks(config)) if len(split) == config.num_stages else None
+    reason = None
+    if len(split) == config.num_stages:
+        reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
+            recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
+                              stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
     return assemble(table, split, recompute)

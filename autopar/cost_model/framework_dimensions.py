@@ -38,7 +38,8 @@ and on Hugging Face decoders calling transformers' attention interface with rota
 (``ModelProfile.cp_blocker``), ep on experts it runs one at a time (``MoEStructure.ep_blocker``),
 tp where no weight across heads sits beside the split linears (``TPStructure.split_blocker``);
 ``recompute_layers``, the per-layer recompute it sets (recompute_layers.py: any mix, the first n
-blocks of each stage, every n-th block of a rank, or one mode for all); a
+blocks of each stage, every n-th block of a rank, or one mode for all); ``stage_splits``, the
+pipeline stage splits it cuts (stage_splits.py: any, or DeepSpeed's partition methods'); a
 framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
@@ -66,7 +67,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
-        recompute_layers="any",
+        recompute_layers="any", stage_splits="any",
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -75,6 +76,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         expert_tp_folded=False, fold_needs_ep=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False, recompute_layers="every-nth",
+        stage_splits="any",
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
@@ -82,6 +84,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         moe_tp="rows", expert_tp_folded=False,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=True, fused_norms=True, scatter_combine=True, recompute_layers="first-n",
+        stage_splits="any",
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
@@ -90,6 +93,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False, recompute_layers="uniform",
+        stage_splits="partition-methods",
     ),
 }
 
@@ -101,6 +105,8 @@ _OWN_MODEL_CODE = ("sourced: the framework runs its own model code (torchtitan's
 
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
+        "stage_splits": "sourced: autopar/runtime/pipeline_parallel.py builds each stage "
+                        "from the plan's own layer bounds (_owned_blocks)",
         "recompute_layers": "sourced: autopar/runtime/recompute.py apply_recompute wraps each "
                             "block in its own plan mode (none, selective or full)",
         "context_parallel": "sourced: autopar/runtime/context_parallel.py (the zoo's "
@@ -172,6 +178,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                "(tp_checks.py)",
     },
     "torchtitan": {
+        "stage_splits": "sourced: torchtitan v0.2.2 parallelism.module_fqns_per_model_part "
+                        "names every stage's modules (distributed/pipeline_parallel.py)",
         "recompute_layers": "sourced: torchtitan v0.2.2 activation_checkpoint mode 'selective' "
                             "with selective_ac_option 'N': full recompute of every N-th block "
                             "a rank builds (_apply_layer_sac, one count per process), or one "
@@ -234,6 +242,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "megatron-lm": {
+        "stage_splits": "sourced: --pipeline-model-parallel-layout takes any layout "
+                        "(megatron/core/transformer/pipeline_parallel_layer_layout.py)",
         "recompute_layers": "sourced: --recompute-granularity full --recompute-method block "
                             "--recompute-num-layers N: the first N layers of each stage "
                             "(megatron/core/recompute.py), or one granularity for all",
@@ -298,6 +308,10 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "deepspeed": {
+        "stage_splits": "sourced: deepspeed/runtime/pipe/module.py _partition_layers: "
+                        "partition_method 'uniform' (runtime/utils.py partition_uniform) or "
+                        "'type:<regex>' (partition_balanced over 0/1 weights; "
+                        "Megatron-DeepSpeed's default 'type:transformer'), no explicit bounds",
         "recompute_layers": "sourced: PipelineModule activation_checkpoint_interval and "
                             "Megatron-DeepSpeed --checkpoint-activations: every layer alike",
         "context_parallel": "sourced: DeepSpeed has no ring-attention context parallelism "

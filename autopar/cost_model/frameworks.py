@@ -42,6 +42,7 @@ from autopar.cost_model.moe import EP_DISPATCHES
 from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.cost_model.presets import DP_OVERLAP
 from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
+from autopar.cost_model.stage_splits import STAGE_SPLITS
 from autopar.units import MIB
 
 __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
@@ -118,6 +119,7 @@ class Framework:
         sequence_parallel: whether it runs Megatron-style sequence parallelism.
         recompute_layers: the per-layer recompute it sets (recompute_layers.RECOMPUTE_LAYERS):
             any mix, the first n blocks of each stage, every n-th block, or one mode.
+        stage_splits: the pipeline stage splits it cuts (stage_splits.STAGE_SPLITS).
         exports: autopar's export formats that configure this framework.
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
@@ -173,6 +175,7 @@ class Framework:
     zero_with_pipeline: int
     sequence_parallel: bool
     recompute_layers: str
+    stage_splits: str
     exports: tuple[str, ...]
     memory_band: float
     step_time_band: tuple[float, float]
@@ -215,7 +218,7 @@ class Framework:
         for name, allowed in (
                 ("cp_comm", CP_COMMS), ("attention_kernel", ATTENTION_KERNELS),
                 ("fp8_scaling", FP8_SCALINGS), ("selective_policy", ("attention", "op")),
-                ("recompute_layers", RECOMPUTE_LAYERS),
+                ("recompute_layers", RECOMPUTE_LAYERS), ("stage_splits", STAGE_SPLITS),
                 ("ep_dispatch", EP_DISPATCHES), ("moe_tp", MOE_TPS),
                 ("pipeline_recv_buffers", (PER_MICROBATCH, IN_FLIGHT)),
                 ("zero3_gather", (GATHER_BLOCK, GATHER_BUCKET))):

@@ -19,7 +19,7 @@ from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import (
     FLOAT_SLACK,
     TableSummary,
-    balanced_split,
+    framework_splits,
     ilp_key,
     time_lower_bound,
 )
@@ -58,18 +58,19 @@ class Outcome:
 
 
 def best_uniform(table: CostTable) -> Outcome | None:
-    """The fastest fitting split among the most balanced ones with uniform recompute."""
-    return _fastest(table, ((balanced_split(table, mode), (mode,) * len(table.layers))
-                            for mode in RECOMPUTE))
+    """The fastest fitting split among the most balanced ones (of those the framework cuts)
+    with uniform recompute."""
+    return _fastest(table, ((split, (mode,) * len(table.layers)) for mode in RECOMPUTE
+                            for split in framework_splits(table, mode)))
 
 
 def best_pattern(table: CostTable) -> Outcome | None:
-    """The fastest fitting split a framework that sets fewer per-layer recompute choices than
-    the ILP's runs (``recompute_layers.py``): uniform recompute on the most balanced splits, or
-    its pattern (the first n blocks of every stage, every n-th block of a rank) with every
-    count n on each of them."""
+    """The fastest fitting split of a framework that sets fewer per-layer recompute choices or
+    stage splits than the ILP's (``recompute_layers.py``, ``stage_splits.py``): uniform
+    recompute on the most balanced splits it cuts (``framework_splits``), or its pattern (the
+    first n blocks of every stage, every n-th block of a rank) with every count n on each."""
     kind, ranks = table.framework.recompute_layers, stage_ranks(table.config)
-    splits = dict.fromkeys(balanced_split(table, mode) for mode in RECOMPUTE)
+    splits = dict.fromkeys(s for mode in RECOMPUTE for s in framework_splits(table, mode))
     tried = [(split, (mode,) * len(table.layers)) for split in splits for mode in RECOMPUTE]
     blocks = table.block_mask
     tried += [(split, pattern_recompute(kind, n, split, blocks, ranks)) for split in splits
@@ -157,9 +158,9 @@ def solve_candidate(
     lb = time_lower_bound(table, refined=True) if lb_s is None else lb_s
     if cutoff_s is not None and lb >= cutoff_s:
         return Outcome()  # cannot enter the top k
-    if table.framework.recompute_layers != "any":
-        # The framework sets one mode for all blocks or a pattern: balanced splits, its
-        # choices (not proven optimal over uneven splits).
+    if table.framework.recompute_layers != "any" or table.framework.stage_splits != "any":
+        # The framework sets one mode for all blocks or a pattern, or cuts its own splits:
+        # its choices on balanced splits (not proven optimal over uneven ones).
         return best_pattern(table) or Outcome()
     uniform = best_uniform(table)
     if uniform is not None and uniform.step_s <= lb * (1 + options.mip_gap):

@@ -1,0 +1,116 @@
+"""Which pipeline stage splits a framework runs (``Framework.stage_splits``).
+
+- ``"any"``: every contiguous split of the profile's layers. autopar's runtime cuts the model at
+  the plan's stage bounds; torchtitan takes each stage's modules
+  (``parallelism.module_fqns_per_model_part``); Megatron-LM any layout
+  (``--pipeline-model-parallel-layout``).
+- ``"partition-methods"``: only what DeepSpeed's ``PipelineModule(partition_method=...)``
+  computes from its layer list (deepspeed/runtime/pipe/module.py ``_partition_layers``), with
+  one layer per profile layer (the embedding, each block, the head):
+
+  - ``"uniform"``: the same number of layers per stage, the first ``n % pp`` stages one more
+    (runtime/utils.py ``partition_uniform``). With the embedding and the head as layers this is
+    the split BLOOM trained with, ``type:transformer|embedding`` (bigscience
+    train/tr11-176B-ml/README.md: "[embed | 5 transformer blocks] ... [5 transformer blocks |
+    embed]").
+  - ``"type:<block>"``: the blocks balanced, the other layers weighing nothing
+    (``partition_balanced`` over 0/1 weights; Megatron-DeepSpeed's default,
+    megatron/model/gpt_model.py ``partition_method = 'type:transformer'``).
+
+  ``partition_balanced`` solves the linear partition problem for the smallest spread between
+  the heaviest and the lightest stage, a tie going to the later cut (``linear_partition``);
+  ``"parameters"`` (balanced by parameter counts, which counts a tied embedding at both ends) is
+  not searched.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+__all__ = ["STAGE_SPLITS", "linear_partition", "method_splits", "split_method", "split_refusal",
+           "uniform_partition"]
+
+STAGE_SPLITS = ("any", "partition-methods")
+Split = tuple[tuple[int, int], ...]
+
+
+def uniform_partition(num_items: int, num_parts: int) -> list[int]:
+    """Stage bounds (``num_parts + 1`` offsets) of equal stages, the first ``num_items %
+    num_parts`` one item longer (DeepSpeed ``partition_uniform``)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    size, extra = divmod(num_items, num_parts)
+    return [p * size + min(p, extra) for p in range(num_parts + 1)]
+
+
+def linear_partition(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Stage bounds (``num_parts + 1`` offsets) of contiguous non-empty parts of ``weights``
+    with the least spread (heaviest part minus lightest), a tie going to the later cut (DeepSpeed
+    ``partition_balanced``: dynamic programming over (items, parts), each state keeping the
+    heaviest and lightest part of its best prefix)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return uniform_partition(n, m)
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    # state (items i, parts j): (spread, heaviest, lightest, previous cut)
+    best: dict[tuple[int, int], tuple[float, float, float, int]] = {(0, 0): (0.0, 0.0, inf, 0)}
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            chosen: tuple[float, float, float, int] = (inf, inf, inf, 0)
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                _, heavy, light, _ = best.get((k, j - 1), (inf, inf, inf, 0))
+                hi, lo = max(heavy, part), min(light, part)
+                if chosen[0] >= hi - lo:
+                    chosen = (hi - lo, hi, lo, k)
+            best[(i, j)] = chosen
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(best[(bounds[-1], j)][3])
+    return bounds[::-1]
+
+
+def _split(bounds: Sequence[int]) -> Split:
+    """((first, last), ...) of stage bounds."""
+    return tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
+
+
+def method_splits(blocks: Sequence[bool], num_stages: int) -> dict[str, Split]:
+    """The split each searched DeepSpeed partition method gives a profile's layers
+    (``blocks``: which are blocks), by method, in order of preference."""
+    return dict(_method_splits(tuple(bool(b) for b in blocks), num_stages))
+
+
+@functools.cache
+def _method_splits(blocks: tuple[bool, ...], num_stages: int) -> tuple[tuple[str, Split], ...]:
+    if num_stages <= 1:
+        return (("uniform", ((0, len(blocks) - 1),)),)
+    return (("uniform", _split(uniform_partition(len(blocks), num_stages))),
+            ("type:<block>", _split(linear_partition([float(b) for b in blocks], num_stages))))
+
+
+def split_method(kind: str, split: Sequence[tuple[int, int]], blocks: Sequence[bool]) -> str | None:
+    """How a framework of stage splits ``kind`` sets ``split``: "any", the DeepSpeed partition
+    method that gives it, or None when none does."""
+    if kind == "any":
+        return "any"
+    given = tuple((int(a), int(b)) for a, b in split)
+    for method, made in method_splits(blocks, len(given)).items():
+        if made == given:
+            return method
+    return None
+
+
+def split_refusal(framework_spec: str, kind: str, split: Sequence[tuple[int, int]],
+                  blocks: Sequence[bool]) -> str | None:
+    """Why a framework cannot cut its pipeline stages as ``split`` does (None when it can)."""
+    if split_method(kind, split, blocks) is not None:
+        return None
+    sizes = ", ".join(str(b - a + 1) for a, b in split)
+    return (f"{framework_spec} splits pipeline stages by partition_method ('uniform' layers or "
+            f"'type:<block>' balanced blocks), not this plan's split (layers per stage {sizes})")

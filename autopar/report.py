@@ -223,6 +223,7 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
         f"  global batch {config.global_batch}{_tokens_text(plan)} = dp {config.dp} x micro-batch "
         f"{config.micro_batch} x {config.num_microbatches} micro-batches"
         + (f"; each sequence over cp {config.cp} ranks" if config.cp > 1 else ""),
+        *_partition_lines(config, plan),
         f"[bold]Step[/bold] {format_time(est.step_time_s)}{interval_text(est)}   "
         f"[bold]tokens/s[/bold] {format_count(est.tokens_per_s)}   "
         f"[bold]TFLOP/s per GPU[/bold] {est.tflops_per_gpu:.1f} "
@@ -235,6 +236,22 @@ def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = Non
         f"[bold]Precision[/bold] {est.precision or config.dtype}",
         f"[bold]Binding[/bold] {est.binding or 'n/a'}",
     ]
+
+
+def _partition_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
+    """How a framework that cuts only some stage splits cuts the plan's (DeepSpeed's
+    ``partition_method``, ``stage_splits.py``); nothing for the others."""
+    from autopar.cost_model.frameworks import get_framework
+    from autopar.export_base import plan_split_method
+
+    framework = getattr(plan, "framework", "")
+    if plan is None or config.pp <= 1 or get_framework(framework).stage_splits == "any":
+        return []
+    method = plan_split_method(plan, framework)
+    if method is None:
+        return []
+    return [f"  stages cut by PipelineModule partition_method='{method}' (one layer per "
+            "profile layer)"]
 
 
 def _host_lines(est: Estimate, config: ParallelConfig) -> list[str]:

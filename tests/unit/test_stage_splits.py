@@ -117,7 +117,14 @@ def test_deepspeed_plans_cut_only_its_partition_methods_and_the_export_names_it(
         assert plan_split_method(p, "deepspeed") in ("uniform", "type:<block>")
     console = Console(record=True, width=200)
     render_report(console, searched[0].config, searched[0].estimate, plan=searched[0])
-    assert "on the splits its partition methods cut" in console.export_text()
+    text = console.export_text()
+    assert "on the splits its partition methods cut" in text
+    if searched[0].config.pp > 1:
+        method = plan_split_method(searched[0], "deepspeed")
+        assert f"stages cut by PipelineModule partition_method='{method}'" in text
+    console = Console(record=True, width=200)
+    render_report(console, plan.config, plan.estimate, plan=plan)
+    assert f"partition_method='{plan_split_method(plan, 'deepspeed')}'" in console.export_text()
 
 
 def test_a_split_deepspeed_cannot_cut_is_refused_by_estimate_and_export() -> None:

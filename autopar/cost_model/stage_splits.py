@@ -29,6 +29,8 @@ import functools
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
+
 __all__ = ["STAGE_SPLITS", "linear_partition", "method_splits", "split_method", "split_refusal",
            "uniform_partition"]
 
@@ -49,29 +51,30 @@ def linear_partition(weights: Sequence[float], num_parts: int) -> list[int]:
     """Stage bounds (``num_parts + 1`` offsets) of contiguous non-empty parts of ``weights``
     with the least spread (heaviest part minus lightest), a tie going to the later cut (DeepSpeed
     ``partition_balanced``: dynamic programming over (items, parts), each state keeping the
-    heaviest and lightest part of its best prefix)."""
+    heaviest and lightest part of its best prefix; the cuts of a state tried at once, in float64
+    as DeepSpeed's arrays)."""
     n, m = len(weights), num_parts
     if n <= m:
         return uniform_partition(n, m)
-    inf = float("inf")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
-    # state (items i, parts j): (spread, heaviest, lightest, previous cut)
-    best: dict[tuple[int, int], tuple[float, float, float, int]] = {(0, 0): (0.0, 0.0, inf, 0)}
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            chosen: tuple[float, float, float, int] = (inf, inf, inf, 0)
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                _, heavy, light, _ = best.get((k, j - 1), (inf, inf, inf, 0))
-                hi, lo = max(heavy, part), min(light, part)
-                if chosen[0] >= hi - lo:
-                    chosen = (hi - lo, hi, lo, k)
-            best[(i, j)] = chosen
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(np.asarray(weights, dtype=np.float64))
+    heavy = np.full((n + 1, m + 1), np.inf)  # heaviest part of state (items, parts)'s prefix
+    light = np.full((n + 1, m + 1), np.inf)  # its lightest
+    cut = np.zeros((n + 1, m + 1), dtype=np.int64)
+    heavy[0, 0] = 0.0
+    for j in range(1, m + 1):
+        # a state (i, j) with fewer than m - j items left is on no path to (n, m)
+        for i in range(j, n - (m - j) + 1):
+            k = np.arange(j - 1, i)  # earlier cuts leave (k, j - 1) unreachable: cost inf
+            part = prefix[i] - prefix[k]
+            hi = np.maximum(heavy[k, j - 1], part)
+            lo = np.minimum(light[k, j - 1], part)
+            spread = hi - lo
+            best = int(np.flatnonzero(spread == spread.min())[-1])
+            heavy[i, j], light[i, j], cut[i, j] = hi[best], lo[best], k[best]
     bounds = [n]
     for j in range(m, 0, -1):
-        bounds.append(best[(bounds[-1], j)][3])
+        bounds.append(int(cut[bounds[-1], j]))
     return bounds[::-1]
 
 

@@ -43,6 +43,10 @@ def test_uniform_is_blooms_split_with_the_embeddings_as_layers() -> None:
     assert split[0] == (0, 5) and split[-1] == (66, 71)
     assert all(b - a == 5 for a, b in split)
     assert uniform_partition(10, 4) == [0, 3, 6, 8, 10]  # the first 10 % 4 stages one longer
+    # every layer weighing one (Megatron-DeepSpeed's 'type:transformer|embedding' with tied
+    # embeddings at both ends) balances as 'uniform' cuts
+    for n, stages in ((72, 12), (107, 35), (10, 4), (16, 3)):
+        assert linear_partition([1.0] * n, stages) == uniform_partition(n, stages)
 
 
 def test_balanced_blocks_leave_the_weightless_layers_at_the_ends() -> None:
@@ -109,6 +113,14 @@ def test_deepspeed_plans_cut_only_its_partition_methods_and_the_export_names_it(
     notes = " ".join(export_plan(plan, "deepspeed").notes)
     want = "uniform" if method == "uniform" else "type:<your block's class name>"
     assert f"partition_method='{want}'" in notes
+    megatron_ds = "type:transformer|embedding" if method == "uniform" else "type:transformer"
+    assert f"Megatron-DeepSpeed: --pp-partition-method '{megatron_ds}'" in notes
+    # the same blocks per stage with Megatron-DeepSpeed's weightless layers at the ends
+    ends = [0.0, 0.0] + [1.0] * 14 + [0.0, 0.0, 0.0]
+    bounds = linear_partition(ends, 4)
+    counts = [sum(ends[a:b]) for a, b in itertools.pairwise(bounds)]
+    split = method_splits(blocks, 4)["type:<block>"]
+    assert counts == [sum(blocks[a:b + 1]) for a, b in split]
     # 1.5 GB devices: some of the best eight pipeline
     searched = autopar.plan(PROFILE, TIGHT, global_batch=16, framework="deepspeed", top_k=8)
     piped = [p for p in searched if p.config.pp > 1]

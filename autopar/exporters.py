@@ -192,6 +192,39 @@ def _deepspeed_ep(cfg: Any) -> None:
         )
 
 
+def _deepspeed_pipeline(plan: Plan, doc: dict[str, Any]) -> list[str]:
+    """The notes building a DeepSpeed PipelineModule for the plan's stages (its pipeline
+    section set in ``doc``)."""
+    cfg, notes = plan.config, []
+    # PipelineModule takes the stage count and partition from its constructor (DeepSpeed
+    # parses but never reads pipeline.stages / .partition); its topology must name the tp
+    # ranks, or num_stages alone counts them as data parallel and the batch check fails.
+    method = plan_split_method(plan, "deepspeed")  # export_refusal: never None here
+    # Megatron-DeepSpeed's GPTModelPipe adds weightless layers of its own (the final norm,
+    # lambdas) at the ends: the same blocks per stage there are --pp-partition-method
+    # 'type:transformer|embedding' (BLOOM's; the tied embedding at both ends weighs one
+    # layer each) or its default 'type:transformer' (megatron/model/gpt_model.py)
+    megatron_ds = ("type:transformer|embedding' (embeddings tied at both ends)"
+                   if method == "uniform" else "type:transformer'")
+    method = "type:<your block's class name>" if method == "type:<block>" else method
+    notes.append(
+        "build the PipelineModule from one layer per profile layer (the embedding, each "
+        "block, the head), with topology=PipeModelDataParallelTopology("
+        f"num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={cfg.dp}) and "
+        f"partition_method='{method}' (stage bounds "
+        f"{[list(s.layers) for s in plan.stages]} in profile layers); in "
+        f"Megatron-DeepSpeed: --pp-partition-method '{megatron_ds}"
+    )
+    if block_mode(plan) == "full":  # the pipe engine checkpoints every interval layers
+        doc["pipeline"] = {"activation_checkpoint_interval": 1}
+        notes.append("build the PipelineModule with checkpointable_layers=['<your "
+                     "block's class name>'] so that the pipe engine checkpoints the blocks "
+                     "only, as costed (without it every layer with parameters is; "
+                     "Megatron-DeepSpeed's GPTModelPipe checkpoints its transformer "
+                     "layers only)")
+    return notes
+
+
 def to_deepspeed(plan: Plan) -> Export:
     """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
     cfg = plan.config
@@ -216,27 +249,7 @@ def to_deepspeed(plan: Plan) -> Export:
         "steps_per_print": 10,
     }
     if cfg.pp > 1:
-        # PipelineModule takes the stage count and partition from its constructor (DeepSpeed
-        # parses but never reads pipeline.stages / .partition); its topology must name the tp
-        # ranks, or num_stages alone counts them as data parallel and the batch check fails.
-        method = plan_split_method(plan, "deepspeed")  # export_refusal: never None here
-        # Megatron-DeepSpeed's GPTModelPipe adds weightless layers of its own (the final norm,
-        # lambdas) at the ends: the same blocks per stage there are --pp-partition-method
-        # 'type:transformer|embedding' (BLOOM's; the tied embedding at both ends weighs one
-        # layer each) or its default 'type:transformer' (megatron/model/gpt_model.py)
-        megatron_ds = ("type:transformer|embedding' (embeddings tied at both ends)"
-                       if method == "uniform" else "type:transformer'")
-        method = "type:<your block's class name>" if method == "type:<block>" else method
-        notes.append(
-            "build the PipelineModule from one layer per profile layer (the embedding, each "
-            "block, the head), with topology=PipeModelDataParallelTopology("
-            f"num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={cfg.dp}) and "
-            f"partition_method='{method}' (stage bounds "
-            f"{[list(s.layers) for s in plan.stages]} in profile layers); in "
-            f"Megatron-DeepSpeed: --pp-partition-method '{megatron_ds}"
-        )
-        if block_mode(plan) == "full":  # the pipe engine checkpoints every interval layers
-            doc["pipeline"] = {"activation_checkpoint_interval": 1}
+        notes += _deepspeed_pipeline(plan, doc)
     if cfg.tp > 1:
         doc["tensor_parallel"] = {"autotp_size": cfg.tp}
     if cfg.offload != "none":  # ZeRO-Offload / ZeRO-Infinity to CPU memory

@@ -172,9 +172,11 @@ def _search_line(plan: Any) -> str | None:
     # `optimal` is per configuration; a time limit can leave a search-wide gap all the same.
     proven = search.optimal and search.mip_gap * 100 < 0.05  # shows as 0.0% anyway
     gap = "optimal" if proven else f"gap {search.mip_gap * 100:.1f}%"
-    if not search.optimal and search.mip_gap * 100 < 0.05:  # a framework's own choices
+    fw = get_framework(plan.framework)
+    own_choices = fw.recompute_layers != "any" or fw.stage_splits != "any"
+    if own_choices and not search.optimal and search.mip_gap * 100 < 0.05:  # no ILP ran
         gap = "the framework's recompute choices on balanced splits; uneven ones not searched"
-        if get_framework(plan.framework).stage_splits != "any":
+        if fw.stage_splits != "any":
             gap = ("the framework's recompute choices on the splits its partition methods "
                    "cut; others not searched")
     limit = ", time limit hit" if search.time_limit_hit else ""
@@ -184,17 +186,31 @@ def _search_line(plan: Any) -> str | None:
 
 def _pattern_words(plan: Any) -> str | None:
     """A framework pattern's recompute in its own terms ("full on the first 3 blocks of each
-    stage", Megatron-LM's; "full on every 2nd block of each rank", torchtitan's), else None."""
-    from autopar.export_base import plan_recompute
+    stage", Megatron-LM's; "full on every 2nd block of each rank", torchtitan's; the blocks'
+    one mode for a framework that recomputes blocks only), else None."""
+    from autopar.cost_model.frameworks import get_framework
+    from autopar.export_base import is_block, plan_recompute
 
-    pattern = plan_recompute(plan, plan.framework) if getattr(plan, "framework", "") else None
-    if pattern is None or pattern[0] not in ("first-n", "every-nth"):
+    framework = getattr(plan, "framework", "")
+    pattern = plan_recompute(plan, framework) if framework else None
+    if pattern is None or pattern[0] == "any":
         return None
     n = pattern[1]
+    if pattern[0] == "uniform":  # blocks only: the framework recomputes nothing else
+        modes = {r for s in plan.stages for r, name in zip(s.recompute, s.layer_names,
+                                                            strict=True) if is_block(name)}
+        own = get_framework(framework).recompute_layers != "any"
+        return modes.pop() if own and len(modes) == 1 else None
     if pattern[0] == "first-n":
         return f"full on the first {n} block{'s' * (n > 1)} of each stage, none on the rest"
-    nth = {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
-    return f"full on every {nth} block of each rank, none on the rest"
+    return f"full on every {_ordinal(n)} block of each rank, none on the rest"
+
+
+def _ordinal(n: int) -> str:
+    """2nd, 3rd, 11th, 21st, 22nd, ..."""
+    if n % 100 in (11, 12, 13):
+        return f"{n}th"
+    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def interval_text(est: Estimate) -> str:

@@ -8,14 +8,18 @@ unwraps one); without them a ParallelConfig gets the most balanced contiguous sp
 from __future__ import annotations
 
 from autopar.config import ParallelConfig
-from autopar.cost_model.assemble import assemble
+from autopar.cost_model.assemble import assemble, check_split
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.framework_support import model_support
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
-from autopar.cost_model.recompute_layers import recompute_refusal, stage_ranks
+from autopar.cost_model.recompute_layers import (
+    framework_recompute,
+    recompute_refusal,
+    stage_ranks,
+)
 from autopar.cost_model.stage_splits import method_splits, split_refusal
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
@@ -28,7 +32,8 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
     """The balanced contiguous split (of those the framework cuts) and the config's recompute
     for every layer."""
     cfg = table.config
-    recompute = (cfg.recompute,) * len(table.layers)
+    recompute = framework_recompute(table.framework.recompute_layers,
+                                    (cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
@@ -91,11 +96,12 @@ def estimate(
     elif recompute is None:
         recompute = (config.recompute,) * len(table.layers)
     fw = table.framework
-    reason = None
-    if len(split) == config.num_stages:
-        reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
-            recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
-                              stage_ranks(config)))
+    check_split(table, split, recompute)  # a malformed split first, in its own words
+    reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
+        recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
+                          stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
-    return assemble(table, split, recompute)
+    # what the framework runs: a framework that recomputes blocks only keeps the others' inputs
+    return assemble(table, split, framework_recompute(fw.recompute_layers, recompute,
+                                                      table.block_mask))

@@ -29,8 +29,8 @@ from autopar.schedules import rank_of_stage
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
 
-__all__ = ["RECOMPUTE_LAYERS", "pattern_counts", "pattern_recompute", "recompute_pattern",
-           "recompute_refusal", "stage_ranks"]
+__all__ = ["RECOMPUTE_LAYERS", "framework_recompute", "pattern_counts", "pattern_recompute",
+           "recompute_pattern", "recompute_refusal", "stage_ranks"]
 
 RECOMPUTE_LAYERS = ("any", "first-n", "every-nth", "uniform")
 Split = Sequence[tuple[int, int]]
@@ -39,6 +39,20 @@ Split = Sequence[tuple[int, int]]
 def stage_ranks(config: ParallelConfig) -> tuple[int, ...]:
     """The pipeline rank of each stage of ``config``, in stage order."""
     return tuple(rank_of_stage(config.schedule, config.pp, j) for j in range(config.num_stages))
+
+
+def framework_recompute(kind: str, recompute: Sequence[str],
+                        blocks: Sequence[bool]) -> tuple[str, ...]:
+    """The per-layer recompute a framework of pattern ``kind`` runs for ``recompute``: as given
+    under "any" (autopar's runtime checkpoints any layer as the plan says); else the blocks'
+    modes and none for the other layers: Megatron-LM checkpoints transformer layers only
+    (TransformerBlock), torchtitan wraps the children of ``model.layers`` only (apply_ac), and
+    Megatron-DeepSpeed's GPTModelPipe checkpoints ParallelTransformerLayerPipe only
+    (PipelineModule._is_checkpointable)."""
+    if kind == "any":
+        return tuple(recompute)
+    return tuple(mode if is_block else "none"
+                 for mode, is_block in zip(recompute, blocks, strict=True))
 
 
 def _stage_blocks(split: Split, blocks: Sequence[bool]) -> list[list[int]]:

@@ -14,7 +14,12 @@ from typing import Any
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.recompute_layers import pattern_counts, pattern_recompute, stage_ranks
+from autopar.cost_model.recompute_layers import (
+    framework_recompute,
+    pattern_counts,
+    pattern_recompute,
+    stage_ranks,
+)
 from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import (
     FLOAT_SLACK,
@@ -60,8 +65,14 @@ class Outcome:
 def best_uniform(table: CostTable) -> Outcome | None:
     """The fastest fitting split among the most balanced ones (of those the framework cuts)
     with uniform recompute."""
-    return _fastest(table, ((split, (mode,) * len(table.layers)) for mode in RECOMPUTE
+    return _fastest(table, ((split, _uniform(table, mode)) for mode in RECOMPUTE
                             for split in framework_splits(table, mode)))
+
+
+def _uniform(table: CostTable, mode: str) -> tuple[str, ...]:
+    """``mode`` on every layer the table's framework recomputes (``framework_recompute``)."""
+    return framework_recompute(table.framework.recompute_layers, (mode,) * len(table.layers),
+                               table.block_mask)
 
 
 def best_pattern(table: CostTable) -> Outcome | None:
@@ -71,7 +82,7 @@ def best_pattern(table: CostTable) -> Outcome | None:
     first n blocks of every stage, every n-th block of a rank) with every count n on each."""
     kind, ranks = table.framework.recompute_layers, stage_ranks(table.config)
     splits = dict.fromkeys(s for mode in RECOMPUTE for s in framework_splits(table, mode))
-    tried = [(split, (mode,) * len(table.layers)) for split in splits for mode in RECOMPUTE]
+    tried = [(split, _uniform(table, mode)) for split in splits for mode in RECOMPUTE]
     blocks = table.block_mask
     tried += [(split, pattern_recompute(kind, n, split, blocks, ranks)) for split in splits
               for n in pattern_counts(kind, split, blocks, ranks)]

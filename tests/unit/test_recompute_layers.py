@@ -10,6 +10,8 @@ import tomllib
 from rich.console import Console
 
 import autopar
+from autopar.cost_model.estimator import estimate as estimate_split
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import (
     pattern_counts,
     pattern_recompute,
@@ -19,7 +21,8 @@ from autopar.cost_model.recompute_layers import (
 from autopar.export_base import plan_recompute
 from autopar.exporters import export_plan
 from autopar.plan import Plan
-from autopar.report import render_report
+from autopar.report import _ordinal, _search_line, render_report
+from autopar.search import plan_from_config
 from tests.fixtures.profiles import analytic_transformer_profile
 
 PROFILE = analytic_transformer_profile(16, 1024, 16, 2048, 1024)
@@ -112,3 +115,52 @@ def test_a_mix_the_framework_cannot_set_is_refused_by_estimate_and_export() -> N
         with pytest.raises(ValueError, match="2 of 16 blocks recomputed"):
             export_plan(mixed, to)
     assert autopar.estimate(PROFILE, TIGHT, mixed, framework="autopar").framework == "autopar"
+
+
+def test_frameworks_that_recompute_blocks_only_keep_the_embedding_and_head() -> None:
+    """Megatron-LM, torchtitan and Megatron-DeepSpeed checkpoint transformer layers only: a
+    config's full recompute is costed on the blocks, the plan records none on the others, and an
+    autopar plan recomputing everything is estimated as the framework runs it."""
+    config = autopar.ParallelConfig(dp=2, pp=2, micro_batch=1, global_batch=32, recompute="full")
+    cluster = autopar.Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
+    ours = plan_from_config(PROFILE, cluster, config, framework="autopar")
+    assert set(ours.recompute_per_layer) == {"full"}
+    for fw in ("megatron-lm", "torchtitan", "deepspeed"):
+        plan = plan_from_config(PROFILE, cluster, config, framework=fw)
+        per_layer = plan.recompute_per_layer
+        assert per_layer[0] == per_layer[-1] == "none" and set(per_layer[1:-1]) == {"full"}
+        est = autopar.estimate(PROFILE, cluster, config, framework=fw)
+        assert est.step_time_s == pytest.approx(plan.estimate.step_time_s)
+        assert autopar.estimate(PROFILE, cluster, dataclasses.replace(
+            ours, framework=fw), framework=fw).step_time_s == pytest.approx(est.step_time_s)
+        console = Console(record=True, width=200)
+        render_report(console, plan.config, plan.estimate, plan=plan)
+        assert "recompute=full " in console.export_text()
+    # the head keeps its activations and skips its re-run: more memory, less time
+    megatron = autopar.estimate(PROFILE, cluster, config, framework="megatron-lm")
+    everything = autopar.estimate(PROFILE, cluster, config, framework=dataclasses.replace(
+        get_framework("megatron-lm"), recompute_layers="any"))
+    assert megatron.memory_per_gpu_bytes > everything.memory_per_gpu_bytes
+    assert megatron.step_time_s < everything.step_time_s
+
+
+def test_a_malformed_split_is_named_before_what_the_framework_runs() -> None:
+    config = autopar.ParallelConfig(dp=2, pp=2, micro_batch=1, global_batch=32)
+    cluster = autopar.Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
+    n = PROFILE.num_layers
+    for fw in ("autopar", "megatron-lm", "torchtitan", "deepspeed"):
+        with pytest.raises(ValueError, match=f"split covers {n + 3} layers"):
+            estimate_split(PROFILE, cluster, config, fw, split=((0, 4), (5, n + 2)))
+        with pytest.raises(ValueError, match="one recompute choice"):
+            estimate_split(PROFILE, cluster, config, fw, split=((0, 4), (5, n - 1)),
+                           recompute=("full",) * (n - 1))
+
+
+def test_the_report_words_every_nth_with_its_ordinal_and_an_ilp_gap_as_a_gap() -> None:
+    assert [_ordinal(n) for n in (2, 3, 4, 11, 12, 13, 21, 22, 23, 111)] == [
+        "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "111th"]
+    plan = autopar.plan(PROFILE, TIGHT, global_batch=32)  # autopar: the per-layer ILP
+    unproven = dataclasses.replace(plan, search=dataclasses.replace(
+        plan.search, optimal=False, mip_gap=0.0003))
+    line = _search_line(unproven)
+    assert line is not None and "gap 0.0%" in line and "framework's" not in line

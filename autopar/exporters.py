@@ -199,7 +199,9 @@ def _deepspeed_pipeline(plan: Plan, doc: dict[str, Any]) -> list[str]:
     # PipelineModule takes the stage count and partition from its constructor (DeepSpeed
     # parses but never reads pipeline.stages / .partition); its topology must name the tp
     # ranks, or num_stages alone counts them as data parallel and the batch check fails.
-    method = plan_split_method(plan, "deepspeed")  # export_refusal: never None here
+    method = plan_split_method(plan, "deepspeed")
+    if method is None:  # export_plan refuses it first (export_refusal)
+        raise ValueError(split_refusal_for(plan, "deepspeed"))
     # Megatron-DeepSpeed's GPTModelPipe adds weightless layers of its own (the final norm,
     # lambdas) at the ends: the same blocks per stage there are --pp-partition-method
     # 'type:transformer|embedding' (BLOOM's; the tied embedding at both ends weighs one

@@ -36,7 +36,7 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
                                     (cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
-    costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
+    costs = [layer.time_per_microbatch_s(mode) for layer, mode in zip(table.layers, recompute)]
     if table.framework.stage_splits == "any":
         return balanced_partition(costs, cfg.num_stages), recompute
     # the framework's own splits (stage_splits.py): the one with the lightest heaviest stage

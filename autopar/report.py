@@ -187,8 +187,7 @@ def _search_line(plan: Any) -> str | None:
 def _pattern_words(plan: Any) -> str | None:
     """A framework pattern's recompute in its own terms ("full on the first 3 blocks of each
     stage", Megatron-LM's; "full on every 2nd block of each rank", torchtitan's; the blocks'
-    one mode for a framework that recomputes blocks only), else None."""
-    from autopar.cost_model.frameworks import get_framework
+    one mode, as every framework recomputes blocks only), else None."""
     from autopar.export_base import is_block, plan_recompute
 
     framework = getattr(plan, "framework", "")
@@ -196,11 +195,10 @@ def _pattern_words(plan: Any) -> str | None:
     if pattern is None or pattern[0] == "any":
         return None
     n = pattern[1]
-    if pattern[0] == "uniform":  # blocks only: the framework recomputes nothing else
+    if pattern[0] == "uniform":  # blocks only: no framework recomputes the other layers
         modes = {r for s in plan.stages for r, name in zip(s.recompute, s.layer_names,
                                                             strict=True) if is_block(name)}
-        own = get_framework(framework).recompute_layers != "any"
-        return modes.pop() if own and len(modes) == 1 else None
+        return modes.pop() if len(modes) == 1 else None
     if pattern[0] == "first-n":
         return f"full on the first {n} block{'s' * (n > 1)} of each stage, none on the rest"
     return f"full on every {_ordinal(n)} block of each rank, none on the rest"

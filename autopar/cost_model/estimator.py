@@ -16,7 +16,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.recompute_layers import (
-    framework_recompute,
+    blocks_recompute,
     recompute_refusal,
     stage_ranks,
 )
@@ -32,8 +32,7 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
     """The balanced contiguous split (of those the framework cuts) and the config's recompute
     for every layer."""
     cfg = table.config
-    recompute = framework_recompute(table.framework.recompute_layers,
-                                    (cfg.recompute,) * len(table.layers), table.block_mask)
+    recompute = blocks_recompute((cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(mode) for layer, mode in zip(table.layers, recompute)]
@@ -102,6 +101,6 @@ def estimate(
                           stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
-    # what the framework runs: a framework that recomputes blocks only keeps the others' inputs
-    return assemble(table, split, framework_recompute(fw.recompute_layers, recompute,
-                                                      table.block_mask))
+    # what runs: every framework recomputes blocks only (the table costs the others' modes as
+    # none; the estimate's per-layer recompute says so)
+    return assemble(table, split, blocks_recompute(recompute, table.block_mask))

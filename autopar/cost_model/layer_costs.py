@@ -410,6 +410,8 @@ def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, g
         # model's first block apart: with SP it cuts its input, one more collective).
         cost, tail = _layer_cost(profile, cluster, cfg, index, groups, ratio, index == first,
                                  fw, terms.attention_flops[index])
+        if profile.layers[index].kind != "block":  # only blocks are ever recomputed
+            cost = cost.never_recomputed()
         layers[index], tails[index] = cost, tail
         for k in shared:
             layers[k], tails[k] = cost, tail

@@ -2,7 +2,7 @@
 
 The search's ILP can give every layer its own recompute mode; a framework sets fewer patterns:
 
-- ``"any"``: every layer its own mode (autopar's runtime checkpoints each layer as the plan says).
+- ``"any"``: every block its own mode (autopar's runtime checkpoints each block as the plan says).
 - ``"first-n"``: full recompute of the first n blocks of every stage (pipeline chunk), none for
   the others. Megatron-LM ``--recompute-granularity full --recompute-method block
   --recompute-num-layers n`` (megatron/core/recompute.py: "block" checkpoints layers
@@ -29,7 +29,7 @@ from autopar.schedules import rank_of_stage
 if TYPE_CHECKING:
     from autopar.config import ParallelConfig
 
-__all__ = ["RECOMPUTE_LAYERS", "framework_recompute", "pattern_counts", "pattern_recompute",
+__all__ = ["RECOMPUTE_LAYERS", "blocks_recompute", "pattern_counts", "pattern_recompute",
            "recompute_pattern", "recompute_refusal", "stage_ranks"]
 
 RECOMPUTE_LAYERS = ("any", "first-n", "every-nth", "uniform")
@@ -41,16 +41,14 @@ def stage_ranks(config: ParallelConfig) -> tuple[int, ...]:
     return tuple(rank_of_stage(config.schedule, config.pp, j) for j in range(config.num_stages))
 
 
-def framework_recompute(kind: str, recompute: Sequence[str],
-                        blocks: Sequence[bool]) -> tuple[str, ...]:
-    """The per-layer recompute a framework of pattern ``kind`` runs for ``recompute``: as given
-    under "any" (autopar's runtime checkpoints any layer as the plan says); else the blocks'
-    modes and none for the other layers: Megatron-LM checkpoints transformer layers only
-    (TransformerBlock), torchtitan wraps the children of ``model.layers`` only (apply_ac), and
-    Megatron-DeepSpeed's GPTModelPipe checkpoints ParallelTransformerLayerPipe only
-    (PipelineModule._is_checkpointable)."""
-    if kind == "any":
-        return tuple(recompute)
+def blocks_recompute(recompute: Sequence[str], blocks: Sequence[bool]) -> tuple[str, ...]:
+    """The per-layer recompute every framework runs for ``recompute``: the blocks' modes and
+    none for the other layers. autopar's runtime checkpoints
+    blocks only (runtime/recompute.py apply_recompute), Megatron-LM transformer layers only
+    (TransformerBlock), torchtitan the children of ``model.layers`` only (apply_ac), and
+    Megatron-DeepSpeed's GPTModelPipe ParallelTransformerLayerPipe only
+    (PipelineModule._is_checkpointable); the cost table costs every mode of the other layers as
+    none (``LayerCost.never_recomputed``)."""
     return tuple(mode if is_block else "none"
                  for mode, is_block in zip(recompute, blocks, strict=True))
 

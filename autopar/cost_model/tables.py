@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.frameworks import Framework, get_framework
@@ -21,6 +22,9 @@ from autopar.cost_model.frameworks import Framework, get_framework
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 
 RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
+# The LayerCost fields given by recompute mode.
+BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "act_bytes",
+           "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +98,14 @@ class LayerCost:
     def static_bytes(self) -> float:
         """Parameters + gradients + optimizer state held per rank."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def never_recomputed(self) -> LayerCost:
+        """These terms with every recompute mode costed as none: a layer no runtime recomputes
+        (the embedding and the head: autopar's runtime, Megatron-LM, torchtitan and DeepSpeed
+        checkpoint blocks only, recompute_layers.blocks_recompute)."""
+        none: dict[str, Any] = {name: (getattr(self, name)[0],) * len(RECOMPUTE)
+                                for name in BY_MODE}
+        return dataclasses.replace(self, **none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from typing import Any
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.recompute_layers import (
-    framework_recompute,
+    blocks_recompute,
     pattern_counts,
     pattern_recompute,
     stage_ranks,
@@ -70,9 +70,8 @@ def best_uniform(table: CostTable) -> Outcome | None:
 
 
 def _uniform(table: CostTable, mode: str) -> tuple[str, ...]:
-    """``mode`` on every layer the table's framework recomputes (``framework_recompute``)."""
-    return framework_recompute(table.framework.recompute_layers, (mode,) * len(table.layers),
-                               table.block_mask)
+    """``mode`` on every block, none on the other layers (``blocks_recompute``)."""
+    return blocks_recompute((mode,) * len(table.layers), table.block_mask)
 
 
 def best_pattern(table: CostTable) -> Outcome | None:

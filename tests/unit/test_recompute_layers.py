@@ -11,7 +11,7 @@ from rich.console import Console
 
 import autopar
 from autopar.cost_model.estimator import estimate as estimate_split
-from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.recompute_layers import (
     pattern_counts,
     pattern_recompute,
@@ -117,31 +117,32 @@ def test_a_mix_the_framework_cannot_set_is_refused_by_estimate_and_export() -> N
     assert autopar.estimate(PROFILE, TIGHT, mixed, framework="autopar").framework == "autopar"
 
 
-def test_frameworks_that_recompute_blocks_only_keep_the_embedding_and_head() -> None:
-    """Megatron-LM, torchtitan and Megatron-DeepSpeed checkpoint transformer layers only: a
-    config's full recompute is costed on the blocks, the plan records none on the others, and an
-    autopar plan recomputing everything is estimated as the framework runs it."""
+def test_every_framework_recomputes_blocks_only_and_keeps_the_embedding_and_head() -> None:
+    """autopar's runtime (apply_recompute), Megatron-LM, torchtitan and Megatron-DeepSpeed
+    checkpoint transformer layers only: a config's full recompute is costed on the blocks, the
+    plan records none on the others, a plan saying full on them is estimated as what runs, and
+    the cost table costs every mode of a non-block layer as none."""
     config = autopar.ParallelConfig(dp=2, pp=2, micro_batch=1, global_batch=32, recompute="full")
     cluster = autopar.Cluster.preset("a100-80g", nodes=1, gpus_per_node=4)
-    ours = plan_from_config(PROFILE, cluster, config, framework="autopar")
-    assert set(ours.recompute_per_layer) == {"full"}
-    for fw in ("megatron-lm", "torchtitan", "deepspeed"):
+    assert PROFILE.layers[-1].saved_bytes["full"] < PROFILE.layers[-1].saved_bytes["none"]
+    for fw in ("autopar", "megatron-lm", "torchtitan", "deepspeed"):
         plan = plan_from_config(PROFILE, cluster, config, framework=fw)
         per_layer = plan.recompute_per_layer
         assert per_layer[0] == per_layer[-1] == "none" and set(per_layer[1:-1]) == {"full"}
         est = autopar.estimate(PROFILE, cluster, config, framework=fw)
         assert est.step_time_s == pytest.approx(plan.estimate.step_time_s)
-        assert autopar.estimate(PROFILE, cluster, dataclasses.replace(
-            ours, framework=fw), framework=fw).step_time_s == pytest.approx(est.step_time_s)
+        everything = dataclasses.replace(plan, stages=tuple(dataclasses.replace(
+            s, recompute=("full",) * len(s.recompute)) for s in plan.stages))
+        again = autopar.estimate(PROFILE, cluster, everything, framework=fw)
+        assert again.step_time_s == pytest.approx(est.step_time_s)
+        assert again.memory_per_gpu_bytes == pytest.approx(est.memory_per_gpu_bytes)
         console = Console(record=True, width=200)
         render_report(console, plan.config, plan.estimate, plan=plan)
-        assert "recompute=full " in console.export_text()
-    # the head keeps its activations and skips its re-run: more memory, less time
-    megatron = autopar.estimate(PROFILE, cluster, config, framework="megatron-lm")
-    everything = autopar.estimate(PROFILE, cluster, config, framework=dataclasses.replace(
-        get_framework("megatron-lm"), recompute_layers="any"))
-    assert megatron.memory_per_gpu_bytes > everything.memory_per_gpu_bytes
-    assert megatron.step_time_s < everything.step_time_s
+        text = console.export_text()
+        assert "recompute=full " in text and "recompute=full on" not in text
+        table = build_cost_table(PROFILE, cluster, config, fw)
+        for cost, block in zip(table.layers, table.block_mask, strict=True):
+            assert block or len(set(cost.act_bytes)) == len(set(cost.recompute_s)) == 1
 
 
 def test_a_malformed_split_is_named_before_what_the_framework_runs() -> None:

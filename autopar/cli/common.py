@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "progress_bar",
     "split_gpu_count",
     "write_output",
+    "write_outputs",
 ]
 
 DEFAULT_GPU = "a100-80g"
@@ -205,18 +207,46 @@ def write_output(path: str, data: str | bytes, *, force: bool) -> None:
     Raises:
         AutoparError: the file exists (without ``force``) or cannot be written.
     """
-    target = Path(path)
-    if target.exists() and not force:
-        raise AutoparError(f"{path} already exists; pass --force to overwrite it")
-    if target.is_dir():
-        raise AutoparError(f"{path} is a directory; give a file name")
+    write_outputs([(path, data)], force=force)
+
+
+def write_outputs(files: list[tuple[str, str | bytes]], *, force: bool) -> None:
+    """Write every ``(path, data)`` or none: each document goes to a temporary file beside its
+    path first and replaces the path only once all are written, so a failed write (a full disk,
+    a directory in the way) leaves what the user had, and no half-written file.
+
+    Raises:
+        AutoparError: a file exists (without ``force``) or cannot be written.
+    """
+    for path, _data in files:
+        target = Path(path)
+        if target.is_dir():
+            raise AutoparError(f"{path} is a directory; give a file name")
+        if target.exists() and not force:
+            raise AutoparError(f"{path} already exists; pass --force to overwrite it")
+    staged: list[tuple[str, Path]] = []
     try:
-        if isinstance(data, bytes):
-            target.write_bytes(data)
-        else:
-            target.write_text(data)
+        for path, data in files:
+            target = Path(path)
+            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                        dir=target.parent if str(target.parent) else ".")
+            staged.append((path, Path(name)))
+            with os.fdopen(fd, "wb") as out:
+                out.write(data if isinstance(data, bytes) else data.encode())
+            os.chmod(name, 0o666 & ~_umask())  # as open() would have made it
+        for path, temporary in staged:
+            os.replace(temporary, path)
     except OSError as e:
-        raise AutoparError(f"cannot write {path}: {e.strerror or e}") from e
+        for _path, temporary in staged:
+            temporary.unlink(missing_ok=True)
+        raise AutoparError(f"cannot write {e.filename or files[0][0]}: {e.strerror or e}") from e
+
+
+def _umask() -> int:
+    """The process's file-creation mask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_writable(path: str | None, *, force: bool) -> None:
@@ -224,6 +254,8 @@ def check_writable(path: str | None, *, force: bool) -> None:
     if path is None:
         return
     target = Path(path)
+    if target.is_dir():
+        raise AutoparError(f"{path} is a directory; give a file name")
     if target.exists() and not force:
         raise AutoparError(f"{path} already exists; pass --force to overwrite it")
     parent = target.parent if str(target.parent) else Path(".")
@@ -318,8 +350,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 def save_outputs(plan: Any, args: argparse.Namespace) -> None:
     """Write ``--out`` (plan JSON) and ``--plot`` (PNG) when asked; say so on stderr.
 
-    Both documents are made before either is written, and a failed second write removes the
-    first: on error nothing is left behind.
+    Both documents are made before either is written, and written together or not at all
+    (``write_outputs``): on error the user's files are as they were.
     """
     files: list[tuple[str, str | bytes]] = []
     if getattr(args, "out", None):
@@ -329,16 +361,8 @@ def save_outputs(plan: Any, args: argparse.Namespace) -> None:
 
         png = plot_plan(plan.config, plan.estimate, title=f"{plan.model}: {plan.config.describe()}")
         files.append((args.plot, png))
-    written: list[str] = []
-    try:
-        for path, data in files:
-            write_output(path, data, force=args.force)
-            written.append(path)
-    except BaseException:
-        for path in written:
-            Path(path).unlink(missing_ok=True)
-        raise
-    for path in written:
+    write_outputs(files, force=args.force)
+    for path, _data in files:
         print(f"autopar: wrote {path}", file=sys.stderr)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,27 +400,37 @@ _RULE_TEXT = {
 }
 
 
+def _shown(value: Any) -> str:
+    """A bounded repr of a cluster file's value for a message (a YAML alias bomb's nested lists
+    share their items: a full repr would expand them without end)."""
+    short = reprlib.Repr()  # Python 3.11: limits as attributes
+    short.maxlevel, short.maxlist, short.maxdict = 2, 4, 4
+    short.maxstring, short.maxother, short.maxlong = 60, 60, 40
+    return short.repr(value)
+
+
 def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
     if kind == "str":
         if not isinstance(value, str):
-            raise ClusterConfigError(f"cluster field {path} must be a string, got {value!r}")
+            raise ClusterConfigError(f"cluster field {path} must be a string, got {_shown(value)}")
         return value
     if isinstance(value, str):  # YAML 1.1 reads "312e12" as a string; accept numeric text
         try:
             value = float(value)
         except ValueError:
             raise ClusterConfigError(
-                f"cluster field {path} must be a number, got {value!r}"
+                f"cluster field {path} must be a number, got {_shown(value)}"
             ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ClusterConfigError(f"cluster field {path} must be a number, got {value!r}")
+        raise ClusterConfigError(f"cluster field {path} must be a number, got {_shown(value)}")
     if value in (float("inf"), float("-inf")):
-        raise ClusterConfigError(f"cluster field {path} must be finite, got {value!r}")
+        raise ClusterConfigError(f"cluster field {path} must be finite, got {_shown(value)}")
     if kind == "int":
         if abs(value) > 2**62:
-            raise ClusterConfigError(f"cluster field {path} is far too large: {value!r}")
+            raise ClusterConfigError(f"cluster field {path} is far too large: {_shown(value)}")
         if float(value) != int(value):
-            raise ClusterConfigError(f"cluster field {path} must be an integer, got {value!r}")
+            raise ClusterConfigError(
+                f"cluster field {path} must be an integer, got {_shown(value)}")
         value = int(value)
     else:
         value = float(value)

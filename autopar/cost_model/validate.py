@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from autopar.config import ParallelConfig
-from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.graph.types import ModelProfile
 from autopar.schedules import check_schedule
 
-__all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "ep_problem",
-           "offload_problem", "stages_problem", "tp_problem"]
+__all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "dtype_problem",
+           "ep_problem", "offload_problem", "stages_problem", "tp_problem"]
 
 
 def cp_problem(cp: int, seq_len: int) -> str | None:
@@ -73,11 +73,17 @@ def check_dimensions(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfi
     problem = cp_problem(cfg.cp, profile.seq_len) or offload_problem(cfg.offload, cluster)
     if problem:
         raise ValueError(problem)
-    if cfg.dtype == "fp8" and cluster.device.peak_flops("fp8") <= 0:
-        raise ValueError(
-            f"dtype fp8 needs fp8 tensor cores; {cluster.device.name} has none (H100 and H200 "
-            "do); use bf16"
-        )
+    problem = dtype_problem(cluster.device, cfg.dtype)
+    if problem:
+        raise ValueError(problem)
+
+
+def dtype_problem(device: DeviceSpec, dtype: str) -> str | None:
+    """Why ``device`` cannot train in ``dtype`` (None when it can)."""
+    if dtype == "fp8" and device.peak_flops("fp8") <= 0:
+        return (f"dtype fp8 needs fp8 tensor cores; {device.name} has none (H100 and H200 do); "
+                "use bf16")
+    return None
 
 
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:

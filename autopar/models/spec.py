@@ -44,6 +44,13 @@ def llama_default_ffn_hidden(hidden: int, multiple_of: int = LLAMA_FFN_MULTIPLE_
     return multiple_of * ((base + multiple_of - 1) // multiple_of)
 
 
+# The largest sizes a spec may give: far beyond any trained model (hundreds of layers, hidden
+# sizes in the tens of thousands, vocabularies of a few hundred thousand, million-token contexts),
+# low enough that a typo fails at once instead of building a model for hours.
+MAX_SIZES = {"layers": 10_000, "hidden": 1 << 20, "ffn_hidden": 1 << 22, "vocab": 1 << 24,
+             "seq_len": 1 << 24}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """The shape of one zoo model.
@@ -103,6 +110,9 @@ class ModelSpec:
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+            if value > MAX_SIZES[field_name]:  # a typo, not a model: building it would not end
+                raise ValueError(f"{field_name} must be at most {MAX_SIZES[field_name]:,}, "
+                                 f"got {value:,}")
         if self.attention not in ATTENTIONS:
             raise ValueError(
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"

@@ -38,7 +38,7 @@ from autopar.cost_model.frameworks import Framework, framework_supports, get_fra
 from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.precision import supported_dtypes
-from autopar.cost_model.validate import cp_problem, offload_problem
+from autopar.cost_model.validate import cp_problem, dtype_problem, offload_problem
 from autopar.graph.types import ModelProfile
 from autopar.search.options import SearchOptions
 
@@ -109,6 +109,9 @@ def dtype_choices(device: DeviceSpec | None, options: SearchOptions) -> list[str
     """The dtypes to try: ``options.dtype``, or the device's fast ones the framework runs."""
     framework = get_framework(options.framework)
     if options.dtype is not None:
+        problem = dtype_problem(device, options.dtype) if device is not None else None
+        if problem:  # every candidate would be refused: say why once
+            raise ValueError(problem)
         return [options.dtype]
     if device is None:
         return ["bf16"]

@@ -45,6 +45,11 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["estimate", f"{MOE},top_k=2", "--dp", "4", "--ep", "3", "--global-batch", "8"],
      "does not divide dp"),
     (["estimate", f"{MOE},top_k=5", "--dp", "4", "--global-batch", "8"], "top_k must be"),
+    # a typo's size fails at once instead of building a model for hours
+    (["estimate", "gpt:layers=99999999999999999999,hidden=64,heads=4,vocab=256,seq_len=32",
+      "--gpus", "1", "--global-batch", "4"], "layers must be at most 10,000"),
+    # a forced fp8 on a part without fp8 tensor cores: said once, not a division by zero
+    ([*PLAN, "--dtype", "fp8", "--framework", "torchtitan"], "dtype fp8 needs fp8 tensor cores"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)
@@ -159,3 +164,41 @@ def test_closed_stdout_still_writes_the_plan(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert json.loads(out.read_text())["schema_version"] >= 1
+
+
+def test_a_yaml_alias_bomb_is_named_in_a_bounded_line(tmp_path, capfd):
+    """Nested aliases share their items in memory; the error names the field without
+    expanding them (a full repr of nine levels would fill the machine's memory)."""
+    levels = ["&a [" + ",".join(["lol"] * 9) + "]"]
+    levels += [f"&{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]" for i in range(8)]
+    bomb = tmp_path / "bomb.yaml"
+    text = CLUSTER.read_text()
+    assert text.startswith("name: a100-80g\n")
+    bomb.write_text(text.replace("name: a100-80g", "name: [" + ", ".join(levels) + "]", 1))
+    start = time.monotonic()
+    code = main(["plan", TINY, "--cluster", str(bomb), "--global-batch", "8"])
+    assert time.monotonic() - start < 10
+    _out, err = capfd.readouterr()
+    assert code == 2 and len(err) < 2000, err[:300]
+    assert err.startswith("autopar: error: cluster field name must be a string"), err[:300]
+
+
+def test_a_failed_write_keeps_what_the_user_had(tmp_path, capfd):
+    """--out and --plot are written together or not at all: a directory in --plot's way fails
+    before the search, and a write that fails leaves the old file, not a half-written one."""
+    from autopar.cli.common import write_outputs
+    from autopar.errors import AutoparError
+
+    keep = tmp_path / "keep.json"
+    keep.write_text('{"old": 1}')
+    (tmp_path / "adir").mkdir()
+    _fails(capfd, [*PLAN, "--out", str(keep), "--plot", str(tmp_path / "adir"), "--force"],
+           "is a directory")
+    assert keep.read_text() == '{"old": 1}'
+    with pytest.raises(AutoparError, match="cannot write"):
+        write_outputs([(str(keep), "new"), (str(tmp_path / "missing" / "p.png"), b"x")],
+                      force=True)
+    assert keep.read_text() == '{"old": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "keep.json"]
+    write_outputs([(str(keep), "new")], force=True)
+    assert keep.read_text() == "new"

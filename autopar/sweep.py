@@ -9,6 +9,7 @@ prices) and strictly better in one of the two.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,12 +62,18 @@ def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, float]:
         return {}
     try:
         if "=" not in text:
-            return dict.fromkeys(gpus, float(text))
-        prices = {k.strip(): float(v) for k, v in (p.split("=", 1) for p in text.split(","))}
+            prices = dict.fromkeys(gpus, float(text))
+        else:
+            prices = {k.strip(): float(v) for k, v in (p.split("=", 1)
+                                                       for p in text.split(","))}
     except ValueError as e:
         raise ValueError(
             f"--price-per-gpu-hour {text!r} is not a number or GPU=price list ({e})"
         ) from e
+    bad = {g: p for g, p in prices.items() if not (math.isfinite(p) and p >= 0)}
+    if bad:
+        raise ValueError(f"--price-per-gpu-hour {text!r}: a price must be a finite number >= 0 "
+                         f"(per GPU-hour), got {', '.join(f'{g}={p}' for g, p in bad.items())}")
     missing = [g for g in gpus if g not in prices]
     if missing:
         raise ValueError(f"--price-per-gpu-hour gives no price for {', '.join(missing)}")

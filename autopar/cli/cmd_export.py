@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from autopar.cli import common
+from autopar.cli.argtypes import int_in
 
 NAME = "export"
 HELP = "write a plan as a torchtitan TOML, Megatron-LM flags, a DeepSpeed JSON or an sbatch script"
@@ -20,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write here (default stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument(
-        "--steps", type=int, default=100, help="slurm: training steps for `autopar run`"
+        "--steps", type=int_in(1, 10**9), default=100,
+        help="slurm: training steps for `autopar run`"
     )
 
 

@@ -50,6 +50,11 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
       "--gpus", "1", "--global-batch", "4"], "layers must be at most 10,000"),
     # a forced fp8 on a part without fp8 tensor cores: said once, not a division by zero
     ([*PLAN, "--dtype", "fp8", "--framework", "torchtitan"], "dtype fp8 needs fp8 tensor cores"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--price-per-gpu-hour", "nan"],
+     "a price must be a finite number >= 0"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--price-per-gpu-hour",
+      "a100-80g=-1"], "a price must be a finite number >= 0"),
+    (["export", "plan.json", "--to", "slurm", "--steps", "0"], "--steps: must be from 1"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

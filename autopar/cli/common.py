@@ -219,11 +219,7 @@ def write_outputs(files: list[tuple[str, str | bytes]], *, force: bool) -> None:
         AutoparError: a file exists (without ``force``) or cannot be written.
     """
     for path, _data in files:
-        target = Path(path)
-        if target.is_dir():
-            raise AutoparError(f"{path} is a directory; give a file name")
-        if target.exists() and not force:
-            raise AutoparError(f"{path} already exists; pass --force to overwrite it")
+        check_writable(path, force=force)
     staged: list[tuple[str, Path]] = []
     try:
         for path, data in files:

@@ -35,7 +35,7 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
     recompute = blocks_recompute((cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
-    costs = [layer.time_per_microbatch_s(mode) for layer, mode in zip(table.layers, recompute)]
+    costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
     if table.framework.stage_splits == "any":
         return balanced_partition(costs, cfg.num_stages), recompute
     # the framework's own splits (stage_splits.py): the one with the lightest heaviest stage
@@ -101,6 +101,5 @@ def estimate(
                           stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
-    # what runs: every framework recomputes blocks only (the table costs the others' modes as
-    # none; the estimate's per-layer recompute says so)
-    return assemble(table, split, blocks_recompute(recompute, table.block_mask))
+    # every framework recomputes blocks only: the table costs the other layers' modes as none
+    return assemble(table, split, recompute)

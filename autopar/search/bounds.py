@@ -34,7 +34,6 @@ from autopar.cost_model.pipeline import (
     in_flight_microbatches,
     pipeline_buffer_microbatches,
 )
-from autopar.cost_model.recompute_layers import blocks_recompute
 from autopar.cost_model.stage_splits import method_splits
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
@@ -359,10 +358,9 @@ def memory_lower_bound(table: CostTable, summary: TableSummary | None = None, *,
 
 
 def balanced_split(table: CostTable, recompute: str) -> tuple[tuple[int, int], ...]:
-    """The most balanced contiguous split by time per micro-batch under uniform recompute (on
-    the blocks, the only layers recomputed: ``blocks_recompute``)."""
-    modes = blocks_recompute((recompute,) * len(table.layers), table.block_mask)
-    costs = [layer.time_per_microbatch_s(mode) for layer, mode in zip(table.layers, modes)]
+    """The most balanced contiguous split by time per micro-batch under uniform recompute (the
+    table costs a non-block layer's modes alike: ``LayerCost.never_recomputed``)."""
+    costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
     return balanced_partition(costs, table.config.num_stages)
 
 

@@ -138,8 +138,12 @@ def to_torchtitan(plan: Plan) -> Export:
         if get_framework(plan.framework).fp8_param_gather:  # what the prediction assumed
             tables["quantize.linear.float8"].update(
                 enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
-        notes.append("fp8 (torchao float8, tensorwise) casts fastest under torch.compile: "
-                     "consider [compile] enable = true")
+        # The fp8 speed the plan was costed at is torchao's under torch.compile: eager, its
+        # amax and cast kernels make a block slower than bf16 (measured on an H200,
+        # benchmarks/results/gpu_fp8_h200.md: 1.3-8x slower eager, 1.1-1.4x faster compiled).
+        tables["compile"] = {"enable": True}
+        notes.append("[compile] enable = true: torchao's fp8 linears are faster than bf16 only "
+                     "under torch.compile (eager they are slower)")
     title = f"{header(plan)} (targets torchtitan {TORCHTITAN_RELEASE}, {TORCHTITAN_COMMIT})"
     return Export(text=toml_document(tables, title), notes=tuple(notes))
 

@@ -38,6 +38,7 @@ def main() -> int:
     from autopar.cost_model.hardware import Cluster
     from autopar.graph.model_text import build_and_profile
     from autopar.plan import Plan
+    from autopar.report import recompute_mix
 
     print("| model | split | predicted ms | measured ms | error | predicted GiB | measured GiB "
           "| error |\n|---|---|---|---|---|---|---|---|")
@@ -58,7 +59,8 @@ def main() -> int:
         m_pred, m_meas = est.memory_per_gpu_bytes, meas["peak memory"]
         c = plan.config
         print(f"| {model} | dp={c.dp} tp={c.tp} pp={c.pp} mb={c.micro_batch} x "
-              f"{c.num_microbatches} recompute={c.recompute} | {t_pred * 1e3:.0f} | "
+              f"{c.num_microbatches} recompute {recompute_mix(plan.recompute_per_layer)} | "
+              f"{t_pred * 1e3:.0f} | "
               f"{t_meas * 1e3:.0f} | "
               f"{(t_pred - t_meas) / t_meas * 100:+.1f}% | {m_pred / 2**30:.1f} | "
               f"{m_meas / 2**30:.1f} | {(m_pred - m_meas) / m_meas * 100:+.1f}% |")

@@ -71,6 +71,7 @@ class Split:
 
 
 SPLITS: tuple[Split, ...] = (
+    Split("one process", {"micro_batch": 2}),
     Split("ddp dp=2", {"dp": 2, "micro_batch": 2}),
     Split("fsdp2 zero3 dp=2", {"dp": 2, "zero": 3, "micro_batch": 2}),
     Split("tp=2", {"tp": 2, "micro_batch": 4}),
@@ -84,14 +85,14 @@ SPLITS: tuple[Split, ...] = (
 
 
 def make_plan(split: Split, model_text: str = MODEL_TEXT, global_batch: int = GLOBAL_BATCH,
-              device_type: str = "cpu") -> Any:
+              device_type: str = "cpu", dtype: str = "fp32") -> Any:
     """The plan ``autopar run MODEL --dp .. --tp .. --pp ..`` makes for ``split``."""
     from autopar.config import ParallelConfig
     from autopar.cost_model.hardware import Cluster
     from autopar.graph.model_text import build_and_profile
     from autopar.search.planner import plan_from_config
 
-    config = ParallelConfig(global_batch=global_batch, dtype="fp32", **split.config)
+    config = ParallelConfig(global_batch=global_batch, dtype=dtype, **split.config)
     _, profile = build_and_profile(model_text)
     preset = "cpu" if device_type == "cpu" else "h100"
     cluster = Cluster.preset(preset, nodes=1, gpus_per_node=split.world_size)
@@ -133,7 +134,8 @@ def build_autopar(plan_dict: dict[str, Any], model_text: str, device: Any) -> Ca
 def _lm_loss(logits: Any, labels: Any) -> Any:
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    # In fp32 (torchtitan's cross_entropy_loss upcasts 16-bit logits too).
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def _tp_plan(model: Any, sp: bool) -> dict[str, Any]:
@@ -188,6 +190,7 @@ def _hand_stage(model: Any, layers: tuple[int, int], num_blocks: int) -> Any:
 
 def _shard_parts(parts: list[Any], cfg: dict[str, Any], mesh: Any) -> list[Any]:
     # TP, then DP, per part (torchtitan's order).
+    import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.parallel import DistributedDataParallel
@@ -198,9 +201,14 @@ def _shard_parts(parts: list[Any], cfg: dict[str, Any], mesh: Any) -> list[Any]:
             sp = cfg.get("sequence_parallel", False)
             parallelize_module(part, mesh["tp"], _tp_plan(part, sp))
         if cfg.get("dp", 1) > 1 and cfg.get("zero", 0) == 3:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            dtype = _autocast_dtype(cfg)
+            mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype
+                  else MixedPrecisionPolicy())
             for block in part.layers.values():
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(part, mesh=mesh["dp"])
+                fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+            fully_shard(part, mesh=mesh["dp"], mp_policy=mp)
         elif cfg.get("dp", 1) > 1:
             part = DistributedDataParallel(part)
         out.append(part)
@@ -244,6 +252,8 @@ def build_hand(cfg: dict[str, Any], stage_layers: list[tuple[int, int]], model_t
     params = [p for part in parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     dp_rank = rank // tp % dp if pp == 1 else 0
+    # 16-bit compute: FSDP2's MixedPrecisionPolicy (above), else autocast, as in any torch loop.
+    autocast = None if cfg.get("zero", 0) == 3 and dp > 1 else _autocast_dtype(cfg)
 
     from autopar.runtime.data import synthetic_batch
 
@@ -259,9 +269,10 @@ def build_hand(cfg: dict[str, Any], stage_layers: list[tuple[int, int]], model_t
         labels = batch.labels.to(device).chunk(dp)[dp_rank]
         if schedule is None:
             with _vocab_parallel(tp):
-                local = _accumulate(parts[0], tokens, labels, n_mb)
+                local = _accumulate(parts[0], tokens, labels, n_mb, autocast)
         else:
-            local = _pipeline_step(schedule, rank, last_stage, tokens, labels)
+            with _autocast(autocast, device):
+                local = _pipeline_step(schedule, rank, last_stage, tokens, labels)
         optimizer.step()
         value = torch.tensor([local], dtype=torch.float64, device=device)
         dist.all_reduce(value)
@@ -279,7 +290,21 @@ def _vocab_parallel(tp: int) -> Any:
     return loss_parallel()
 
 
-def _accumulate(model: Any, tokens: Any, labels: Any, n_mb: int) -> float:
+def _autocast_dtype(cfg: dict[str, Any]) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("dtype", "fp32"))
+
+
+def _autocast(dtype: Any, device: Any) -> Any:
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _accumulate(model: Any, tokens: Any, labels: Any, n_mb: int, autocast: Any) -> float:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -289,7 +314,9 @@ def _accumulate(model: Any, tokens: Any, labels: Any, n_mb: int) -> float:
         sync = (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
                 else contextlib.nullcontext())
         with sync:
-            loss = _lm_loss(model(x), y)
+            with _autocast(autocast, tokens.device):
+                logits = model(x)
+            loss = _lm_loss(logits, y)
             (loss / n_mb).backward()
         total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
     return float(total) / n_mb
@@ -327,7 +354,8 @@ def bench_split(rank: int, world_size: int, split: Split, plan_dict: dict[str, A
     device = _rank_device(rank)
     layers = [tuple(s["layers"]) for s in plan_dict["stages"]]
     runners = {"autopar": build_autopar(plan_dict, model_text, device),
-               "hand": build_hand(split.config, layers, model_text, device)}
+               "hand": build_hand({**split.config, "dtype": plan_dict["config"]["dtype"]},
+                                  layers, model_text, device)}
     seq_len, vocab = _seq_vocab(model_text)
     times: dict[str, list[float]] = {"autopar": [], "hand": [], "autopar_cpu": [], "hand_cpu": []}
     losses: dict[str, list[float]] = {"autopar": [], "hand": []}
@@ -342,8 +370,10 @@ def bench_split(rank: int, world_size: int, split: Split, plan_dict: dict[str, A
             times[name].append(timer() - start)
             times[f"{name}_cpu"].append(time.process_time() - cpu)
     # The slowest rank's time of each step (wall, and CPU time of the rank's process).
-    table = torch.tensor(list(times.values()), dtype=torch.float64)[:, warmup:]
+    # On the ranks' device: NCCL reduces GPU tensors only.
+    table = torch.tensor([t[warmup:] for t in times.values()], dtype=torch.float64, device=device)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    table = table.cpu()
     row = summarize(split.name, table[0].tolist(), table[1].tolist(), losses)
     cpu = summarize(split.name, table[2].tolist(), table[3].tolist(), losses)
     row.update(autopar_cpu_ms=cpu["autopar_ms"], hand_cpu_ms=cpu["hand_ms"], cpu_ratio=cpu["ratio"])
@@ -440,9 +470,9 @@ def _results(work: str, world_size: int) -> list[tuple[int, dict[str, Any] | Non
 
 
 def run_split(split: Split, *, warmup: int, steps: int, model_text: str = MODEL_TEXT,
-              device_type: str = "cpu") -> dict[str, Any]:
+              device_type: str = "cpu", dtype: str = "fp32") -> dict[str, Any]:
     """Plan ``split`` as ``autopar run`` does and measure it; rank 0's summary."""
-    plan = make_plan(split, model_text, device_type=device_type)
+    plan = make_plan(split, model_text, device_type=device_type, dtype=dtype)
     results = launch(bench_split, split.world_size, split, plan.to_dict(), model_text, warmup,
                      steps, device_type=device_type)
     return results[0]
@@ -470,7 +500,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def machine_facts(device_type: str) -> list[str]:
+def machine_facts(device_type: str, dtype: str = "fp32") -> list[str]:
     """CPU / GPU, cores, torch and Python versions, git commit, date."""
     import torch
 
@@ -485,9 +515,9 @@ def machine_facts(device_type: str) -> list[str]:
     facts = [f"CPU: {cpu}, {os.cpu_count()} cores", f"torch {torch.__version__}, "
              f"Python {platform.python_version()}, git {sha or 'unknown'}, {date.today()}"]
     if device_type == "cuda":
-        facts.append(f"GPU: {torch.cuda.get_device_name()} (NCCL)")
+        facts.append(f"GPU: {torch.cuda.get_device_name()} (NCCL), {dtype}")
     else:
-        facts.append("backend gloo, fp32, OMP_NUM_THREADS=1 per rank")
+        facts.append(f"backend gloo, {dtype}, OMP_NUM_THREADS=1 per rank")
     return facts
 
 
@@ -498,12 +528,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per path")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--splits", default="", help="comma-separated split names (default all)")
+    parser.add_argument("--model", default=MODEL_TEXT, help="zoo model text (kind:key=value,...)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="bf16: autocast (FSDP2: MixedPrecisionPolicy) on both paths")
     parser.add_argument("--out", default="", help="write the markdown results here")
     args = parser.parse_args(argv)
     chosen = [s for s in SPLITS if not args.splits or s.name in args.splits.split(",")]
     rows = []
     for split in chosen:
-        row = run_split(split, warmup=args.warmup, steps=args.steps, device_type=args.device)
+        row = run_split(split, warmup=args.warmup, steps=args.steps, device_type=args.device,
+                        model_text=args.model, dtype=args.dtype)
         row["ranks"] = split.world_size
         rows.append(row)
         print(f"{split.name}: autopar {row['autopar_ms']:.1f} ms, hand {row['hand_ms']:.1f} ms, "
@@ -522,11 +556,11 @@ def _write_report(path: Path, table: str, args: argparse.Namespace, argv: list[s
                   ) -> None:
     command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_overhead.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    facts = "\n".join(f"- {f}" for f in machine_facts(args.device))
+    facts = "\n".join(f"- {f}" for f in machine_facts(args.device, args.dtype))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"# Runtime overhead: autopar vs the same split composed by hand in torch\n\n"
-        f"Command: `{command.strip()}`\n\n{facts}\n- model `{MODEL_TEXT}`, global batch "
+        f"Command: `{command.strip()}`\n\n{facts}\n- model `{args.model}`, global batch "
         f"{GLOBAL_BATCH}, AdamW; {args.warmup} warm-up steps, {args.steps} timed steps per path, "
         f"alternating A B B A\n\n{table}\n"
     )

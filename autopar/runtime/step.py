@@ -124,15 +124,17 @@ def _autocast(pmodel: ParallelizedModel) -> contextlib.AbstractContextManager[An
 def _accumulate(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Tensor) -> float:
     model = pmodel.model_parts[0]
     n_mb = pmodel.plan.config.num_microbatches
-    total = torch.zeros((), dtype=torch.float64)
+    # The losses stay where they were computed until the step's end: reading one back per
+    # micro-batch would make the host wait for the GPU and stop it queueing the next one.
+    losses: list[torch.Tensor] = []
     for i, (x, y) in enumerate(zip(split_batch(tokens, n_mb), split_batch(labels, n_mb))):
         with _grad_sync(model, pmodel.plan.config.zero, last=i == n_mb - 1):
             with _autocast(pmodel):
                 output = call_model(model, x)
             loss = pmodel.loss_fn(output, y)
             (loss / n_mb).backward()
-        total += loss.detach().double().cpu()
-    return float(total) / n_mb
+        losses.append(loss.detach().double())
+    return float(torch.stack(losses).sum()) / n_mb
 
 
 def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Tensor) -> float:
@@ -147,7 +149,7 @@ def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Ten
         pmodel.schedule.step(*args, **kwargs)
     if not losses:
         return 0.0
-    return float(torch.stack([x.detach().double().cpu() for x in losses]).mean())
+    return float(torch.stack([x.detach().double() for x in losses]).mean())
 
 
 def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:

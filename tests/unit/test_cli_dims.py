@@ -76,6 +76,9 @@ def test_torchtitan_export_carries_cp_hsdp_offload_and_fp8() -> None:
                  'converters = ["quantize.linear.float8"]', "[quantize.linear.float8]",
                  'recipe_name = "tensorwise"', 'context_parallel_rotate_method = "allgather"'):
         assert line in text, line
+    # The fp8 speed it was costed at is torchao's compiled one (eager fp8 is slower than bf16).
+    assert "[compile]\nenable = true" in text
+    assert "[compile]" not in export_plan(_plan("torchtitan", dp=16, zero=3), "torchtitan").text
     ring = export_plan(_plan("torchtitan+cp-rotate-alltoall", dp=8, cp=2, zero=3),
                        "torchtitan").text  # what each prediction charged
     assert 'context_parallel_rotate_method = "alltoall"' in ring
@@ -162,6 +165,7 @@ def test_torchtitan_loads_the_new_dimensions(tmp_path) -> None:
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 2, 2, 2)
     assert job.training.enable_cpu_offload and job.model.converters == ["quantize.linear.float8"]
     assert job.quantize.linear.float8.enable_fsdp_float8_all_gather
+    assert job.compile.enable and "model" in job.compile.components
 
 
 def test_plan_max_virtual_stages_bounds_the_chunks_a_rank_holds(capfd) -> None:

@@ -4,12 +4,13 @@ split's partition method)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
 from autopar.cost_model.stage_splits import split_method, split_refusal
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanFormatError
 
 __all__ = ["NOT_BLOCKS", "Export", "block_mode", "blocks_per_stage", "header", "is_block",
            "plan_recompute", "plan_split_method", "recompute_refusal_for", "seq_len",
@@ -30,9 +31,17 @@ class Export:
 
 
 def seq_len(plan: Plan) -> int:
-    """Tokens per sequence: tokens/s x step time / global batch (the Estimate's own identity)."""
+    """Tokens per sequence: the plan's own ``seq_len``, else tokens/s x step time / global batch
+    (the Estimate's own identity), which must then come to a whole number of tokens >= 1."""
+    if plan.seq_len:
+        return plan.seq_len
     est = plan.estimate
-    return round(est.tokens_per_s * est.step_time_s / plan.config.global_batch)
+    tokens = est.tokens_per_s * est.step_time_s / plan.config.global_batch
+    if not 0.5 <= tokens < math.inf:
+        raise PlanFormatError(
+            f"the plan records no seq_len and its estimate gives {tokens:g} tokens per sequence "
+            "(tokens_per_s x step_time_s / global_batch); re-create the plan with `autopar plan`")
+    return round(tokens)
 
 
 def header(plan: Plan) -> str:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,6 +26,16 @@ from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
 from autopar.errors import PlanMismatchError
 from autopar.graph.types import MoEStructure
+from autopar.plan_read import (
+    PlanFieldError,
+    cluster_size,
+    search_fields,
+    text,
+    text_map,
+    texts,
+    whole,
+    whole_pair,
+)
 from autopar.schedules import rank_of_stage
 
 if TYPE_CHECKING:
@@ -98,11 +109,14 @@ class StagePlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StagePlan:
         """Inverse of ``to_dict``."""
+        where = f"stages[{data.get('index', '?')}]" if isinstance(data, dict) else "stage"
+        if not isinstance(data, dict):
+            raise PlanFieldError(f"plan {where} must be an object, got {reprlib.repr(data)}")
         return cls(
-            index=int(data["index"]),
-            layers=(int(data["layers"][0]), int(data["layers"][1])),
-            layer_names=tuple(data["layer_names"]),
-            recompute=tuple(data["recompute"]),
+            index=whole(data["index"], f"{where}.index"),
+            layers=whole_pair(data["layers"], f"{where}.layers"),
+            layer_names=texts(data["layer_names"], f"{where}.layer_names"),
+            recompute=texts(data["recompute"], f"{where}.recompute"),
         )
 
 
@@ -305,22 +319,29 @@ class Plan:
         if not isinstance(data, dict) or "schema_version" not in data:
             raise PlanFormatError("not an autopar plan: the document has no schema_version")
         try:
+            stages = data["stages"]
+            if not isinstance(stages, list):
+                raise PlanFieldError(f"plan stages must be a list, got {reprlib.repr(stages)}")
             return cls(
-                schema_version=int(data["schema_version"]),
-                model=data.get("model", ""),
-                framework=data.get("framework", "autopar"),
-                seq_len=int(data.get("seq_len", 0)),
+                schema_version=whole(data["schema_version"], "schema_version"),
+                model=text(data.get("model", ""), "model"),
+                framework=text(data.get("framework", "autopar"), "framework"),
+                seq_len=whole(data.get("seq_len", 0), "seq_len"),
                 config=ParallelConfig.from_dict(data["config"]),
-                stages=tuple(StagePlan.from_dict(s) for s in data["stages"]),
-                tp_layout=dict(data.get("tp_layout", {})),
+                stages=tuple(StagePlan.from_dict(s) for s in stages),
+                tp_layout=text_map(data.get("tp_layout", {}), "tp_layout"),
                 estimate=Estimate.from_dict(data["estimate"]),
-                profile_fingerprint=data.get("profile_fingerprint", ""),
-                cluster_fingerprint=data.get("cluster_fingerprint", ""),
-                cluster=dict(data.get("cluster", {})),
-                search=SearchInfo(**data.get("search", {})),
+                profile_fingerprint=text(data.get("profile_fingerprint", ""),
+                                         "profile_fingerprint"),
+                cluster_fingerprint=text(data.get("cluster_fingerprint", ""),
+                                         "cluster_fingerprint"),
+                cluster=cluster_size(data.get("cluster", {})),
+                search=SearchInfo(**search_fields(data.get("search", {}))),
                 moe=MoEStructure(**data["moe"]) if data.get("moe") else None,
                 loss=_loss_kernel(data.get("loss", "eager")),
             )
+        except PlanFieldError as e:
+            raise PlanFormatError(f"{e}; re-create the plan with `autopar plan`") from None
         except PlanFormatError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -337,6 +358,11 @@ class Plan:
             raise PlanFormatError(
                 "plan JSON is nested too deeply; it is not an autopar plan"
             ) from None
+        except PlanFormatError:  # a NaN or infinity (_reject_constant)
+            raise
+        except ValueError:  # an integer of more digits than Python converts (4,300)
+            raise PlanFormatError("plan JSON holds an integer of thousands of digits; it is not "
+                                  "an autopar plan") from None
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:

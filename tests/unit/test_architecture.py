@@ -73,7 +73,7 @@ MODULE_LAYERS = {
     "schedules": "base", "stdio": "base", "timelimit": "base", "toml_text": "base",
     "units": "base",
     "costing": "plan", "exporters": "plan", "export_base": "plan", "export_megatron": "plan",
-    "plan": "plan", "plotting": "plan", "report": "plan",
+    "plan": "plan", "plan_read": "plan", "plotting": "plan", "report": "plan",
     "__init__": "search", "sweep": "search",
 }
 

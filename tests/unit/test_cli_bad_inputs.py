@@ -136,10 +136,47 @@ def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, comma
     _fails(capfd, [command, str(file), *extra], needle)
 
 
+# Fields of the wrong type: each one line naming the field, not an internal error in a report or
+# an exporter (a one-element layer range, a float node count that would skip the world-size
+# check, a string where show prints a number, a model name that is not a string).
+@pytest.mark.parametrize(("path", "value", "needle"), [
+    (("schema_version",), "1", "schema_version must be a whole number"),
+    (("schema_version",), 1.5, "schema_version must be a whole number"),
+    (("schema_version",), True, "schema_version must be a whole number"),
+    (("stages", 0, "layers"), [0], "stages[0].layers must be [first, last]"),
+    (("stages", 0, "layers"), ["0", "3"], "stages[0].layers[0] must be a whole number"),
+    (("stages", 0, "layer_names"), [0, 1, 2, 3, 4, 5], "layer_names[0] must be a string"),
+    (("model",), 7, "plan model must be a string"),
+    (("cluster", "nodes"), 1.0, "cluster.nodes must be a whole number"),
+    (("search", "mip_gap"), "x", "search.mip_gap must be a number"),
+    (("search", "optimal"), "yes", "search.optimal must be true or false"),
+    (("search", "speed"), 1, "unknown field 'speed'"),
+    (("seq_len",), "64", "seq_len must be a whole number"),
+    (("tp_layout",), [1, 2], "tp_layout must be an object"),
+])
+@pytest.mark.parametrize("command", ["show", "export"])
+def test_mistyped_plan_fields_refused(tmp_path, capfd, plan_doc, path, value, needle, command):
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(_mutate(plan_doc, path, value)))
+    extra = ["--to", "slurm"] if command == "export" else []
+    _fails(capfd, [command, str(file), *extra], needle)
+
+
+def test_export_of_a_plan_without_seq_len_checks_the_estimate(tmp_path, capfd, plan_doc):
+    """Without its own seq_len a plan's sequence length comes from its estimate, which must give
+    a whole number of tokens (1e308 s a step overflowed the exporter)."""
+    doc = _mutate(_mutate(plan_doc, ("seq_len",), 0), ("estimate", "step_time_s"), 1e308)
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(doc))
+    _fails(capfd, ["export", str(file), "--to", "torchtitan"], "tokens per sequence")
+
+
 def test_deep_json_refused(tmp_path, capfd):
     file = tmp_path / "deep.json"
     file.write_text('{"schema_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     _fails(capfd, ["show", str(file)], "nested too deeply")
+    file.write_text('{"schema_version": 1, "seq_len": ' + "9" * 5000 + "}")
+    _fails(capfd, ["show", str(file)], "integer of thousands of digits")
 
 
 def test_api_types():

@@ -7,6 +7,7 @@ heads seen by SDPA).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,21 @@ def default_seq_len(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     context = _first(config, "max_position_embeddings", "n_positions", "n_ctx")
     return min(int(context), HF_DEFAULT_SEQ_CAP) if context else None
+
+
+# Learned absolute position embeddings, by the module names of the zoo GPT (pos_embeddings),
+# GPT-2 (wpe), OPT (embed_positions) and BERT-like families (position_embeddings): a sequence
+# longer than their rows indexes past them (on meta nothing checks; on a device it fails).
+_POSITION_TABLES = re.compile(r"(^|\.)(wpe|pos_embeddings|embed_positions|position_embeddings)$")
+
+
+def learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """(module name, rows) of the model's learned position embedding, None when it has none
+    (rotary or ALiBi positions bound no sequence length)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and _POSITION_TABLES.search(name):
+            return name, int(module.num_embeddings)
+    return None
 
 
 def _largest_embedding(model: nn.Module) -> int:

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar.config import TORCH_DTYPE_NAMES
 from autopar.errors import AutoparError, TraceError
 from autopar.graph.cp import cp_blocker
-from autopar.graph.facts import ModelFacts, default_seq_len, model_facts
+from autopar.graph.facts import ModelFacts, default_seq_len, learned_positions, model_facts
 from autopar.graph.inputs import (
     Batch,
     compute_loss,
@@ -318,6 +318,12 @@ def profile(
         )
     if not seq_len:
         raise AutoparError("profile needs seq_len: pass seq_len=... (tokens per sample)")
+    positions = learned_positions(model)
+    if positions is not None and int(seq_len) > positions[1]:
+        raise AutoparError(
+            f"sequence length {int(seq_len):,} is beyond the {positions[1]:,} positions of the "
+            f"model's learned position embedding ({positions[0]}); use a sequence length "
+            f"(--seq-len) of at most {positions[1]:,}")
     if loss not in LOSS_KERNELS or (loss != "eager" and loss_fn is not None):
         raise AutoparError(f"profile loss must be one of {LOSS_KERNELS} (and 'eager' with a "
                            f"loss_fn), got {loss!r}")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError, UnknownModelError
+from autopar.models.spec import MAX_SIZES
 from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
 
 __all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
@@ -83,12 +84,36 @@ def load_hf_config(config: Any) -> Any:
         )
     data["use_cache"] = False
     try:
-        return transformers.AutoConfig.for_model(model_type, **data)
+        cfg = transformers.AutoConfig.for_model(model_type, **data)
     except Exception as err:  # transformers' own validators: ValueError and its own classes
         text = " ".join(str(err).split())
         raise AutoparError(
             f"transformers rejects the {model_type} config: {text[-300:]}; fix the config"
         ) from None
+    _check_sizes(cfg)
+    return cfg
+
+
+# The config's counts and widths (transformers' names; attribute_map gives GPT-2's n_layer and
+# the like these names): each at least 1, and the zoo's bound on the size it stands for
+# (spec.MAX_SIZES), where one applies. transformers checks none of them: a 0 builds a model
+# with no blocks, or fails inside it with an internal error.
+_SIZE_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden",
+                "intermediate_size": "ffn_hidden", "vocab_size": "vocab",
+                "num_attention_heads": "", "num_key_value_heads": "", "num_local_experts": "",
+                "num_experts": "", "num_experts_per_tok": ""}
+
+
+def _check_sizes(cfg: Any) -> None:
+    for name, bound in _SIZE_FIELDS.items():
+        value = getattr(cfg, name, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue  # absent or None: the family does not use it
+        limit = MAX_SIZES.get(bound)
+        if value < 1 or (limit is not None and value > limit):
+            need = f"from 1 to {limit:,}" if limit is not None else "at least 1"
+            raise AutoparError(f"HF config {name} is {value:,}; it must be {need}: fix the "
+                               "config")
 
 
 def from_hf_config(

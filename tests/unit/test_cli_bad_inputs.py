@@ -244,3 +244,38 @@ def test_a_failed_write_keeps_what_the_user_had(tmp_path, capfd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "keep.json"]
     write_outputs([(str(keep), "new")], force=True)
     assert keep.read_text() == "new"
+
+
+_MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+            "vocab_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "bos_token_id": None, "eos_token_id": None}
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("hidden_size", 0, "hidden_size is 0; it must be from 1 to 1,048,576"),
+    ("vocab_size", -5, "vocab_size is -5"),
+    ("num_hidden_layers", 0, "num_hidden_layers is 0"),
+    ("num_local_experts", 0, "num_local_experts is 0; it must be at least 1"),
+])
+def test_hf_config_sizes_checked(tmp_path, capfd, field, value, needle):
+    """transformers checks none of these: a 0 planned a model without blocks, or failed inside
+    the build as an internal error."""
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({**_MIXTRAL, field: value}))
+    _fails(capfd, ["plan", str(file), "--gpus", "4", "--global-batch", "8", "--seq-len", "64"],
+           needle, seconds=60)
+
+
+def test_sequence_beyond_learned_positions_refused(tmp_path, capfd):
+    """A learned position table bounds the sequence (on meta nothing indexes it; on a device
+    the run would fail): the zoo GPT's and GPT-2's alike; 128 of 128 positions is fine."""
+    _fails(capfd, ["plan", TINY, "--gpus", "1", "--global-batch", "8", "--seq-len", "64"],
+           "beyond the 32 positions of the model's learned position embedding (pos_embeddings)")
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+                                "vocab_size": 256, "n_positions": 128, "bos_token_id": 0,
+                                "eos_token_id": 0}))
+    _fails(capfd, ["plan", str(file), "--gpus", "1", "--global-batch", "8", "--seq-len", "256"],
+           "at most 128", seconds=60)
+    assert main(["plan", str(file), "--gpus", "1", "--global-batch", "8", "--seq-len", "128"]) == 0

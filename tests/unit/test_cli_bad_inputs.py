@@ -279,3 +279,23 @@ def test_sequence_beyond_learned_positions_refused(tmp_path, capfd):
     _fails(capfd, ["plan", str(file), "--gpus", "1", "--global-batch", "8", "--seq-len", "256"],
            "at most 128", seconds=60)
     assert main(["plan", str(file), "--gpus", "1", "--global-batch", "8", "--seq-len", "128"]) == 0
+
+
+@pytest.mark.parametrize(("section", "field", "value", "needle"), [
+    ("device", "peak_bf16_flops", 1e308, "at most 1e+18 per second"),
+    ("intra_node", "latency_s", 1e308, "at most 60 s"),
+    (None, "all_reduce_time_factor", 1e308, "at most 1000"),
+    ("device", "matmul_half_flops", 1e300, "at most 1e+18 FLOPs"),
+])
+def test_cluster_values_beyond_any_hardware_refused(tmp_path, capfd, section, field, value,
+                                                    needle):
+    """Finite but absurd values overflowed the cost model into infinities and NaNs that the
+    search could not order (an internal error in the ILP); each is now one line."""
+    import yaml
+
+    data = Cluster.preset("h100", nodes=1).to_dict()
+    (data[section] if section else data)[field] = value
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml.safe_dump(data))
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
+           f"{field} is {value:g}, beyond any hardware ({needle}")

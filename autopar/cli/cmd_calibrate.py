@@ -60,6 +60,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from autopar.runtime.calibrate import calibrate
 
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise AutoparError("--device cuda, but torch sees no GPU here; calibrate the CPU "
+                           "(--device cpu) or run on a machine with GPUs")
     nproc = args.nproc or (torch.cuda.device_count() if device_type == "cuda" else 2)
     out = Path(args.out)
     if out.exists() and not args.force:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from autopar.cli import common
+from autopar.cli.argtypes import int_in
+from autopar.config import MAX_SEQ_LEN
 from autopar.errors import AutoparError
 
 NAME = "explain"
@@ -20,13 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model the plan was made for (default: the plan's own; a .py model file runs "
         "only when named here)",
     )
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
+                        help="tokens per sequence")
+    common.add_build_timeout(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Rebuild the plan's model and cluster, check the fingerprints, print the formulas."""
     plan = common.load_plan_file(args.plan)
-    profile, cluster = common.plan_context(plan, args.model, args.seq_len)
+    profile, cluster = common.plan_context(plan, args.model, args.seq_len,
+                                           timeout_s=args.build_timeout)
     try:
         from autopar.costing import explain_plan
     except ImportError as e:

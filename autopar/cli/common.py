@@ -60,10 +60,15 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         help="the training's token cross-entropy kernel: eager (torch's, fp32 log-probabilities "
         "kept; default) or fused (a fused kernel such as flash-attn's or llm-foundry's default)",
     )
+    add_build_timeout(parser, "; bounded by --time-budget too")
+
+
+def add_build_timeout(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--build-timeout S``: the wall-clock limit on building and profiling the model."""
     parser.add_argument(
         "--build-timeout", type=positive_float(MAX_SECONDS), default=DEFAULT_BUILD_TIMEOUT_S,
-        metavar="S", help="give up building MODEL after S seconds "
-        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}; bounded by --time-budget too)",
+        metavar="S", help=f"give up building MODEL after S seconds (default "
+        f"{DEFAULT_BUILD_TIMEOUT_S:g}{note})",
     )
 
 
@@ -390,13 +395,15 @@ class Budget:
         return left
 
 
-def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tuple[Any, Any]:
+def plan_context(plan: Any, model_text: str | None, seq_len: int | None, *,
+                 timeout_s: float | None = None) -> tuple[Any, Any]:
     """Rebuild the profile and the Cluster a plan was made for, checking both fingerprints.
 
     Args:
         plan: the Plan.
         model_text: MODEL to use instead of ``plan.model``.
         seq_len: tokens per sequence (None: the model's own).
+        timeout_s: wall-clock limit on building and profiling the model (None: none).
 
     Raises:
         PlanMismatchError: the model or the cluster is not the one the plan was made for.
@@ -408,7 +415,8 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None) -> tupl
     from autopar.graph.model_text import plan_model_text
 
     text = plan_model_text(plan.model, model_text)
-    profile = load_profile(text, seq_len or plan.seq_len or None, loss=plan.loss)
+    profile = load_profile(text, seq_len or plan.seq_len or None, loss=plan.loss,
+                           timeout_s=timeout_s)
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model (profile fingerprint "

@@ -112,7 +112,9 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
     if cfg.world_size != cluster.num_gpus:
         raise ValueError(
             f"world size dp * cp * tp * pp = {cfg.dp} * {cfg.cp} * {cfg.tp} * {cfg.pp} = "
-            f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs"
+            f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs; choose "
+            f"degrees whose product is {cluster.num_gpus}, or a cluster of {cfg.world_size} "
+            f"GPUs (--gpus {cfg.world_size})"
         )
     check_ep(profile, cfg)
     check_dimensions(profile, cluster, cfg)

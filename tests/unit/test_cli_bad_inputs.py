@@ -299,3 +299,23 @@ def test_cluster_values_beyond_any_hardware_refused(tmp_path, capfd, section, fi
     file.write_text(yaml.safe_dump(data))
     _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
            f"{field} is {value:g}, beyond any hardware ({needle}")
+
+
+def test_world_size_and_missing_gpu_errors_name_the_fix(capfd):
+    _fails(capfd, ["estimate", TINY, "--dp", "3", "--global-batch", "6", "--gpus", "8"],
+           "choose degrees whose product is 8, or a cluster of 3 GPUs (--gpus 3)")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fails(capfd, ["calibrate", "--device", "cuda"], "torch sees no GPU here")
+
+
+def test_explain_bounds_model_building(tmp_path, capfd, plan_doc):
+    """explain rebuilds the plan's model: a model file that never returns stops at
+    --build-timeout, as plan and estimate stop."""
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps(plan_doc))
+    path = tmp_path / "m.py"
+    path.write_text(MODELS["endless"][0] + "def example_inputs(b):\n    return None\n")
+    _fails(capfd, ["explain", str(plan), "--model", str(path), "--build-timeout", "1"],
+           "took longer than 1 s")

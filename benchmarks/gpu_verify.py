@@ -33,15 +33,16 @@ def measured(path: Path) -> dict[str, float]:
     return out
 
 
-def main() -> int:
+def verify_rows() -> list[dict]:
+    """Each stored plan with a measurement: its split, predicted and measured step time (s)
+    and peak memory (bytes), the prediction made now."""
     import autopar
     from autopar.cost_model.hardware import Cluster
     from autopar.graph.model_text import build_and_profile
     from autopar.plan import Plan
     from autopar.report import recompute_mix
 
-    print("| model | split | predicted ms | measured ms | error | predicted GiB | measured GiB "
-          "| error |\n|---|---|---|---|---|---|---|---|")
+    rows = []
     for plan_path in sorted(RESULTS.glob("plan_*.json")):
         model = plan_path.stem.removeprefix("plan_")
         run = RESULTS / f"verify2_{model}.txt"
@@ -55,13 +56,23 @@ def main() -> int:
                                  gpus_per_node=plan.cluster["gpus_per_node"])
         est = autopar.estimate(profile, cluster, plan.for_cluster(cluster))
         meas = measured(run)
-        t_pred, t_meas = est.step_time_s, meas["step time"]
-        m_pred, m_meas = est.memory_per_gpu_bytes, meas["peak memory"]
         c = plan.config
-        print(f"| {model} | dp={c.dp} tp={c.tp} pp={c.pp} mb={c.micro_batch} x "
-              f"{c.num_microbatches} recompute {recompute_mix(plan.recompute_per_layer)} | "
-              f"{t_pred * 1e3:.0f} | "
-              f"{t_meas * 1e3:.0f} | "
+        rows.append({
+            "model": model,
+            "split": f"dp={c.dp} tp={c.tp} pp={c.pp} mb={c.micro_batch} x {c.num_microbatches} "
+                     f"recompute {recompute_mix(plan.recompute_per_layer)}",
+            "predicted_s": est.step_time_s, "measured_s": meas["step time"],
+            "predicted_bytes": est.memory_per_gpu_bytes, "measured_bytes": meas["peak memory"]})
+    return rows
+
+
+def main() -> int:
+    print("| model | split | predicted ms | measured ms | error | predicted GiB | measured GiB "
+          "| error |\n|---|---|---|---|---|---|---|---|")
+    for r in verify_rows():
+        t_pred, t_meas = r["predicted_s"], r["measured_s"]
+        m_pred, m_meas = r["predicted_bytes"], r["measured_bytes"]
+        print(f"| {r['model']} | {r['split']} | {t_pred * 1e3:.0f} | {t_meas * 1e3:.0f} | "
               f"{(t_pred - t_meas) / t_meas * 100:+.1f}% | {m_pred / 2**30:.1f} | "
               f"{m_meas / 2**30:.1f} | {(m_pred - m_meas) / m_meas * 100:+.1f}% |")
     return 0

@@ -29,6 +29,7 @@ from autopar.graph.types import MoEStructure
 from autopar.plan_read import (
     PlanFieldError,
     cluster_size,
+    layer_names_problem,
     search_fields,
     text,
     text_map,
@@ -218,6 +219,9 @@ class Plan:
                     "layer must be in exactly one stage, in order"
                 )
             next_layer = stage.layers[1] + 1
+        problem = layer_names_problem([n for stage in self.stages for n in stage.layer_names])
+        if problem:
+            raise PlanFormatError(f"{problem}; re-create the plan with `autopar plan`")
         valid_styles = {s.value for s in TPStyle}
         for fqn, style in self.tp_layout.items():
             if style not in valid_styles:
@@ -404,7 +408,13 @@ def _check_estimate(estimate: Estimate) -> None:
 
 
 def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
-    """dp * tp * pp must be the GPU count of the plan's recorded cluster."""
+    """dp * tp * pp must be the GPU count of the plan's recorded cluster, and its device must
+    train the plan's dtype (an fp8 plan on a device without fp8 divided the report by zero)."""
+    device = cluster.get("device")
+    if config.dtype == "fp8" and isinstance(device, dict) and not device.get("peak_fp8_flops"):
+        raise PlanFormatError(
+            f"the plan trains fp8 but its cluster's device ({device.get('name', '?')}) has no "
+            "fp8 tensor cores; re-plan in bf16 with `autopar plan`")
     nodes, per_node = cluster.get("nodes"), cluster.get("gpus_per_node")
     if not (isinstance(nodes, int) and isinstance(per_node, int)):
         return  # no cluster recorded (a hand-made plan): nothing to check against

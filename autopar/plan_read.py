@@ -10,11 +10,12 @@ too lenient for that (``int("16")``, ``int(1.5)``, ``int(True)``), so these read
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from typing import Any
 
-__all__ = ["PlanFieldError", "cluster_size", "number", "search_fields", "text", "text_map", "texts",
-           "whole", "whole_pair"]
+__all__ = ["PlanFieldError", "cluster_size", "layer_names_problem", "number", "search_fields",
+           "text", "text_map", "texts", "whole", "whole_pair"]
 
 
 class PlanFieldError(ValueError):
@@ -107,3 +108,21 @@ def cluster_size(cluster: Any) -> dict[str, Any]:
         if key in cluster:
             whole(cluster[key], f"cluster.{key}", low=1)
     return dict(cluster)
+
+
+_BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)$")
+
+
+def layer_names_problem(names: list[str]) -> str | None:
+    """Why the stages' layers, in order, do not read as a model does (None when they do): the
+    embedding first and the head last (one without the other is a plan cut short), the
+    numbered blocks in increasing order (exports name each stage's modules from these)."""
+    if ("embedding" in names or "head" in names) and (
+            names[0] != "embedding" or names[-1] != "head"
+            or names.count("embedding") + names.count("head") != 2):
+        return (f"the plan's stages do not run from the embedding to the head (layers "
+                f"{_shown(names[0])} .. {_shown(names[-1])})")
+    blocks = [int(m.group(1)) for m in map(_BLOCK_INDEX.search, names) if m]
+    if any(b <= a for a, b in zip(blocks, blocks[1:])):
+        return "the plan's blocks are not in order (layers.0, layers.1, ...)"
+    return None

@@ -52,6 +52,11 @@ class SweepPoint:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
+# The dearest price per GPU-hour taken: beyond any rental (a typo), and the cost of a run at
+# it stays a finite number in the JSON.
+MAX_PRICE = 1e6
+
+
 def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, float]:
     """``"2.5"`` (every GPU) or ``"a100-80g=1.8,h100=3.2"`` -> {gpu: price per GPU-hour}.
 
@@ -70,10 +75,11 @@ def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, float]:
         raise ValueError(
             f"--price-per-gpu-hour {text!r} is not a number or GPU=price list ({e})"
         ) from e
-    bad = {g: p for g, p in prices.items() if not (math.isfinite(p) and p >= 0)}
+    bad = {g: p for g, p in prices.items() if not (math.isfinite(p) and 0 <= p <= MAX_PRICE)}
     if bad:
-        raise ValueError(f"--price-per-gpu-hour {text!r}: a price must be a finite number >= 0 "
-                         f"(per GPU-hour), got {', '.join(f'{g}={p}' for g, p in bad.items())}")
+        raise ValueError(f"--price-per-gpu-hour {text!r}: a price must be a number from 0 to "
+                         f"{MAX_PRICE:,.0f} (per GPU-hour), got "
+                         f"{', '.join(f'{g}={p}' for g, p in bad.items())}")
     missing = [g for g in gpus if g not in prices]
     if missing:
         raise ValueError(f"--price-per-gpu-hour gives no price for {', '.join(missing)}")

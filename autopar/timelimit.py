@@ -58,7 +58,8 @@ def time_limit(seconds: float | None, what: str, fix: str) -> Iterator[None]:
     try:
         yield
     except _Expired:
-        raise TimeLimitError(f"{what} took longer than {seconds:.3g} s; {fix}") from None
+        raise TimeLimitError(f"{what} took longer than {max(seconds, 1e-3):.3g} s; {fix}"
+                             ) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from autopar.cli.argtypes import int_in
 from autopar.cost_model.calibration import Calibration
 from autopar.errors import AutoparError
 
@@ -21,6 +22,9 @@ __all__ = ["HELP", "NAME", "ORDER", "add_arguments", "add_calibrate_arguments",
 NAME = "calibrate"
 HELP = "measure this machine's compute and collectives into a cluster YAML"
 ORDER = 90
+# The most processes calibrate starts: the GPUs of one large node, or CPU workers well past
+# any machine's cores (each is a whole Python process).
+MAX_NPROC = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``autopar calibrate`` on ``parser``."""
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=int_in(1, MAX_NPROC), default=None,
                         help="processes (devices) to measure with (default: the visible GPUs, "
                         "else 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -31,7 +31,7 @@ def _int_list(text: str) -> list[int]:
         ) from None
     if not values:
         raise argparse.ArgumentTypeError("give at least one GPU count")
-    return values
+    return list(dict.fromkeys(values))  # a count given twice is planned once
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan every point, print the table (or JSON), write the plot."""
     from autopar.sweep import parse_prices, sweep
 
-    gpus = [g.strip() for g in args.gpu.split(",") if g.strip()]
+    gpus = list(dict.fromkeys(g.strip() for g in args.gpu.split(",") if g.strip()))
     if not gpus:
         raise ValueError(f"--gpu {args.gpu!r} names no GPU preset; give one or more: a100-80g,h100")
     prices = parse_prices(args.price_per_gpu_hour, gpus)

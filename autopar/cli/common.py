@@ -149,7 +149,9 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
                 "--cluster already describes the machines; drop --gpus/--nodes/--gpu"
             )
         if not Path(args.cluster).is_file():
-            raise ClusterConfigError(f"cluster file {args.cluster} does not exist")
+            what = "is a directory" if Path(args.cluster).is_dir() else "does not exist"
+            raise ClusterConfigError(f"cluster file {args.cluster} {what}; give a cluster YAML "
+                                     "file (`autopar calibrate` writes one)")
         cluster = Cluster.from_yaml(args.cluster)
         if args.gpu_memory:
             raise ClusterConfigError("set the memory in the cluster file, not with --gpu-memory")
@@ -198,7 +200,9 @@ def load_plan_file(path: str) -> Any:
 
     file = Path(path)
     if not file.is_file():
-        raise AutoparError(f"plan file {path} does not exist")
+        what = "is a directory" if file.is_dir() else "does not exist"
+        raise AutoparError(f"plan file {path} {what}; give a plan JSON file (`autopar plan "
+                           "--out`)")
     try:
         text = file.read_text()
     except (OSError, UnicodeDecodeError) as e:

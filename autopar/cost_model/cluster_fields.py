@@ -17,7 +17,10 @@ from typing import Any
 from autopar.cost_model.hardware import MAX_GPUS, MIN_RATE_PER_S, Cluster, DeviceSpec
 from autopar.errors import ClusterConfigError
 
-__all__ = ["validate"]
+__all__ = ["MIN_FACTOR", "validate"]
+
+# The smallest efficiency or multiplier a cluster field may hold (module docstring).
+MIN_FACTOR = 1e-3
 
 # ---------------------------------------------------------------------- validation
 # field -> (kind, rule); rules: "pos" > 0, "nonneg" >= 0, "frac" in [0, 1), "eff" in (0, 1].
@@ -131,6 +134,11 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
     if not ok or value in (float("inf"), float("-inf")):
         raise ClusterConfigError(f"cluster field {path} {_RULE_TEXT[rule]}, got {value!r}")
     name = path.rsplit(".", 1)[-1]
+    if kind == "float" and rule in ("eff", "pos") and value < MIN_FACTOR:
+        # An efficiency or time multiplier of 5e-324 divides the cost model by zero.
+        raise ClusterConfigError(
+            f"cluster field {path} is {value:g}, below any hardware (at least {MIN_FACTOR:g}); "
+            "fix the cluster file")
     if kind == "float" or "bytes" in name:
         most, unit = _maximum(name)
         if value > most:
@@ -159,7 +167,8 @@ def _check_section(
     prefix: str, data: Any, fields: Mapping[str, tuple[str, str]], optional: Mapping[str, Any]
 ) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ClusterConfigError(f"cluster field {prefix or 'root'} must be a mapping")
+        raise ClusterConfigError(f"cluster field {prefix.rstrip('.') or 'root'} must be a "
+                                 "mapping")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ClusterConfigError(

@@ -314,13 +314,26 @@ class Cluster:
             text = Path(path).read_text()
         except OSError as e:
             raise ClusterConfigError(f"cannot read cluster file {path}: {e.strerror}") from e
+        except UnicodeDecodeError:
+            raise ClusterConfigError(f"cluster file {path} is not text (UTF-8 YAML); give a "
+                                     "cluster YAML file") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ClusterConfigError(f"cluster file {path} is not valid YAML: {e}") from e
+        except RecursionError:
+            raise ClusterConfigError(f"cluster file {path} is nested too deeply; it is not a "
+                                     "cluster description") from None
+        except ValueError:  # an integer of more digits than Python converts (4,300)
+            raise ClusterConfigError(f"cluster file {path} holds an integer of thousands of "
+                                     "digits; fix the cluster file") from None
         if not isinstance(data, dict):
             raise ClusterConfigError(f"cluster file {path} must hold a mapping of fields")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except RecursionError:  # a deep value inside a field
+            raise ClusterConfigError(f"cluster file {path} is nested too deeply; it is not a "
+                                     "cluster description") from None
 
     def fingerprint(self) -> str:
         """Stable short hash (sha256 of the canonical JSON, first 16 hex digits). Fields added

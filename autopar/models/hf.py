@@ -100,8 +100,9 @@ def load_hf_config(config: Any) -> Any:
 # with no blocks, or fails inside it with an internal error.
 _SIZE_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden",
                 "intermediate_size": "ffn_hidden", "vocab_size": "vocab",
-                "num_attention_heads": "", "num_key_value_heads": "", "num_local_experts": "",
-                "num_experts": "", "num_experts_per_tok": ""}
+                "num_attention_heads": "", "num_key_value_heads": "", "head_dim": "",
+                "max_position_embeddings": "", "num_local_experts": "", "num_experts": "",
+                "num_experts_per_tok": ""}
 
 
 def _check_sizes(cfg: Any) -> None:
@@ -114,6 +115,17 @@ def _check_sizes(cfg: Any) -> None:
             need = f"from 1 to {limit:,}" if limit is not None else "at least 1"
             raise AutoparError(f"HF config {name} is {value:,}; it must be {need}: fix the "
                                "config")
+    heads, kv_heads = (getattr(cfg, n, None) for n in ("num_attention_heads",
+                                                       "num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise AutoparError(f"HF config num_key_value_heads ({kv_heads}) must divide "
+                           f"num_attention_heads ({heads}): fix the config")
+    experts = next((getattr(cfg, n) for n in ("num_local_experts", "num_experts")
+                    if isinstance(getattr(cfg, n, None), int)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+        raise AutoparError(f"HF config num_experts_per_tok ({top_k}) is more than its "
+                           f"{experts} experts: fix the config")
 
 
 def from_hf_config(

@@ -112,6 +112,11 @@ def dtype_choices(device: DeviceSpec | None, options: SearchOptions) -> list[str
         problem = dtype_problem(device, options.dtype) if device is not None else None
         if problem:  # every candidate would be refused: say why once
             raise ValueError(problem)
+        # Likewise when the framework does not train it (the framework record's own words).
+        problem = framework_supports(framework, ParallelConfig(global_batch=1,
+                                                               dtype=options.dtype))
+        if problem:
+            raise ValueError(problem)
         return [options.dtype]
     if device is None:
         return ["bf16"]

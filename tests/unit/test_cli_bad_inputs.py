@@ -51,9 +51,17 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     # a forced fp8 on a part without fp8 tensor cores: said once, not a division by zero
     ([*PLAN, "--dtype", "fp8", "--framework", "torchtitan"], "dtype fp8 needs fp8 tensor cores"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--price-per-gpu-hour", "nan"],
-     "a price must be a finite number >= 0"),
+     "a price must be a number from 0 to 1,000,000"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--price-per-gpu-hour",
-      "a100-80g=-1"], "a price must be a finite number >= 0"),
+      "a100-80g=-1"], "a price must be a number from 0 to 1,000,000"),
+    # a finite price whose cost overflowed to Infinity in the JSON
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e15", "--price-per-gpu-hour", "1e308"],
+     "a price must be a number from 0 to 1,000,000"),
+    (["calibrate", "--nproc", "1000000"], "--nproc: must be from 1 to 64"),
+    (["calibrate", "--nproc", "0"], "--nproc: must be from 1 to 64"),
+    # the framework that does not train the dtype is named, not the global batch
+    (["plan", TINY, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--dtype", "fp8"],
+     "autopar trains in bf16, fp16, fp32, not fp8"),
     (["export", "plan.json", "--to", "slurm", "--steps", "0"], "--steps: must be from 1"),
 ])
 def test_bad_arguments(capfd, argv, needle):
@@ -162,6 +170,34 @@ def test_mistyped_plan_fields_refused(tmp_path, capfd, plan_doc, path, value, ne
     _fails(capfd, [command, str(file), *extra], needle)
 
 
+def _short(doc):  # the last stage stops before the head
+    stage = doc["stages"][-1]
+    stage.update(layers=[stage["layers"][0], stage["layers"][1] - 1],
+                 layer_names=stage["layer_names"][:-1], recompute=stage["recompute"][:-1])
+    return doc
+
+
+def _swapped(doc):  # block names out of order
+    names = doc["stages"][0]["layer_names"]
+    names[1], names[2] = names[2], names[1]
+    return doc
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (_short, "do not run from the embedding to the head"),
+    (_swapped, "blocks are not in order"),
+    (lambda doc: doc["config"].update(dtype="fp8") or doc, "has no fp8 tensor cores"),
+])
+@pytest.mark.parametrize("command", ["show", "export"])
+def test_inconsistent_plans_refused(tmp_path, capfd, plan_doc, edit, needle, command):
+    """A plan cut short, renumbered or in a dtype its device lacks: show and every export took
+    it (the torchtitan export wrote model parts without the head; show divided by zero)."""
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(edit(json.loads(json.dumps(plan_doc)))))
+    extra = ["--to", "torchtitan"] if command == "export" else []
+    _fails(capfd, [command, str(file), *extra], needle)
+
+
 def test_export_of_a_plan_without_seq_len_checks_the_estimate(tmp_path, capfd, plan_doc):
     """Without its own seq_len a plan's sequence length comes from its estimate, which must give
     a whole number of tokens (1e308 s a step overflowed the exporter)."""
@@ -257,6 +293,10 @@ _MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
     ("vocab_size", -5, "vocab_size is -5"),
     ("num_hidden_layers", 0, "num_hidden_layers is 0"),
     ("num_local_experts", 0, "num_local_experts is 0; it must be at least 1"),
+    ("head_dim", 0, "head_dim is 0"),  # a ZeroDivisionError in the rotary embedding
+    ("max_position_embeddings", -1, "max_position_embeddings is -1"),  # a negative tensor size
+    ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+    ("num_experts_per_tok", 8, "num_experts_per_tok (8) is more than its 4 experts"),
 ])
 def test_hf_config_sizes_checked(tmp_path, capfd, field, value, needle):
     """transformers checks none of these: a 0 planned a model without blocks, or failed inside
@@ -319,3 +359,50 @@ def test_explain_bounds_model_building(tmp_path, capfd, plan_doc):
     path.write_text(MODELS["endless"][0] + "def example_inputs(b):\n    return None\n")
     _fails(capfd, ["explain", str(plan), "--model", str(path), "--build-timeout", "1"],
            "took longer than 1 s")
+
+
+def test_cluster_factor_below_any_hardware_and_deep_yaml_refused(tmp_path, capfd):
+    import yaml
+
+    data = Cluster.preset("h100", nodes=1).to_dict()
+    data["device"]["matmul_efficiency_max"] = 5e-324  # divided the cost model by zero
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml.safe_dump(data))
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
+           "below any hardware (at least 0.001)")
+    file.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
+           "nested too deeply")
+
+
+def test_run_refuses_what_the_runtime_cannot_run(tmp_path, capfd):
+    """An fp8 plan (made for torchtitan) reached the workers and failed there with a KeyError;
+    the runtime's own record says what it runs, before any process starts."""
+    plan = tmp_path / "p.json"
+    assert main(["estimate", TINY, "--dp", "4", "--global-batch", "8", "--gpu", "h100",
+                 "--dtype", "fp8", "--framework", "torchtitan", "--out", str(plan)]) == 0
+    capfd.readouterr()
+    _fails(capfd, ["run", str(plan), "--steps", "1", "--dry-run"],
+           "autopar's runtime cannot run this plan: autopar trains in bf16, fp16, fp32, not fp8")
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"\xff\xfe\xaf\x00 not text", "is not text (UTF-8 YAML)"),
+    (b"nodes: " + b"9" * 5000 + b"\n", "holds an integer of thousands of digits"),
+    (None, "cluster field device must be a mapping"),  # was "device." with a stray dot
+])
+def test_unreadable_cluster_files_named(tmp_path, capfd, content, needle):
+    import yaml
+
+    file = tmp_path / "c.yaml"
+    if content is None:
+        data = {**Cluster.preset("h100", nodes=1).to_dict(), "device": 3}
+        content = yaml.safe_dump(data).encode()
+    file.write_bytes(content)
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"], needle)
+
+
+def test_directories_given_as_files_named(tmp_path, capfd):
+    _fails(capfd, ["plan", TINY, "--cluster", str(tmp_path), "--global-batch", "8"],
+           "is a directory; give a cluster YAML file")
+    _fails(capfd, ["show", str(tmp_path)], "is a directory; give a plan JSON file")

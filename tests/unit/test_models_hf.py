@@ -83,7 +83,8 @@ def test_real_device_build_is_seeded_and_trains():
         ("gpt_neox", {"intermediate_size": 64}),
         ("opt", {"ffn_dim": 64}),
         ("mixtral", {"num_key_value_heads": 2, "intermediate_size": 64, "num_local_experts": 4}),
-        ("qwen2_moe", {"intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4}),
+        ("qwen2_moe", {"num_key_value_heads": 2, "intermediate_size": 64,
+                       "moe_intermediate_size": 16, "num_experts": 4}),
     ],
 )
 def test_other_families_build_on_meta(model_type, extra):

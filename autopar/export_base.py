@@ -33,10 +33,16 @@ class Export:
 def seq_len(plan: Plan) -> int:
     """Tokens per sequence: the plan's own ``seq_len``, else tokens/s x step time / global batch
     (the Estimate's own identity), which must then come to a whole number of tokens >= 1."""
-    if plan.seq_len:
-        return plan.seq_len
     est = plan.estimate
     tokens = est.tokens_per_s * est.step_time_s / plan.config.global_batch
+    if plan.seq_len:
+        # The two must agree: an edited seq_len would be exported as the run's sequence.
+        if est.step_time_s > 0 and abs(tokens - plan.seq_len) > 0.01 * plan.seq_len:
+            raise PlanFormatError(
+                f"the plan's seq_len {plan.seq_len:,} contradicts its estimate ({tokens:,.0f} "
+                "tokens per sequence: tokens_per_s x step_time_s / global_batch); re-create the "
+                "plan with `autopar plan`")
+        return plan.seq_len
     if not 0.5 <= tokens < math.inf:
         raise PlanFormatError(
             f"the plan records no seq_len and its estimate gives {tokens:g} tokens per sequence "

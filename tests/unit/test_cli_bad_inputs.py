@@ -198,6 +198,15 @@ def test_inconsistent_plans_refused(tmp_path, capfd, plan_doc, edit, needle, com
     _fails(capfd, [command, str(file), *extra], needle)
 
 
+def test_export_refuses_a_seq_len_its_estimate_contradicts(tmp_path, capfd, plan_doc):
+    """An edited seq_len was written as the run's --seq-length (Megatron-LM) and seq_len
+    (torchtitan); the estimate's own identity gives the profiled one."""
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(_mutate(plan_doc, ("seq_len",), 10**9)))
+    for tool in ("megatron", "torchtitan"):
+        _fails(capfd, ["export", str(file), "--to", tool], "contradicts its estimate")
+
+
 def test_export_of_a_plan_without_seq_len_checks_the_estimate(tmp_path, capfd, plan_doc):
     """Without its own seq_len a plan's sequence length comes from its estimate, which must give
     a whole number of tokens (1e308 s a step overflowed the exporter)."""

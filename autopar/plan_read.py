@@ -9,6 +9,7 @@ too lenient for that (``int("16")``, ``int(1.5)``, ``int(True)``), so these read
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import reprlib
@@ -123,6 +124,6 @@ def layer_names_problem(names: list[str]) -> str | None:
         return (f"the plan's stages do not run from the embedding to the head (layers "
                 f"{_shown(names[0])} .. {_shown(names[-1])})")
     blocks = [int(m.group(1)) for m in map(_BLOCK_INDEX.search, names) if m]
-    if any(b <= a for a, b in zip(blocks, blocks[1:])):
+    if any(b <= a for a, b in itertools.pairwise(blocks)):
         return "the plan's blocks are not in order (layers.0, layers.1, ...)"
     return None

@@ -44,13 +44,14 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(high: float) -> Callable[[str], float]:
-    """An argparse type: a finite number in ``(0, high]``."""
+def positive_float(high: float, low: float = 0.0) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``(0, high]`` (at least ``low`` when given)."""
 
     def parse(text: str) -> float:
         value = _number(text)
-        if not 0 < value <= high:
-            raise argparse.ArgumentTypeError(f"must be above 0 and at most {high:g}, got {text}")
+        if not (0 < value <= high and value >= low):
+            bound = f"at least {low:g}" if low else "above 0"
+            raise argparse.ArgumentTypeError(f"must be {bound} and at most {high:g}, got {text}")
         return value
 
     parse.__name__ = "number"

@@ -17,7 +17,7 @@ from typing import Any
 from autopar.cost_model.hardware import MAX_GPUS, MIN_RATE_PER_S, Cluster, DeviceSpec
 from autopar.errors import ClusterConfigError
 
-__all__ = ["MIN_FACTOR", "validate"]
+__all__ = ["MIN_FACTOR", "load_yaml", "validate"]
 
 # The smallest efficiency or multiplier a cluster field may hold (module docstring).
 MIN_FACTOR = 1e-3
@@ -209,3 +209,33 @@ def validate(data: Any) -> dict[str, Any]:
             f"plans for ({MAX_GPUS} GPUs); check nodes and gpus_per_node"
         )
     return out
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` of a cluster file, stricter where YAML 1.1 reads a typo as data: a
+    key given twice (PyYAML keeps the last) and a sexagesimal number (``1:00`` reads as 60) are
+    ``yaml.YAMLError``s naming the line."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: list[Any] = []
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice", key_node.start_mark)
+                seen.append(key)
+            return super().construct_mapping(node, deep)
+
+    def number(loader: Any, node: Any) -> Any:
+        if ":" in str(node.value):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} is a base-60 number in YAML 1.1; quote it or "
+                "write the number", node.start_mark)
+        return (yaml.SafeLoader.construct_yaml_int if node.tag.endswith(":int")
+                else yaml.SafeLoader.construct_yaml_float)(loader, node)
+
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", number)
+    StrictLoader.add_constructor("tag:yaml.org,2002:float", number)
+    return yaml.load(text, Loader=StrictLoader)  # a SafeLoader subclass: no object tags

@@ -310,6 +310,8 @@ class Cluster:
         """
         import yaml
 
+        from autopar.cost_model.cluster_fields import load_yaml
+
         try:
             text = Path(path).read_text()
         except OSError as e:
@@ -318,7 +320,7 @@ class Cluster:
             raise ClusterConfigError(f"cluster file {path} is not text (UTF-8 YAML); give a "
                                      "cluster YAML file") from None
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as e:
             raise ClusterConfigError(f"cluster file {path} is not valid YAML: {e}") from e
         except RecursionError:

@@ -59,6 +59,7 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
      "a price must be a number from 0 to 1,000,000"),
     (["calibrate", "--nproc", "1000000"], "--nproc: must be from 1 to 64"),
     (["calibrate", "--nproc", "0"], "--nproc: must be from 1 to 64"),
+    ([*PLAN, "--gpu-memory", "1e-308"], "--gpu-memory: must be at least 1 and at most"),
     # the framework that does not train the dtype is named, not the global batch
     (["plan", TINY, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--dtype", "fp8"],
      "autopar trains in bf16, fp16, fp32, not fp8"),
@@ -415,3 +416,19 @@ def test_directories_given_as_files_named(tmp_path, capfd):
     _fails(capfd, ["plan", TINY, "--cluster", str(tmp_path), "--global-batch", "8"],
            "is a directory; give a cluster YAML file")
     _fails(capfd, ["show", str(tmp_path)], "is a directory; give a plan JSON file")
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda text: text + "nodes: 2\n", "the key 'nodes' is given twice"),
+    (lambda text: text.replace("nodes: 1", "nodes: 1:00"), "'1:00' is a base-60 number"),
+])
+def test_yaml_typos_are_not_read_as_data(tmp_path, capfd, edit, needle):
+    """YAML 1.1 keeps the last of two equal keys and reads 1:00 as 60 (sexagesimal): a cluster
+    file is read strictly instead."""
+    import yaml
+
+    file = tmp_path / "c.yaml"
+    text = yaml.safe_dump(Cluster.preset("h100", nodes=1).to_dict(), sort_keys=False)
+    assert "nodes: 1\n" in text
+    file.write_text(edit(text))
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"], needle)

@@ -328,7 +328,7 @@ class Plan:
                 raise PlanFieldError(f"plan stages must be a list, got {reprlib.repr(stages)}")
             return cls(
                 schema_version=whole(data["schema_version"], "schema_version"),
-                model=text(data.get("model", ""), "model"),
+                model=text(data.get("model", ""), "model", line=True),
                 framework=text(data.get("framework", "autopar"), "framework"),
                 seq_len=whole(data.get("seq_len", 0), "seq_len"),
                 config=ParallelConfig.from_dict(data["config"]),

@@ -47,10 +47,14 @@ def number(value: Any, name: str) -> float:
     return float(value)
 
 
-def text(value: Any, name: str) -> str:
-    """``value`` as a string."""
+def text(value: Any, name: str, *, line: bool = False) -> str:
+    """``value`` as a string (``line``: printable, one line: it is shown in reports and written
+    into exports' headers, where a newline or a terminal control would be read as more)."""
     if not isinstance(value, str):
         raise PlanFieldError(f"plan {name} must be a string, got {_shown(value)}")
+    if line and not value.isprintable():
+        raise PlanFieldError(f"plan {name} must be one line of printable text, got "
+                             f"{_shown(value)}")
     return value
 
 

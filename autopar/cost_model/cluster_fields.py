@@ -21,6 +21,8 @@ __all__ = ["MIN_FACTOR", "load_yaml", "validate"]
 
 # The smallest efficiency or multiplier a cluster field may hold (module docstring).
 MIN_FACTOR = 1e-3
+# The longest cluster or device name (it heads every report).
+MAX_NAME_CHARS = 100
 
 # ---------------------------------------------------------------------- validation
 # field -> (kind, rule); rules: "pos" > 0, "nonneg" >= 0, "frac" in [0, 1), "eff" in (0, 1].
@@ -101,6 +103,11 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
     if kind == "str":
         if not isinstance(value, str):
             raise ClusterConfigError(f"cluster field {path} must be a string, got {_shown(value)}")
+        # A name is printed in every report: one line of printable text, no terminal controls.
+        if not 0 < len(value) <= MAX_NAME_CHARS or not value.isprintable():
+            raise ClusterConfigError(
+                f"cluster field {path} must be one line of 1 to {MAX_NAME_CHARS} printable "
+                f"characters, got {_shown(value)}")
         return value
     if isinstance(value, str):  # YAML 1.1 reads "312e12" as a string; accept numeric text
         try:

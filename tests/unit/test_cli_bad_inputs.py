@@ -156,6 +156,7 @@ def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, comma
     (("stages", 0, "layers"), ["0", "3"], "stages[0].layers[0] must be a whole number"),
     (("stages", 0, "layer_names"), [0, 1, 2, 3, 4, 5], "layer_names[0] must be a string"),
     (("model",), 7, "plan model must be a string"),
+    (("model",), "gpt\n\x1b[2J", "plan model must be one line of printable text"),
     (("cluster", "nodes"), 1.0, "cluster.nodes must be a whole number"),
     (("search", "mip_gap"), "x", "search.mip_gap must be a number"),
     (("search", "optimal"), "yes", "search.optimal must be true or false"),
@@ -432,3 +433,17 @@ def test_yaml_typos_are_not_read_as_data(tmp_path, capfd, edit, needle):
     assert "nodes: 1\n" in text
     file.write_text(edit(text))
     _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"], needle)
+
+
+@pytest.mark.parametrize("name", ["", "h100\n\x1b[31mred", "x" * 101])
+def test_cluster_names_are_one_printable_line(tmp_path, capfd, name):
+    """A cluster's name heads every report: an empty, multi-line or terminal-control name was
+    printed as given."""
+    import yaml
+
+    data = Cluster.preset("h100", nodes=1).to_dict()
+    data["name"] = name
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml.safe_dump(data))
+    _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
+           "must be one line of 1 to 100 printable characters")

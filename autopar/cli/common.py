@@ -84,8 +84,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu", default=None, help=f"GPU preset (a100-80g, h100, h200, ...; default {DEFAULT_GPU})"
     )
     parser.add_argument(
-        # At least 1 GB: 1e-308 GB left the device no bytes, blamed on a cluster field.
-        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB, low=1.0), default=None,
+        # At least 1 MB: 1e-308 GB left the device no bytes, blamed on a cluster field.
+        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB, low=1e-3), default=None,
         metavar="GB",
         help="override the GPU's memory"
     )

@@ -228,6 +228,8 @@ def load_yaml(text: str) -> Any:
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: list[Any] = []
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # "<<: *anchor" inherits keys the mapping may then override
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(

@@ -115,7 +115,7 @@ def stacked_names(module: nn.Module) -> tuple[str, str]:
 
 def _stacked(module: nn.Module) -> ExpertWeights | None:
     up, down = (_tensor(module, name, 3) for name in stacked_names(module))
-    if up is None or down is None or up.shape[0] != down.shape[0]:
+    if up is None or down is None or up.shape[0] != down.shape[0] or up.shape[0] == 0:
         return None
     if up.shape[2] == down.shape[1] and up.shape[1] in (down.shape[2], 2 * down.shape[2]):
         w_in, w_down, layout = up[0], down[0], "out-in"

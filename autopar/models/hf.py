@@ -101,8 +101,10 @@ def load_hf_config(config: Any) -> Any:
 _SIZE_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden",
                 "intermediate_size": "ffn_hidden", "vocab_size": "vocab",
                 "num_attention_heads": "", "num_key_value_heads": "", "head_dim": "",
-                "max_position_embeddings": "", "num_local_experts": "", "num_experts": "",
-                "num_experts_per_tok": ""}
+                "max_position_embeddings": ""}
+# Expert counts: 0 is a dense variant of an MoE family (Granite 4.0 dense, a dense llama4_text),
+# and one expert is a plain MLP (Jamba): only a negative count is a typo.
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok")
 
 
 def _check_sizes(cfg: Any) -> None:
@@ -120,10 +122,16 @@ def _check_sizes(cfg: Any) -> None:
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
         raise AutoparError(f"HF config num_key_value_heads ({kv_heads}) must divide "
                            f"num_attention_heads ({heads}): fix the config")
+    for name in _EXPERT_FIELDS:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise AutoparError(f"HF config {name} is {value:,}; it must be at least 0: fix the "
+                               "config")
     experts = next((getattr(cfg, n) for n in ("num_local_experts", "num_experts")
                     if isinstance(getattr(cfg, n, None), int)), None)
     top_k = getattr(cfg, "num_experts_per_tok", None)
-    if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+    if (isinstance(experts, int) and experts > 1 and isinstance(top_k, int)
+            and top_k > experts):
         raise AutoparError(f"HF config num_experts_per_tok ({top_k}) is more than its "
                            f"{experts} experts: fix the config")
 

@@ -59,7 +59,7 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
      "a price must be a number from 0 to 1,000,000"),
     (["calibrate", "--nproc", "1000000"], "--nproc: must be from 1 to 64"),
     (["calibrate", "--nproc", "0"], "--nproc: must be from 1 to 64"),
-    ([*PLAN, "--gpu-memory", "1e-308"], "--gpu-memory: must be at least 1 and at most"),
+    ([*PLAN, "--gpu-memory", "1e-308"], "--gpu-memory: must be at least 0.001 and at most"),
     # the framework that does not train the dtype is named, not the global batch
     (["plan", TINY, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--dtype", "fp8"],
      "autopar trains in bf16, fp16, fp32, not fp8"),
@@ -303,7 +303,7 @@ _MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
     ("hidden_size", 0, "hidden_size is 0; it must be from 1 to 1,048,576"),
     ("vocab_size", -5, "vocab_size is -5"),
     ("num_hidden_layers", 0, "num_hidden_layers is 0"),
-    ("num_local_experts", 0, "num_local_experts is 0; it must be at least 1"),
+    ("num_local_experts", -1, "num_local_experts is -1; it must be at least 0"),
     ("head_dim", 0, "head_dim is 0"),  # a ZeroDivisionError in the rotary embedding
     ("max_position_embeddings", -1, "max_position_embeddings is -1"),  # a negative tensor size
     ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
@@ -447,3 +447,28 @@ def test_cluster_names_are_one_printable_line(tmp_path, capfd, name):
     file.write_text(yaml.safe_dump(data))
     _fails(capfd, ["plan", TINY, "--cluster", str(file), "--global-batch", "8"],
            "must be one line of 1 to 100 printable characters")
+
+
+def test_dense_variants_of_moe_families_and_yaml_merge_keys_still_read(tmp_path):
+    """What the strict readers must not refuse: 0 experts is a dense variant (Granite 4.0 dense
+    configs say so), and a cluster file may inherit a link with a YAML merge key."""
+    import yaml
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "granitemoehybrid", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "shared_intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 0,
+        "num_experts_per_tok": 0, "layer_types": ["attention", "attention"],
+        "max_position_embeddings": 128, "position_embedding_type": "rope",
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}))
+    assert main(["plan", str(config), "--gpus", "8", "--gpu", "h100", "--global-batch",
+                 "16"]) == 0
+    text = yaml.safe_dump(Cluster.preset("h100", nodes=2).to_dict(), sort_keys=False)
+    text = text.replace("intra_node:", "intra_node: &link", 1)
+    head, _, tail = text.partition("inter_node:\n")
+    tail = "\n".join(line for line in tail.splitlines() if not line.startswith("  "))
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(head + "inter_node:\n  <<: *link\n  bandwidth_bytes_per_s: 5.0e+10\n"
+                       + tail + "\n")
+    assert main(["plan", TINY, "--cluster", str(cluster), "--global-batch", "16"]) == 0

@@ -84,18 +84,12 @@ def _fp8_block(row: dict, device, dtype):
 def _measure_one(row: dict, device, dtype, fp8: bool, compiled: bool) -> dict:
     import torch
 
-    torch.manual_seed(0)
-    block = _fp8_block(row, device, dtype) if fp8 else gpu_layer._build_block(row, device, dtype)
-    if compiled:
-        block = torch.compile(block)
-    shape = (row["micro_batch"], row["seq_len"], row["hidden"])
-    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn(shape, device=device, dtype=dtype)
-    fwd_s, bwd_s = gpu_layer._time_block(block, x, dy, device)
-    saved = gpu_layer._saved_bytes(block, x, device)
-    del block, x, dy
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    def make_block():
+        block = (_fp8_block(row, device, dtype) if fp8
+                 else gpu_layer._build_block(row, device, dtype))
+        return torch.compile(block) if compiled else block
+
+    fwd_s, bwd_s, saved = gpu_layer.measure_block(make_block, row, device, dtype)
     return {"s": fwd_s + bwd_s, "forward_s": fwd_s, "act_bytes": saved}
 
 

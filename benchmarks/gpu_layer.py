@@ -180,11 +180,13 @@ def _saved_bytes(block, x, device) -> int:
     return int(saved)
 
 
-def measure_row(row: dict, device, dtype) -> dict:
+def measure_block(make_block, row: dict, device, dtype) -> tuple[float, float, int]:
+    """(forward s, backward s, saved bytes) of the block ``make_block()`` builds (seeded), on a
+    random input of the row's shape; the GPU's cache is emptied afterwards."""
     import torch
 
     torch.manual_seed(0)
-    block = _build_block(row, device, dtype)
+    block = make_block()
     shape = (row["micro_batch"], row["seq_len"], row["hidden"])
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(shape, device=device, dtype=dtype)
@@ -193,6 +195,12 @@ def measure_row(row: dict, device, dtype) -> dict:
     del block, x, dy
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return fwd_s, bwd_s, saved
+
+
+def measure_row(row: dict, device, dtype) -> dict:
+    fwd_s, bwd_s, saved = measure_block(lambda: _build_block(row, device, dtype), row, device,
+                                        dtype)
     return {**row, "measured_forward_s": fwd_s, "measured_backward_s": bwd_s,
             "measured_act_bytes": saved}
 

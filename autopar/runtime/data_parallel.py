@@ -106,6 +106,11 @@ def apply_data_parallel(
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if any(p.is_meta for p in part.parameters()):
+            # ``run --dry-run`` builds on the meta device, where DDP cannot be constructed (it
+            # reads parameter shapes back and broadcasts values). DDP replicates every parameter,
+            # so the unwrapped part holds exactly the bytes a rank would.
+            return part
         if ignored_params:
             names = [n for n, p in part.named_parameters() if p in ignored_params]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, names)

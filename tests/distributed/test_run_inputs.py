@@ -120,6 +120,20 @@ def test_dry_run_at_world_size_8() -> None:
     assert report["per_rank_stages"] == [[0]] * 4 + [[1]] * 4
 
 
+@pytest.mark.timeout(180)
+def test_dry_run_of_replicated_data_parallel() -> None:
+    """zero 0 (DDP, which cannot be built on the meta device) dry-runs: every rank holds the
+    whole model."""
+    from autopar.models import build, num_params
+
+    proc = _cli(MODEL, "--global-batch", "4", "--steps", "1", "--dp", "2", "--zero", "0",
+                "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    model = build("gpt", layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
+    assert report["per_rank_parameter_bytes"] == [4 * num_params(model.autopar_spec)] * 2
+
+
 @pytest.mark.timeout(60)
 def test_live_tensor_bytes_counts_storages_once() -> None:
     import gc

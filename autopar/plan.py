@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
-from autopar.errors import PlanMismatchError
+from autopar.errors import ClusterConfigError, PlanMismatchError
 from autopar.graph.types import MoEStructure
 from autopar.plan_read import (
     PlanFieldError,
@@ -410,11 +410,17 @@ def _check_estimate(estimate: Estimate) -> None:
 def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
     """dp * tp * pp must be the GPU count of the plan's recorded cluster, and its device must
     train the plan's dtype (an fp8 plan on a device without fp8 divided the report by zero)."""
-    device = cluster.get("device")
-    if config.dtype == "fp8" and isinstance(device, dict) and not device.get("peak_fp8_flops"):
-        raise PlanFormatError(
-            f"the plan trains fp8 but its cluster's device ({device.get('name', '?')}) has no "
-            "fp8 tensor cores; re-plan in bf16 with `autopar plan`")
+    from autopar.cost_model.hardware import Cluster
+    from autopar.cost_model.validate import dtype_problem
+
+    try:
+        recorded = Cluster.from_dict(cluster)
+    except (ClusterConfigError, TypeError):
+        recorded = None  # a hand-made plan: commands that need the cluster say what is wrong
+    problem = dtype_problem(recorded.device, config.dtype) if recorded else None
+    if problem:
+        raise PlanFormatError(f"the plan's cluster cannot train it: {problem}; re-plan with "
+                              "`autopar plan`")
     nodes, per_node = cluster.get("nodes"), cluster.get("gpus_per_node")
     if not (isinstance(nodes, int) and isinstance(per_node, int)):
         return  # no cluster recorded (a hand-made plan): nothing to check against

@@ -18,11 +18,12 @@ NEUTRAL_FIT = _NEUTRAL = {"kernel_efficiency": 1.0, "step_overhead_s": 0.0,
                           "overlap_slowdown": OVERLAP_SLOWDOWN,
                           "dp_comm_efficiency": 1.0, "zero3_comm_efficiency": 1.0}
 FIT: dict[str, dict[str, object]] = {
-    # measured / predicted step time of autopar's own runs: 16 CPU configurations
-    # (benchmarks/results/accuracy_cpu_202612.md as of commit a9aeaf4, measured on an idle
-    # machine; the later run's calibration caught a faster phase of the shared cores, all its
-    # errors one-sided, docs/verify.md) and 4 H200 plans (gpu_verify.py), p10 - p90.
-    "autopar": {**_NEUTRAL, "step_time_band": (0.885, 1.35)},
+    # measured / predicted step time of autopar's own runs, p10 - p90, printed by
+    # benchmarks/autopar_band.py: the 32 CPU accuracy runs (two sessions, 16 configurations on 4
+    # gloo processes each, predicted on that session's calibration) and 6 whole steps on one H200
+    # (autopar verify). The CPU runs are predicted too fast (measured / predicted 0.98 - 1.79),
+    # the H200 steps within 0.97 - 1.09; tests/unit/test_autopar_band.py keeps this equal.
+    "autopar": {**_NEUTRAL, "step_time_band": (1.0, 1.59)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.9728, "step_overhead_s": 0.136,
                    "dp_comm_efficiency": 0.9651, "step_time_band": (0.86, 1.13)},
     "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.9875, "step_overhead_s": 0.0,

@@ -310,9 +310,9 @@ _RECORDS: dict[str, dict[str, object]] = {
             "overlap_slowdown": "sourced: arXiv:2507.03114 (18.9% average compute slowdown "
                                 "under overlapped NCCL collectives); on CPU gloo has no "
                                 "overlap window (dp_overlap_efficiency 0), so it adds nothing",
-            "step_time_band": "measured: p10-p90 of measured / predicted step time over 16 CPU "
-                              "configurations (benchmarks/accuracy.py) and 4 H200 plans "
-                              "(benchmarks/gpu_verify.py)",
+            "step_time_band": "measured: p10-p90 of measured / predicted step time over 32 CPU "
+                              "runs (benchmarks/accuracy.py, two sessions) and 6 H200 plans "
+                              "(benchmarks/gpu_verify.py); benchmarks/autopar_band.py",
             "sp_regathers_inputs": "measured: DTensor's colwise linear keeps the gathered input "
                                    "(tests/unit/test_cost_memory_runtime.py)",
             "grad_reduce_bytes": "sourced: autopar's FSDP2 MixedPrecisionPolicy reduce_dtype "

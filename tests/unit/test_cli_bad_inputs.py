@@ -188,7 +188,8 @@ def _swapped(doc):  # block names out of order
 @pytest.mark.parametrize(("edit", "needle"), [
     (_short, "do not run from the embedding to the head"),
     (_swapped, "blocks are not in order"),
-    (lambda doc: doc["config"].update(dtype="fp8") or doc, "has no fp8 tensor cores"),
+    (lambda doc: doc["config"].update(dtype="fp8") or doc,
+     "the plan's cluster cannot train it: dtype fp8 needs fp8 tensor cores"),
 ])
 @pytest.mark.parametrize("command", ["show", "export"])
 def test_inconsistent_plans_refused(tmp_path, capfd, plan_doc, edit, needle, command):

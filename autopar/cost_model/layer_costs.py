@@ -100,6 +100,7 @@ from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
+from autopar.cost_model.tied_head import split_tied_head, tied_sync_s, with_tied_sync
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import ModelProfile
 
@@ -354,6 +355,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cfg = config
     fw = model_framework(get_framework(framework), profile)
     cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search
+    # A head tied to the embedding holds its own copy across a pipeline split (tied_head.py).
+    profile = split_tied_head(profile, cfg.pp)
     whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
     # Routed experts whole on every tp rank where the framework does not shard them, or folded
     # over tp (expert_tp.py).
@@ -374,6 +377,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     groups["cp_ring"] = cp_link(cluster, cfg)
     groups["pcie"] = pcie_link(cluster)
     layers, tails = _layer_costs(profile, cluster, cfg, groups, ratio, fw, terms)
+    layers = with_tied_sync(layers, tied_sync_s(profile, cluster, cfg, fw.grad_reduce_bytes))
     if not fw.expert_tensor_parallel and profile is not local:
         layers = model_flops_once(layers, local, cfg.cp)
     p2p, recv_bytes = _pipeline_sends(terms.max_output_bytes, cfg, groups, ratio)

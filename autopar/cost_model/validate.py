@@ -17,7 +17,7 @@ from autopar.graph.types import ModelProfile
 from autopar.schedules import check_schedule
 
 __all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "dtype_problem",
-           "ep_problem", "offload_problem", "stages_problem", "tp_problem"]
+           "ep_problem", "offload_problem", "sp_problem", "stages_problem", "tp_problem"]
 
 
 def cp_problem(cp: int, seq_len: int) -> str | None:
@@ -25,6 +25,21 @@ def cp_problem(cp: int, seq_len: int) -> str | None:
     if cp > 1 and seq_len % (2 * cp):
         return (f"cp = {cp} needs the sequence length ({seq_len}) to be a multiple of "
                 f"2 * cp = {2 * cp} (load-balanced ring attention: two chunks per rank)")
+    return None
+
+
+def sp_problem(sequence_parallel: bool, tp: int, cp: int, seq_len: int | None) -> str | None:
+    """Sequence parallelism shards each rank's sequence (seq_len / cp tokens) over the tp ranks
+    (Megatron-LM's and DTensor's ``Shard(1)`` alike): tp > 1 and tp divides seq_len / cp.
+    Without a sequence length (``seq_len`` None) only the first is checked."""
+    if not sequence_parallel:
+        return None
+    if tp == 1:
+        return "sequence_parallel needs tp > 1 (it shards activations over tp)"
+    if seq_len is not None and (seq_len // cp) % tp:
+        return (f"sequence parallelism with tp = {tp} needs seq_len / cp = {seq_len // cp} to be "
+                f"a multiple of tp; pick a tp that divides {seq_len // cp}, or turn sequence "
+                "parallelism off")
     return None
 
 
@@ -122,9 +137,8 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
     for layer in profile.layers:
         counts += [(f"heads of layer {layer.name}", layer.tp.heads),
                    (f"kv_heads of layer {layer.name}", layer.tp.kv_heads)]
-    problem = tp_problem(cfg.tp, counts) or stages_problem(cfg.num_stages, profile.num_layers)
+    problem = (tp_problem(cfg.tp, counts) or stages_problem(cfg.num_stages, profile.num_layers)
+               or sp_problem(cfg.sequence_parallel, cfg.tp, cfg.cp, profile.seq_len))
     if problem:
         raise ValueError(problem)
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ValueError("sequence_parallel needs tp > 1 (it shards activations over tp)")
     check_schedule(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)

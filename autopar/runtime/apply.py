@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autopar.config import uses_autocast
+from autopar.cost_model.validate import cp_problem, ep_problem, sp_problem, tp_problem
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.context_parallel import apply_context_parallel
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
@@ -31,6 +32,14 @@ from autopar.runtime.pipeline_parallel import (
 )
 from autopar.runtime.recompute import ATTENTION_NAMES, apply_recompute, find_attention
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_tp_layout
+from autopar.runtime.tied_weights import (
+    TiedCopies,
+    check_tied_split,
+    prepare_tied,
+    retie,
+    tied_copies,
+    tied_fqns,
+)
 from autopar.runtime.tp_checks import check_tensor_parallel
 from autopar.schedules import check_schedule
 
@@ -66,6 +75,8 @@ class ParallelizedModel:
         stage_indices: the stage indices of ``model_parts``.
         autocast_dtype: dtype for ``torch.autocast`` around the forward, or None (fp32, or FSDP2
             mixed precision, which casts by itself).
+        tied: the copies of a weight tied between the token embedding and the lm head when the
+            pipeline split them (``train_step`` sums their gradients: tied_weights.py), else None.
     """
 
     model_parts: tuple[nn.Module, ...]
@@ -78,6 +89,7 @@ class ParallelizedModel:
     loss_fn: LossFn
     stage_indices: tuple[int, ...]
     autocast_dtype: torch.dtype | None
+    tied: TiedCopies | None = None
 
     @property
     def loss_parallel(self) -> bool:
@@ -98,18 +110,6 @@ def _spec_of(model_or_spec: nn.Module | ModelSpec) -> ModelSpec | None:
     return model_or_spec
 
 
-def _tied_params(model: nn.Module) -> tuple[str, str] | None:
-    """The first two FQNs that name one parameter (a tied lm head and embedding), or None."""
-    seen: dict[int, str] = {}
-    for module_fqn, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            fqn = f"{module_fqn}.{name}" if module_fqn else name
-            if id(param) in seen:
-                return seen[id(param)], fqn
-            seen[id(param)] = fqn
-    return None
-
-
 def _check_spec(spec: ModelSpec, plan: Plan) -> None:
     cfg = plan.config
     if plan.num_layers != spec.layers + 2:
@@ -117,25 +117,11 @@ def _check_spec(spec: ModelSpec, plan: Plan) -> None:
             f"the plan covers {plan.num_layers} layers but the model has {spec.layers} blocks "
             f"(+ embedding and head = {spec.layers + 2}); make the plan for this model"
         )
-    if cfg.tp > 1:
-        for name in ("heads", "kv_heads"):
-            value = getattr(spec, name)
-            if value and value % cfg.tp:
-                raise AutoparError(
-                    f"tp={cfg.tp} does not divide {name}={value}: tensor parallelism shards "
-                    f"attention heads; use a tp that divides {value}"
-                )
-        if cfg.sequence_parallel and (spec.seq_len // cfg.cp) % cfg.tp:
-            raise AutoparError(
-                f"sequence parallelism with tp={cfg.tp} needs seq_len / cp divisible by tp "
-                f"(seq_len={spec.seq_len}, cp={cfg.cp}); change tp or the sequence length"
-            )
-    if cfg.cp > 1 and spec.seq_len % (2 * cfg.cp):
-        raise AutoparError(
-            f"context parallelism with cp={cfg.cp} cuts each sequence into 2 * cp = {2 * cfg.cp} "
-            f"chunks (load balancing), so seq_len must be divisible by {2 * cfg.cp} "
-            f"(seq_len={spec.seq_len}); change cp or the sequence length"
-        )
+    problem = (tp_problem(cfg.tp, [("heads", spec.heads), ("kv_heads", spec.kv_heads)])
+               or sp_problem(cfg.sequence_parallel, cfg.tp, cfg.cp, spec.seq_len)
+               or cp_problem(cfg.cp, spec.seq_len))
+    if problem:
+        raise AutoparError(problem)
 
 
 def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
@@ -164,8 +150,9 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
         raise AutoparError(f"autopar's runtime cannot shard these experts over ep: {blocker}; "
                            "use ep=1, or a framework that runs its own implementation "
                            "(--framework torchtitan or megatron-lm)")
-    if experts % cfg.ep:
-        raise AutoparError(f"ep={cfg.ep} must divide the model's {experts} experts")
+    problem = ep_problem(cfg.ep, cfg.data_ranks, [experts])
+    if problem:
+        raise AutoparError(problem)
 
 
 def _check_moe_sp(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
@@ -262,13 +249,10 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
             f"{len(structure.block_keys)} blocks (+ embedding and head); make the plan for "
             "this model"
         )
-    tied = _tied_params(model)
+    tied = tied_fqns(model)
     if tied and (cfg.pp > 1 or cfg.tp > 1):
-        raise AutoparError(
-            f"{type(model).__name__} ties {tied[1]} to {tied[0]} (one weight), which autopar "
-            "cannot split over pp > 1 or tp > 1; untie them (zoo: tie_embeddings=False, HF: "
-            f"tie_word_embeddings=false) or use --dp {cfg.world_size}"
-        )
+        check_tied_split(model, tied, structure.before, structure.after, plan.tp_layout, cfg.tp,
+                         cfg.world_size)
     if cfg.tp > 1:
         check_tensor_parallel(model, plan, structure)
     for stage in plan.stages:
@@ -316,11 +300,6 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
     spec = _spec_of(model_or_spec)
     if spec is not None:
         _check_spec(spec, plan)
-        if spec.tie_embeddings and (plan.config.pp > 1 or plan.config.tp > 1):
-            raise AutoparError(
-                "the model ties its lm head to its token embedding, which autopar cannot split "
-                "over pp > 1 or tp > 1; build it with tie_embeddings=False or use dp only"
-            )
     _check_schedule(plan)
     _check_ep(model_or_spec, plan)
     _check_moe_sp(model_or_spec, plan)
@@ -391,6 +370,7 @@ def apply_plan(
     dp_mesh = data_parallel_mesh(mesh, cfg)
     pp_rank = mesh["pp"].get_local_rank()
     stage_plans = plan.stages_for_rank(pp_rank)
+    tied = prepare_tied(model, cfg.pp, cfg.tp)  # a tied embedding and head (tied_weights.py)
     # [PP] one stage module per stage this rank runs (the model itself when pp == 1).
     seq_shards = cfg.tp if cfg.sequence_parallel else 1
     parts = ([split_stage(model, s, structure, seq_shards=seq_shards) for s in stage_plans]
@@ -398,27 +378,30 @@ def apply_plan(
     layout = plan.tp_layout or default_tp_layout(model, structure.container)
     experts_groups = ep_groups(cfg, mesh.device_type) if cfg.ep > 1 else None
     wrapped = [_parallelize_part(part, s, structure, layout, mesh, dp_mesh, cfg, experts_groups,
-                                 loss_parallel=vocab_loss)
+                                 loss_parallel=vocab_loss,
+                                 retied=tied if cfg.pp == 1 else None)
                for part, s in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
-    schedule, stages = None, ()
-    if cfg.pp > 1:
-        stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, _device_of(mesh),
-                                    mesh["pp"].get_group()))
-        schedule = build_schedule(list(stages), plan, loss)
+    stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, _device_of(mesh),
+                                mesh["pp"].get_group())) if cfg.pp > 1 else ()
+    schedule = build_schedule(list(stages), plan, loss) if cfg.pp > 1 else None
     return ParallelizedModel(
         model_parts=tuple(wrapped), schedule=schedule, stages=stages,
         has_first_stage=0 in indices, has_last_stage=cfg.num_stages - 1 in indices, plan=plan,
         mesh=mesh, loss_fn=loss, stage_indices=indices, autocast_dtype=_autocast_dtype(plan),
+        tied=tied_copies(tied, mesh, cfg.schedule, cfg.pp, cfg.num_stages),
     )
 
 
 def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelStructure,
                       layout: dict[str, str], mesh: DeviceMesh, dp_mesh: DeviceMesh,
                       cfg: ParallelConfig, experts_groups: Any, *,
-                      loss_parallel: bool = False) -> nn.Module:
+                      loss_parallel: bool = False,
+                      retied: tuple[str, str] | None = None) -> nn.Module:
     """TP -> EP -> recompute -> DP on one stage module (the fixed order of ``apply_plan``);
-    ``dp_mesh`` is ``mesh.data_parallel_mesh`` (dp, dp x cp, or HSDP's 2-D mesh)."""
+    ``dp_mesh`` is ``mesh.data_parallel_mesh`` (dp, dp x cp, or HSDP's 2-D mesh); ``retied``:
+    the FQNs of a weight tied between the embedding and the head, pointed back at one DTensor
+    after TP."""
     # [TP] parallelize_module by the plan's layout.
     apply_tensor_parallel(
         part,
@@ -429,6 +412,8 @@ def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelSt
         first_block=structure.first_block,
         loss_parallel=loss_parallel,
     )
+    if retied:
+        retie(part, retied)
     # [EP] routed experts sharded over the ep ranks (before AC: a recomputed block re-runs
     # the all-to-alls; before DP: the wrappers leave the experts out).
     local_experts = apply_expert_parallel(part, experts_groups, cfg)

@@ -134,13 +134,27 @@ def read_manifest(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tuple[dict, list, dict]:
+def _optim_key(key: str, tied: tuple[str, str] | None) -> str:
+    """The merged key of a flat optimizer entry: a tied head's copy (``tied_weights.py``) is
+    stored under the embedding's name, as the one-process model (one weight) names its state."""
+    if tied is not None:
+        for section in ("state.", "param_groups."):
+            if key.startswith(f"{section}{tied[1]}."):
+                return f"optim.{section}{tied[0]}.{key[len(section) + len(tied[1]) + 1:]}"
+    return f"optim.{key}"
+
+
+def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any],
+                  tied: tuple[str, str] | None = None) -> tuple[dict, list, dict]:
     """One flat state dict over all model parts, the key sets of each part, and the entries
     replaced by views (expert-parallel experts as whole-tensor DTensors,
     ``expert_parallel.expert_state_views``) with the values they replaced.
 
     ``get_optimizer_state_dict`` creates the optimizer state if it does not exist yet (a zero-lr
-    step), which DCP needs before it can load into it.
+    step), which DCP needs before it can load into it. ``tied``: the (embedding, head) FQNs of
+    a weight tied across a pipeline split: the head copy's optimizer state is merged under the
+    embedding's name (``_optim_key``; where one rank holds both copies, the two states are
+    equal and the embedding's is the one saved and loaded).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -156,7 +170,7 @@ def _merged_state(model_parts: Sequence[Any], optimizers: Sequence[Any]) -> tupl
         for key, value in model_sd.items():
             merged[f"model.{key}"] = value
         for key, state in optim_sd.items():
-            merged[f"optim.{key}"] = state
+            merged.setdefault(_optim_key(key, tied), state)
         for key, view in expert_state_views(part, model_sd, optim_sd).items():
             replaced[key], merged[key] = merged[key], view
     return merged, part_keys, replaced
@@ -169,6 +183,7 @@ def save_checkpoint(
     optimizers: Sequence[Any],
     *,
     marker: dict[str, Any],
+    tied: tuple[str, str] | None = None,
 ) -> Path:
     """Write the checkpoint of step ``step`` atomically, manifest last (collective).
 
@@ -179,6 +194,7 @@ def save_checkpoint(
         optimizers: one optimizer per model part, in the same order.
         marker: JSON-ready facts recorded in the manifest (world size, config); ``step`` is
             added.
+        tied: ``ParallelizedModel.tied.fqns`` where the pipeline split a tied weight.
 
     Returns:
         The path of the complete checkpoint.
@@ -195,7 +211,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state, _, _ = _merged_state(model_parts, optimizers)
+    state, _, _ = _merged_state(model_parts, optimizers, tied)
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     digests = _shared_digests(tmp)
@@ -255,28 +271,31 @@ def load_latest_checkpoint(
     optimizers: Sequence[Any],
     *,
     trust: bool,
+    tied: tuple[str, str] | None = None,
 ) -> ResumePoint:
     """Load the newest checkpoint that verifies into this rank's parts and optimizers.
 
     Collective: every rank calls it. Each checkpoint is checked against its manifest before
     ``dcp.load`` reads it (the ranks share the hashing); one without a manifest is loaded only
-    when ``trust``. The current split may differ from the one that saved (DCP reshards).
+    when ``trust``. The current split may differ from the one that saved (DCP reshards);
+    ``tied`` as for ``save_checkpoint``.
 
     Returns:
         The ResumePoint (``step`` None: nothing loaded).
     """
     point = find_resume_point(checkpoint_dir, trust=trust, check=_agreed_problem)
     if point.step is not None:
-        _load(checkpoint_path(checkpoint_dir, point.step), model_parts, optimizers)
+        _load(checkpoint_path(checkpoint_dir, point.step), model_parts, optimizers, tied)
     return point
 
 
-def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any]) -> None:
+def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any],
+          tied: tuple[str, str] | None = None) -> None:
     """``dcp.load`` of the checked checkpoint ``path``, then each part's state set from it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state, part_keys, replaced = _merged_state(model_parts, optimizers)
+    state, part_keys, replaced = _merged_state(model_parts, optimizers, tied)
     dcp.load(state, checkpoint_id=str(path))
     state.update(replaced)  # the expert views were loaded in place, into these tensors
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -289,6 +308,15 @@ def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any]) -> 
             part,
             optimizer,
             model_state_dict={k: state[f"model.{k}"] for k in model_keys},
-            optim_state_dict={k: state[f"optim.{k}"] for k in optim_keys},
+            # A copy per part: two parts may read one merged entry (a tied weight's two
+            # copies on one rank), and an optimizer must not share its state tensors.
+            optim_state_dict={k: _copied(state[_optim_key(k, tied)]) for k in optim_keys},
             options=options,
         )
+
+
+def _copied(value: Any) -> Any:
+    """A tensor's copy (a DTensor's too); other values as they are."""
+    import torch
+
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -185,6 +185,7 @@ class _Job:
     global_batch: int
     seq_len: int
     vocab: int
+    tied: tuple[str, str] | None = None  # a tied weight's FQNs, split over pp (checkpoint.py)
 
 
 def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
@@ -215,7 +216,8 @@ def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
         return train_step(pmodel, tokens, labels, optimizers)
 
     return _Job(model_parts=list(pmodel.model_parts), step=step,
-                global_batch=plan.config.global_batch, seq_len=args.seq_len, vocab=args.vocab)
+                global_batch=plan.config.global_batch, seq_len=args.seq_len, vocab=args.vocab,
+                tied=pmodel.tied.fqns if pmodel.tied is not None else None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -367,6 +369,7 @@ def _train(args: WorkerArgs, device: torch.device, tracker: LiveTensorBytes | No
                 checkpoint.save_checkpoint(
                     args.checkpoint_dir, step, job.model_parts, optimizers.optimizers,
                     marker={"world_size": dist.get_world_size(), "config": args.plan["config"]},
+                    tied=job.tied,
                 )
     finally:
         if tracking:
@@ -386,7 +389,8 @@ def _resume(args: WorkerArgs, job: _Job, optimizers: _Optimizers) -> int:
     if not args.checkpoint_dir:
         return 0
     point = checkpoint.load_latest_checkpoint(
-        args.checkpoint_dir, job.model_parts, optimizers.optimizers, trust=args.trust_checkpoint
+        args.checkpoint_dir, job.model_parts, optimizers.optimizers, trust=args.trust_checkpoint,
+        tied=job.tied,
     )
     if point.step is None and point.skipped:
         raise NoUsableCheckpointError(point.refusal(args.checkpoint_dir))

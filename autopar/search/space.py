@@ -15,7 +15,8 @@ Rules (each one a constraint the runtime or torch imposes):
   Schedule1F1B needs m >= stages; ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble need
   m to be a multiple of max(1, m // pp) ("rounds"); ScheduleZBVZeroBubble and ScheduleDualPipeV
   run exactly 2 chunks per rank, and DualPipeV needs m >= 2 pp; GPipe takes any m;
-- sequence parallelism only when tp > 1; ZeRO stages > 0 only when dp > 1 (nothing to shard:
+- sequence parallelism only when tp > 1 divides each rank's sequence, seq_len / cp
+  (``validate.sp_problem``); ZeRO stages > 0 only when dp > 1 (nothing to shard:
   they are the same plan as stage 0);
 - expert parallelism only for mixture-of-experts models: ep divides dp (* cp) and every layer's
   number of experts (``expert_degrees``, ``validate.ep_problem``);
@@ -34,7 +35,7 @@ from collections.abc import Iterator
 from autopar.config import ParallelConfig
 from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.cost_model.hardware import DeviceSpec
-from autopar.cost_model.validate import ep_problem, stages_problem, tp_problem
+from autopar.cost_model.validate import ep_problem, sp_problem, stages_problem, tp_problem
 from autopar.schedules import DEFAULT_SCHEDULE, check_schedule, get_schedule
 from autopar.search.dimensions import cp_choices, dtype_choices, replicate_choices
 from autopar.search.options import SearchOptions
@@ -173,11 +174,12 @@ def enumerate_candidates(
         for cp in cp_choices(data_ranks, seq_len, options, framework):
             yield from _shape_candidates(data_ranks // cp, cp, tp, pp, gpus_per_node,
                                          num_layers, global_batch, options, dtypes,
-                                         expert_counts, moe_sequence_parallel)
+                                         expert_counts, moe_sequence_parallel, seq_len)
 
 
 def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, options,
-                      dtypes, expert_counts, moe_sp: bool) -> Iterator[ParallelConfig]:
+                      dtypes, expert_counts, moe_sp: bool,
+                      seq_len: int | None) -> Iterator[ParallelConfig]:
     framework = get_framework(options.framework)
     if global_batch % dp:
         return
@@ -185,7 +187,8 @@ def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, o
     sizes = divisors(per_replica)
     if options.micro_batch_sizes is not None:
         sizes = [b for b in sizes if b in options.micro_batch_sizes]
-    sps = sorted(set(options.sequence_parallel)) if tp > 1 else [False]
+    sps = [sp for sp in sorted(set(options.sequence_parallel))
+           if sp_problem(sp, tp, cp, seq_len) is None] or [False]
     if not framework.sequence_parallel:  # the framework has none: plan without it
         sps = [False]
     if expert_counts and not moe_sp:  # the framework runs these MoE blocks without SP

@@ -5,10 +5,10 @@ a model-file CNN (images, its own loss_fn), a model-file encoder-decoder (keywor
 file without ``loss_fn`` whose model returns its own ``loss``, and a tiny Hugging Face Llama built
 from its config (blocks at ``model.layers``, the LM default loss on its ``.logits``). The HF Llama
 under tp 2 with sequence parallelism (the layout ``autopar plan`` finds in the profile) and the
-nanoGPT-shaped file (blocks at ``transformer.h``) under pp 2 give them too. What stays refused
-names the part that blocks the split and the split that works: tp / pp of the CNN (no token
-embedding) and of the encoder-decoder (a second block stack), a tied GPT-2 head, FSDP of a fused
-q/k/v split.
+nanoGPT-shaped file (blocks at ``transformer.h``) under pp 2, and Hugging Face GPT-2 with its
+lm head tied to the token embedding under tp 2 and pp 2, give them too. What stays refused names
+the part that blocks the split and the split that works: tp / pp of the CNN (no token embedding)
+and of the encoder-decoder (a second block stack), FSDP of a fused q/k/v split.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ HF_LLAMA = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
     "max_position_embeddings": 16, "tie_word_embeddings": False,
 }
-# GPT-2 with its default tied lm head.
+# GPT-2 with its default tied lm head (no dropout: every split draws the same nothing).
 HF_GPT2_TIED = {
     "model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64,
-    "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0,
+    "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0, "attn_pdrop": 0.0,
 }
 
 
@@ -89,6 +90,10 @@ def test_dp_and_fsdp_equal_one_process(name: str, zero: str, one_process) -> Non
     [
         ("hf-llama", ("--tp", "2", "--sequence-parallel")),
         ("tiny_nanogpt_split.py", ("--pp", "2")),
+        # The tied head: one vocab-parallel weight under tp; two copies under pp whose
+        # gradients are summed (runtime/tied_weights.py).
+        ("hf-gpt2-tied", ("--tp", "2", "--sequence-parallel")),
+        ("hf-gpt2-tied", ("--pp", "2")),
     ],
 )
 def test_decoders_split_equal_one_process(name: str, split: tuple[str, ...], one_process) -> None:
@@ -103,7 +108,6 @@ def test_decoders_split_equal_one_process(name: str, split: tuple[str, ...], one
     [
         ("tiny_cnn.py", ("--tp", "2"), "'stages'", "--dp 2"),
         ("tiny_seq2seq.py", ("--pp", "2"), "'decoder.layers'", "--dp 2"),
-        ("hf-gpt2-tied", ("--tp", "2"), "lm_head.weight", "--dp 2"),
         ("tiny_nanogpt_split.py", ("--dp", "2", "--tp", "2", "--zero", "3"),
          "transformer.h.0.attn.c_attn", "--zero 0"),
     ],

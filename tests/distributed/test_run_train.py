@@ -120,6 +120,27 @@ def test_resume_same_and_different_split(tmp_path: Path, reference: dict) -> Non
 
 
 @pytest.mark.timeout(400)
+def test_a_tied_head_resumes_across_pipeline_splits(tmp_path: Path) -> None:
+    """GPT-2's tied embedding and head: one weight in one process, two copies under pp (one
+    rank each, or both on rank 0 under ZBV). A checkpoint of either resumes under the other
+    with the uninterrupted losses: the head copy's optimizer state is stored under the
+    embedding's name (runtime/checkpoint.py)."""
+    tied = MODEL + ",tie_embeddings=true"
+    whole = run_json(tied, *BATCH, "--steps", "4")["losses"]
+    splits = {"one": (), "pp2": ("--pp", "2"),
+              "zbv": ("--pp", "2", "--schedule", "zbv-zero-bubble", "--virtual-stages", "2")}
+    for source, target in (("one", "pp2"), ("zbv", "one"), ("pp2", "zbv")):
+        ckpt = tmp_path / f"{source}-{target}"
+        first = run_json(tied, *BATCH, *splits[source], "--steps", "2", "--checkpoint-dir",
+                         str(ckpt))
+        assert rel_diff(first["losses"], whole[:2]) < 1e-5, (source, first["losses"], whole)
+        resumed = run_json(tied, *BATCH, *splits[target], "--steps", "4", "--checkpoint-dir",
+                           str(ckpt), "--resume")
+        assert resumed["steps"] == [3, 4]
+        assert rel_diff(resumed["losses"], whole[2:]) < 1e-5, (source, target, resumed, whole)
+
+
+@pytest.mark.timeout(400)
 def test_killed_worker_restarts_from_checkpoint(tmp_path: Path, dp2_run: dict) -> None:
     marker = tmp_path / "fault_marker"
     env = {"AUTOPAR_TEST_FAIL_AT": f"1:3:{marker}"}

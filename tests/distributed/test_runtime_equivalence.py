@@ -18,7 +18,17 @@ from tests.helpers import case_errors
 SHAPES: dict[str, dict[str, int]] = {
     "gpt": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8},
     "llama": {"layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64, "seq_len": 8},
+    # GPT-2's lm head tied to its token embedding (the zoo's GPT presets).
+    "gpt-tied": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8,
+                 "tie_embeddings": True},
 }
+
+
+def _build(name: str, **kwargs: Any) -> Any:
+    """The zoo model of a SHAPES entry (its kind is the name's first word)."""
+    from autopar.models import build
+
+    return build(name.split("-")[0], **SHAPES[name], **kwargs)
 GLOBAL_BATCH = 8
 STEPS = 3
 LR = 1e-2
@@ -77,7 +87,6 @@ def run_case(kind: str, cfg_kwargs: dict[str, Any], recompute: dict[int, str] | 
     from torch.testing import assert_close
 
     from autopar.config import ParallelConfig
-    from autopar.models import build
     from autopar.runtime import apply_plan, build_mesh
     from autopar.runtime.step import gathered_grads, local_batch, one_process_reference, train_step
 
@@ -86,9 +95,9 @@ def run_case(kind: str, cfg_kwargs: dict[str, Any], recompute: dict[int, str] | 
     # bf16 (FSDP2 MixedPrecisionPolicy / autocast) rounds to ~3 significant digits: loss only.
     exact = cfg.dtype == "fp32"
     plan = make_plan(cfg, shape["layers"], recompute)
-    reference = build(kind, device="cpu", seed=0, **shape)
+    reference = _build(kind, device="cpu", seed=0)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    pm = apply_plan(build(kind, device="cpu", seed=0, **shape), plan, build_mesh(plan, "cpu"))
+    pm = apply_plan(_build(kind, device="cpu", seed=0), plan, build_mesh(plan, "cpu"))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     ref_losses, losses = [], []
     for step, (tokens, labels) in enumerate(batches(kind)):
@@ -124,18 +133,19 @@ def run_cases(rank: int, world_size: int, cases: list[tuple[str, str, dict, Any]
 
 def check_results(results: list[dict], cases: list[tuple[str, str, dict, Any]]) -> None:
     """Fail with every failing case; check the ranks together covered every parameter."""
-    from autopar.models import build
-
     errors = []
-    for name, kind, _cfg, _rc in cases:
-        all_fqns = {n for n, _ in build(kind, **SHAPES[kind]).named_parameters()}
+    for name, kind, cfg, _rc in cases:
+        # A tied head split from its embedding by pp is a second parameter, checked by name.
+        split = cfg.get("pp", 1) > 1
+        all_fqns = {n for n, _ in _build(kind).named_parameters(remove_duplicate=not split)}
         errors += case_errors(name, [r[name] for r in results], all_fqns)
     assert not errors, "\n".join(errors)
 
 
-def _cases(configs: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict, Any]]:
+def _cases(configs: dict[str, dict[str, Any]],
+           kinds: tuple[str, ...] = ("gpt", "llama")) -> list[tuple[str, str, dict, Any]]:
     cases = []
-    for kind in SHAPES:
+    for kind in kinds:
         for name, cfg in configs.items():
             cfg = dict(cfg)
             recompute = cfg.pop("recompute_layers", None)
@@ -194,5 +204,34 @@ def test_splits_equal_one_process(
     run_distributed: Any, world_size: int, configs: dict[str, dict[str, Any]]
 ) -> None:
     cases = _cases(configs)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=280)
+    check_results(results, cases)
+
+
+# A tied embedding and head: one DTensor under tp, two copies whose gradients are summed across
+# a pipeline split (over a pair of pp ranks, or in place when one rank holds both: ZBV).
+TIED_2: dict[str, dict[str, Any]] = {
+    "tp2-sp": {"tp": 2, "sequence_parallel": True},
+    "pp2-1f1b": {"pp": 2, "schedule": "1f1b", "micro_batch": 2},
+    "pp2-zbv": {"pp": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2, "micro_batch": 2},
+}
+TIED_4: dict[str, dict[str, Any]] = {
+    "pp2xdp2-fsdp": {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"},
+    "pp2xdp2-zero1-interleaved": {
+        "pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+    },
+    "pp4-1f1b": {"pp": 4, "schedule": "1f1b", "micro_batch": 2},
+    "pp2xtp2": {"pp": 2, "tp": 2, "schedule": "1f1b", "micro_batch": 2, "sequence_parallel": True},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "configs"), [(2, TIED_2), (4, TIED_4)],
+                         ids=["two_process", "four_process"])
+def test_tied_embedding_splits_equal_one_process(
+    run_distributed: Any, world_size: int, configs: dict[str, dict[str, Any]]
+) -> None:
+    cases = _cases(configs, kinds=("gpt-tied",))
     results = run_distributed(run_cases, world_size, cases, timeout_s=280)
     check_results(results, cases)

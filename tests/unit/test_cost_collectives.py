@@ -19,6 +19,7 @@ from autopar.cost_model.collectives import expected_collectives, multi_stage_fsd
 from autopar.cost_model.dp_comm import dp_collectives, fsdp_unit_params
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table, charged_collectives
+from autopar.cost_model.tied_head import split_tied_head
 from autopar.cost_model.tp_comm import tp_collectives
 from tests.fixtures.profiles import analytic_transformer_profile
 
@@ -116,7 +117,8 @@ def test_time_terms_are_the_charged_records(tp, dp, pp, zero, sp):
         for k in range(3):
             assert cost.tp_comm_s[k] == pytest.approx(
                 sum(c.time_s(groups["tp"]) for c in tp_calls[k]), rel=1e-12, abs=0.0)
-        dp_calls = dp_collectives(cfg, fsdp_unit_params(PROFILE, cfg, i))
+        # The pipeline gives a head tied to the embedding its own copy (tied_head.py).
+        dp_calls = dp_collectives(cfg, fsdp_unit_params(split_tied_head(PROFILE, cfg.pp), cfg, i))
         step = sum(c.time_s(groups["dp"]) for c in dp_calls if c.per == "step")
         per_mb = sum(c.time_s(groups["dp"]) for c in dp_calls if c.per == "microbatch")
         assert cost.dp_step_s == pytest.approx(step, rel=1e-12, abs=0.0)

@@ -96,3 +96,20 @@ def test_balanced_partition_is_optimal_on_arbitrary_floats(costs, data):
     split = balanced_partition(costs, k)
     worst = max(sum(costs[a:b + 1]) for a, b in split)
     assert worst == pytest.approx(_brute(costs, k), rel=1e-6, abs=1e-9)
+
+
+def test_sequence_parallelism_needs_tp_to_divide_each_ranks_sequence():
+    """A 30-token sequence cannot be sharded over tp 4: estimate refuses it, and the search
+    (every candidate of the top 60) proposes no such plan; tp 2 still gets sequence
+    parallelism. autopar's runtime refused these plans after the planner had proposed them."""
+    import autopar
+
+    model = autopar.models.build("gpt", layers=4, hidden=64, heads=4, vocab=256, seq_len=30)
+    profile = autopar.profile(model, seq_len=30)
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=4)
+    with pytest.raises(ValueError, match="seq_len / cp = 30 to be a multiple of tp"):
+        estimate(profile, cluster, ParallelConfig(tp=4, global_batch=4, sequence_parallel=True))
+    plans = autopar.plan(profile, cluster, global_batch=4, top_k=60)
+    splits = {(p.config.tp, p.config.sequence_parallel) for p in plans}
+    assert (4, True) not in splits
+    assert (4, False) in splits and (2, True) in splits

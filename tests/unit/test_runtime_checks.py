@@ -44,13 +44,11 @@ def _plan(num_blocks: int = 4, layout: dict[str, str] | None = None, **cfg: Any)
 @pytest.mark.parametrize(
     ("shape", "cfg", "match"),
     [
-        (dict(LLAMA, heads=4, kv_heads=1), {"tp": 2}, "kv_heads=1"),
-        (dict(GPT, heads=2, hidden=32), {"tp": 4}, "heads=2"),
+        (dict(LLAMA, heads=4, kv_heads=1), {"tp": 2}, "kv_heads = 1"),
+        (dict(GPT, heads=2, hidden=32), {"tp": 4}, "heads = 2"),
         (dict(GPT, seq_len=6), {"tp": 4, "sequence_parallel": True}, "seq_len"),
-        (dict(GPT, tie_embeddings=True), {"pp": 2}, "ties"),
-        (dict(GPT, tie_embeddings=True), {"tp": 2}, "ties"),
         (GPT, {"pp": 4, "global_batch": 2}, "1f1b needs at least"),
-        (dict(GPT, seq_len=6), {"cp": 2}, r"2 \* cp = 4 chunks"),
+        (dict(GPT, seq_len=6), {"cp": 2}, r"multiple of 2 \* cp = 4"),
         (dict(GPT, seq_len=12), {"cp": 2, "tp": 4, "sequence_parallel": True}, "seq_len / cp"),
     ],
 )
@@ -61,6 +59,22 @@ def test_unrunnable_plans_fail_before_launch(shape: dict, cfg: dict, match: str)
         check_plan_runnable(make_spec(kind, **shape), plan)
     with pytest.raises(AutoparError, match=match):
         check_plan_runnable(build(kind, **shape), plan)  # meta device
+
+
+def test_a_tied_embedding_and_head_split_only_when_both_shard_over_the_vocabulary() -> None:
+    """The runtime splits a weight tied between the token embedding and the lm head (pp: two
+    copies, tp: one vocab-parallel DTensor; tied_weights.py), not a layout sharding them
+    differently, nor a weight tied between other modules."""
+    tied = dict(GPT, tie_embeddings=True)
+    for cfg in ({"pp": 2}, {"tp": 2}, {"pp": 2, "tp": 2}):
+        check_plan_runnable(build("gpt", **tied), _plan(**cfg))
+    hidden_split = {"tok_embeddings": "colwise"}
+    with pytest.raises(AutoparError, match="does not shard both over the vocabulary"):
+        check_plan_runnable(build("gpt", **tied), _plan(layout=hidden_split, tp=2))
+    blocks_tied = build("gpt", **GPT)
+    blocks_tied.layers["1"].attention.wq.weight = blocks_tied.layers["0"].attention.wq.weight
+    with pytest.raises(AutoparError, match="only between the token embedding and the lm head"):
+        check_plan_runnable(blocks_tied, _plan(pp=2))
 
 
 def test_plan_for_another_model_is_a_mismatch() -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "RECOMPUTE",
     "SCHEDULES",
     "TORCH_DTYPE_NAMES",
+    "ZERO_STAGES",
     "ParallelConfig",
     "base_dtype",
     "dp_mechanism",
@@ -36,6 +37,8 @@ __all__ = [
 # Pipeline schedules by name (records and rules in autopar/schedules.py).
 SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+# ZeRO stages (data_parallel.py: what each means in torch terms).
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # fp8: fp8 matmuls (torchao float8 / Transformer Engine) with bf16 everywhere else, so its
 # stored tensors (parameters, gradients, activations) are 2 bytes like bf16.
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
@@ -126,7 +129,7 @@ class ParallelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"ParallelConfig.dtype {self.dtype!r} is unknown; use one of {DTYPES}")
-        if type(self.zero) is not int or self.zero not in (0, 1, 2, 3):
+        if type(self.zero) is not int or self.zero not in ZERO_STAGES:
             raise ValueError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError("ParallelConfig.sequence_parallel must be true or false")

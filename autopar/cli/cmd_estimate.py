@@ -8,10 +8,8 @@ import contextlib
 from typing import Any
 
 from autopar.cli import common
-from autopar.cli.argtypes import int_in
-from autopar.config import DTYPES, MAX_GLOBAL_BATCH, OFFLOADS, RECOMPUTE, SCHEDULES
-from autopar.cost_model.hardware import MAX_GPUS
-from autopar.schedules import DEFAULT_SCHEDULE, get_schedule
+from autopar.cli.split_args import add_split_arguments
+from autopar.schedules import get_schedule
 
 NAME = "estimate"
 HELP = "predict time and memory of one given split of MODEL"
@@ -22,31 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``estimate``'s arguments."""
     common.add_model_argument(parser)
     common.add_cluster_arguments(parser)
-    split = parser.add_argument_group("split")
-    for name in ("dp", "cp", "tp", "pp"):
-        split.add_argument(
-            f"--{name}", type=int_in(1, MAX_GPUS), default=1, help=f"{name} degree (default 1)"
-        )
-    split.add_argument("--ep", type=int_in(1, MAX_GPUS), default=1,
-                       help="expert-parallel degree of a mixture-of-experts model (divides dp; "
-                       "default 1)")
-    split.add_argument("--dp-replicate", type=int_in(1, MAX_GPUS), default=1,
-                       help="HSDP replicas of a dp / dp_replicate shard group (needs --zero >= 1)")
-    split.add_argument("--offload", default="none", choices=OFFLOADS,
-                       help="optimizer state (and parameters) in host memory (needs --zero >= 1)")
-    split.add_argument("--micro-batch", type=int_in(1, MAX_GLOBAL_BATCH), default=1,
-                       help="sequences per micro-batch")
-    split.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
-                       help="sequences per step")
-    split.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=SCHEDULES)
-    split.add_argument(
-        "--virtual-stages", type=int_in(1, 1024), default=None,
-        help="chunks per rank (interleaved: 2)",
-    )
-    split.add_argument("--recompute", default="none", choices=RECOMPUTE)
-    split.add_argument("--sequence-parallel", action="store_true")
-    split.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    split.add_argument("--dtype", default="bf16", choices=DTYPES)
+    add_split_arguments(parser.add_argument_group("split"), for_run=False)
     common.add_framework_argument(parser)
     common.add_output_arguments(parser)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.cli.split_args import add_split_arguments
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.stdio import document_stdout
 from autopar.units import MIB
@@ -45,27 +46,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with a plan: the model to run (default: the plan's model field; "
                         "a .py model file runs only when named here)")
     split = parser.add_argument_group("split (with a model; a plan brings its own)")
-    for name in ("dp", "tp", "pp"):
-        split.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default 1)")
-    for flag, text in (("--cp", "context-parallel degree: sequences sharded over cp ranks"),
-                       ("--dp-replicate", "HSDP replicas: dp = dp_replicate x shard (zero >= 1)")):
-        split.add_argument(flag, type=int, default=None, help=f"{text} (default 1)")
-    split.add_argument("--offload", default=None, choices=("none", "optimizer", "params"),
-                       help="keep sharded state in host memory with FSDP2's CPUOffloadPolicy "
-                       "(default none; needs --zero >= 1, params needs --zero 3)")
-    split.add_argument("--ep", type=int, default=None,
-                       help="expert-parallel degree of a mixture-of-experts model (divides dp; "
-                       "default 1)")
-    split.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b)")
-    split.add_argument("--virtual-stages", type=int, default=None,
-                       help="model chunks per pipeline rank (default 2 for interleaved schedules)")
-    split.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch")
-    split.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
-    split.add_argument("--recompute", default=None, choices=("none", "selective", "full"))
-    split.add_argument("--sequence-parallel", action="store_true", default=None)
-    split.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
-                       help="training precision (default fp32 on CPU, bf16 on GPU)")
-    split.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    add_split_arguments(split, for_run=True)
     parser.add_argument("--steps", type=int, required=True,
                         help="total optimizer steps (with --resume: continue up to this step)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.config import DTYPES, OFFLOADS, SCHEDULES
+from autopar.config import DTYPES, OFFLOADS, SCHEDULES, ZERO_STAGES
 
 __all__ = ["SOLVERS", "SearchOptions"]
 
@@ -69,7 +69,7 @@ class SearchOptions:
     max_virtual_stages: int = 4
     max_tp: int | None = None
     allow_tp_across_nodes: bool = False
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[int, ...] = ZERO_STAGES
     sequence_parallel: tuple[bool, ...] = (True,)
     micro_batch_sizes: tuple[int, ...] | None = None
     solver: str = "highs"
@@ -101,7 +101,7 @@ class SearchOptions:
             raise ValueError("SearchOptions.max_virtual_stages must be >= 2")
         if self.max_tp is not None and self.max_tp < 1:
             raise ValueError(f"SearchOptions.max_tp must be >= 1, got {self.max_tp}")
-        if not self.zero_stages or any(z not in (0, 1, 2, 3) for z in self.zero_stages):
+        if not self.zero_stages or any(z not in ZERO_STAGES for z in self.zero_stages):
             raise ValueError(f"SearchOptions.zero_stages {self.zero_stages!r}: use 0, 1, 2, 3")
         if not self.sequence_parallel:
             raise ValueError("SearchOptions.sequence_parallel must list at least one setting")

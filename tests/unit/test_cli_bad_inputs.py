@@ -38,6 +38,12 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu", ","], "names no GPU preset"),
     (["plan", TINY, "--gpus", "x"], "see `autopar plan --help`"),
     (["run", "nothing.json"], "see `autopar run --help`"),
+    # run declares the split flags as estimate does (cli/split_args.py): --dp 0 ran as dp 1.
+    (["run", TINY, "--steps", "1", "--global-batch", "4", "--dp", "0"], "--dp: must be from 1"),
+    (["run", TINY, "--steps", "1", "--global-batch", "4", "--micro-batch", "0"],
+     "--micro-batch: must be from 1"),
+    (["run", TINY, "--steps", "1", "--global-batch", "4", "--schedule", "x"],
+     "--schedule: invalid choice"),
     (["plan", "llama:layers=2,hidden=64,heads=4,vocab=256,seq_len=32,rope_theta=nan",
       "--gpus", "1", "--global-batch", "2"], "rope_theta must be a positive finite"),
     (["estimate", TINY, "--dp", "4", "--ep", "2", "--global-batch", "8", "--gpu", "h100",

@@ -24,7 +24,7 @@ from typing import Any
 
 from autopar.config import TORCH_DTYPE_NAMES
 from autopar.cost_model.framework_support import moe_support
-from autopar.cost_model.frameworks import framework_supports, get_framework
+from autopar.cost_model.frameworks import FRAMEWORKS, framework_supports, get_framework
 from autopar.export_base import (
     Export,
     block_mode,
@@ -351,9 +351,9 @@ def export_plan(plan: Plan, to: str, **options: Any) -> Export:
     return EXPORTERS[to](plan, **options)
 
 
-# Export format -> the framework that runs what it writes (slurm launches `autopar run`).
-EXPORT_FRAMEWORK = {"torchtitan": "torchtitan", "megatron": "megatron-lm",
-                    "deepspeed": "deepspeed", "slurm": "autopar"}
+# Export format -> the framework that runs what it writes (its record's ``exports``; slurm
+# launches `autopar run`).
+EXPORT_FRAMEWORK = {fmt: name for name in FRAMEWORKS for fmt in get_framework(name).exports}
 
 
 def export_refusal(plan: Plan, to: str) -> str | None:

@@ -280,13 +280,13 @@ class Plan:
         that ``estimate`` predicts it there; ``estimate`` is left as the plan's own.
 
         Raises:
-            PlanMismatchError: ``cluster`` does not have the plan's dp*tp*pp GPUs.
+            PlanMismatchError: ``cluster`` does not have the plan's dp*cp*tp*pp GPUs.
         """
         data = cluster.to_dict()
         world = int(data.get("nodes", 0)) * int(data.get("gpus_per_node", 0))
         if world != self.config.world_size:
             raise PlanMismatchError(
-                f"the plan's split uses dp*tp*pp = {self.config.world_size} GPUs but cluster "
+                f"the plan's split uses dp*cp*tp*pp = {self.config.world_size} GPUs but cluster "
                 f"{data.get('name', '?')!s} has {world}; re-plan for it with `autopar plan`")
         return dataclasses.replace(self, cluster=data, cluster_fingerprint=cluster.fingerprint())
 
@@ -408,7 +408,7 @@ def _check_estimate(estimate: Estimate) -> None:
 
 
 def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
-    """dp * tp * pp must be the GPU count of the plan's recorded cluster, and its device must
+    """dp * cp * tp * pp must be the GPU count of the plan's recorded cluster, and its device must
     train the plan's dtype (an fp8 plan on a device without fp8 divided the report by zero)."""
     from autopar.cost_model.hardware import Cluster
     from autopar.cost_model.validate import dtype_problem
@@ -426,7 +426,7 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
         return  # no cluster recorded (a hand-made plan): nothing to check against
     if config.world_size != nodes * per_node:
         raise PlanFormatError(
-            f"the plan's split uses dp*tp*pp = {config.world_size} GPUs but its cluster has "
+            f"the plan's split uses dp*cp*tp*pp = {config.world_size} GPUs but its cluster has "
             f"{nodes} x {per_node} = {nodes * per_node}; re-plan with `autopar plan`"
         )
 

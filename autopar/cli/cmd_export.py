@@ -11,13 +11,14 @@ from autopar.cli.argtypes import int_in
 NAME = "export"
 HELP = "write a plan as a torchtitan TOML, Megatron-LM flags, a DeepSpeed JSON or an sbatch script"
 ORDER = 50
-FORMATS = ("torchtitan", "megatron", "deepspeed", "slurm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``export``'s arguments."""
+    from autopar.exporters import EXPORTERS
+
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file")
-    parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
+    parser.add_argument("--to", required=True, choices=list(EXPORTERS), help="target format")
     parser.add_argument("--out", default=None, metavar="FILE", help="write here (default stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument(

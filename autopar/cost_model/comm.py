@@ -32,8 +32,9 @@ At scale (a group spanning N > 1 nodes), from published nccl-tests figures
 NCCL runs large all-reduces over its tree / NVLS-tree algorithms, whose bus bandwidth stays
 nearly flat from 4 to 1,024 H100 nodes (d_tree 0.7% per doubling at 4-16 GiB) and whose
 latency grows with log2 N (l_tree 0.09 ms per doubling, from the 16 MiB series); all-gather and
-reduce-scatter have only the ring, whose bus bandwidth fell 6.4% per doubling of nodes (4 to 128
-H100 nodes, NVIDIA/nccl#1229) and whose latency grows with the ranks.
+reduce-scatter have only the ring, whose bus bandwidth falls 2.2% per doubling of nodes (d_ring,
+fitted with the rest to the published series, NVIDIA/nccl#1229 among them) and whose latency
+grows with the ranks.
 """
 
 from __future__ import annotations
@@ -249,6 +250,11 @@ COLLECTIVE_KINDS = {
 }
 
 
+# How often a charged collective repeats, and the compute it can overlap.
+COLLECTIVE_PER: tuple[str, ...] = ("microbatch", "step")
+COLLECTIVE_PHASES: tuple[str, ...] = ("forward", "backward")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Collective:
     """Calls of one collective kind on one mesh axis, all of one size: what a cost term charges.
@@ -271,6 +277,14 @@ class Collective:
     per: str
     phase: str
     counted: bool = True
+
+    def __post_init__(self) -> None:
+        # A misspelt value would be charged per micro-batch by one reader and once per step by
+        # another (layer_costs.py reads both ways): refuse it where it is made.
+        if self.per not in COLLECTIVE_PER:
+            raise ValueError(f"Collective.per {self.per!r}: use one of {COLLECTIVE_PER}")
+        if self.phase not in COLLECTIVE_PHASES:
+            raise ValueError(f"Collective.phase {self.phase!r}: use one of {COLLECTIVE_PHASES}")
 
     def time_s(self, link: GroupLink) -> float:
         """All the calls on ``link``: calls * collective_s(kind, size)."""

@@ -155,7 +155,9 @@ class Estimate:
         tokens_per_s: tokens per second for the whole job.
         tflops_per_gpu: model TFLOP/s per GPU (recompute excluded).
         hardware_tflops_per_gpu: executed TFLOP/s per GPU (recompute included).
-        mfu: model FLOPs utilisation, a fraction of the device's peak at the training dtype.
+        mfu: model FLOPs utilisation, a fraction of the device's peak at the training dtype
+            (its 16-bit peak for fp8, whose linears run faster: Megatron-LM's and torchtitan's
+            convention; ``config.base_dtype``).
         memory_per_gpu_bytes: the largest rank's predicted peak memory.
         memory_capacity_bytes: usable device memory (device memory minus the cluster's headroom).
         fits: memory_per_gpu_bytes <= memory_capacity_bytes.

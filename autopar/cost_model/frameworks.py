@@ -120,7 +120,7 @@ class Framework:
         recompute_layers: the per-layer recompute it sets (recompute_layers.RECOMPUTE_LAYERS):
             any mix, the first n blocks of each stage, every n-th block, or one mode.
         stage_splits: the pipeline stage splits it cuts (stage_splits.STAGE_SPLITS).
-        exports: autopar's export formats that configure this framework.
+        exports: autopar's export formats whose output this framework runs (slurm: autopar's).
         memory_band: relative error of predicted peak memory this framework's runs showed (the
             largest one; ``plan --robust`` keeps this much memory free).
         step_time_band: (low, high) factors on the predicted step time holding 80% of this
@@ -285,7 +285,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True,
-        exports=("torchtitan", "megatron", "deepspeed", "slurm"),
+        exports=("slurm",),
         expert_parallel=True, ep_with_tp=True,
         sources={
             "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's and "
@@ -310,8 +310,8 @@ _RECORDS: dict[str, dict[str, object]] = {
             "overlap_slowdown": "sourced: arXiv:2507.03114 (18.9% average compute slowdown "
                                 "under overlapped NCCL collectives); on CPU gloo has no "
                                 "overlap window (dp_overlap_efficiency 0), so it adds nothing",
-            "step_time_band": "measured: p10-p90 of measured / predicted step time over 32 CPU "
-                              "runs (benchmarks/accuracy.py, two sessions) and 6 H200 plans "
+            "step_time_band": "measured: p10-p90 of measured / predicted step time over 48 CPU "
+                              "runs (benchmarks/accuracy.py, three sessions) and 6 H200 plans "
                               "(benchmarks/gpu_verify.py); benchmarks/autopar_band.py",
             "sp_regathers_inputs": "measured: DTensor's colwise linear keeps the gathered input "
                                    "(tests/unit/test_cost_memory_runtime.py)",
@@ -332,7 +332,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
-        sequence_parallel=True, exports=("torchtitan", "slurm"),
+        sequence_parallel=True, exports=("torchtitan",),
         expert_parallel=True, ep_needs_sharded_dp=True,
         sources={
             "ep_needs_sharded_dp": "sourced: torchtitan job_config.py Parallelism."
@@ -373,7 +373,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b", "interleaved-1f1b"), zero_stages=(0, 1), zero_with_pipeline=1,
-        sequence_parallel=True, exports=("megatron", "slurm"),
+        sequence_parallel=True, exports=("megatron",),
         expert_parallel=True, fp8_scaling="delayed", loss_grad_in_place=True,
         interleaved_groups_of_pp=True,
         sources={
@@ -420,7 +420,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=0.075,
         loss_parallel=True, grad_reduce_bytes=2, sp_regathers_inputs=True,
         schedules=("1f1b",), zero_stages=(0, 1, 2, 3), zero_with_pipeline=1,
-        sequence_parallel=False, exports=("deepspeed", "slurm"),
+        sequence_parallel=False, exports=("deepspeed",),
         expert_parallel=True, loss_grad_in_place=True,
         sources={
             "loss_grad_in_place": _MEGATRON_XENT + " (Megatron-DeepSpeed's)",

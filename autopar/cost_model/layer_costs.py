@@ -106,7 +106,7 @@ from autopar.graph.types import ModelProfile
 
 __all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
 
-# torch's foreach AdamW touches its fp32 tensors (param, grad, exp_avg, exp_avg_sq) in about eight
+# Sourced: torch's foreach AdamW touches its fp32 param, grad, exp_avg, exp_avg_sq in about eight
 # elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
 

@@ -79,6 +79,7 @@ from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import LayerProfile, MoEStructure
+from autopar.models.presets import MIXTRAL_ROUTER_IMBALANCE
 
 __all__ = [
     "A2A",
@@ -114,7 +115,7 @@ DROPLESS_IMBALANCE = 1.25
 # fitted: benchmarks/router_imbalance.py, the two families' medians (Mixtral 1.063, Qwen3 1.787):
 # the range an unstated router's imbalance is taken to lie in, which the step-time interval
 # of an expert-parallel split spans (assemble.py).
-FITTED_ROUTER_IMBALANCE_RANGE = (1.06, 1.79)
+FITTED_ROUTER_IMBALANCE_RANGE = (MIXTRAL_ROUTER_IMBALANCE, 1.79)  # the Mixtral fit, one home
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
 A2A = "all_to_all_single"

@@ -62,7 +62,11 @@ H200_HALF_FLOPS = 3.7e10
 # SDPA's FA2 (torch 2.13: flash backend first, FA3 off): FA2's rate is already inside it (1.0).
 H100_FLASH2_ATTENTION_RATIO = 0.63
 DISPATCH_FLOOR_S = 2.0e-3  # eager PyTorch, one block forward + backward (any GPU's host)
-HEADROOM = 0.05  # CUDA context (~0.5-1 GiB) + allocator fragmentation, of device memory
+# Sourced (not fitted): the share of device memory no plan may use: the CUDA context and
+# cuBLAS / NCCL workspaces (~0.5-1 GiB on an 80 GB part, PyTorch's CUDA notes), the rest left
+# for allocator reserve; fragmentation of churning memory is charged separately
+# (Framework.fragmentation_fraction).
+HEADROOM = 0.05
 # NCCL allocates its channel buffers per communicator (NCCL_BUFFSIZE 4 MiB per channel and
 # peer; ~16 ring channels on NVLink): ~64 MiB per process group in use (tp, dp, pp with degree > 1).
 COMM_BUFFER_BYTES_PER_GROUP = 64 * MIB

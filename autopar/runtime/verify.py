@@ -378,8 +378,7 @@ def format_verification(v: Verification) -> str:
         for st in v.estimate.get("stages", ())
     )
     return (
-        f"autopar verify: {v.config.get('dp')}x{v.config.get('tp')}x{v.config.get('pp')} "
-        f"(dp x tp x pp) on cluster {v.cluster_name}\n"
+        f"autopar verify: {_split_text(v.config)} on cluster {v.cluster_name}\n"
         f"                   predicted     measured    error\n"
         f"  step time      {v.predicted_step_time_s * 1e3:9.2f} ms "
         f"{v.measured_step_time_s * 1e3:9.2f} ms  {_percent(v.step_time_error):>7s}"
@@ -416,3 +415,13 @@ def format_rank_table(rows: tuple[RankMemory, ...], max_rows: int = MAX_RANK_ROW
     return "\n".join(lines) + "\n"
 
 
+
+
+def _split_text(config: dict[str, Any]) -> str:
+    """The plan's split in one line (``ParallelConfig.describe``; every dimension it has)."""
+    from autopar.config import ParallelConfig
+
+    try:
+        return ParallelConfig.from_dict(config).describe()
+    except (TypeError, ValueError, KeyError):
+        return " ".join(f"{k}={config.get(k)}" for k in ("dp", "cp", "tp", "pp", "ep"))

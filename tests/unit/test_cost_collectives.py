@@ -191,3 +191,24 @@ def test_cp_and_hsdp_charged_equal_expected(kw):
             assert charged["all_gather_into_tensor@cp"] >= charged["reduce_scatter_tensor@cp"] > 0
         if cfg.dp_replicate > 1:
             assert charged["all_reduce@dp_replicate"] == charged["reduce_scatter_tensor@dp"]
+
+
+def test_a_collective_with_an_unknown_repetition_or_phase_is_refused() -> None:
+    """Two readers test ``per`` against different values (layer_costs.py): a misspelt one would
+    be charged once per step by one and every micro-batch by the other."""
+    base = dict(kind="all_reduce", axis="dp", size_bytes=1.0, calls=1.0, per="step",
+                phase="backward")
+    comm.Collective(**base)
+    for field, value in (("per", "micro-batch"), ("phase", "bwd")):
+        with pytest.raises(ValueError, match=f"Collective.{field}"):
+            comm.Collective(**{**base, field: value})
+
+
+def test_every_export_format_names_the_framework_that_runs_it() -> None:
+    from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
+    from autopar.exporters import EXPORT_FRAMEWORK, EXPORTERS
+
+    assert set(EXPORT_FRAMEWORK) == set(EXPORTERS)
+    assert EXPORT_FRAMEWORK == {"slurm": "autopar", "torchtitan": "torchtitan",
+                                "megatron": "megatron-lm", "deepspeed": "deepspeed"}
+    assert sorted(f for n in FRAMEWORKS for f in get_framework(n).exports) == sorted(EXPORTERS)

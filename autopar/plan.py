@@ -29,6 +29,7 @@ from autopar.graph.types import MoEStructure
 from autopar.plan_read import (
     PlanFieldError,
     cluster_size,
+    estimate_doc,
     layer_names_problem,
     search_fields,
     text,
@@ -326,15 +327,16 @@ class Plan:
             stages = data["stages"]
             if not isinstance(stages, list):
                 raise PlanFieldError(f"plan stages must be a list, got {reprlib.repr(stages)}")
+            config = ParallelConfig.from_dict(data["config"])
             return cls(
                 schema_version=whole(data["schema_version"], "schema_version"),
                 model=text(data.get("model", ""), "model", line=True),
                 framework=text(data.get("framework", "autopar"), "framework"),
                 seq_len=whole(data.get("seq_len", 0), "seq_len"),
-                config=ParallelConfig.from_dict(data["config"]),
+                config=config,
                 stages=tuple(StagePlan.from_dict(s) for s in stages),
                 tp_layout=text_map(data.get("tp_layout", {}), "tp_layout"),
-                estimate=Estimate.from_dict(data["estimate"]),
+                estimate=Estimate.from_dict(estimate_doc(data["estimate"], config.pp)),
                 profile_fingerprint=text(data.get("profile_fingerprint", ""),
                                          "profile_fingerprint"),
                 cluster_fingerprint=text(data.get("cluster_fingerprint", ""),

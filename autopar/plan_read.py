@@ -15,8 +15,8 @@ import re
 import reprlib
 from typing import Any
 
-__all__ = ["PlanFieldError", "cluster_size", "layer_names_problem", "number", "search_fields",
-           "text", "text_map", "texts", "whole", "whole_pair"]
+__all__ = ["PlanFieldError", "cluster_size", "estimate_doc", "layer_names_problem", "number",
+           "search_fields", "text", "text_map", "texts", "whole", "whole_pair"]
 
 
 class PlanFieldError(ValueError):
@@ -131,3 +131,74 @@ def layer_names_problem(names: list[str]) -> str | None:
     if any(b <= a for a, b in itertools.pairwise(blocks)):
         return "the plan's blocks are not in order (layers.0, layers.1, ...)"
     return None
+
+
+def _fields_of(value: Any, cls: type, name: str) -> dict[str, Any]:
+    """``value`` as an object whose keys are fields of the dataclass ``cls``."""
+    import dataclasses
+
+    if not isinstance(value, dict):
+        raise PlanFieldError(f"plan {name} must be an object, got {_shown(value)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise PlanFieldError(f"plan {name} has unknown field(s) {', '.join(unknown)}")
+    return value
+
+
+def _numbers(value: Any, cls: type, name: str) -> dict[str, float]:
+    """An object of ``cls``'s number fields, each finite and >= 0."""
+    return {k: number(v, f"{name}.{k}") for k, v in _fields_of(value, cls, name).items()}
+
+
+def _stage(value: Any, name: str, pp: int) -> dict[str, Any]:
+    from autopar.cost_model.estimate import MemoryBreakdown, StageEstimate
+
+    data = _fields_of(value, StageEstimate, name)
+    chunks = data.get("stages", [])
+    pairs = data.get("layers", [])
+    if not isinstance(chunks, list) or not isinstance(pairs, list):
+        raise PlanFieldError(f"plan {name}.stages and .layers must be lists")
+    return {"rank": whole(data.get("rank"), f"{name}.rank", high=pp - 1),
+            "stages": [whole(c, f"{name}.stages[{i}]") for i, c in enumerate(chunks)],
+            "layers": [list(whole_pair(r, f"{name}.layers[{i}]")) for i, r in enumerate(pairs)],
+            "num_params": whole(data.get("num_params"), f"{name}.num_params"),
+            "time_per_microbatch_s": number(data.get("time_per_microbatch_s"),
+                                            f"{name}.time_per_microbatch_s"),
+            "memory": _numbers(data.get("memory", {}), MemoryBreakdown, f"{name}.memory")}
+
+
+def estimate_doc(value: Any, pp: int) -> dict[str, Any]:
+    """The plan's ``estimate`` object, every field checked: numbers finite and >= 0 (the
+    breakdowns and each pipeline rank's figures too, its rank below ``pp``), ``fits`` true or
+    false, the interval two numbers low <= high, the words text; an unknown key is an error."""
+    from autopar.cost_model.estimate import Estimate, MemoryBreakdown, TimeBreakdown
+
+    data = dict(_fields_of(value, Estimate, "estimate"))
+    for key, item in data.items():
+        name = f"estimate.{key}"
+        if key == "fits":
+            if not isinstance(item, bool):
+                raise PlanFieldError(f"plan {name} must be true or false, got {_shown(item)}")
+        elif key in ("binding", "framework", "precision"):
+            data[key] = text(item, name)
+        elif key == "time_breakdown":
+            data[key] = _numbers(item, TimeBreakdown, name)
+        elif key == "memory_breakdown":
+            data[key] = _numbers(item, MemoryBreakdown, name)
+        elif key == "stages":
+            if not isinstance(item, list):
+                raise PlanFieldError(f"plan {name} must be a list, got {_shown(item)}")
+            data[key] = [_stage(s, f"{name}[{i}]", pp) for i, s in enumerate(item)]
+        elif key == "step_time_interval_s":
+            if not isinstance(item, list) or len(item) != 2:
+                raise PlanFieldError(f"plan {name} must be [low, high], got {_shown(item)}")
+            low, high = number(item[0], f"{name}[0]"), number(item[1], f"{name}[1]")
+            if low > high:
+                raise PlanFieldError(f"plan {name} must have low <= high, got {_shown(item)}")
+            data[key] = [low, high]
+        else:
+            data[key] = number(item, name)
+    if data.get("mfu", 0.0) > 2.0:  # fp8 against the 16-bit peak stays below 2
+        raise PlanFieldError(f"plan estimate.mfu must be at most 2, got {_shown(data['mfu'])}")
+    return data

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from autopar.cli import common
 from autopar.cli.argtypes import int_in
 from autopar.cost_model.calibration import Calibration
 from autopar.errors import AutoparError
@@ -59,6 +59,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         AutoparError: --out exists without --force, or an impossible --nproc.
     """
     import torch
+    import yaml
 
     from autopar.cost_model.calibration import calibration_to_cluster
     from autopar.runtime.calibrate import calibrate
@@ -68,19 +69,18 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise AutoparError("--device cuda, but torch sees no GPU here; calibrate the CPU "
                            "(--device cpu) or run on a machine with GPUs")
     nproc = args.nproc or (torch.cuda.device_count() if device_type == "cuda" else 2)
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise AutoparError(f"{out} exists; pass --force to overwrite it or choose another --out")
-    if not out.parent.exists():
-        raise AutoparError(f"cannot write {out}: directory {out.parent} does not exist")
+    # Before minutes of measuring: a directory, a missing folder, a file kept without --force.
+    common.check_writable(args.out, force=args.force)
     if nproc < 1:
         raise AutoparError(f"--nproc must be at least 1, got {nproc}")
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise AutoparError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
     cal = calibrate(nproc, device_type, quick=args.quick)
     cluster = calibration_to_cluster(cal)
-    cluster.to_yaml(out)
-    summary = format_calibration(cal) + f"wrote {out}\n"
+    # Atomically, as every other output (common.write_outputs).
+    common.write_output(args.out, yaml.safe_dump(cluster.to_dict(), sort_keys=False),
+                        force=args.force)
+    summary = format_calibration(cal) + f"wrote {args.out}\n"
     if args.json:
         print(summary, end="", file=sys.stderr)
         print(json.dumps(cal.to_dict(), sort_keys=True))

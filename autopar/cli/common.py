@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -234,13 +235,17 @@ def write_outputs(files: list[tuple[str, str | bytes]], *, force: bool) -> None:
     staged: list[tuple[str, Path]] = []
     try:
         for path, data in files:
-            target = Path(path)
+            # A symbolic link is written through: the file it names is replaced, the link kept.
+            target = Path(os.path.realpath(path))
             fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                        dir=target.parent if str(target.parent) else ".")
-            staged.append((path, Path(name)))
+                                        dir=target.parent)
+            staged.append((str(target), Path(name)))
             with os.fdopen(fd, "wb") as out:
                 out.write(data if isinstance(data, bytes) else data.encode())
-            os.chmod(name, 0o666 & ~_umask())  # as open() would have made it
+            # The replaced file's permissions, or what open() would have made.
+            mode = (stat.S_IMODE(target.stat().st_mode) if target.exists()
+                    else 0o666 & ~_umask())
+            os.chmod(name, mode)
         for path, temporary in staged:
             os.replace(temporary, path)
     except OSError as e:
@@ -263,9 +268,13 @@ def check_writable(path: str | None, *, force: bool) -> None:
     target = Path(path)
     if target.is_dir():
         raise AutoparError(f"{path} is a directory; give a file name")
-    if target.exists() and not force:
+    if os.path.lexists(target) and not force:  # a dangling link too: writing would create
         raise AutoparError(f"{path} already exists; pass --force to overwrite it")
-    parent = target.parent if str(target.parent) else Path(".")
+    if target.exists() and not target.is_file():
+        raise AutoparError(f"{path} is not a regular file (a device, pipe or socket); give a "
+                           "file name")
+    target = Path(os.path.realpath(path))  # a link's target is what gets written
+    parent = target.parent
     if not parent.is_dir():
         raise AutoparError(f"cannot write {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):

@@ -138,7 +138,7 @@ def _mutate(doc, path, value):
     (("estimate", "step_time_s"), "fast", "must be a number"),
     (("estimate", "tokens_per_s"), float("inf"), "Infinity"),
     (("estimate", "memory_per_gpu_bytes"), float("nan"), "NaN"),
-    (("config", "dp"), 32, "dp*tp*pp = 32"),
+    (("config", "dp"), 32, "dp*cp*tp*pp = 32"),
 ])
 @pytest.mark.parametrize("command", ["show", "explain", "export"])
 def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, command):
@@ -168,6 +168,17 @@ def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, comma
     (("search", "optimal"), "yes", "search.optimal must be true or false"),
     (("search", "speed"), 1, "unknown field 'speed'"),
     (("seq_len",), "64", "seq_len must be a whole number"),
+    # Inside the estimate: show divided, formatted or indexed these (internal errors, "inf%",
+    # a negative compute share, an interval from 9 s to 1 s).
+    (("estimate", "time_breakdown", "compute_s"), None, "compute_s must be a number"),
+    (("estimate", "time_breakdown", "compute_s"), -1, "compute_s must be finite and >= 0"),
+    (("estimate", "time_breakdown", "speed_s"), 1, "unknown field(s) speed_s"),
+    (("estimate", "host_memory_per_gpu_bytes"), "x", "host_memory_per_gpu_bytes must be a"),
+    (("estimate", "stages", 0, "time_per_microbatch_s"), "x", "time_per_microbatch_s must be"),
+    (("estimate", "stages", 0, "rank"), 7, "stages[0].rank must be from 0 to"),
+    (("estimate", "step_time_interval_s"), [1], "step_time_interval_s must be [low, high]"),
+    (("estimate", "step_time_interval_s"), [9, 1], "must have low <= high"),
+    (("estimate", "mfu"), 1e308, "estimate.mfu must be at most 2"),
     (("tp_layout",), [1, 2], "tp_layout must be an object"),
 ])
 @pytest.mark.parametrize("command", ["show", "export"])
@@ -479,3 +490,34 @@ def test_dense_variants_of_moe_families_and_yaml_merge_keys_still_read(tmp_path)
     cluster.write_text(head + "inter_node:\n  <<: *link\n  bandwidth_bytes_per_s: 5.0e+10\n"
                        + tail + "\n")
     assert main(["plan", TINY, "--cluster", str(cluster), "--global-batch", "16"]) == 0
+
+
+def test_outputs_write_through_links_and_refuse_devices(tmp_path, capfd):
+    """--force replaced whatever the path was (a device node became a regular file, a symbolic
+    link a file beside its target, a private file a 644 one), and a dangling link was
+    replaced without --force. Now a device, pipe or socket is refused, a link is written
+    through, the replaced file keeps its permissions, and a dangling link needs --force."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    _fails(capfd, [*PLAN, "--out", str(fifo), "--force"], "is not a regular file")
+    assert fifo.is_fifo()
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    real.chmod(0o600)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert main([*PLAN, "--out", str(link), "--force"]) == 0
+    capfd.readouterr()
+    assert link.is_symlink() and json.loads(real.read_text())["config"]["dp"] == 1
+    assert real.stat().st_mode & 0o777 == 0o600
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "missing.json")
+    _fails(capfd, [*PLAN, "--out", str(dangling)], "already exists; pass --force")
+
+
+def test_calibrate_refuses_its_output_before_measuring(tmp_path, capfd):
+    """A directory as --out failed only after the measurements, with no fix named."""
+    _fails(capfd, ["calibrate", "--quick", "--nproc", "1", "--out", str(tmp_path), "--force"],
+           "is a directory; give a file name", seconds=5.0)

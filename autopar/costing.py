@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 
 if TYPE_CHECKING:
@@ -64,7 +65,13 @@ def estimate(
 def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     """The plan's memory and time formulas, then the same with its numbers substituted."""
     from autopar.cost_model.symbolic import explain
+    from autopar.cost_model.validate import check_config
 
+    try:  # what estimate refuses is not explained either (an edited plan's split)
+        check_config(profile, cluster, plan.config)
+    except ValueError as err:
+        raise AutoparError(f"the plan's split cannot run on its model and cluster: {err}; "
+                           "re-plan with `autopar plan`") from None
     split = plan_split(plan)
     return explain(profile, cluster, plan.config, split["split"], split["recompute"],
                    plan.framework)

@@ -298,6 +298,13 @@ def to_slurm(plan: Plan, *, plan_path: str = "plan.json", steps: int = 100) -> E
     """
     nodes, per_node = cluster_shape(plan)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in (plan.model or "autopar"))
+    # A model file is code: `autopar run` runs it only when named (--model), never from the
+    # plan's own field, so the script names it, where the user reads it before running.
+    model_file = plan.model.endswith(".py")
+    model_env = f"export AUTOPAR_MODEL={shlex.quote(plan.model)}\n" if model_file else ""
+    model_flag = '  --model "$AUTOPAR_MODEL" \\\n' if model_file else ""
+    notes = ((f"the script runs the model file {plan.model} on every node (--model); check it "
+              "is the file the plan was made for",) if model_file else ())
     text = f"""#!/bin/bash
 # {one_line(header(plan))}
 #SBATCH --job-name=autopar-{name[:32]}
@@ -309,18 +316,18 @@ set -euo pipefail
 
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export AUTOPAR_PLAN={shlex.quote(plan_path)}
-export AUTOPAR_RDZV_ENDPOINT="$head_node:{RDZV_PORT}"
+{model_env}export AUTOPAR_RDZV_ENDPOINT="$head_node:{RDZV_PORT}"
 export OMP_NUM_THREADS=1
 
 # One task a node; each runs torchrun with {per_node} workers (through `autopar run`).
 srun --nodes={nodes} --ntasks-per-node=1 bash -c 'exec autopar run "$AUTOPAR_PLAN" \\
-  --steps {steps} \\
+{model_flag}  --steps {steps} \\
   --nnodes {nodes} \\
   --node-rank "$SLURM_NODEID" \\
   --nproc-per-node {per_node} \\
   --rdzv-endpoint "$AUTOPAR_RDZV_ENDPOINT"'
 """
-    return Export(text=text)
+    return Export(text=text, notes=notes)
 
 
 EXPORTERS: dict[str, Callable[..., Export]] = {

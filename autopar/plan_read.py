@@ -146,9 +146,16 @@ def _fields_of(value: Any, cls: type, name: str) -> dict[str, Any]:
     return value
 
 
-def _numbers(value: Any, cls: type, name: str) -> dict[str, float]:
+def _kept(value: Any, name: str) -> Any:
+    """``value`` itself once ``number`` accepts it (a 0 stays 0: plans round-trip byte for
+    byte)."""
+    number(value, name)
+    return value
+
+
+def _numbers(value: Any, cls: type, name: str) -> dict[str, Any]:
     """An object of ``cls``'s number fields, each finite and >= 0."""
-    return {k: number(v, f"{name}.{k}") for k, v in _fields_of(value, cls, name).items()}
+    return {k: _kept(v, f"{name}.{k}") for k, v in _fields_of(value, cls, name).items()}
 
 
 def _stage(value: Any, name: str, pp: int) -> dict[str, Any]:
@@ -163,8 +170,8 @@ def _stage(value: Any, name: str, pp: int) -> dict[str, Any]:
             "stages": [whole(c, f"{name}.stages[{i}]") for i, c in enumerate(chunks)],
             "layers": [list(whole_pair(r, f"{name}.layers[{i}]")) for i, r in enumerate(pairs)],
             "num_params": whole(data.get("num_params"), f"{name}.num_params"),
-            "time_per_microbatch_s": number(data.get("time_per_microbatch_s"),
-                                            f"{name}.time_per_microbatch_s"),
+            "time_per_microbatch_s": _kept(data.get("time_per_microbatch_s"),
+                                           f"{name}.time_per_microbatch_s"),
             "memory": _numbers(data.get("memory", {}), MemoryBreakdown, f"{name}.memory")}
 
 
@@ -193,12 +200,10 @@ def estimate_doc(value: Any, pp: int) -> dict[str, Any]:
         elif key == "step_time_interval_s":
             if not isinstance(item, list) or len(item) != 2:
                 raise PlanFieldError(f"plan {name} must be [low, high], got {_shown(item)}")
-            low, high = number(item[0], f"{name}[0]"), number(item[1], f"{name}[1]")
-            if low > high:
+            if number(item[0], f"{name}[0]") > number(item[1], f"{name}[1]"):
                 raise PlanFieldError(f"plan {name} must have low <= high, got {_shown(item)}")
-            data[key] = [low, high]
         else:
-            data[key] = number(item, name)
+            data[key] = _kept(item, name)
     if data.get("mfu", 0.0) > 2.0:  # fp8 against the 16-bit peak stays below 2
         raise PlanFieldError(f"plan estimate.mfu must be at most 2, got {_shown(data['mfu'])}")
     return data

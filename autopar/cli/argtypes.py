@@ -12,7 +12,11 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["framework_spec", "int_in", "positive_float"]
+__all__ = ["MAX_SEED", "framework_spec", "int_in", "positive_float"]
+
+# The runs' seeds are mixed with the step into torch's 64-bit generator seed
+# (runtime/data.py: seed * 1,000,003 + step): 32 bits keep that in range.
+MAX_SEED = 2**32 - 1
 
 
 def _number(text: str) -> float:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.cli.argtypes import MAX_SEED, int_in
 from autopar.cli.split_args import add_split_arguments
+from autopar.config import MAX_SEQ_LEN
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.stdio import document_stdout
 from autopar.units import MIB
@@ -47,9 +49,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "a .py model file runs only when named here)")
     split = parser.add_argument_group("split (with a model; a plan brings its own)")
     add_split_arguments(split, for_run=True)
+    split.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
+                       help="tokens per sequence (default: the model's; a Hugging Face config "
+                       "without max_position_embeddings needs it)")
     parser.add_argument("--steps", type=int, required=True,
                         help="total optimizer steps (with --resume: continue up to this step)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                        help="seed of weights and data")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ckpt = parser.add_argument_group("checkpoints and faults")
     ckpt.add_argument("--checkpoint-dir", default=None, metavar="DIR")
@@ -102,6 +108,11 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
     if args.steps < 1:
         raise AutoparError(f"--steps must be at least 1, got {args.steps}")
     job = _resolve_job(args)
+    # The checkpoint flags are the run's too: a dry run checks them as well.
+    point = check_checkpoint_dir(
+        args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every,
+        trust=args.trust_checkpoint,
+    )
     if args.dry_run:
         from autopar.runtime.dry_run import dry_run, format_report
 
@@ -109,10 +120,6 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         _emit(write, args.json, report.to_dict(), format_report(report))
         return 0
     spec = _launch_spec(args, job.plan.config.world_size)
-    point = check_checkpoint_dir(
-        args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every,
-        trust=args.trust_checkpoint,
-    )
     if point.note():
         print(f"autopar: note: {point.note()}", file=sys.stderr)
     start = point.step or 0
@@ -147,7 +154,7 @@ class _Job:
 
 _SPLIT_FLAGS = ("dp", "cp", "tp", "pp", "ep", "dp_replicate", "offload", "schedule",
                 "virtual_stages", "micro_batch", "zero", "recompute", "sequence_parallel", "dtype",
-                "global_batch")
+                "global_batch", "seq_len")
 
 
 def _read_plan_doc(source: str) -> dict[str, Any] | None:
@@ -193,7 +200,7 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         config = _config_from_args(args)
         # The launch geometry first: the estimate's cluster is the nodes this run occupies.
         spec = _launch_spec(args, config.world_size)
-        model, profile = _build_and_profile(model_text)
+        model, profile = _build_and_profile(model_text, args.seq_len)
         cluster = _local_cluster(spec.nnodes, spec.nproc_per_node)
         plan = plan_from_config(profile, cluster, config, model=model_text)
     from autopar.runtime.apply import check_plan_runnable

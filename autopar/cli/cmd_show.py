@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the saved plan's report (no model or cluster needed: the plan carries both)."""
-    common.check_writable(args.plot, force=args.force)
+    common.check_plot_path(args.plot, force=args.force)
     plan = common.load_plan_file(args.plan)
     common.print_plan_report(plan, None)
     common.save_outputs(plan, argparse.Namespace(plot=args.plot, force=args.force))

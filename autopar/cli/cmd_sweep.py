@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     prices = parse_prices(args.price_per_gpu_hour, gpus)
     if args.tokens <= 0:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
-    common.check_writable(args.plot, force=args.force)
+    common.check_plot_path(args.plot, force=args.force)
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.cli.argtypes import MAX_SEED, int_in
 from autopar.errors import AutoparError
 
 NAME = "verify"
@@ -41,7 +42,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="the model (default: the plan's own; a .py model file runs only "
                         "when named here)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                        help="seed of the weights and data")
     parser.add_argument("--refit", action="store_true",
                         help="rescale the cluster's compute efficiency to the measurement")
     parser.add_argument("--out", default=None, metavar="YAML",

@@ -28,6 +28,7 @@ __all__ = [
     "add_cluster_arguments",
     "add_model_argument",
     "add_output_arguments",
+    "check_plot_path",
     "cluster_from_args",
     "document_stdout",
     "load_plan_file",
@@ -152,7 +153,7 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
                 "--cluster already describes the machines; drop --gpus/--nodes/--gpu"
             )
         if not Path(args.cluster).is_file():
-            what = "is a directory" if Path(args.cluster).is_dir() else "does not exist"
+            what = _not_a_file(Path(args.cluster))
             raise ClusterConfigError(f"cluster file {args.cluster} {what}; give a cluster YAML "
                                      "file (`autopar calibrate` writes one)")
         cluster = Cluster.from_yaml(args.cluster)
@@ -197,13 +198,20 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
         return build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
 
 
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is no regular file, cannot be read as one."""
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file" if path.exists() else "does not exist"
+
+
 def load_plan_file(path: str) -> Any:
     """Read a plan JSON file (``PlanFormatError`` / ``AutoparError`` on a bad file)."""
     from autopar.plan import Plan
 
     file = Path(path)
     if not file.is_file():
-        what = "is a directory" if file.is_dir() else "does not exist"
+        what = _not_a_file(file)
         raise AutoparError(f"plan file {path} {what}; give a plan JSON file (`autopar plan "
                            "--out`)")
     try:
@@ -259,6 +267,14 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def check_plot_path(path: str | None, *, force: bool) -> None:
+    """``check_writable`` for a ``--plot`` path, which must name a PNG file (the figure is
+    written as PNG whatever the name says)."""
+    if path is not None and Path(path).suffix.lower() != ".png":
+        raise AutoparError(f"--plot {path}: the plot is a PNG image; give a path ending in .png")
+    check_writable(path, force=force)
 
 
 def check_writable(path: str | None, *, force: bool) -> None:
@@ -360,7 +376,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     if out and plot and Path(out).resolve() == Path(plot).resolve():
         raise AutoparError(f"--out and --plot both name {out}; give two different files")
     check_writable(out, force=args.force)
-    check_writable(plot, force=args.force)
+    check_plot_path(plot, force=args.force)
 
 
 def save_outputs(plan: Any, args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import numbers
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.config import TORCH_DTYPE_NAMES
+from autopar.config import MAX_SEQ_LEN, TORCH_DTYPE_NAMES
 from autopar.errors import AutoparError, TraceError
 from autopar.graph.cp import cp_blocker
 from autopar.graph.facts import ModelFacts, default_seq_len, learned_positions, model_facts
@@ -270,6 +271,15 @@ def _run_with_fallback(
             raise _trace_error(work, on_meta, trace, prelim.name) from on_meta.error
 
 
+def _check_seq_len(seq_len: Any) -> None:
+    """None (the model's own) or a whole number of tokens in [1, MAX_SEQ_LEN]."""
+    if seq_len is not None and (isinstance(seq_len, bool)
+                                or not isinstance(seq_len, numbers.Integral)
+                                or not 1 <= int(seq_len) <= MAX_SEQ_LEN):
+        raise AutoparError(f"profile seq_len must be a whole number from 1 to {MAX_SEQ_LEN:,}, "
+                           f"got {seq_len!r}")
+
+
 def profile(
     model: nn.Module,
     seq_len: int | None = None,
@@ -312,6 +322,7 @@ def profile(
         >>> autopar.profile(model).layers[1].fwd_flops   # 24 s h^2 + 4 s^2 h
     """
     torch_dtype = _resolve_dtype(dtype)
+    _check_seq_len(seq_len)
     if seq_len is None:
         seq_len = (
             seq_len_of(example_inputs) if example_inputs is not None else default_seq_len(model)

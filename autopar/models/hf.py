@@ -134,6 +134,9 @@ def _check_sizes(cfg: Any) -> None:
             and top_k > experts):
         raise AutoparError(f"HF config num_experts_per_tok ({top_k}) is more than its "
                            f"{experts} experts: fix the config")
+    if isinstance(experts, int) and experts > 1 and top_k == 0:
+        raise AutoparError(f"HF config num_experts_per_tok is 0: its router would send tokens "
+                           f"to none of its {experts} experts; fix the config (1 or more)")
 
 
 def from_hf_config(
@@ -179,7 +182,10 @@ def from_hf_config(
                 f"HF model_type {cfg.model_type!r} has no causal-LM model in transformers; "
                 f"autopar plans decoder-only language models"
             ) from None
-        except (AssertionError, AttributeError, IndexError, KeyError, TypeError) as err:
+        except (ArithmeticError, AssertionError, AttributeError, ImportError, IndexError,
+                KeyError, RuntimeError, TypeError) as err:
+            # ImportError: a kernel the config asks for (attn_implementation flash_attention_2)
+            # is not installed; ArithmeticError: a field of 0 (decoder_sparse_step).
             raise _unbuildable(cfg, err) from None
     model.train()
     return model

@@ -298,15 +298,15 @@ def test_a_failed_write_keeps_what_the_user_had(tmp_path, capfd):
 
     keep = tmp_path / "keep.json"
     keep.write_text('{"old": 1}')
-    (tmp_path / "adir").mkdir()
-    _fails(capfd, [*PLAN, "--out", str(keep), "--plot", str(tmp_path / "adir"), "--force"],
+    (tmp_path / "adir.png").mkdir()
+    _fails(capfd, [*PLAN, "--out", str(keep), "--plot", str(tmp_path / "adir.png"), "--force"],
            "is a directory")
     assert keep.read_text() == '{"old": 1}'
     with pytest.raises(AutoparError, match="cannot write"):
         write_outputs([(str(keep), "new"), (str(tmp_path / "missing" / "p.png"), b"x")],
                       force=True)
     assert keep.read_text() == '{"old": 1}'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "keep.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir.png", "keep.json"]
     write_outputs([(str(keep), "new")], force=True)
     assert keep.read_text() == "new"
 
@@ -521,3 +521,49 @@ def test_calibrate_refuses_its_output_before_measuring(tmp_path, capfd):
     """A directory as --out failed only after the measurements, with no fix named."""
     _fails(capfd, ["calibrate", "--quick", "--nproc", "1", "--out", str(tmp_path), "--force"],
            "is a directory; give a file name", seconds=5.0)
+
+
+_LLAMA_HF = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+             "vocab_size": 256, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(("config", "needle"), [
+    # transformers raised these from inside its build: internal errors before.
+    ({**_LLAMA_HF, "attn_implementation": "flash_attention_2"}, "ImportError: FlashAttention2"),
+    ({**_LLAMA_HF, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4,
+      "num_experts_per_tok": 2, "decoder_sparse_step": 0}, "ZeroDivisionError"),
+    # accepted before and reported as "top-0".
+    ({**_LLAMA_HF, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 0},
+     "num_experts_per_tok is 0"),
+])
+def test_hf_configs_transformers_cannot_build(tmp_path, capfd, config, needle):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    _fails(capfd, ["estimate", str(path), "--global-batch", "4", "--seq-len", "16"], needle,
+           seconds=60.0)
+
+
+def test_more_inputs_named_before_any_work(tmp_path, capfd):
+    """A seed beyond the 64-bit generator's range crashed every worker; a plot named .svg got
+    PNG bytes; /dev/null was said not to exist; an HF config without a context length had no
+    way to run (run had no --seq-len), and explain printed splits estimate refuses."""
+    base = ["run", TINY, "--global-batch", "4", "--steps", "1"]
+    _fails(capfd, [*base, "--seed", str(2**64)], "--seed: must be from 0")
+    _fails(capfd, [*PLAN, "--plot", str(tmp_path / "p.svg")], "give a path ending in .png")
+    _fails(capfd, ["show", "/dev/null"], "is not a regular file")
+    # A dry run checks the run's checkpoint flags too (it reported OK for them).
+    _fails(capfd, [*base, "--dry-run", "--resume"], "--resume needs --checkpoint-dir")
+    assert main([*base, "--seq-len", "16", "--dry-run"]) == 0
+    capfd.readouterr()
+    plan = tmp_path / "p.json"
+    assert main([*PLAN, "--out", str(plan)]) == 0
+    capfd.readouterr()
+    _fails(capfd, ["run", str(plan), "--steps", "1", "--seq-len", "16", "--dry-run"],
+           "drop --seq-len")
+    doc = json.loads(plan.read_text())
+    doc["config"]["sequence_parallel"] = True
+    doc["profile_fingerprint"] = doc["cluster_fingerprint"] = ""
+    plan.write_text(json.dumps(doc))
+    _fails(capfd, ["explain", str(plan)], "sequence_parallel needs tp > 1", seconds=60.0)

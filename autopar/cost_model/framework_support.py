@@ -13,14 +13,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autopar.config import dp_mechanism
 from autopar.cost_model import framework_dimensions as dims
 from autopar.cost_model.identity_cache import IdentityCache
 
 if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
-__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "model_framework", "model_support",
-           "moe_support", "settings_support"]
+__all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
+           "model_framework", "model_support", "moe_support", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -122,14 +123,20 @@ def model_support(framework: Framework, config, profile) -> str | None:
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "
                 f"use tp=1, {_OWN_CODE}")
-    # runtime/tp_checks.py refuses the same split when it applies a plan.
+    # runtime/tp_checks.py refuses the same split when it applies a plan (the same predicate).
     fused = facts.fused_qkv
-    if fused and config.tp > 1 and config.dp > 1 and config.zero >= 1:
+    if fused and fsdp_recuts_tp_shards(config):
         return (f"{framework.name} splits the fused q/k/v projection {fused} over tp keeping "
                 "each rank's q, k and v heads together, a strided shard FSDP2 cannot cut again "
                 f"over dp (zero {config.zero}); use zero=0 (--zero 0) for dp x tp, or pp with "
                 f"tp, {_OWN_CODE}")
     return None
+
+
+def fsdp_recuts_tp_shards(config) -> bool:
+    """FSDP2 shards the tensor-parallel weights again over the data-parallel ranks (tp > 1 and
+    the config's mechanism is FSDP: ``config.dp_mechanism``, over dp x cp)."""
+    return config.tp > 1 and dp_mechanism(config) == "fsdp"
 
 
 _OWN_CODE = ("or plan for a framework that runs its own implementation of the model "

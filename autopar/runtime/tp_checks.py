@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from autopar.cost_model.framework_support import fsdp_recuts_tp_shards
 from autopar.errors import AutoparError
 from autopar.graph.tp import is_norm, split_blocker
 from autopar.runtime.tensor_parallel import build_tp_plan, default_tp_layout, resolve_layout
@@ -47,7 +48,7 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
     fused = sorted(fqn for fqn, style in resolved.items() if style == "colwise_qkv")
     if fused:
         _check_fused_attention(model, resolved, fused[0], cfg.tp)
-    if fused and cfg.dp > 1 and cfg.zero >= 1:
+    if fused and fsdp_recuts_tp_shards(cfg):
         raise AutoparError(
             f"FSDP (zero {cfg.zero}) cannot shard {fused[0]} under tp={cfg.tp}: its tensor-"
             "parallel split keeps each rank's q, k and v heads together (a strided shard that "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.comm import tp_spans_nodes
 from autopar.cost_model.estimate import Estimate
 
 __all__ = [
@@ -118,7 +119,7 @@ def describe_alternative(
         return f"{label}: {alternative.reason or 'could not be estimated'}"
     notes = []
     cfg = alternative.config
-    if cfg is not None and gpus_per_node and cfg.tp > gpus_per_node:
+    if cfg is not None and gpus_per_node and tp_spans_nodes(cfg.tp, gpus_per_node):
         notes.append("crosses nodes")
     if not est.fits:
         notes.append(

@@ -71,6 +71,7 @@ __all__ = [
     "parallel_groups",
     "reduce_scatter_s",
     "ring_steps",
+    "tp_spans_nodes",
 ]
 
 # Bus factor of each collective as a function of the group size n (sourced: nccl-tests
@@ -130,6 +131,12 @@ class GroupLink:
     def doublings(self) -> float:
         """log2 of the nodes spanned (0 inside a node)."""
         return math.log2(self.nodes) if self.nodes > 1 else 0.0
+
+
+def tp_spans_nodes(tp: int, gpus_per_node: int) -> bool:
+    """Whether some tp group (tp adjacent ranks, the innermost mesh axis) crosses a node
+    boundary: ``group_link``'s rule for stride 1 (the group must fit a node and tile it)."""
+    return tp > 1 and (tp > gpus_per_node or gpus_per_node % tp != 0)
 
 
 def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:

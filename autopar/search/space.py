@@ -33,6 +33,7 @@ import math
 from collections.abc import Iterator
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.comm import tp_spans_nodes
 from autopar.cost_model.frameworks import framework_supports, get_framework
 from autopar.cost_model.hardware import DeviceSpec
 from autopar.cost_model.validate import ep_problem, sp_problem, stages_problem, tp_problem
@@ -93,7 +94,7 @@ def mesh_shapes(
                 continue
             if max_tp is not None and tp > max_tp:
                 continue
-            if not allow_tp_across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
+            if not allow_tp_across_nodes and tp_spans_nodes(tp, gpus_per_node):
                 continue
             shapes.append((world_size // (pp * tp), tp, pp))
     return shapes

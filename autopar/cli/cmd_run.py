@@ -31,9 +31,6 @@ NAME = "run"
 HELP = "train a plan (or a given split of a model) on synthetic data and report what it did"
 ORDER = 80
 
-# Default process-group timeout: long enough for 8 oversubscribed CPU ranks, short enough that a
-# hung collective fails in minutes rather than hours.
-PG_TIMEOUT_S = 300.0
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -271,6 +268,7 @@ def _default_dtype() -> str:
 def _worker_args(args: argparse.Namespace, job: _Job) -> Any:
     import torch
 
+    from autopar.runtime.launch import PG_TIMEOUT_S
     from autopar.runtime.worker import WorkerArgs
 
     return WorkerArgs(

@@ -17,13 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_STRIDE", "TokenBatch", "synthetic_batch"]
+__all__ = ["MAX_STRIDE", "TokenBatch", "step_seed", "synthetic_batch"]
 
 # Largest stride of the synthetic progressions; small, so the task is learnable by a tiny model.
 MAX_STRIDE = 8
 # Multiplier that mixes the step into the generator seed (a large prime keeps (seed, step) pairs
 # from colliding for any realistic number of steps).
 _STEP_MIX = 1_000_003
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of step ``step`` of a run seeded ``seed`` (its data; the CLI bounds
+    ``seed`` so this stays within torch's 64-bit seeds: cli/argtypes.MAX_SEED)."""
+    return seed * _STEP_MIX + step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,7 +59,7 @@ def synthetic_batch(*, seed: int, step: int, batch: int, seq_len: int, vocab: in
         The batch on the CPU (callers move it to their device).
     """
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed * _STEP_MIX + step)
+    gen.manual_seed(step_seed(seed, step))
     start = torch.randint(0, vocab, (batch, 1), generator=gen)
     stride = torch.randint(1, MAX_STRIDE + 1, (batch, 1), generator=gen)
     positions = torch.arange(seq_len + 1).unsqueeze(0)

@@ -23,7 +23,13 @@ from pathlib import Path
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.runtime.worker import WorkerArgs
 
-__all__ = ["LaunchResult", "LaunchSpec", "launch", "launch_spec_for", "torchrun_command"]
+__all__ = ["PG_TIMEOUT_S", "LaunchResult", "LaunchSpec", "launch", "launch_spec_for",
+           "torchrun_command"]
+
+# Default process-group timeout of the workers autopar launches (``autopar run`` and ``verify``):
+# long enough for 8 oversubscribed CPU ranks, short enough that a hung collective fails in
+# minutes rather than hours.
+PG_TIMEOUT_S = 300.0
 
 # Rendezvous id shared by every node of one multi-node job (torchrun's --rdzv-id).
 RDZV_ID = "autopar"

@@ -39,8 +39,6 @@ __all__ = [
     "verify_plan",
 ]
 
-# Default process-group timeout of a verification run (as ``autopar run``).
-PG_TIMEOUT_S = 300.0
 
 # Rows of the per-rank memory table; the ranks after these are summed up in one line.
 MAX_RANK_ROWS = 16
@@ -245,7 +243,7 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
     """
     import torch
 
-    from autopar.runtime.launch import launch, launch_spec_for
+    from autopar.runtime.launch import PG_TIMEOUT_S, launch, launch_spec_for
     from autopar.runtime.worker import WorkerArgs
 
     if warmup_steps < 0 or steps <= warmup_steps:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.errors import AutoparError
 from autopar.runtime import checkpoint
-from autopar.runtime.data import synthetic_batch
+from autopar.runtime.data import step_seed, synthetic_batch
 
 __all__ = [
     "LEARNING_RATE", "WEIGHT_DECAY", "LiveTensorBytes", "NoUsableCheckpointError", "WorkerArgs",
@@ -230,7 +230,7 @@ class _FileBatches:
     def make(self, *, seed: int, step: int, batch: int) -> Any:
         """The global batch of ``step``: a pure function of (seed, step), like synthetic data."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + step)
+            torch.manual_seed(step_seed(seed, step))
             return self.example_inputs(batch)
 
 

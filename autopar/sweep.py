@@ -66,15 +66,18 @@ def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, float]:
     if not text:
         return {}
     try:
-        if "=" not in text:
-            prices = dict.fromkeys(gpus, float(text))
-        else:
-            prices = {k.strip(): float(v) for k, v in (p.split("=", 1)
-                                                       for p in text.split(","))}
+        pairs = ([(g, float(text)) for g in gpus] if "=" not in text else
+                 [(k.strip(), float(v)) for k, v in (p.split("=", 1) for p in text.split(","))])
     except ValueError as e:
         raise ValueError(
             f"--price-per-gpu-hour {text!r} is not a number or GPU=price list ({e})"
         ) from e
+    prices = dict(pairs)
+    if len(prices) < len(pairs):
+        names = [g for g, _ in pairs]
+        twice = sorted({g for g in names if names.count(g) > 1})
+        raise ValueError(f"--price-per-gpu-hour {text!r} prices {', '.join(twice)} more than "
+                         "once; give each GPU one price")
     bad = {g: p for g, p in prices.items() if not (math.isfinite(p) and 0 <= p <= MAX_PRICE)}
     if bad:
         raise ValueError(f"--price-per-gpu-hour {text!r}: a price must be a number from 0 to "

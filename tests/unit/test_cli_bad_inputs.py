@@ -36,6 +36,8 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["plan", TINY, "--gpus", "1", "--global-batch", "0"], "--global-batch: must be from 1"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "nan"], "--tokens: 'nan' is not a finite"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu", ","], "names no GPU preset"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu", "a100-80g",
+      "--price-per-gpu-hour", "a100-80g=2,a100-80g=3"], "prices a100-80g more than once"),
     (["plan", TINY, "--gpus", "x"], "see `autopar plan --help`"),
     (["run", "nothing.json"], "see `autopar run --help`"),
     # run declares the split flags as estimate does (cli/split_args.py): --dp 0 ran as dp 1.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import NoReturn
 
 from autopar.errors import AutoparError
 
-__all__ = ["EXIT_USAGE", "main"]
+__all__ = ["EXIT_USAGE", "console", "main"]
 
 EXIT_USAGE = 2  # argparse's own exit code for bad usage; every user error uses it too.
 _PREFIX = "cmd_"
@@ -142,3 +143,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def console() -> NoReturn:
+    """The ``autopar`` executable: ``main``, then exit at once with its code, streams flushed.
+
+    A model file's code ran to build its model and may have left a non-daemon thread or an
+    ``atexit`` hook behind; the command has said all it has to say, so neither may keep the
+    process alive nor add to its output (``plan --json`` prints one document)."""
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's --help and --version
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

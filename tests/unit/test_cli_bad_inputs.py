@@ -569,3 +569,25 @@ def test_more_inputs_named_before_any_work(tmp_path, capfd):
     doc["profile_fingerprint"] = doc["cluster_fingerprint"] = ""
     plan.write_text(json.dumps(doc))
     _fails(capfd, ["explain", str(plan)], "sequence_parallel needs tp > 1", seconds=60.0)
+
+
+def test_a_model_files_thread_and_exit_hook_neither_hold_nor_corrupt_the_command(tmp_path):
+    """A model file that starts a non-daemon thread kept `autopar plan` alive after it had
+    printed the plan, and its atexit print followed the JSON document on stdout."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "threads.py"
+    model.write_text(
+        "import atexit, threading, time\nimport torch\nfrom torch import nn\n"
+        "threading.Thread(target=lambda: time.sleep(600)).start()\n"
+        "atexit.register(lambda: print('left behind'))\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(8, 8), nn.ReLU())\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 8)\n")
+    argv = ["plan", str(model), "--gpus", "2", "--gpu", "cpu", "--global-batch", "4", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from autopar.cli import console; "
+         f"sys.argv = ['autopar', *{argv!r}]; console()"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["config"]["dp"] >= 1  # one document, nothing after it

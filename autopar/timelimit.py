@@ -9,13 +9,19 @@ the model must be built in this process to be profiled; a thread cannot be stopp
 
 Outside the main thread, or where the platform has no ``setitimer`` (Windows), the block runs
 unbounded.
+
+Code that ignores ``SIGALRM`` (a model file that sets its own handler) defeats the alarm; where
+the caller owns the process (the command line), ``hard_exit_after_s`` adds a watchdog thread that
+ends the process with one ``autopar: error:`` line that long after the limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -35,13 +41,16 @@ class _Expired(BaseException):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float | None, what: str, fix: str) -> Iterator[None]:
+def time_limit(seconds: float | None, what: str, fix: str, *,
+               hard_exit_after_s: float | None = None) -> Iterator[None]:
     """Run the block for at most ``seconds``; then raise ``TimeLimitError`` naming ``what``.
 
     Args:
         seconds: the limit (None or inf: no limit).
         what: what the block does, e.g. "building my_model.py".
         fix: the advice appended to the message, e.g. "raise --build-timeout".
+        hard_exit_after_s: end the whole process (exit code 2) if the block is still running
+            this long after the limit (module docstring); None: never.
     """
     usable = threading.current_thread() is threading.main_thread() and hasattr(
         signal, "setitimer"
@@ -53,13 +62,29 @@ def time_limit(seconds: float | None, what: str, fix: str) -> Iterator[None]:
     def on_alarm(signum: int, frame: object) -> None:
         raise _Expired
 
+    message = f"{what} took longer than {max(seconds, 1e-3):.3g} s; {fix}"
+    watchdog = None
+    if hard_exit_after_s is not None:
+        watchdog = threading.Timer(seconds + hard_exit_after_s, _hard_exit, (message,))
+        watchdog.daemon = True
+        watchdog.start()
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), _REFIRE_S)
     try:
         yield
     except _Expired:
-        raise TimeLimitError(f"{what} took longer than {max(seconds, 1e-3):.3g} s; {fix}"
-                             ) from None
+        raise TimeLimitError(message) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _hard_exit(message: str) -> None:
+    """The watchdog's end: the error line, then the process ends (the block ignored its alarm)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        print(f"autopar: error: {message} (its code held off the time limit)", file=sys.stderr,
+              flush=True)
+    os._exit(2)

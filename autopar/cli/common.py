@@ -194,7 +194,8 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
     from autopar.timelimit import time_limit
 
     fix = "raise --build-timeout (and --time-budget), or fix the model's build_model()"
-    with time_limit(timeout_s, f"building and profiling {model_text}", fix):
+    with time_limit(timeout_s, f"building and profiling {model_text}", fix,
+                    hard_exit_after_s=HARD_EXIT_GRACE_S):
         return build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
 
 
@@ -203,6 +204,10 @@ def _not_a_file(path: Path) -> str:
     if path.is_dir():
         return "is a directory"
     return "is not a regular file" if path.exists() else "does not exist"
+
+
+# Seconds past --build-timeout after which a model build that ignores the alarm ends the command.
+HARD_EXIT_GRACE_S = 5.0
 
 
 def load_plan_file(path: str) -> Any:

@@ -591,3 +591,28 @@ def test_a_model_files_thread_and_exit_hook_neither_hold_nor_corrupt_the_command
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["config"]["dp"] >= 1  # one document, nothing after it
+
+
+def test_a_model_file_ignoring_the_alarm_still_ends_at_the_build_timeout(tmp_path):
+    """A model file that ignores SIGALRM and loops in build_model ran for 13+ minutes past
+    --build-timeout 15; the command now ends a few seconds after the limit with one line."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "stubborn.py"
+    model.write_text(
+        "import signal\nimport torch\nfrom torch import nn\n"
+        "def build_model():\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "    while True:\n        pass\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 8)\n")
+    argv = ["plan", str(model), "--gpus", "2", "--gpu", "cpu", "--global-batch", "4",
+            "--build-timeout", "1"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from autopar.cli import console; "
+         f"sys.argv = ['autopar', *{argv!r}]; console()"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("autopar: error:") and "held off the time limit" in lines[-1]

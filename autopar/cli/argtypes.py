@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 __all__ = ["MAX_SEED", "framework_spec", "int_in", "positive_float"]
 
-# The runs' seeds are mixed with the step into torch's 64-bit generator seed
-# (runtime/data.py: seed * 1,000,003 + step): 32 bits keep that in range.
-MAX_SEED = 2**32 - 1
+# The runs' seeds are mixed with the step into torch's signed 64-bit generator seed
+# (runtime/data.py: seed * 1,000,003 + step): 43 bits keep that in range (a millisecond
+# timestamp fits).
+MAX_SEED = 2**43 - 1
 
 
 def _number(text: str) -> float:

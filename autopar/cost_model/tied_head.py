@@ -13,6 +13,11 @@ optimizer step: it is charged to the embedding's and the head's optimizer time
 (``with_tied_sync``; it shows in the report's "optimizer step"). With pp == 1 the weight stays
 one parameter.
 
+Approximations: the copy is taken as V x h (a head that projects first, as OPT's
+``word_embed_proj_dim``, holds V x that width: over-charged); the all-reduce as the whole
+tp shard of the gradient, as Megatron-LM and DeepSpeed reduce it (autopar's runtime under
+FSDP reduces its dp x cp shard only: over-charged, a few milliseconds a step).
+
 Units: bytes, seconds.
 """
 

@@ -28,7 +28,7 @@ _STEP_MIX = 1_000_003
 
 def step_seed(seed: int, step: int) -> int:
     """The generator seed of step ``step`` of a run seeded ``seed`` (its data; the CLI bounds
-    ``seed`` so this stays within torch's 64-bit seeds: cli/argtypes.MAX_SEED)."""
+    ``seed`` so this stays within torch's signed 64-bit seeds: cli/argtypes.MAX_SEED)."""
     return seed * _STEP_MIX + step
 
 

@@ -78,6 +78,14 @@ def nested_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...
         node, prefix = node._modules[name], f"{prefix}{name}."
     # The head runs inside out: the inner model's final norm before the root's lm head.
     after = [fqn for level in reversed(levels_after) for fqn in level]
+    # An lm head registered before the blocks (nanoGPT-style code that ties it by assigning
+    # its weight to the embedding) still runs last: a linear onto the vocabulary is the head.
+    vocab = next((m.num_embeddings for f in before for m in model.get_submodule(f).modules()
+                  if isinstance(m, nn.Embedding)), 0)
+    heads = [f for f in before if isinstance(model.get_submodule(f), nn.Linear)
+             and model.get_submodule(f).out_features == vocab]
+    before = [f for f in before if f not in heads]
+    after += heads
     _check_decoder(model, container, before, after)
     return container, tuple(before), tuple(after)
 

@@ -42,7 +42,8 @@ class TiedCopies:
     """Where the copies of a tied weight live after a pipeline split.
 
     Attributes:
-        fqns: (embedding weight, head weight) FQNs in the full model.
+        fqns: the weight's two FQNs in the full model, in registration order (the first is the
+            name the one-process model gives it: its optimizer state's name in checkpoints).
         group: the pair of pp ranks holding the two copies (this rank is in it), or None when
             this rank holds both or neither.
     """
@@ -80,8 +81,10 @@ def check_tied_split(model: nn.Module, fqns: tuple[str, str], before: tuple[str,
     def under(fqn: str, names: tuple[str, ...]) -> bool:
         return any(name and (fqn == name or fqn.startswith(name + ".")) for name in names)
 
-    owners = [fqn.rpartition(".")[0] for fqn in fqns]
-    if not (under(fqns[0], before) and under(fqns[1], after)):
+    # Either may be registered first (nanoGPT assigns the head's weight to the embedding).
+    ends = fqns if under(fqns[0], before) else (fqns[1], fqns[0])
+    owners = [fqn.rpartition(".")[0] for fqn in ends]
+    if not (under(ends[0], before) and under(ends[1], after)):
         raise AutoparError(
             f"{type(model).__name__} ties {fqns[1]} to {fqns[0]} (one weight); autopar splits a "
             "weight shared only between the token embedding and the lm head; untie them or use "

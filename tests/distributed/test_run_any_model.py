@@ -94,6 +94,8 @@ def test_dp_and_fsdp_equal_one_process(name: str, zero: str, one_process) -> Non
         # gradients are summed (runtime/tied_weights.py).
         ("hf-gpt2-tied", ("--tp", "2", "--sequence-parallel")),
         ("hf-gpt2-tied", ("--pp", "2")),
+        # nanoGPT's order: the head registered first, its weight assigned to the embedding.
+        ("tiny_nanogpt_tied.py", ("--pp", "2")),
     ],
 )
 def test_decoders_split_equal_one_process(name: str, split: tuple[str, ...], one_process) -> None:

@@ -21,7 +21,7 @@ from autopar.runtime.context_parallel import apply_context_parallel
 from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
 from autopar.runtime.loss import default_loss, vocab_parallel_loss
-from autopar.runtime.mesh import data_parallel_mesh
+from autopar.runtime.mesh import data_parallel_mesh, mesh_device
 from autopar.runtime.nested_stage import shard_head_stand_ins
 from autopar.runtime.pipeline_parallel import (
     ModelStructure,
@@ -321,12 +321,6 @@ def _owned_block_fqns(stage: StagePlan, structure: ModelStructure) -> dict[str, 
     return choices
 
 
-def _device_of(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 def _autocast_dtype(plan: Plan) -> torch.dtype | None:
     cfg = plan.config
     return TORCH_DTYPES[cfg.dtype] if uses_autocast(cfg) else None
@@ -382,7 +376,7 @@ def apply_plan(
                                  retied=tied if cfg.pp == 1 else None)
                for part, s in zip(parts, stage_plans)]
     indices = tuple(s.index for s in stage_plans)
-    stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, _device_of(mesh),
+    stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, mesh_device(mesh),
                                 mesh["pp"].get_group())) if cfg.pp > 1 else ()
     schedule = build_schedule(list(stages), plan, loss) if cfg.pp > 1 else None
     return ParallelizedModel(

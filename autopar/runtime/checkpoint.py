@@ -308,15 +308,19 @@ def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any],
             part,
             optimizer,
             model_state_dict={k: state[f"model.{k}"] for k in model_keys},
-            # A copy per part: two parts may read one merged entry (a tied weight's two
-            # copies on one rank), and an optimizer must not share its state tensors.
-            optim_state_dict={k: _copied(state[_optim_key(k, tied)]) for k in optim_keys},
+            optim_state_dict={k: _loaded(state, k, tied) for k in optim_keys},
             options=options,
         )
 
 
-def _copied(value: Any) -> Any:
-    """A tensor's copy (a DTensor's too); other values as they are."""
+def _loaded(state: dict[str, Any], key: str, tied: tuple[str, str] | None) -> Any:
+    """The loaded value of a part's optimizer entry ``key``. A tied head copy's entry is read
+    from the embedding's name (``_optim_key``), and copied: where one rank holds both copies the
+    two parts read one merged entry, and an optimizer must not share its state tensors."""
     import torch
 
-    return value.clone() if isinstance(value, torch.Tensor) else value
+    merged = _optim_key(key, tied)
+    value = state[merged]
+    if merged != f"optim.{key}" and isinstance(value, torch.Tensor):
+        return value.clone()
+    return value

@@ -20,11 +20,12 @@ from autopar.config import MESH_AXES, ParallelConfig
 from autopar.errors import PlanMismatchError
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar.plan import Plan
 
-__all__ = ["MESH_AXES", "build_mesh", "config_of", "data_parallel_mesh", "dp_rank"]
+__all__ = ["MESH_AXES", "build_mesh", "config_of", "data_parallel_mesh", "dp_rank", "mesh_device"]
 
 
 
@@ -106,3 +107,12 @@ def dp_rank(mesh: DeviceMesh) -> tuple[int, int]:
     """
     dim = mesh.mesh_dim_names.index("dp")
     return mesh.get_local_rank(dim), mesh.size(dim)
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on ``mesh``: its current CUDA device, or the mesh's device type."""
+    import torch
+
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)

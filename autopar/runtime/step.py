@@ -152,12 +152,6 @@ def _pipeline(pmodel: ParallelizedModel, tokens: torch.Tensor, labels: torch.Ten
     return float(torch.stack([x.detach().double() for x in losses]).mean())
 
 
-def _device(pmodel: ParallelizedModel) -> torch.device:
-    if pmodel.mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(pmodel.mesh.device_type)
-
-
 def _global_mean(pmodel: ParallelizedModel, local_loss: float) -> float:
     # Every (dp, cp, tp) coordinate has exactly one pp rank with the last stage, so the world sum
     # of (loss on last-stage ranks, 0 elsewhere) is tp * sum_{dp,cp}(loss); every cp rank's loss
@@ -201,9 +195,10 @@ def train_step(
         else:
             local = _pipeline(pmodel, tokens, labels)
     if pmodel.tied is not None:  # a tied embedding and head split over pp: sum their gradients
+        from autopar.runtime.mesh import mesh_device
         from autopar.runtime.tied_weights import sync_tied_grads
 
-        sync_tied_grads(pmodel.model_parts, pmodel.tied, _device(pmodel))
+        sync_tied_grads(pmodel.model_parts, pmodel.tied, mesh_device(pmodel.mesh))
     if optimizer is not None:
         optimizer.step()
     return _global_mean(pmodel, local)

@@ -249,12 +249,13 @@ def dp_mechanism(config: ParallelConfig) -> str:
 
     Gradients are reduced over the dp * cp ranks that hold the same parameters (context
     parallel ranks hold whole layers, as torchtitan's ``dp_shard_cp`` mesh does), also when
-    dp == 1. dp * cp == 1: none. zero 0: DDP when tp == pp == 1, else ``replicate()`` (DDP around
-    tensor-parallel weights or pipeline stages is wrong on torch 2.13; see docs/runtime.md).
-    zero >= 1: FSDP2 (HSDP when dp_replicate > 1). The runtime applies exactly this and the cost
-    model charges it.
+    dp == 1. dp * cp == 1: none, unless state is offloaded: FSDP2 over the one rank then moves it
+    to the host (ZeRO-Offload on one GPU). zero 0: DDP when tp == pp == 1, else ``replicate()``
+    (DDP around tensor-parallel weights or pipeline stages is wrong on torch 2.13; see
+    docs/runtime.md). zero >= 1: FSDP2 (HSDP when dp_replicate > 1). The runtime applies exactly
+    this and the cost model charges it.
     """
-    if config.data_ranks == 1:
+    if config.data_ranks == 1 and config.offload == "none":
         return "none"
     if config.zero == 0:
         return "ddp" if config.pp == 1 and config.tp == 1 else "replicate"

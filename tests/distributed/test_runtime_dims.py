@@ -28,6 +28,9 @@ CASES_2: list[tuple[str, str, dict[str, Any], Any]] = [
      {"dp": 2, "zero": 3, "offload": "params", "micro_batch": 2}, None),
     ("llama-dp2-zero1-offload-optimizer", "llama",
      {"dp": 2, "zero": 1, "offload": "optimizer", "micro_batch": 2}, None),
+    # dp 1: FSDP2 over one rank does the offload (config.dp_mechanism).
+    ("llama-tp2-zero1-offload-optimizer", "llama",
+     {"tp": 2, "zero": 1, "offload": "optimizer", "micro_batch": 2}, None),
 ]
 CASES_4: list[tuple[str, str, dict[str, Any], Any]] = [
     ("gpt-hsdp2x2-zero3", "gpt", {"dp": 4, "dp_replicate": 2, "zero": 3}, None),

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, dp_mechanism
 from autopar.cost_model import comm, memory
 from autopar.cost_model.cp_comm import (
     cp_link,
@@ -299,3 +299,16 @@ def test_autopar_optimizer_offload_is_costed_as_what_fsdp2_moves() -> None:
     mlm = _block(build_cost_table(LLAMA, cluster, dataclasses.replace(cfg, zero=1),
                                   "megatron-lm"))
     assert mlm.param_bytes > one.param_bytes
+
+
+def test_one_gpu_offload_runs_fsdp2_over_one_rank_and_is_costed() -> None:
+    # ZeRO-Offload on one GPU: the runtime wraps FSDP2 over the single rank to move the state
+    # (config.dp_mechanism), so the cost model charges the host state it moves.
+    cluster = Cluster.preset("h100", nodes=1, gpus_per_node=1)
+    cfg = ParallelConfig(dp=1, zero=1, global_batch=8)
+    assert dp_mechanism(cfg) == "none"
+    off = dataclasses.replace(cfg, offload="optimizer")
+    assert dp_mechanism(off) == "fsdp"
+    base, moved = (autopar.estimate(LLAMA, cluster, c) for c in (cfg, off))
+    assert moved.host_memory_per_gpu_bytes > 0 == base.host_memory_per_gpu_bytes
+    assert moved.memory_per_gpu_bytes < base.memory_per_gpu_bytes

@@ -283,12 +283,14 @@ class Plan:
         Raises:
             PlanMismatchError: ``cluster`` does not have the plan's dp*cp*tp*pp GPUs.
         """
+        from autopar.cost_model.validate import world_problem
+
         data = cluster.to_dict()
         world = int(data.get("nodes", 0)) * int(data.get("gpus_per_node", 0))
-        if world != self.config.world_size:
-            raise PlanMismatchError(
-                f"the plan's split uses dp*cp*tp*pp = {self.config.world_size} GPUs but cluster "
-                f"{data.get('name', '?')!s} has {world}; re-plan for it with `autopar plan`")
+        problem = world_problem(self.config, world)
+        if problem:
+            raise PlanMismatchError(f"the plan's {problem} (cluster {data.get('name', '?')!s}); "
+                                    "re-plan for it with `autopar plan`")
         return dataclasses.replace(self, cluster=data, cluster_fingerprint=cluster.fingerprint())
 
     # ----------------------------------------------------------------------------- JSON
@@ -413,7 +415,7 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
     """dp * cp * tp * pp must be the GPU count of the plan's recorded cluster, and its device must
     train the plan's dtype (an fp8 plan on a device without fp8 divided the report by zero)."""
     from autopar.cost_model.hardware import Cluster
-    from autopar.cost_model.validate import dtype_problem
+    from autopar.cost_model.validate import dtype_problem, world_problem
 
     try:
         recorded = Cluster.from_dict(cluster)
@@ -426,11 +428,10 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
     nodes, per_node = cluster.get("nodes"), cluster.get("gpus_per_node")
     if not (isinstance(nodes, int) and isinstance(per_node, int)):
         return  # no cluster recorded (a hand-made plan): nothing to check against
-    if config.world_size != nodes * per_node:
-        raise PlanFormatError(
-            f"the plan's split uses dp*cp*tp*pp = {config.world_size} GPUs but its cluster has "
-            f"{nodes} x {per_node} = {nodes * per_node}; re-plan with `autopar plan`"
-        )
+    problem = world_problem(config, nodes * per_node)
+    if problem:
+        raise PlanFormatError(f"the plan's {problem} ({nodes} x {per_node}); re-plan with "
+                              "`autopar plan`")
 
 
 _INDEXED = re.compile(r"^(?P<prefix>.*?)\.(?P<index>\d+)\.(?P<suffix>.+)$")

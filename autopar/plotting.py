@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.compute import FORWARD_SHARE
 from autopar.cost_model.estimate import Estimate
 from autopar.schedules import get_schedule
 from autopar.units import GIB
@@ -96,7 +97,7 @@ def simulate_schedule(
     stages_of = {r: sorted(s for s, rr in placement.items() if rr == r) for r in ranks}
     limit = {r: _inflight_limit(config, r, num_mb * len(stages_of[r])) for r in ranks}
     duration = {
-        (k, s): chunk_time_s[s] * (1 / 3 if k == "F" or split else 2 / 3)
+        (k, s): chunk_time_s[s] * (FORWARD_SHARE if k == "F" or split else 1 - FORWARD_SHARE)
         for s in placement
         for k in kinds
     }

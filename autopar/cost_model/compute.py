@@ -58,9 +58,12 @@ def attention_ratio(device: DeviceSpec, kernel: str, attention: str) -> float:
         return device.flash2_attention_ratio
     return 1.0
 
-# Share of a layer's elementwise traffic in the forward pass (backward touches ~2x: gradients of
-# every elementwise op read the saved input and the output gradient and write the input gradient).
-FORWARD_TRAFFIC_SHARE = 1.0 / 3.0
+# The forward pass's share of a layer's work: its matmul FLOPs (backward runs two matmuls per
+# forward matmul: input and weight gradients) and its elementwise traffic (the gradient of every
+# elementwise op reads the saved input and the output gradient and writes the input gradient).
+# Sourced (Kaplan et al. 2020 / Narayanan et al. 2021's 2:1 backward-to-forward FLOPs); used for
+# traffic, fixed overhead and dispatch floors alike, and by the pipeline timeline (plotting.py).
+FORWARD_SHARE = 1.0 / 3.0
 
 
 def matmul_efficiency(device: DeviceSpec, work_flops: float) -> float:
@@ -130,13 +133,13 @@ def layer_compute(
     traffic_s = device.elementwise_traffic_factor * elementwise_bytes / device.hbm_bytes_per_s
     # Elementwise traffic and framework overhead split alike between forward and backward.
     traffic_s += overhead_s
-    fwd_traffic_s = FORWARD_TRAFFIC_SHARE * traffic_s
+    fwd_traffic_s = FORWARD_SHARE * traffic_s
     fwd_mm = fwd_flops / rate if fwd_flops > 0 else 0.0
     recompute = _recompute_s(recompute_flops, fwd_flops, rate, fwd_traffic_s + recompute_extra_s,
                              selective_rate_ratio)
     bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
-    fwd_s = max(fwd_mm + fwd_traffic_s, FORWARD_TRAFFIC_SHARE * floor_s)
-    bwd_s = max(bwd_mm + traffic_s - fwd_traffic_s, (1.0 - FORWARD_TRAFFIC_SHARE) * floor_s)
+    fwd_s = max(fwd_mm + fwd_traffic_s, FORWARD_SHARE * floor_s)
+    bwd_s = max(bwd_mm + traffic_s - fwd_traffic_s, (1.0 - FORWARD_SHARE) * floor_s)
     fwd_s += param_traffic_bytes[0] / device.hbm_bytes_per_s
     bwd_s += param_traffic_bytes[1] / device.hbm_bytes_per_s
     return LayerCompute(

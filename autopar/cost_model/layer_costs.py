@@ -19,8 +19,7 @@ by ``comm.collective_s`` at the size of its call:
   non-block layers (at pp == 1 one root holds the embedding and the head: it is charged on the
   first of them). All-gathers move the unit's parameters at the training dtype, reduce-scatters
   and all-reduces its gradients in fp32 (the reduce dtype).
-  zero 0, DDP: bucketed all-reduce (25 MiB buckets) in the last micro-batch's backward;
-  replicate(): one all-reduce per unit per step.
+  zero 0: DDP all-reduces 25 MiB buckets in the last micro-batch's backward; replicate(), per unit.
   zero 1: one all-gather per step (prefetched under the first micro-batch's forward: only the
   excess is charged), one reduce-scatter per step.
   zero 2: the same all-gather, one reduce-scatter per micro-batch (pp == 1) or per step (pp > 1).
@@ -42,6 +41,7 @@ from autopar.cost_model import comm, memory
 from autopar.cost_model.checkpoints import checkpoint_terms
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
 from autopar.cost_model.compute import (
+    FORWARD_SHARE,
     attention_ratio,
     busy_speedup,
     framework_overheads_s,
@@ -243,7 +243,7 @@ def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
         speedup=_pipeline_speedup(cluster, cfg),
         # Checkpointing's measured cost of a re-run block beyond the forward share charged.
         recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
-                              - cluster.device.layer_overhead_s / 3.0)
+                              - cluster.device.layer_overhead_s * FORWARD_SHARE)
         if layer.kind == "block" else 0.0,
         floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
         param_traffic_bytes=param_traffic,

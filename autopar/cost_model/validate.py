@@ -17,7 +17,8 @@ from autopar.graph.types import ModelProfile
 from autopar.schedules import check_schedule
 
 __all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "dtype_problem",
-           "ep_problem", "offload_problem", "sp_problem", "stages_problem", "tp_problem"]
+           "ep_problem", "offload_problem", "sp_problem", "stages_problem", "tp_problem",
+           "world_problem"]
 
 
 def cp_problem(cp: int, seq_len: int) -> str | None:
@@ -101,6 +102,14 @@ def dtype_problem(device: DeviceSpec, dtype: str) -> str | None:
     return None
 
 
+def world_problem(cfg: ParallelConfig, num_gpus: int) -> str | None:
+    """Why the split's world size is not the cluster's GPU count, or None."""
+    if cfg.world_size == num_gpus:
+        return None
+    return (f"world size dp * cp * tp * pp = {cfg.dp} * {cfg.cp} * {cfg.tp} * {cfg.pp} = "
+            f"{cfg.world_size} does not equal the cluster's {num_gpus} GPUs")
+
+
 def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
     """Raise ValueError unless expert parallelism fits (``ep_problem``)."""
     experts = [layer.moe.experts for layer in profile.layers if layer.moe is not None]
@@ -124,13 +133,10 @@ def check_config(profile: ModelProfile, cluster: Cluster, config: ParallelConfig
         ValueError: world size, head divisibility, stage count, schedule or SP constraints.
     """
     cfg = config
-    if cfg.world_size != cluster.num_gpus:
-        raise ValueError(
-            f"world size dp * cp * tp * pp = {cfg.dp} * {cfg.cp} * {cfg.tp} * {cfg.pp} = "
-            f"{cfg.world_size} does not equal the cluster's {cluster.num_gpus} GPUs; choose "
-            f"degrees whose product is {cluster.num_gpus}, or a cluster of {cfg.world_size} "
-            f"GPUs (--gpus {cfg.world_size})"
-        )
+    problem = world_problem(cfg, cluster.num_gpus)
+    if problem:
+        raise ValueError(f"{problem}; choose degrees whose product is {cluster.num_gpus}, or a "
+                         f"cluster of {cfg.world_size} GPUs (--gpus {cfg.world_size})")
     check_ep(profile, cfg)
     check_dimensions(profile, cluster, cfg)
     counts = [("the model's heads", profile.heads), ("the model's kv_heads", profile.kv_heads)]

@@ -29,8 +29,8 @@ def add_split_arguments(split: argparse._ArgumentGroup, *, for_run: bool) -> Non
         split.add_argument(f"--{name}", type=int_in(1, MAX_GPUS), default=default(1),
                            help=f"{name} degree (default 1)")
     split.add_argument("--ep", type=int_in(1, MAX_GPUS), default=default(1),
-                       help="expert-parallel degree of a mixture-of-experts model (divides dp; "
-                       "default 1)")
+                       help="expert-parallel degree of a mixture-of-experts model (divides "
+                       "dp * cp; default 1)")
     split.add_argument("--dp-replicate", type=int_in(1, MAX_GPUS), default=default(1),
                        help="HSDP replicas of a dp / dp_replicate shard group (needs --zero >= 1; "
                        "default 1)")

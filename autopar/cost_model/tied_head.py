@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.config import DTYPE_BYTES, ParallelConfig, mesh_strides
 from autopar.cost_model import comm
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import ModelProfile
@@ -56,8 +56,8 @@ def split_tied_head(profile: ModelProfile, pp: int) -> ModelProfile:
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig,
-                grad_bytes: float) -> float:
-    """One all-reduce of the head copy's tp-sharded gradient (``grad_bytes`` per element: the
+                grad_element_bytes: float) -> float:
+    """One all-reduce of the head copy's tp-sharded gradient (``grad_element_bytes``: the
     framework's gradient reduction dtype) over the pair of pp ranks holding the embedding and
     the head, at the step's end; 0 when one rank holds both."""
     extra = copied_params(profile, cfg.pp)
@@ -65,9 +65,8 @@ def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig,
     last = rank_of_stage(cfg.schedule, cfg.pp, cfg.num_stages - 1)
     if not extra or first == last:
         return 0.0
-    # pp is the outermost mesh axis: pp ranks sit world_size / pp apart.
-    link = comm.group_link(cluster, 2, cfg.world_size // cfg.pp * abs(last - first))
-    return comm.all_reduce_s(link, extra / cfg.tp * grad_bytes)
+    link = comm.group_link(cluster, 2, mesh_strides(cfg)["pp"] * abs(last - first))
+    return comm.all_reduce_s(link, extra / cfg.tp * grad_element_bytes)
 
 
 def with_tied_sync(layers: list, sync_s: float) -> list:

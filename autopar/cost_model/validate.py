@@ -69,14 +69,12 @@ def stages_problem(num_stages: int, num_layers: int) -> str | None:
     return None
 
 
-def ep_problem(ep: int, data_ranks: int, experts: Iterable[int]) -> str | None:
-    """Experts shard over the dp * cp ranks (``data_ranks``): ep divides them and every MoE
-    layer's expert count (``experts``; ``check_ep`` refuses ep > 1 without any)."""
+def ep_problem(ep: int, experts: Iterable[int]) -> str | None:
+    """ep divides every MoE layer's expert count (``experts``; ``check_ep`` refuses ep > 1
+    without any). That it divides dp * cp, the ranks experts shard over, is ParallelConfig's own
+    rule."""
     if ep == 1:
         return None
-    if data_ranks % ep:
-        return (f"ep = {ep} must divide dp * cp = {data_ranks} (experts are sharded over "
-                "data-parallel ranks)")
     for count in sorted(set(experts)):
         if count % ep:
             return (f"ep = {ep} must divide the number of experts ({count}); pick an ep that "
@@ -116,7 +114,7 @@ def check_ep(profile: ModelProfile, cfg: ParallelConfig) -> None:
     if cfg.ep > 1 and not experts:
         raise ValueError(f"ep = {cfg.ep} needs a mixture-of-experts model; {profile.name} has "
                          "no experts (use ep=1)")
-    problem = ep_problem(cfg.ep, cfg.data_ranks, experts)
+    problem = ep_problem(cfg.ep, experts)
     if problem:
         raise ValueError(problem)
 

@@ -21,7 +21,7 @@ from typing import cast
 from torch import Tensor, nn
 
 from autopar.graph.types import TPStructure
-from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
+from autopar.models.tp_names import COLWISE_NAMES, FUSED_QKV_NAMES, ROWWISE_NAMES
 
 __all__ = [
     "COLWISE_NAMES",
@@ -37,10 +37,6 @@ __all__ = [
     "split_blocker",
     "width_norms",
 ]
-
-# One matrix computing q, k and v (equal widths): column-parallel, split per q / k / v.
-FUSED_QKV_NAMES = frozenset({"c_attn", "qkv_proj", "Wqkv", "query_key_value"})
-
 
 def is_linear(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.Linear`` or HF's ``Conv1D`` (weight ``[in, out]``)."""

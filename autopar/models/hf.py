@@ -21,7 +21,7 @@ from torch import nn
 
 from autopar.errors import AutoparError, UnknownModelError
 from autopar.models.spec import MAX_SIZES
-from autopar.models.tp_names import COLWISE_NAMES, ROWWISE_NAMES
+from autopar.models.tp_names import COLWISE_NAMES, FUSED_NAMES, ROWWISE_NAMES
 
 __all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
 
@@ -33,7 +33,6 @@ __all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
 # attention-output dense.
 _COLWISE = COLWISE_NAMES | {"q", "k", "v"}
 _ROWWISE = ROWWISE_NAMES | {"dense", "o"}
-_FUSED = frozenset({"qkv_proj", "query_key_value", "c_attn", "gate_up_proj", "Wqkv", "qkv"})
 
 
 def _transformers() -> Any:
@@ -263,7 +262,7 @@ def _classify(layer: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         leaf = fqn.rsplit(".", 1)[-1]
         group = (
-            "fused" if leaf in _FUSED
+            "fused" if leaf in FUSED_NAMES
             else "colwise" if leaf in _COLWISE
             else "rowwise" if leaf in _ROWWISE
             else "other"

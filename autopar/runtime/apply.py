@@ -150,7 +150,7 @@ def _check_ep(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> None:
         raise AutoparError(f"autopar's runtime cannot shard these experts over ep: {blocker}; "
                            "use ep=1, or a framework that runs its own implementation "
                            "(--framework torchtitan or megatron-lm)")
-    problem = ep_problem(cfg.ep, cfg.data_ranks, [experts])
+    problem = ep_problem(cfg.ep, [experts])
     if problem:
         raise AutoparError(problem)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autopar.cost_model.framework_support import fsdp_recuts_tp_shards
+from autopar.cost_model.validate import tp_problem
 from autopar.errors import AutoparError
 from autopar.graph.tp import is_norm, split_blocker
 from autopar.runtime.tensor_parallel import build_tp_plan, default_tp_layout, resolve_layout
@@ -113,9 +114,8 @@ def _check_tp_heads(
             parent = fqn.rsplit(".", 1)[0]
             for name in ("n_head", "num_heads"):
                 counts[f"{parent}.{name}"] = getattr(model.get_submodule(parent), name, None)
-    for name, value in counts.items():
-        if isinstance(value, int) and value % tp:
-            raise AutoparError(
-                f"tp={tp} does not divide {name}={value} of the blocks at {container!r}: tensor "
-                f"parallelism shards attention heads; use a tp that divides {value}"
-            )
+    problem = tp_problem(tp, [(f"{name} of the blocks at {container!r}", value)
+                              for name, value in counts.items()
+                              if isinstance(value, int) and not isinstance(value, bool)])
+    if problem:
+        raise AutoparError(f"{problem} (tensor parallelism shards attention heads)")

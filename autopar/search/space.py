@@ -105,7 +105,7 @@ def expert_degrees(dp: int, cp: int, expert_counts: tuple[int, ...]) -> list[int
     ``expert_counts`` (the routed experts of each MoE layer); [1] for a dense model."""
     if not expert_counts:
         return [1]
-    return [e for e in divisors(dp * cp) if ep_problem(e, dp * cp, expert_counts) is None]
+    return [e for e in divisors(dp * cp) if ep_problem(e, expert_counts) is None]
 
 
 def schedule_accepts(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> bool:

@@ -232,3 +232,14 @@ def test_fused_attention_sized_by_its_input_is_refused(tmp_path: Path) -> None:
         check_plan_runnable(_nanogpt(path), _plan(2, tp=2, micro_batch=4))
     with pytest.raises(AutoparError, match=r"transformer\.h\.0\.attn\.c_attn .* --zero 0"):
         check_plan_runnable(_nanogpt(), _plan(2, tp=2, dp=2, zero=3, micro_batch=2))
+
+
+def test_an_hf_model_whose_heads_tp_does_not_divide_fails_before_launch() -> None:
+    from autopar.models.hf import from_hf_config
+
+    config = {"model_type": "llama", "hidden_size": 48, "num_hidden_layers": 4,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 64,
+              "vocab_size": 64}
+    with pytest.raises(AutoparError, match=r"tp = 4 must divide num_attention_heads .*= 6"):
+        check_plan_runnable(from_hf_config(config), _plan(tp=4))
+    check_plan_runnable(from_hf_config(config), _plan(tp=2))

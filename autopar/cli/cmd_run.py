@@ -243,26 +243,26 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
     if args.global_batch is None:
         raise AutoparError("give --global-batch B (sequences per step) to run a model")
-    schedule = args.schedule or DEFAULT_SCHEDULE
+    # A split flag not given takes ParallelConfig's own default; these four are set here.
+    apart = ("virtual_stages", "dtype", "global_batch", "seq_len")
+    given = {name: getattr(args, name) for name in _SPLIT_FLAGS
+             if name not in apart and getattr(args, name) is not None}
     virtual = args.virtual_stages
-    if virtual is None:
-        # An unknown schedule is ParallelConfig's to name (one error line).
-        known = schedule in SCHEDULES
-        virtual = get_schedule(schedule).default_virtual_stages(args.pp or 1) if known else 1
-    return ParallelConfig(
-        dp=args.dp or 1, cp=args.cp or 1, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
-        dp_replicate=args.dp_replicate or 1, offload=args.offload or "none",
-        micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
-        schedule=schedule, virtual_stages=virtual, recompute=args.recompute or "none",
-        sequence_parallel=bool(args.sequence_parallel), zero=args.zero or 0,
-        dtype=args.dtype or _default_dtype(),
-    )
+    schedule = given.get("schedule", DEFAULT_SCHEDULE)
+    if virtual is None and schedule in SCHEDULES:  # an unknown one is ParallelConfig's to name
+        virtual = get_schedule(schedule).default_virtual_stages(given.get("pp", 1))
+    if virtual is not None:
+        given["virtual_stages"] = virtual
+    return ParallelConfig(global_batch=args.global_batch, dtype=args.dtype or _default_dtype(),
+                          **given)
 
 
 def _default_dtype() -> str:
     import torch
 
-    return "bf16" if torch.cuda.is_available() else "fp32"
+    from autopar.runtime.mesh import default_dtype
+
+    return default_dtype("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _worker_args(args: argparse.Namespace, job: _Job) -> Any:

@@ -50,6 +50,9 @@ from autopar.runtime.calibrate_measure import (
     measure_overheads,
     sync,
 )
+from autopar.runtime.data_parallel import TORCH_DTYPES
+from autopar.runtime.launch import PG_TIMEOUT_S
+from autopar.runtime.mesh import backend_of, default_dtype
 
 __all__ = ["Sweep", "calibrate"]
 
@@ -213,11 +216,10 @@ def _worker(rank: int, nproc: int, store_path: str, device_type: str, sweep_json
     torch.set_num_threads(1)
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-        device, backend, dtype = torch.device("cuda", rank), "nccl", torch.bfloat16
-    else:
-        device, backend, dtype = torch.device("cpu"), "gloo", torch.float32
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
-                            world_size=nproc, timeout=timedelta(seconds=120))
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    dtype = TORCH_DTYPES[default_dtype(device_type)]
+    dist.init_process_group(backend_of(device_type), init_method=f"file://{store_path}",
+                            rank=rank, world_size=nproc, timeout=timedelta(seconds=PG_TIMEOUT_S))
     try:
         sweep = Sweep.from_json(sweep_json)
         result: dict[str, Any] = {"matmul": _measure_matmuls(sweep, dtype, device)}
@@ -319,7 +321,7 @@ def _calibration(raw: dict[str, Any], nproc: int, device_type: str, *, wall_s: f
     return Calibration(
         device_type=device_type,
         nproc=nproc,
-        dtype="bf16" if device_type == "cuda" else "fp32",
+        dtype=default_dtype(device_type),
         matmul_samples=matmul,
         matmul_fixed_s=fit.fixed_s,
         matmul_peak_flops=fit.rate,

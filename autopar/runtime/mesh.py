@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from autopar.plan import Plan
 
-__all__ = ["MESH_AXES", "build_mesh", "config_of", "data_parallel_mesh", "dp_rank", "mesh_device"]
+__all__ = ["MESH_AXES", "backend_of", "build_mesh", "config_of", "data_parallel_mesh",
+           "default_dtype", "dp_rank", "mesh_device"]
 
 
 
@@ -116,3 +117,14 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def backend_of(device_type: str) -> str:
+    """The process-group backend for a device type: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def default_dtype(device_type: str) -> str:
+    """The training dtype when none is given: bf16 on a GPU, fp32 on the CPU (where autopar's
+    runs are checked against one process to fp32's precision)."""
+    return "bf16" if device_type == "cuda" else "fp32"

@@ -287,7 +287,9 @@ def build_model(model_text: str, *, device: str | torch.device, seed: int | None
 
 
 def _init_process_group(args: WorkerArgs) -> torch.device:
-    backend = "nccl" if args.device_type == "cuda" else "gloo"
+    from autopar.runtime.mesh import backend_of
+
+    backend = backend_of(args.device_type)
     if args.device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

@@ -87,7 +87,8 @@ class ParallelConfig:
         micro_batch: sequences per micro-batch per data-parallel replica.
         global_batch: sequences per optimizer step for the whole job.
         schedule: pipeline schedule name (see ``SCHEDULES``); ignored when pp == 1.
-        virtual_stages: model chunks per pipeline rank (>= 2 for interleaved schedules).
+        virtual_stages: model chunks per pipeline rank (>= 2 for interleaved schedules at
+            pp > 1; 1 at pp == 1).
         recompute: activation recomputation for every layer: none | selective | full.
         sequence_parallel: shard norms/dropout activations along the sequence over tp.
         zero: 0 replicated (DDP / replicate()), 1 and 2 (FSDP2 keeping parameters unsharded

@@ -119,6 +119,9 @@ def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
 
 
 def _chunk_problem(s: Schedule, pp: int, virtual_stages: int, exact: bool) -> str | None:
+    if pp == 1 and virtual_stages != 1:
+        return (f"virtual_stages={virtual_stages} splits each pipeline rank's layers into chunks, "
+                "and pp = 1 has no pipeline; set virtual_stages=1 or pp > 1")
     if s.multi_chunk and pp > 1 and virtual_stages < 2:
         return f"schedule {s.name!r} needs virtual_stages >= 2 (model chunks per rank)"
     if not s.multi_chunk and virtual_stages != 1:

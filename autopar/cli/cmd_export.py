@@ -7,10 +7,12 @@ import sys
 
 from autopar.cli import common
 from autopar.cli.argtypes import int_in
+from autopar.errors import AutoparError
 
 NAME = "export"
 HELP = "write a plan as a torchtitan TOML, Megatron-LM flags, a DeepSpeed JSON or an sbatch script"
 ORDER = 50
+SLURM_STEPS = 100  # the sbatch script's `autopar run --steps` unless --steps is given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write here (default stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument(
-        "--steps", type=int_in(1, 10**9), default=100,
-        help="slurm: training steps for `autopar run`"
+        "--steps", type=int_in(1, 10**9), default=None,
+        help=f"slurm: training steps for `autopar run` (default {SLURM_STEPS})"
     )
 
 
@@ -31,9 +33,13 @@ def run(args: argparse.Namespace) -> int:
     """Export; the document alone goes to stdout (or --out), notes go to stderr."""
     from autopar.exporters import export_plan
 
+    if args.steps is not None and args.to != "slurm":
+        raise AutoparError(f"--steps goes with --to slurm (the steps its `autopar run` "
+                           f"trains); drop it for --to {args.to}")
     common.check_writable(args.out, force=args.force)
     plan = common.load_plan_file(args.plan)
-    options = {"plan_path": args.plan, "steps": args.steps} if args.to == "slurm" else {}
+    steps = SLURM_STEPS if args.steps is None else args.steps
+    options = {"plan_path": args.plan, "steps": steps} if args.to == "slurm" else {}
     result = export_plan(plan, args.to, **options)
     for note in result.notes:
         print(f"autopar: note: {note}", file=sys.stderr)

@@ -72,6 +72,7 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["plan", TINY, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--dtype", "fp8"],
      "autopar trains in bf16, fp16, fp32, not fp8"),
     (["export", "plan.json", "--to", "slurm", "--steps", "0"], "--steps: must be from 1"),
+    (["export", "plan.json", "--to", "megatron", "--steps", "5"], "--steps goes with --to slurm"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

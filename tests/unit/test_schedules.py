@@ -68,6 +68,10 @@ def test_one_validity_check_for_config_and_estimate():
         ParallelConfig(pp=2, schedule="interleaved-1f1b", global_batch=8)
     with pytest.raises(ValueError, match="one model chunk"):
         ParallelConfig(pp=2, schedule="1f1b", virtual_stages=2, global_batch=8)
+    # pp = 1 has no chunks to split: virtual_stages > 1 there had been ignored silently.
+    with pytest.raises(ValueError, match="pp = 1 has no pipeline"):
+        ParallelConfig(schedule="interleaved-1f1b", virtual_stages=4, global_batch=8)
+    ParallelConfig(schedule="interleaved-1f1b", global_batch=8)
     # The exact chunk count and the micro-batch rules need the micro-batch count.
     check_schedule("zbv-zero-bubble", 2, 3)
     with pytest.raises(ValueError, match="exactly 2 stages"):

@@ -49,6 +49,10 @@ from autopar.units import GIB
 
 __all__ = ["assemble", "check_split", "pipeline_buffer_bytes"]
 
+# Reports add "memory nearly full" above this fraction of the usable memory: a reporting
+# threshold (a plan that close has little room for what the model leaves out), not a cost term.
+NEARLY_FULL_FRACTION = 0.9
+
 
 def pipeline_buffer_bytes(table: CostTable, rank: int) -> float:
     """Bytes of torch pipelining's receive buffers (and held input gradients) on ``rank``."""
@@ -259,6 +263,6 @@ def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck
     name, value = max(terms.items(), key=lambda kv: (kv[1], kv[0]))
     label = name.removesuffix("_s").replace("_", " ")
     note = f"{label} ({100 * value / step_s:.0f}% of the step, pipeline rank {bottleneck})"
-    if mem > 0.9 * cap:
+    if mem > NEARLY_FULL_FRACTION * cap:
         note += f"; memory nearly full on rank {largest.rank} ({100 * mem / cap:.0f}%)"
     return note

@@ -345,6 +345,7 @@ def _measured_device(device: dict[str, Any], cal: Calibration) -> None:
         device["matmul_half_flops"] = rate * cal.matmul_fixed_s
         device.update(
             layer_overhead_s=cal.layer_overhead_s,
+            # Measured for the embedding and the head together: half each.
             edge_layer_overhead_s=0.5 * cal.nonblock_overhead_s,
             tp_module_overhead_s=cal.dtensor_module_overhead_s,
             fsdp_layer_overhead_s=cal.fsdp_layer_overhead_s,

@@ -35,6 +35,8 @@ from autopar.cost_model.hardware import DeviceSpec
 
 __all__ = [
     "ATTENTION_KERNELS",
+    "FORWARD_SHARE",
+    "MATMUL_BACKWARD_RATIO",
     "LayerCompute",
     "attention_ratio",
     "busy_speedup",
@@ -63,7 +65,8 @@ def attention_ratio(device: DeviceSpec, kernel: str, attention: str) -> float:
 # elementwise op reads the saved input and the output gradient and writes the input gradient).
 # Sourced (Kaplan et al. 2020 / Narayanan et al. 2021's 2:1 backward-to-forward FLOPs); used for
 # traffic, fixed overhead and dispatch floors alike, and by the pipeline timeline (plotting.py).
-FORWARD_SHARE = 1.0 / 3.0
+MATMUL_BACKWARD_RATIO = 2.0  # backward FLOPs of a matmul over its forward's (dX and dW)
+FORWARD_SHARE = 1.0 / (1.0 + MATMUL_BACKWARD_RATIO)
 
 
 def matmul_efficiency(device: DeviceSpec, work_flops: float) -> float:

@@ -50,7 +50,7 @@ import dataclasses
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm
-from autopar.cost_model.compute import attention_ratio, matmul_efficiency
+from autopar.cost_model.compute import MATMUL_BACKWARD_RATIO, attention_ratio, matmul_efficiency
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.overlap import overlapped_s
@@ -233,7 +233,8 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
     rate *= attention_peak_flops(cluster.device, cfg.dtype, attention_ratio(
         cluster.device, fw.attention_kernel, profile.attention))
     attn_fwd_s = attn_flops / rate
-    attn_bwd_s = attn_fwd_s * (layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 2.0)
+    attn_bwd_s = attn_fwd_s * (layer.bwd_flops / layer.fwd_flops if layer.fwd_flops
+                              else MATMUL_BACKWARD_RATIO)
     if fw.cp_comm == "all_gather_rotate":
         live = (cfg.cp - 1) * kv
         return CpTerms(comm_s=rotate_gather_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp"],

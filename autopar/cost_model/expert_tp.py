@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.config import DTYPE_BYTES
+from autopar.cost_model.compute import MATMUL_BACKWARD_RATIO
 from autopar.cost_model.identity_cache import IdentityCache
 from autopar.cost_model.tables import LayerCost
 from autopar.cost_model.tp_comm import tp_sharded
@@ -79,7 +80,7 @@ def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int) -> LayerProfile
         num_params=layer.num_params + more * moe.routed_params,
         param_bytes=layer.param_bytes + more * moe.routed_params * w,
         fwd_flops=layer.fwd_flops + more * fwd,
-        bwd_flops=layer.bwd_flops + 2 * more * fwd,
+        bwd_flops=layer.bwd_flops + MATMUL_BACKWARD_RATIO * more * fwd,
         recompute_flops={m: f + (more * fwd if m == "full" else 0.0)
                          for m, f in layer.recompute_flops.items()},
         saved_bytes={m: b + (0 if m == "full" else more * saved)

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from autopar.config import DTYPE_BYTES, ParallelConfig
 from autopar.cost_model import comm, memory
+from autopar.cost_model.compute import MATMUL_BACKWARD_RATIO
 from autopar.cost_model.hardware import Cluster
 from autopar.graph.types import LayerProfile, MoEStructure
 from autopar.models.presets import MIXTRAL_ROUTER_IMBALANCE
@@ -293,7 +294,7 @@ def ep_terms(
                                                    whole_sequence=whole_sequence))
     return EpTerms(
         extra_fwd_flops=extra * fwd,
-        extra_bwd_flops=2.0 * extra * fwd,
+        extra_bwd_flops=MATMUL_BACKWARD_RATIO * extra * fwd,
         comm_s=(none, sel, full),
         extra_act_bytes=(act, act, 0.0),
         buffer_bytes=2 * size,

@@ -72,7 +72,10 @@ HEADROOM = 0.05
 COMM_BUFFER_BYTES_PER_GROUP = 64 * MIB
 # DDP's buckets (25 MiB each, gradient copies) are charged as gradients. The caching allocator's
 # rounding and block splitting over the step (beyond the cluster's headroom fraction, which holds
-# the CUDA context and long-term fragmentation): a fixed reserve.
+# the CUDA context and long-term fragmentation): a fixed reserve. Sourced as an order of
+# magnitude, not fitted (no record gives the bytes to fit it on): torch's CUDACachingAllocator
+# serves requests under 10 MiB from 2 MiB or 20 MiB segments (kSmallBuffer / kLargeBuffer in
+# c10/cuda/CUDACachingAllocator.cpp), and a dozen partly used 20 MiB segments are ~256 MiB.
 ALLOCATOR_RESERVE_BYTES = 256 * MIB
 
 
@@ -272,7 +275,9 @@ def cpu_cluster_fields(workers: int) -> dict[str, Any]:
         "memory_bytes": CPU_HOST_MEMORY_BYTES // workers,
         "hbm_bytes_per_s": CPU_MEMORY_BYTES_PER_S * min(1.0, workers / CPU_CORES) / workers,
         # CPU matmuls: torch's tiny-model steps are dominated by per-op overhead (~10 us per op);
-        # not fitted to GPU records. Max 0.87 as measured above; half point 1e-4 s of work.
+        # not fitted to GPU records. Max 0.87 as measured above; half point 1e-4 s of work, a
+        # default until `autopar calibrate` measures it (calibration.calibration_to_cluster
+        # sets the half point from the measured fixed cost of a matmul call).
         "matmul_efficiency_max": 0.87,
         "matmul_half_flops": 1e-4 * flops,
         "elementwise_traffic_factor": ELEMENTWISE_TRAFFIC,
@@ -283,7 +288,9 @@ def cpu_cluster_fields(workers: int) -> dict[str, Any]:
         "device": device,
         "intra_node": _link(bw, latency),
         "inter_node": _link(bw, latency),
-        "memory_headroom_fraction": 0.2,  # shared with the OS and other processes
+        # Assumed, not fitted: the host's memory is shared with the OS and other processes, and
+        # only CPU runs read it (a plan that fits keeps a fifth of it free).
+        "memory_headroom_fraction": 0.2,
         "dp_overlap_efficiency": 0.0,  # gloo work runs on the same cores: no overlap
         # gloo allocates no tensors for its channels and CPU tensors are freed to the system
         # allocator at once: a CPU run's peak is its live tensor bytes (docs/verify.md).

@@ -63,7 +63,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                       "manifest verifies")
     ckpt.add_argument("--trust-checkpoint", action="store_true",
                       help="with --resume: also load a checkpoint autopar did not write (no "
-                      "manifest); loading a checkpoint runs code it contains (DCP pickles)")
+                      "manifest), unverified (still as data: no checkpoint runs code)")
     ckpt.add_argument("--max-restarts", type=int, default=0,
                       help="torchrun restarts after a worker fails (resumes from the checkpoint)")
     nodes = parser.add_argument_group("multi-node (passed to torchrun; same command on every node)")
@@ -99,7 +99,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
-    from autopar.runtime.checkpoint import check_checkpoint_dir
+    from autopar.runtime.checkpoint import check_checkpoint_dir, model_problem
     from autopar.runtime.launch import launch
 
     if args.steps < 1:
@@ -110,6 +110,10 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
         args.checkpoint_dir, resume=args.resume, steps=args.steps, every=args.checkpoint_every,
         trust=args.trust_checkpoint,
     )
+    problem = (model_problem(args.checkpoint_dir, point.step, job.state_shapes)
+               if point.step is not None else None)
+    if problem:
+        raise AutoparError(problem)
     if args.dry_run:
         from autopar.runtime.dry_run import dry_run, format_report
 
@@ -147,6 +151,7 @@ class _Job:
     model_text: str
     seq_len: int
     vocab: int
+    state_shapes: dict[str, tuple[int, ...]]
 
 
 _SPLIT_FLAGS = ("dp", "cp", "tp", "pp", "ep", "dp_replicate", "offload", "schedule",
@@ -204,7 +209,8 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
 
     # Everything the runtime would reject, before any process starts.
     check_plan_runnable(model, plan)
-    return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab)
+    return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab,
+                state_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()})
 
 
 def _build_and_profile(model_text: str, seq_len: int | None = None) -> tuple[Any, Any]:

@@ -13,11 +13,13 @@ sharded over ep ranks (one FQN, different experts per rank) are saved and loaded
 whole-tensor DTensor views of them (``expert_parallel.expert_state_views``).
 
 Trust: DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``-ed with
-``weights_only=False``, so loading a checkpoint can run code it contains. Before any
-``dcp.load`` the checkpoint is checked against its manifest (``manifest.py``): every file
-present, of the recorded size and sha256, and no other file. A checkpoint without a manifest
-(not written by autopar) is loaded only with ``--trust-checkpoint``; a damaged newest checkpoint
-is skipped for the newest one that verifies.
+``weights_only=False``; autopar reads both as data only (``dcp_data.py``: an unpickler that
+builds DCP's metadata records and nothing else, ``weights_only=True``), so no checkpoint runs
+code, even one whose manifest is forged. Before any ``dcp.load`` the checkpoint is checked
+against its manifest (``manifest.py``): every file present, of the recorded size and sha256, and
+no other file. A checkpoint without a manifest (not written by autopar) is loaded only with
+``--trust-checkpoint``; a damaged newest checkpoint is skipped for the newest one that verifies.
+Before launch, ``model_problem`` compares its metadata's FQNs and shapes with the model's.
 
 Atomicity: every rank writes its shards into ``step_N.tmp/``; after a barrier the ranks hash
 the files (each its share), rank 0 writes the manifest last (a temporary file, fsynced, then
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ __all__ = [
     "check_checkpoint_dir",
     "checkpoint_path",
     "load_latest_checkpoint",
+    "model_problem",
     "read_manifest",
     "save_checkpoint",
 ]
@@ -106,8 +109,46 @@ def check_checkpoint_dir(
                 f"checkpoint dir {checkpoint_dir} already holds a run; pass --resume to continue "
                 "it, or give a new --checkpoint-dir"
             )
+        _check_creatable(root)
         return ResumePoint(step=None)
     return _resume_point(checkpoint_dir, steps=steps, trust=trust)
+
+
+def _check_creatable(root: Path) -> None:
+    """The workers can create (or write into) ``root``: found before training, not after it."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise AutoparError(f"checkpoint dir {root} cannot be created: {existing} is not a "
+                           "directory; give another --checkpoint-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise AutoparError(f"checkpoint dir {root} cannot be written: {existing} is not "
+                           "writable; give another --checkpoint-dir")
+
+
+def model_problem(checkpoint_dir: str | Path, step: int,
+                  state_shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why checkpoint ``step`` does not hold the state of the model with ``state_shapes`` (its
+    state dict's FQNs and shapes, from a meta build), or None. Reads only the checkpoint's
+    metadata, as data (``dcp_data``), so a run for another model is refused before launch."""
+    from autopar.runtime.dcp_data import read_metadata_bytes
+
+    path = checkpoint_path(checkpoint_dir, step)
+    metadata = read_metadata_bytes((path / ".metadata").read_bytes())
+    saved = {key.removeprefix("model."): tuple(getattr(value, "size", ()))
+             for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    problems = [f"{fqn} is {list(saved[fqn])} there, {list(shape)} here"
+                for fqn, shape in state_shapes.items()
+                if fqn in saved and saved[fqn] != tuple(shape)]
+    problems += [f"it lacks {fqn}" for fqn in state_shapes if fqn not in saved]
+    problems += [f"it holds {fqn}, which this model lacks" for fqn in saved
+                 if fqn not in state_shapes]
+    if not problems:
+        return None
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return (f"checkpoint {path} was written for another model ({'; '.join(problems[:3])}{more}); "
+            "resume with the model that wrote it, or give a new --checkpoint-dir")
 
 
 def _resume_point(checkpoint_dir: str, *, steps: int, trust: bool) -> ResumePoint:
@@ -295,8 +336,12 @@ def _load(path: Path, model_parts: Sequence[Any], optimizers: Sequence[Any],
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from autopar.runtime.dcp_data import DataOnlyPlanner, DataOnlyReader
+
     state, part_keys, replaced = _merged_state(model_parts, optimizers, tied)
-    dcp.load(state, checkpoint_id=str(path))
+    # As data: the metadata's unpickler and the non-tensor items build nothing the checkpoint
+    # names beyond DCP's own records (dcp_data.py).
+    dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyPlanner())
     state.update(replaced)  # the expert views were loaded in place, into these tensors
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     for part, optimizer, (model_keys, optim_keys) in zip(

@@ -1,4 +1,4 @@
-"""``autopar run --resume`` loads only checkpoints whose manifest verifies (or trusted ones).
+"""``autopar run --resume`` loads, as data, only checkpoints whose manifest verifies (or trusted).
 
 DCP's ``.metadata`` is a pickle, so loading a checkpoint can run code: a checkpoint directory
 autopar did not write is refused before any worker starts unless ``--trust-checkpoint`` is
@@ -78,3 +78,31 @@ def test_damaged_newest_falls_back_and_trust_loads_foreign(tmp_path: Path) -> No
     doc = json.loads(trusted.stdout)
     assert doc["steps"] == [3] and doc["losses"] == resumed["losses"][1:]
     assert (foreign / "step_3" / "MANIFEST.json").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_a_forged_manifest_runs_no_code_and_another_models_checkpoint_is_named(
+        tmp_path: Path) -> None:
+    """The manifest is no signature: a checkpoint whose pickle was replaced and whose manifest
+    was rewritten to match still runs no code (runtime/dcp_data.py reads it as data), and a
+    checkpoint of another model is refused before launch, not in the workers."""
+    from autopar.runtime.dcp_data import read_metadata_bytes
+    from autopar.runtime.manifest import MANIFEST_NAME, write_manifest
+
+    ckpt = tmp_path / "ckpt"
+    first = autopar_run(MODEL, *BATCH, "--steps", "1", "--checkpoint-dir", str(ckpt))
+    assert first.returncode == 0, first.stderr[-3000:]
+    wider = MODEL.replace("hidden=32", "hidden=64")
+    line = _one_error_line(autopar_run(wider, *BATCH, "--steps", "2", "--checkpoint-dir",
+                                       str(ckpt), "--resume"), "was written for another model")
+    assert "tok_embeddings.weight is [64, 32] there, [64, 64] here" in line
+    step = ckpt / "step_1"
+    metadata = read_metadata_bytes((step / ".metadata").read_bytes())
+    sentinel = tmp_path / "code_ran"
+    metadata.storage_meta = _Trap(str(sentinel))
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    facts = json.loads((step / MANIFEST_NAME).read_text())
+    write_manifest(step, {k: v for k, v in facts.items() if k not in ("format", "files")})
+    proc = autopar_run(MODEL, *BATCH, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume")
+    _one_error_line(proc, "which DCP's metadata does not hold")
+    assert not sentinel.exists(), "the checkpoint's pickle ran"

@@ -27,17 +27,21 @@ from collections.abc import Iterator
 
 from autopar.errors import AutoparError
 
-__all__ = ["TimeLimitError", "time_limit"]
+__all__ = ["MIN_SECONDS", "Expired", "TimeLimitError", "time_limit"]
 
 _REFIRE_S = 1.0
+# The shortest limit: the interval timer's resolution here (a shorter one is this long).
+MIN_SECONDS = 1e-3
 
 
 class TimeLimitError(AutoparError):
     """A bounded block ran past its limit."""
 
 
-class _Expired(BaseException):
-    """Raised inside the bounded block; BaseException so ``except Exception`` cannot swallow it."""
+class Expired(BaseException):
+    """Raised inside the bounded block; BaseException so ``except Exception`` cannot swallow it
+    (code that catches BaseException for its own reasons, such as a model file's guard, lets it
+    through)."""
 
 
 @contextlib.contextmanager
@@ -60,19 +64,19 @@ def time_limit(seconds: float | None, what: str, fix: str, *,
         return
 
     def on_alarm(signum: int, frame: object) -> None:
-        raise _Expired
+        raise Expired
 
-    message = f"{what} took longer than {max(seconds, 1e-3):.3g} s; {fix}"
+    message = f"{what} took longer than {max(seconds, MIN_SECONDS):.3g} s; {fix}"
     watchdog = None
     if hard_exit_after_s is not None:
         watchdog = threading.Timer(seconds + hard_exit_after_s, _hard_exit, (message,))
         watchdog.daemon = True
         watchdog.start()
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), _REFIRE_S)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, MIN_SECONDS), _REFIRE_S)
     try:
         yield
-    except _Expired:
+    except Expired:
         raise TimeLimitError(message) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=_int_list, required=True, help="GPU counts: 64,128,256")
     parser.add_argument("--gpu", default=common.DEFAULT_GPU, help="GPU presets: a100-80g,h100")
     parser.add_argument(
-        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB), default=None, metavar="GB"
+        "--gpu-memory", type=positive_float(MAX_GPU_MEMORY_GB, low=1e-3), default=None, metavar="GB"
     )
     parser.add_argument("--tokens", type=positive_float(1e30), required=True,
                         help="tokens to train on: 300e9")

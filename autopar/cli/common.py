@@ -22,6 +22,7 @@ from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN
 from autopar.cost_model.hardware import GPUS_PER_NODE, MAX_GPU_MEMORY_GB, MAX_GPUS
 from autopar.errors import AutoparError, ClusterConfigError
 from autopar.stdio import document_stdout
+from autopar.timelimit import MIN_SECONDS
 
 __all__ = [
     "DEFAULT_GPU",
@@ -68,7 +69,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def add_build_timeout(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--build-timeout S``: the wall-clock limit on building and profiling the model."""
     parser.add_argument(
-        "--build-timeout", type=positive_float(MAX_SECONDS), default=DEFAULT_BUILD_TIMEOUT_S,
+        "--build-timeout", type=positive_float(MAX_SECONDS, low=MIN_SECONDS),
+        default=DEFAULT_BUILD_TIMEOUT_S,
         metavar="S", help=f"give up building MODEL after S seconds (default "
         f"{DEFAULT_BUILD_TIMEOUT_S:g}{note})",
     )

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.timelimit import Expired
 
 __all__ = ["ModelFile", "load_model_file"]
 
@@ -93,9 +94,9 @@ def _guarded(path: Path, name: str, fn: Callable[..., Any]) -> Callable[..., Any
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except ModelFileError:
+        except (ModelFileError, Expired):
             raise
-        except (Exception, SystemExit, KeyboardInterrupt) as err:  # user code: never an exit
+        except BaseException as err:  # user code: never an exit, nor a traceback
             raise ModelFileError(
                 f"{name}() in {path} raised {_describe(err)}{_line_in(path, err)}; "
                 f"fix {name} (run the file alone to see the traceback)"
@@ -131,7 +132,10 @@ def _execute(path: Path) -> types.ModuleType:
             f"model file {path} failed to import{_line_in(path, err)}: {_describe(err)}; "
             f"install the missing package or fix the import"
         ) from None
-    except (Exception, SystemExit, KeyboardInterrupt) as err:  # user code: never an exit
+    except Expired:
+        sys.modules.pop(name, None)
+        raise
+    except BaseException as err:  # user code: never an exit, nor a traceback
         sys.modules.pop(name, None)
         raise ModelFileError(
             f"model file {path} raised {_describe(err)} while loading{_line_in(path, err)}"

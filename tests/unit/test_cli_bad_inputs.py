@@ -73,6 +73,9 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
      "autopar trains in bf16, fp16, fp32, not fp8"),
     (["export", "plan.json", "--to", "slurm", "--steps", "0"], "--steps: must be from 1"),
     (["export", "plan.json", "--to", "megatron", "--steps", "5"], "--steps goes with --to slurm"),
+    ([*PLAN, "--build-timeout", "0.0001"], "--build-timeout: must be at least 0.001"),
+    (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu-memory", "1e-308"],
+     "--gpu-memory: must be at least 0.001"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)
@@ -99,6 +102,13 @@ MODELS = {
     "interrupt": ("def build_model():\n    raise KeyboardInterrupt\n", "KeyboardInterrupt"),
     "not-module": ("def build_model():\n    return 3\n", "not a torch.nn.Module"),
     "endless": ("def build_model():\n    while True:\n        pass\n", "took longer than 1 s"),
+    # any BaseException: GeneratorExit, a class of the file's own (a test framework's skip)
+    "generator-exit": ("def build_model():\n    raise GeneratorExit('gen')\n",
+                       "raised GeneratorExit"),
+    "own-base": ("class Stop(BaseException):\n    pass\n"
+                 "def build_model():\n    raise Stop\n", "raised Stop"),
+    "import-time": ("raise GeneratorExit\ndef build_model():\n    pass\n",
+                    "raised GeneratorExit while loading"),
 }
 
 

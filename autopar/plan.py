@@ -356,21 +356,12 @@ class Plan:
             raise PlanFormatError(f"plan document is malformed: {type(e).__name__}: {e}") from e
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Parse ``to_json()`` output."""
-        try:
-            data = json.loads(text, parse_constant=_reject_constant)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"plan is not valid JSON: {e}") from e
-        except RecursionError:
-            raise PlanFormatError(
-                "plan JSON is nested too deeply; it is not an autopar plan"
-            ) from None
-        except PlanFormatError:  # a NaN or infinity (_reject_constant)
-            raise
-        except ValueError:  # an integer of more digits than Python converts (4,300)
-            raise PlanFormatError("plan JSON holds an integer of thousands of digits; it is not "
-                                  "an autopar plan") from None
+    def from_json(cls, text: str, where: str = "plan") -> Plan:
+        """Parse ``to_json()`` output (``where`` names it in errors: "plan file p.json")."""
+        from autopar.json_data import parse_json
+
+        data = parse_json(text, where, "an autopar plan", PlanFormatError,
+                          parse_constant=_reject_constant)
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:

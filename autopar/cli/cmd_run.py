@@ -21,6 +21,7 @@ from autopar.cli.argtypes import MAX_SEED, int_in
 from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.json_data import read_json
 from autopar.stdio import document_stdout
 from autopar.units import MIB
 
@@ -164,10 +165,7 @@ def _read_plan_doc(source: str) -> dict[str, Any] | None:
     path = Path(source)
     if path.suffix != ".json" or not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AutoparError(f"cannot read {source} as JSON: {err}") from None
+    data = read_json(path, source, "a plan JSON or a model")
     return data if isinstance(data, dict) and "schema_version" in data else None
 
 

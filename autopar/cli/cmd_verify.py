@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.cli import common
 from autopar.cli.argtypes import MAX_SEED, int_in
 from autopar.errors import AutoparError
 
@@ -63,13 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     from autopar.cost_model.hardware import Cluster
-    from autopar.plan import Plan
 
     path = Path(args.plan)
-    try:
-        plan = Plan.from_json(path.read_text())
-    except OSError as err:
-        raise AutoparError(f"cannot read plan {path}: {err.strerror}") from None
+    plan = common.load_plan_file(args.plan)
     if args.cluster:
         cluster = Cluster.from_yaml(args.cluster)
     elif plan.cluster:

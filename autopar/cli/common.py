@@ -222,10 +222,13 @@ def load_plan_file(path: str) -> Any:
         raise AutoparError(f"plan file {path} {what}; give a plan JSON file (`autopar plan "
                            "--out`)")
     try:
-        text = file.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise AutoparError(f"cannot read plan file {path}: {e}") from e
-    return Plan.from_json(text)
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AutoparError(f"plan file {path} is not UTF-8 text (a binary file?); give a plan "
+                           "JSON file (`autopar plan --out`)") from None
+    except OSError as e:
+        raise AutoparError(f"cannot read plan file {path}: {e.strerror or e}") from None
+    return Plan.from_json(text, f"plan file {path}")
 
 
 def write_output(path: str, data: str | bytes, *, force: bool) -> None:

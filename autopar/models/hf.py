@@ -10,7 +10,6 @@ row-wise) that the profiler and runtime need. transformers is an optional depend
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError, UnknownModelError
+from autopar.json_data import read_json
 from autopar.models.spec import MAX_SIZES
 from autopar.models.tp_names import COLWISE_NAMES, FUSED_NAMES, ROWWISE_NAMES
 
@@ -65,10 +65,7 @@ def load_hf_config(config: Any) -> Any:
     if isinstance(config, (str, Path)):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise AutoparError(f"cannot read HF config {path}: {err}") from None
+        config = read_json(path, f"HF config {path}", "an HF config")
     if not isinstance(config, Mapping) or "model_type" not in config:
         raise UnknownModelError('an HF config needs a \'model_type\' key (e.g. "llama", "gpt2")')
     data = dict(config)

@@ -7,7 +7,6 @@ MODEL may be a path to a ``.py`` model file, a path to an HF config JSON (recogn
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from autopar.errors import UnknownModelError
+from autopar.json_data import read_json
 from autopar.models.presets import PRESETS
 from autopar.models.spec import KINDS
 from autopar.models.zoo import SHAPE_KEYS, build, make_spec, suggest_names
@@ -96,10 +96,7 @@ def _zoo_builder(name: str, shape: dict[str, Any]) -> ModelBuilder:
 
 
 def _json_builder(path: Path) -> tuple[ModelBuilder, str]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UnknownModelError(f"cannot read {path} as JSON: {err}") from None
+    data = read_json(path, str(path), "an HF config", UnknownModelError)
     if isinstance(data, dict) and "schema_version" in data:
         raise UnknownModelError(
             f"{path} is an autopar plan, not a model; pass the model it was made for "

@@ -69,7 +69,7 @@ LAYERS = ("base", "models", "graph", "cost_model", "plan", "search", "runtime", 
 # Top-level modules and the layer each belongs to (packages are their own layer). The package
 # itself (``import autopar``) re-exports profile / estimate / plan: the search's layer.
 MODULE_LAYERS = {
-    "config": "base", "errors": "base", "export_rules": "base", "lazy": "base",
+    "config": "base", "errors": "base", "export_rules": "base", "json_data": "base", "lazy": "base",
     "schedules": "base", "stdio": "base", "timelimit": "base", "toml_text": "base",
     "units": "base",
     "costing": "plan", "exporters": "plan", "export_base": "plan", "export_megatron": "plan",

@@ -255,6 +255,20 @@ def test_deep_json_refused(tmp_path, capfd):
     _fails(capfd, ["show", str(file)], "nested too deeply")
     file.write_text('{"schema_version": 1, "seq_len": ' + "9" * 5000 + "}")
     _fails(capfd, ["show", str(file)], "integer of thousands of digits")
+    # The same through every reader of JSON: run's plan, an HF config, verify (which also
+    # named no file for a binary one).
+    deep = "[" * 100_000 + "]" * 100_000
+    file.write_text('{"schema_version": 1, "x": ' + deep + "}")
+    _fails(capfd, ["run", str(file), "--steps", "1"], f"{file} is nested too deeply")
+    config = tmp_path / "config.json"
+    for value, needle in ((deep, "is nested too deeply"),
+                          ("9" * 5000, "holds an integer of thousands of digits")):
+        config.write_text('{"model_type": "llama", "x": ' + value + "}")
+        _fails(capfd, ["estimate", str(config), "--gpus", "1", "--global-batch", "2"],
+               f"{config} {needle}; it is not an HF config")
+    file.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    for command in (["verify", str(file)], ["show", str(file)]):
+        _fails(capfd, command, f"plan file {file} is not UTF-8 text")
 
 
 def test_api_types():

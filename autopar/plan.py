@@ -31,6 +31,7 @@ from autopar.plan_read import (
     cluster_size,
     estimate_doc,
     layer_names_problem,
+    moe_doc,
     search_fields,
     text,
     text_map,
@@ -345,7 +346,7 @@ class Plan:
                                          "cluster_fingerprint"),
                 cluster=cluster_size(data.get("cluster", {})),
                 search=SearchInfo(**search_fields(data.get("search", {}))),
-                moe=MoEStructure(**data["moe"]) if data.get("moe") else None,
+                moe=MoEStructure(**moe_doc(data["moe"])) if data.get("moe") else None,
                 loss=_loss_kernel(data.get("loss", "eager")),
             )
         except PlanFieldError as e:

@@ -15,8 +15,8 @@ import re
 import reprlib
 from typing import Any
 
-__all__ = ["PlanFieldError", "cluster_size", "estimate_doc", "layer_names_problem", "number",
-           "search_fields", "text", "text_map", "texts", "whole", "whole_pair"]
+__all__ = ["PlanFieldError", "cluster_size", "estimate_doc", "layer_names_problem", "moe_doc",
+           "number", "search_fields", "text", "text_map", "texts", "whole", "whole_pair"]
 
 
 class PlanFieldError(ValueError):
@@ -188,7 +188,7 @@ def estimate_doc(value: Any, pp: int) -> dict[str, Any]:
             if not isinstance(item, bool):
                 raise PlanFieldError(f"plan {name} must be true or false, got {_shown(item)}")
         elif key in ("binding", "framework", "precision"):
-            data[key] = text(item, name)
+            data[key] = text(item, name, line=True)  # printed by reports
         elif key == "time_breakdown":
             data[key] = _numbers(item, TimeBreakdown, name)
         elif key == "memory_breakdown":
@@ -207,3 +207,41 @@ def estimate_doc(value: Any, pp: int) -> dict[str, Any]:
     if data.get("mfu", 0.0) > 2.0:  # fp8 against the 16-bit peak stays below 2
         raise PlanFieldError(f"plan estimate.mfu must be at most 2, got {_shown(data['mfu'])}")
     return data
+
+
+def moe_doc(value: Any) -> dict[str, Any]:
+    """The plan's ``moe`` object (a ``MoEStructure``), every field checked: counts whole and in
+    range (top_k at most the experts), the capacity factor and router imbalance as the model
+    spec bounds them, the words one printable line; an unknown key is an error."""
+    from autopar.graph.types import MoEStructure
+    from autopar.models.spec import (
+        MAX_CAPACITY_FACTOR,
+        MAX_ROUTER_IMBALANCE,
+        router_imbalance_valid,
+    )
+
+    data = dict(_fields_of(value, MoEStructure, "moe"))
+    experts = whole(data.get("experts"), "moe.experts", low=1)
+    out: dict[str, Any] = {"experts": experts,
+                           "top_k": whole(data.get("top_k"), "moe.top_k", low=1, high=experts)}
+    for key, low in (("shared_experts", 0), ("hidden", 1), ("expert_hidden", 1),
+                     ("expert_params", 1)):
+        if key in data or low:
+            out[key] = whole(data.get(key), f"moe.{key}", low=low)
+    for key, valid, bound in (
+            ("capacity_factor", lambda v: v < MAX_CAPACITY_FACTOR,
+             f"below {MAX_CAPACITY_FACTOR:g} (0: dropless)"),
+            ("router_imbalance", router_imbalance_valid,
+             f"0 (unknown) or from 1 to {MAX_ROUTER_IMBALANCE:g}")):
+        if key in data:
+            out[key] = _kept(data[key], f"moe.{key}")
+            if not valid(out[key]):
+                raise PlanFieldError(f"plan moe.{key} must be {bound}, got {_shown(out[key])}")
+    for key in ("ep_blocker", "module"):
+        if key in data:
+            out[key] = text(data[key], f"moe.{key}", line=True)
+    if "expert_tp_folded" in data:
+        if not isinstance(data["expert_tp_folded"], bool):
+            raise PlanFieldError("plan moe.expert_tp_folded must be true or false")
+        out["expert_tp_folded"] = data["expert_tp_folded"]
+    return out

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ATTENTIONS", "KINDS", "MAX_ROUTER_IMBALANCE", "ModelSpec", "llama_default_ffn_hidden",
-           "router_imbalance_valid"]
+__all__ = ["ATTENTIONS", "KINDS", "MAX_CAPACITY_FACTOR", "MAX_ROUTER_IMBALANCE", "ModelSpec",
+           "llama_default_ffn_hidden", "router_imbalance_valid"]
 
 KINDS = ("gpt", "llama", "mlp")
 ATTENTIONS = ("sdpa", "eager")
 # The busiest of ep ranks carries at most ep times the average rows (every row on it); no
 # cluster has more than this many ranks in an expert-parallel group.
 MAX_ROUTER_IMBALANCE = 1024.0
+# An expert's capacity factor is below this (0: dropless); a capacity of c * tokens * k / E with
+# c >= E / k already holds every token.
+MAX_CAPACITY_FACTOR = 1e6
 
 
 def router_imbalance_valid(value: object) -> bool:
@@ -132,7 +135,8 @@ class ModelSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field_name} must be a non-negative integer, got {value!r}")
         cf = self.capacity_factor
-        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 <= cf < 1e6:
+        if (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                or not 0 <= cf < MAX_CAPACITY_FACTOR):
             raise ValueError(f"capacity_factor must be >= 0 (0: dropless), got {cf!r}")
         ri = self.router_imbalance
         if not router_imbalance_valid(ri):

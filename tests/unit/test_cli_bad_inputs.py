@@ -641,3 +641,28 @@ def test_a_model_file_ignoring_the_alarm_still_ends_at_the_build_timeout(tmp_pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("autopar: error:") and "held off the time limit" in lines[-1]
+
+
+def test_a_plans_moe_record_and_report_words_are_checked(tmp_path, capfd):
+    """The plan's ``moe`` object was read unchecked (a string capacity factor ended show and
+    export in internal errors; top_k 99 of 4 experts was exported), and the estimate's words
+    reached the terminal with their control characters."""
+    model = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32,experts=4,top_k=2"
+    out = tmp_path / "m.json"
+    assert main(["estimate", model, "--gpus", "4", "--dp", "2", "--ep", "2", "--pp", "2",
+                 "--global-batch", "8", "--out", str(out)]) == 0
+    capfd.readouterr()
+    doc = json.loads(out.read_text())
+    for path, value, needle in (
+            (("moe", "capacity_factor"), "x", "moe.capacity_factor must be a number"),
+            (("moe", "capacity_factor"), 1e308, "moe.capacity_factor must be below 1e+06"),
+            (("moe", "experts"), "4", "moe.experts must be a whole number"),
+            (("moe", "top_k"), 99, "moe.top_k must be from 1 to 4"),
+            (("moe", "shared_experts"), -1, "moe.shared_experts must be at least 0"),
+            (("moe", "router_imbalance"), 0.5, "moe.router_imbalance must be 0 (unknown)"),
+            (("moe", "module"), "moe\n", "moe.module must be one line"),
+            (("estimate", "binding"), "x\n\x1b[31mred", "estimate.binding must be one line")):
+        file = tmp_path / "bad.json"
+        file.write_text(json.dumps(_mutate(doc, path, value)))
+        for command in (["show", str(file)], ["export", str(file), "--to", "megatron"]):
+            _fails(capfd, command, needle)

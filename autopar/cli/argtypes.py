@@ -18,6 +18,11 @@ __all__ = ["MAX_SEED", "framework_spec", "int_in", "positive_float"]
 # (runtime/data.py: seed * 1,000,003 + step): 43 bits keep that in range (a millisecond
 # timestamp fits).
 MAX_SEED = 2**43 - 1
+# Optimizer steps a command runs or counts (run, verify, export's slurm script): a billion,
+# decades of any real training, so a typo in the digits cannot start an endless job.
+MAX_STEPS = 10**9
+# torchrun restarts of a failed group.
+MAX_RESTARTS = 1000
 
 
 def _number(text: str) -> float:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from autopar.cli import common
-from autopar.cli.argtypes import int_in
+from autopar.cli.argtypes import MAX_STEPS, int_in
 from autopar.errors import AutoparError
 
 NAME = "export"
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write here (default stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument(
-        "--steps", type=int_in(1, 10**9), default=None,
+        "--steps", type=int_in(1, MAX_STEPS), default=None,
         help=f"slurm: training steps for `autopar run` (default {SLURM_STEPS})"
     )
 

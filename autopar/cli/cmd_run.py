@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.cli.argtypes import MAX_SEED, int_in
+from autopar.cli.argtypes import MAX_RESTARTS, MAX_SEED, MAX_STEPS, int_in
 from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
 from autopar.errors import AutoparError, PlanMismatchError
@@ -50,14 +50,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     split.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
                        help="tokens per sequence (default: the model's; a Hugging Face config "
                        "without max_position_embeddings needs it)")
-    parser.add_argument("--steps", type=int, required=True,
+    parser.add_argument("--steps", type=int_in(1, MAX_STEPS), required=True,
                         help="total optimizer steps (with --resume: continue up to this step)")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
                         help="seed of weights and data")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ckpt = parser.add_argument_group("checkpoints and faults")
     ckpt.add_argument("--checkpoint-dir", default=None, metavar="DIR")
-    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+    ckpt.add_argument("--checkpoint-every", type=int_in(0, MAX_STEPS), default=0, metavar="K",
                       help="checkpoint every K steps (and after the last)")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint in --checkpoint-dir whose "
@@ -65,7 +65,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--trust-checkpoint", action="store_true",
                       help="with --resume: also load a checkpoint autopar did not write (no "
                       "manifest), unverified (still as data: no checkpoint runs code)")
-    ckpt.add_argument("--max-restarts", type=int, default=0,
+    ckpt.add_argument("--max-restarts", type=int_in(0, MAX_RESTARTS), default=0,
                       help="torchrun restarts after a worker fails (resumes from the checkpoint)")
     nodes = parser.add_argument_group("multi-node (passed to torchrun; same command on every node)")
     nodes.add_argument("--nnodes", type=int, default=1)
@@ -103,8 +103,6 @@ def _run(args: argparse.Namespace, write: Callable[[str], None]) -> int:
     from autopar.runtime.checkpoint import check_checkpoint_dir, model_problem
     from autopar.runtime.launch import launch
 
-    if args.steps < 1:
-        raise AutoparError(f"--steps must be at least 1, got {args.steps}")
     job = _resolve_job(args)
     # The checkpoint flags are the run's too: a dry run checks them as well.
     point = check_checkpoint_dir(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cli import common
-from autopar.cli.argtypes import MAX_SEED, int_in
+from autopar.cli.argtypes import MAX_SEED, MAX_STEPS, int_in
 from autopar.errors import AutoparError
 
 NAME = "verify"
@@ -35,8 +35,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     from autopar.cli.argtypes import framework_spec
 
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file (autopar plan --out)")
-    parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6)")
-    parser.add_argument("--warmup", type=int, default=2,
+    parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=6,
+                        help="steps to run (default 6)")
+    parser.add_argument("--warmup", type=int_in(0, MAX_STEPS), default=2,
                         help="leading steps not timed (default 2)")
     parser.add_argument("--cluster", default=None, metavar="YAML",
                         help="predict on this cluster (default: the cluster the plan carries)")

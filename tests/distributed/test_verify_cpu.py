@@ -106,5 +106,5 @@ def test_verify_refit_needs_out_and_never_overwrites(tmp_path):
     with pytest.raises(AutoparError, match="--force"):
         verify_command(_args("plan.json", "--refit", "--out", str(existing)))
     assert existing.read_text() == "keep"
-    with pytest.raises(AutoparError, match="missing.json does not exist"):
+    with pytest.raises(AutoparError, match=r"missing\.json does not exist"):
         verify_command(_args(str(tmp_path / "missing.json")))

@@ -73,6 +73,11 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
      "autopar trains in bf16, fp16, fp32, not fp8"),
     (["export", "plan.json", "--to", "slurm", "--steps", "0"], "--steps: must be from 1"),
     (["export", "plan.json", "--to", "megatron", "--steps", "5"], "--steps goes with --to slurm"),
+    # a typo in the digits had started an endless run or verify
+    (["run", TINY, "--global-batch", "4", "--steps", "1e20"], "--steps: must be from 1 to"),
+    (["verify", "plan.json", "--steps", "100000000000000000000"], "--steps: must be from 1 to"),
+    (["run", TINY, "--global-batch", "4", "--steps", "1", "--max-restarts", "1e9"],
+     "--max-restarts: must be from 0 to 1000"),
     ([*PLAN, "--build-timeout", "0.0001"], "--build-timeout: must be at least 0.001"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu-memory", "1e-308"],
      "--gpu-memory: must be at least 0.001"),

@@ -59,7 +59,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
         AutoparError: --out exists without --force, or an impossible --nproc.
     """
     import torch
-    import yaml
 
     from autopar.cost_model.calibration import calibration_to_cluster
     from autopar.runtime.calibrate import calibrate
@@ -78,8 +77,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     cal = calibrate(nproc, device_type, quick=args.quick)
     cluster = calibration_to_cluster(cal)
     # Atomically, as every other output (common.write_outputs).
-    common.write_output(args.out, yaml.safe_dump(cluster.to_dict(), sort_keys=False),
-                        force=args.force)
+    common.write_output(args.out, cluster.to_yaml_text(), force=args.force)
     summary = format_calibration(cal) + f"wrote {args.out}\n"
     if args.json:
         print(summary, end="", file=sys.stderr)

@@ -90,8 +90,7 @@ def verify_command(args: argparse.Namespace) -> int:
     if args.refit:
         if not args.out:
             raise AutoparError("--refit needs --out new_cluster.yaml (where to write the cluster)")
-        if Path(args.out).exists() and not args.force:
-            raise AutoparError(f"{args.out} exists; pass --force to overwrite it")
+        common.check_writable(args.out, force=args.force)  # before the run, not after it
     elif args.out:
         raise AutoparError("--out goes with --refit")
     plan, cluster = _load_inputs(args)
@@ -104,7 +103,7 @@ def verify_command(args: argparse.Namespace) -> int:
     if args.refit:
         new = refit_cluster(cluster, result.estimate["time_breakdown"],
                             result.measured_step_time_s)
-        new.to_yaml(args.out)
+        common.write_output(args.out, new.to_yaml_text(), force=args.force)
         record["refit_cluster"] = new.to_dict()
         text += (
             f"  refit: matmul_efficiency_max {cluster.device.matmul_efficiency_max:.4g} -> "

@@ -291,6 +291,8 @@ def check_writable(path: str | None, *, force: bool) -> None:
     """Fail early (before a long search) when ``path`` cannot be written."""
     if path is None:
         return
+    if not path:
+        raise AutoparError("an output path is empty; give a file name")
     target = Path(path)
     if target.is_dir():
         raise AutoparError(f"{path} is a directory; give a file name")

@@ -295,11 +295,15 @@ class Cluster:
                   "inter_node": LinkSpec(**clean["inter_node"])}
         return cls(**{**clean, **nested})
 
-    def to_yaml(self, path: str | Path) -> None:
-        """Write the cluster as YAML to ``path``."""
+    def to_yaml_text(self) -> str:
+        """The cluster as YAML text (``from_yaml`` reads it back)."""
         import yaml
 
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_yaml(self, path: str | Path) -> None:
+        """Write the cluster as YAML to ``path``."""
+        Path(path).write_text(self.to_yaml_text())
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:

@@ -75,6 +75,9 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["export", "plan.json", "--to", "megatron", "--steps", "5"], "--steps goes with --to slurm"),
     # a typo in the digits had started an endless run or verify
     (["run", TINY, "--global-batch", "4", "--steps", "1e20"], "--steps: must be from 1 to"),
+    ([*PLAN, "--out", ""], "an output path is empty; give a file name"),
+    (["verify", "plan.json", "--refit", "--out", "no/such/dir/c.yaml"],
+     "cannot write no/such/dir/c.yaml: directory"),
     (["verify", "plan.json", "--steps", "100000000000000000000"], "--steps: must be from 1 to"),
     (["run", TINY, "--global-batch", "4", "--steps", "1", "--max-restarts", "1e9"],
      "--max-restarts: must be from 0 to 1000"),

@@ -125,8 +125,6 @@ def to_torchtitan(plan: Plan) -> Export:
             "mixed_precision_reduce": "float32",
         },
     }
-    if cfg.dtype == "fp16":
-        notes.append("torchtitan has no fp16 recipe; exported as bfloat16")
     if cfg.offload == "params":  # FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer
         tables["training"]["enable_cpu_offload"] = True
     if plan.moe is not None and get_framework(plan.framework).moe_force_balance:

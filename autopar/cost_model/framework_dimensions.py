@@ -71,7 +71,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
-        dtypes=("bf16", "fp16", "fp32", "fp8"), attention_kernel="flash2",
+        dtypes=("bf16", "fp32", "fp8"), attention_kernel="flash2",
         cp_comm="all_gather_rotate", fused_swiglu=False, native_gqa=True, moe_tp="boundary",
         expert_tp_folded=False, fold_needs_ep=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
@@ -191,9 +191,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "offloads": "sourced: torchtitan v0.2.2 training.enable_cpu_offload (FSDP2 "
                     "CPUOffloadPolicy: parameters, gradients and optimizer state)",
         "dtypes": "sourced: torchtitan v0.2.2 training.mixed_precision_param bfloat16 / "
-                  "float32 and the quantize.linear.float8 converter (torchao); fp16 has no "
-                  "recipe there and runs as bfloat16 at the same tensor-core rate (the "
-                  "exporter says so)",
+                  "float32 (config/job_config.py: no float16) and the quantize.linear.float8 "
+                  "converter (torchao); a part without bf16 tensor cores (V100) trains in fp32 "
+                  "there",
         "cp_comm": "sourced: torchtitan v0.2.2 job_config.py context_parallel_rotate_method "
                    "= 'allgather' (the default) for torch's context_parallel: "
                    "_AllGatherRotater gathers K/V once under the rank's own block, dK/dV "

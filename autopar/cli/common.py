@@ -46,11 +46,25 @@ MAX_SECONDS = 7 * 24 * 3600.0  # the longest --time-budget / --build-timeout: a 
 DEFAULT_BUILD_TIMEOUT_S = 120.0  # building a model on the meta device takes seconds
 
 
+def model_name(text: str) -> str:
+    """An argparse type: the MODEL argument, one printable line (a plan records it, and a plan
+    whose model holds a tab or a terminal control could not be read back)."""
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} holds a non-printable character (a tab, newline or control); rename the "
+            "file, or link to it under a plain name")
+    return text
+
+
+model_name.__name__ = "model"
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """MODEL positional and ``--seq-len``."""
     parser.add_argument(
         "model",
         metavar="MODEL",
+        type=model_name,
         help="model file (.py with build_model), zoo name (gpt3-175b, llama3-8b, ...), zoo kind "
         "with its shape (gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32), or HF config JSON",
     )

@@ -76,6 +76,9 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     # a typo in the digits had started an endless run or verify
     (["run", TINY, "--global-batch", "4", "--steps", "1e20"], "--steps: must be from 1 to"),
     ([*PLAN, "--out", ""], "an output path is empty; give a file name"),
+    # a plan records its model: one it could not read back was written
+    (["plan", "tab\tdir/c.json", "--gpus", "2", "--global-batch", "4"],
+     "holds a non-printable character"),
     (["verify", "plan.json", "--refit", "--out", "no/such/dir/c.yaml"],
      "cannot write no/such/dir/c.yaml: directory"),
     (["verify", "plan.json", "--steps", "100000000000000000000"], "--steps: must be from 1 to"),

@@ -314,7 +314,8 @@ def profile(
 
     Raises:
         TraceError: the model cannot run on meta tensors (names the module and the construct).
-        AutoparError: no sequence length is known, or an unsupported dtype.
+        AutoparError: no sequence length is known, an unsupported dtype, or no parameter
+            to train.
 
     Example:
         >>> model = autopar.models.build("gpt", layers=2, hidden=64, heads=4, vocab=256,
@@ -323,6 +324,10 @@ def profile(
     """
     torch_dtype = _resolve_dtype(dtype)
     _check_seq_len(seq_len)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoparError(
+            f"{type(model).__name__} has no trainable parameters (none, or none that requires "
+            "grad); autopar plans training: give a model with parameters to train")
     if seq_len is None:
         seq_len = (
             seq_len_of(example_inputs) if example_inputs is not None else default_seq_len(model)

@@ -118,6 +118,10 @@ MODELS = {
                        "raised GeneratorExit"),
     "own-base": ("class Stop(BaseException):\n    pass\n"
                  "def build_model():\n    raise Stop\n", "raised Stop"),
+    # nothing to train: the message had blamed value-dependent control flow
+    "frozen": ("from torch import nn\ndef build_model():\n"
+               "    return nn.Linear(4, 4).requires_grad_(False)\n",
+               "Linear has no trainable parameters"),
     "import-time": ("raise GeneratorExit\ndef build_model():\n    pass\n",
                     "raised GeneratorExit while loading"),
 }

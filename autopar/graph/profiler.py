@@ -324,10 +324,7 @@ def profile(
     """
     torch_dtype = _resolve_dtype(dtype)
     _check_seq_len(seq_len)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise AutoparError(
-            f"{type(model).__name__} has no trainable parameters (none, or none that requires "
-            "grad); autopar plans training: give a model with parameters to train")
+    _check_trainable(model, loss, loss_fn)
     if seq_len is None:
         seq_len = (
             seq_len_of(example_inputs) if example_inputs is not None else default_seq_len(model)
@@ -340,11 +337,19 @@ def profile(
             f"sequence length {int(seq_len):,} is beyond the {positions[1]:,} positions of the "
             f"model's learned position embedding ({positions[0]}); use a sequence length "
             f"(--seq-len) of at most {positions[1]:,}")
+    return _profile_meta(_meta_copy(model, torch_dtype), int(seq_len), torch_dtype,
+                         example_inputs, loss_fn, kernels, loss)
+
+
+def _check_trainable(model: nn.Module, loss: str, loss_fn: Callable[..., Any] | None) -> None:
+    """Something to train, and a loss kernel the profiler knows."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoparError(
+            f"{type(model).__name__} has no trainable parameters (none, or none that requires "
+            "grad); autopar plans training: give a model with parameters to train")
     if loss not in LOSS_KERNELS or (loss != "eager" and loss_fn is not None):
         raise AutoparError(f"profile loss must be one of {LOSS_KERNELS} (and 'eager' with a "
                            f"loss_fn), got {loss!r}")
-    return _profile_meta(_meta_copy(model, torch_dtype), int(seq_len), torch_dtype,
-                         example_inputs, loss_fn, kernels, loss)
 
 
 def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, example_inputs: Any,

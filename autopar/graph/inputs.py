@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.errors import ModelFileError
 from autopar.models.losses import fused_cross_entropy
 
-__all__ = ["Batch", "compute_loss", "logit_positions_short", "make_batch", "seq_len_of"]
+__all__ = ["Batch", "checked_loss", "compute_loss", "logit_positions_short", "make_batch",
+           "seq_len_of"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +156,16 @@ def logit_positions_short(output: Any, batch: Batch, vocab: int) -> int | None:
     return positions if positions == 1 < tokens else None
 
 
+def checked_loss(value: Any) -> torch.Tensor:
+    """A ``loss_fn``'s result, which must be one number (ModelFileError otherwise)."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shown = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+                 else f"a {type(value).__name__}")
+        raise ModelFileError(f"loss_fn returned {shown}, not a scalar tensor; return the "
+                             "batch's loss as one number (a 0-dim tensor)")
+    return value
+
+
 def compute_loss(
     output: Any, batch: Batch, vocab: int, loss_fn: Callable[..., Any] | None,
     loss: str = "eager",
@@ -172,7 +184,7 @@ def compute_loss(
         A scalar tensor.
     """
     if loss_fn is not None:
-        return loss_fn(output, batch.raw)
+        return checked_loss(loss_fn(output, batch.raw))
     logits = _logits(output)
     if logits is None:
         raise ValueError("the model returned no tensor to run backward from")

@@ -92,6 +92,22 @@ def build_and_profile(
     kwargs = {} if dtype is None else {"dtype": dtype}
     prof = profile(model, seq_len=seq_len, example_inputs=example_inputs, kernels=kernels,
                    loss=loss, **kwargs)
+    if own_loss:
+        _check_own_loss(model, model_file.loss_fn, seq_len, example_inputs)
     # The file's own loss runs on whole logits in autopar's runtime (ModelProfile.own_loss); the
     # profile itself counts the token cross entropy's head, as for every model.
     return model, dataclasses.replace(prof, own_loss=True) if own_loss else prof
+
+
+def _check_own_loss(model: Any, loss_fn: Any, seq_len: int, example_inputs: Any) -> None:
+    """Run the file's ``loss_fn`` once on the model's meta output: what it returns must be one
+    number (``checked_loss``), found here rather than in every worker. A loss that cannot run
+    on meta tensors (it reads values) is left to the run."""
+    from autopar.graph.inputs import checked_loss, make_batch
+
+    batch = make_batch(model, 1, seq_len, example_inputs)
+    try:
+        value = loss_fn(model(*batch.args, **batch.kwargs), batch.raw)
+    except Exception:  # values read on meta, or the file's own error: only the run can tell
+        return
+    checked_loss(value)

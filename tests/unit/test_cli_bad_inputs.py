@@ -681,3 +681,23 @@ def test_a_plans_moe_record_and_report_words_are_checked(tmp_path, capfd):
         file.write_text(json.dumps(_mutate(doc, path, value)))
         for command in (["show", str(file)], ["export", str(file), "--to", "megatron"]):
             _fails(capfd, command, needle)
+
+
+def test_a_model_files_loss_is_checked_before_launch(tmp_path, capfd):
+    """A loss_fn returning no tensor crashed every worker with a traceback; it is run once on
+    the model's meta output first."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.emb = nn.Embedding(64, 16)\n"
+        "        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])\n"
+        "        self.head = nn.Linear(16, 64)\n"
+        "    def forward(self, x):\n        h = self.emb(x)\n"
+        "        for layer in self.layers:\n            h = layer(h)\n"
+        "        return self.head(h)\n"
+        "def build_model():\n    return M()\n"
+        "def loss_fn(out, batch):\n    return 'oops'\n"
+        "def example_inputs(b):\n    return torch.zeros(b, 8, dtype=torch.long)\n")
+    _fails(capfd, ["run", str(path), "--global-batch", "2", "--steps", "1"],
+           "loss_fn returned a str, not a scalar tensor", seconds=60.0)

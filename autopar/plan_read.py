@@ -121,7 +121,7 @@ _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)$")
 def layer_names_problem(names: list[str]) -> str | None:
     """Why the stages' layers, in order, do not read as a model does (None when they do): the
     embedding first and the head last (one without the other is a plan cut short), the
-    numbered blocks in increasing order (exports name each stage's modules from these)."""
+    numbered blocks 0, 1, ... in order (exports name each stage's modules from these)."""
     if ("embedding" in names or "head" in names) and (
             names[0] != "embedding" or names[-1] != "head"
             or names.count("embedding") + names.count("head") != 2):
@@ -130,6 +130,9 @@ def layer_names_problem(names: list[str]) -> str | None:
     blocks = [int(m.group(1)) for m in map(_BLOCK_INDEX.search, names) if m]
     if any(b <= a for a, b in itertools.pairwise(blocks)):
         return "the plan's blocks are not in order (layers.0, layers.1, ...)"
+    if blocks != list(range(len(blocks))):  # a module list's indices: 0, 1, ... without a gap
+        return (f"the plan's {len(blocks)} blocks are not layers.0 .. layers.{len(blocks) - 1} "
+                f"(found layers.{blocks[0]} .. layers.{blocks[-1]})")
     return None
 
 

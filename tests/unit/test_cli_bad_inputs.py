@@ -230,9 +230,16 @@ def _swapped(doc):  # block names out of order
     return doc
 
 
+def _renumbered(doc):  # layers.N -> layers.1N: in order, but not the model's
+    for stage in doc["stages"]:
+        stage["layer_names"] = [n.replace("layers.", "layers.1") for n in stage["layer_names"]]
+    return doc
+
+
 @pytest.mark.parametrize(("edit", "needle"), [
     (_short, "do not run from the embedding to the head"),
     (_swapped, "blocks are not in order"),
+    (_renumbered, "blocks are not layers.0 .. layers.3 (found layers.10 .. layers.13)"),
     (lambda doc: doc["config"].update(dtype="fp8") or doc,
      "the plan's cluster cannot train it: dtype fp8 needs fp8 tensor cores"),
 ])

@@ -77,8 +77,9 @@ def test_every_export_survives_odd_model_names(value):
 
 def test_stage_modules_from_the_plan_never_reach_the_toml():
     plan = make_plan(schedule="1f1b", virtual_stages=1, zero=0)
-    odd = 'layers.1"\n[evil]\nx = 1'
     second = plan.stages[1]
+    # Still the same block to the plan's own checks (a name ending in .layers.N).
+    odd = 'x"\n[evil]\nx = 1.' + second.layer_names[0]
     names = (odd, *second.layer_names[1:])
     stages = (plan.stages[0], dataclasses.replace(second, layer_names=names))
     text = export_plan(dataclasses.replace(plan, stages=stages), "torchtitan").text

@@ -13,13 +13,9 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
 import reprlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
-from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
@@ -40,32 +36,15 @@ from autopar.plan_read import (
     whole_pair,
 )
 from autopar.schedules import rank_of_stage
+from autopar.tp_layout import TPStyle
 
-if TYPE_CHECKING:
-    from autopar.graph.types import TPStructure
-
-__all__ = [
-    "SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle",
-    "collapse_patterns", "layout_of",
-]
+__all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
 
 SCHEMA_VERSION = 1
 
 
 class PlanFormatError(ValueError):
     """A plan document that cannot be read (bad JSON, wrong schema version, inconsistent)."""
-
-
-class TPStyle(str, Enum):
-    """Tensor-parallel style of a module, named as torch's ParallelStyles."""
-
-    COLWISE = "colwise"
-    # A column-parallel fused q/k/v projection: each of q, k and v split over the ranks, a rank's
-    # heads of the three kept together (a plain column split would hand one rank all of q).
-    COLWISE_QKV = "colwise_qkv"
-    ROWWISE = "rowwise"
-    SEQUENCE = "sequence"
-    REPLICATE = "replicate"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -331,7 +310,7 @@ class Plan:
             if not isinstance(stages, list):
                 raise PlanFieldError(f"plan stages must be a list, got {reprlib.repr(stages)}")
             config = ParallelConfig.from_dict(data["config"])
-            return cls(
+            plan = cls(
                 schema_version=whole(data["schema_version"], "schema_version"),
                 model=text(data.get("model", ""), "model", line=True),
                 framework=text(data.get("framework", "autopar"), "framework"),
@@ -349,6 +328,12 @@ class Plan:
                 moe=MoEStructure(**moe_doc(data["moe"])) if data.get("moe") else None,
                 loss=_loss_kernel(data.get("loss", "eager")),
             )
+            # A document's estimate is of its own stages (Python callers re-stage a plan and
+            # estimate it anew: dataclasses.replace keeps the old estimate until then).
+            problem = _estimate_stages_problem(plan.estimate, plan.stages)
+            if problem:
+                raise PlanFieldError(problem)
+            return plan
         except PlanFieldError as e:
             raise PlanFormatError(f"{e}; re-create the plan with `autopar plan`") from None
         except PlanFormatError:
@@ -401,6 +386,20 @@ def _check_estimate(estimate: Estimate) -> None:
             raise PlanFormatError(f"plan estimate.{name} must be finite and >= 0, got {value!r}")
     if not isinstance(estimate.fits, bool):
         raise PlanFormatError(f"plan estimate.fits must be true or false, got {estimate.fits!r}")
+    low, high = estimate.step_time_interval_s
+    if high and not low <= estimate.step_time_s <= high:  # (0, 0): no interval recorded
+        raise PlanFormatError(f"plan estimate.step_time_interval_s {[low, high]} does not hold "
+                              f"its step_time_s {estimate.step_time_s}")
+
+
+def _estimate_stages_problem(estimate: Estimate, stages: tuple[StagePlan, ...]) -> str | None:
+    """Why the estimate's pipeline ranks do not hold the plan's stages (None when they do)."""
+    for rank in estimate.stages:
+        for chunk, pair in zip(rank.stages, rank.layers, strict=False):
+            if chunk >= len(stages) or tuple(pair) != stages[chunk].layers:
+                return (f"the estimate's pipeline rank {rank.rank} holds layers {list(pair)} as "
+                        f"stage {chunk}, which the plan's stages do not")
+    return None
 
 
 def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
@@ -424,59 +423,6 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
     if problem:
         raise PlanFormatError(f"the plan's {problem} ({nodes} x {per_node}); re-plan with "
                               "`autopar plan`")
-
-
-_INDEXED = re.compile(r"^(?P<prefix>.*?)\.(?P<index>\d+)\.(?P<suffix>.+)$")
-
-
-def layout_of(
-    layers: Iterable[tuple[str, TPStructure]], *, sequence_parallel: bool
-) -> dict[str, str]:
-    """The layout of layers given as (kind, TPStructure): ``tp_layout``'s rule, for callers that
-    read the structures from the modules without a profile (the runtime, for a plan without one).
-    """
-    exact: dict[str, str] = {}
-    for kind, structure in layers:
-        for fqn in structure.colwise:
-            fused = fqn in structure.fused_qkv
-            exact[fqn] = (TPStyle.COLWISE_QKV if fused else TPStyle.COLWISE).value
-        for fqn in structure.rowwise:
-            exact[fqn] = TPStyle.ROWWISE.value
-        if sequence_parallel:
-            for fqn in structure.sequence:
-                exact[fqn] = TPStyle.SEQUENCE.value
-        vocab_style = TPStyle.ROWWISE if kind == "embedding" else TPStyle.COLWISE
-        for fqn in structure.vocab_parallel:
-            exact[fqn] = vocab_style.value
-    return collapse_patterns(exact)
-
-
-def collapse_patterns(exact: dict[str, str]) -> dict[str, str]:
-    """Replace "p.<i>.s" entries by "p.*.s" when every index i seen under "p" has the same style.
-
-    A pattern is used only when it matches no listed FQN of another style, so the collapsed map
-    assigns every listed FQN exactly the style it had.
-    """
-    indices: dict[str, set[int]] = {}
-    groups: dict[tuple[str, str], dict[int, str]] = {}
-    for fqn, style in exact.items():
-        match = _INDEXED.match(fqn)
-        if match:
-            prefix, index = match["prefix"], int(match["index"])
-            indices.setdefault(prefix, set()).add(index)
-            groups.setdefault((prefix, match["suffix"]), {})[index] = style
-    out = dict(exact)
-    for (prefix, suffix), members in sorted(groups.items()):
-        styles = set(members.values())
-        if len(members) < 2 or len(styles) != 1 or set(members) != indices[prefix]:
-            continue
-        pattern, style = f"{prefix}.*.{suffix}", styles.pop()
-        if any(fnmatchcase(f, pattern) and s != style for f, s in exact.items()):
-            continue
-        for index in members:
-            del out[f"{prefix}.{index}.{suffix}"]
-        out[pattern] = style
-    return dict(sorted(out.items()))
 
 
 def _loss_kernel(value: Any) -> str:

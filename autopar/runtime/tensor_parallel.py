@@ -47,7 +47,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.graph.tp import is_linear, is_norm, per_head_norms, per_head_params, width_norms
-from autopar.plan import TPStyle, layout_of
+from autopar.tp_layout import TPStyle, layout_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,7 +61,7 @@ def default_tp_layout(model: nn.Module, container: str | None = None) -> dict[st
 
     The rule is the graph's (``graph.tp``: linears by name, colwise / fused q/k/v / rowwise, norms
     sequence; the vocabulary-parallel token embedding and lm head) and the layout the planner's
-    (``plan.layout_of``, which ``search.layout`` applies to the profile), so a plan with tp > 1
+    (``tp_layout.layout_of``, which ``search.layout`` applies to the profile), so a plan with tp > 1
     and an empty layout (one built from a bare ParallelConfig) gets the layout ``autopar plan``
     would have written. Norms are listed as ``sequence``: they shard only with sequence
     parallelism.

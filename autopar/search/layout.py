@@ -6,14 +6,14 @@ row-parallel -> "rowwise"; norms -> "sequence"
 only with sequence parallelism; the vocabulary-parallel token embedding -> "rowwise" (torch's
 ``RowwiseParallel(input_layouts=Replicate())``) and the lm head -> "colwise". When every block
 shares an entry, the blocks' FQNs collapse into one fnmatch pattern ("layers.*.attention.wq").
-The rule itself (``layout_of``, ``collapse_patterns``) lives with the Plan schema in plan.py, so
+The rule itself (``layout_of``, ``collapse_patterns``) lives in tp_layout.py, beside the plan, so
 the runtime applies the same rule to a plan without a layout.
 """
 
 from __future__ import annotations
 
 from autopar.graph.types import ModelProfile
-from autopar.plan import collapse_patterns, layout_of
+from autopar.tp_layout import collapse_patterns, layout_of
 
 __all__ = ["collapse_patterns", "layout_of", "tp_layout"]
 

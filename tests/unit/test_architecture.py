@@ -71,7 +71,7 @@ LAYERS = ("base", "models", "graph", "cost_model", "plan", "search", "runtime", 
 MODULE_LAYERS = {
     "config": "base", "errors": "base", "export_rules": "base", "json_data": "base", "lazy": "base",
     "schedules": "base", "stdio": "base", "timelimit": "base", "toml_text": "base",
-    "units": "base",
+    "units": "base", "tp_layout": "plan",
     "costing": "plan", "exporters": "plan", "export_base": "plan", "export_megatron": "plan",
     "plan": "plan", "plan_read": "plan", "plotting": "plan", "report": "plan",
     "__init__": "search", "sweep": "search",

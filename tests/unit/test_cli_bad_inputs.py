@@ -266,6 +266,7 @@ def test_export_of_a_plan_without_seq_len_checks_the_estimate(tmp_path, capfd, p
     """Without its own seq_len a plan's sequence length comes from its estimate, which must give
     a whole number of tokens (1e308 s a step overflowed the exporter)."""
     doc = _mutate(_mutate(plan_doc, ("seq_len",), 0), ("estimate", "step_time_s"), 1e308)
+    doc = _mutate(doc, ("estimate", "step_time_interval_s"), [1e308, 1e308])
     file = tmp_path / "bad.json"
     file.write_text(json.dumps(doc))
     _fails(capfd, ["export", str(file), "--to", "torchtitan"], "tokens per sequence")
@@ -708,3 +709,27 @@ def test_a_model_files_loss_is_checked_before_launch(tmp_path, capfd):
         "def example_inputs(b):\n    return torch.zeros(b, 8, dtype=torch.long)\n")
     _fails(capfd, ["run", str(path), "--global-batch", "2", "--steps", "1"],
            "loss_fn returned a str, not a scalar tensor", seconds=60.0)
+
+
+def test_a_plans_estimate_must_be_of_its_own_stages(tmp_path, capfd):
+    """show printed a hand-edited plan's stored estimate, per-rank layers and step time that no
+    longer matched its stages (explain and export used the stages)."""
+    model = "llama:layers=4,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32"
+    out = tmp_path / "pp2.json"
+    assert main(["estimate", model, "--gpus", "4", "--dp", "2", "--pp", "2",
+                 "--global-batch", "8", "--out", str(out)]) == 0
+    capfd.readouterr()
+    doc = json.loads(out.read_text())
+    moved = json.loads(json.dumps(doc))
+    first, second = moved["stages"]
+    cut = first["layers"][1] - 1  # one layer from the first stage to the second
+    first["layers"][1] = cut
+    second["layers"][0] = cut + 1
+    second["layer_names"].insert(0, first["layer_names"].pop())
+    second["recompute"].insert(0, first["recompute"].pop())
+    stale = _mutate(doc, ("estimate", "step_time_s"), 0)
+    for edited, needle in ((moved, "the estimate's pipeline rank 0 holds layers"),
+                           (stale, "does not hold its step_time_s 0")):
+        file = tmp_path / "bad.json"
+        file.write_text(json.dumps(edited))
+        _fails(capfd, ["show", str(file)], needle)

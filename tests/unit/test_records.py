@@ -26,15 +26,10 @@ def _estimate() -> Estimate:
         fits=True,
         time_breakdown=TimeBreakdown(compute_s=1.0, bubble_s=0.5),
         memory_breakdown=mem,
-        stages=(
-            StageEstimate(
-                rank=0,
-                stages=(0,),
-                layers=((0, 3),),
-                num_params=7,
-                time_per_microbatch_s=0.1,
-                memory=mem,
-            ),
+        stages=tuple(
+            StageEstimate(rank=r, stages=(r,), layers=(pair,), num_params=7,
+                          time_per_microbatch_s=0.1, memory=mem)
+            for r, pair in enumerate(((0, 1), (2, 3)))
         ),
         binding="compute",
     )

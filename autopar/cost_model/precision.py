@@ -128,25 +128,31 @@ def layer_rates(device: DeviceSpec, dtype: str, flops: float, attention_flops: f
     return peak, selective
 
 
+def _rate(flops: float) -> str:
+    """A FLOP rate for the report: TFLOP/s, or GFLOP/s below 0.1 TFLOP/s (a CPU)."""
+    if flops >= 1e14:
+        return f"{flops / 1e12:.0f} TFLOP/s"
+    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
 def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str) -> str:
     """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line); an
     fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``)."""
-    tera = 1e12
+    bf16, fp16, fp32 = device.peak_bf16_flops, device.peak_fp16_flops, device.peak_fp32_flops
     if dtype == "fp8":
-        return (f"fp8 matmuls at {device.peak_fp8_flops / tera:.0f} TFLOP/s "
+        return (f"fp8 matmuls at {_rate(device.peak_fp8_flops)} "
                 f"({FP8_RECIPE_WORDS[fp8_scaling]}), attention and the rest in bf16 at "
-                f"{device.peak_bf16_flops / tera:.0f}")
+                f"{_rate(bf16)}")
+    if bf16 == fp16 == fp32:  # no 16-bit units (a CPU): every dtype at one rate
+        return f"{dtype} at {_rate(fp32)} ({device.name} runs every dtype at this rate)"
     if dtype == "fp16":
-        if device.peak_bf16_flops <= device.peak_fp32_flops:
+        if bf16 <= fp32:
             return (f"fp16 with loss scaling: {device.name} has no bf16 tensor cores "
-                    f"(bf16 {device.peak_bf16_flops / tera:.1f}, fp16 "
-                    f"{device.peak_fp16_flops / tera:.0f} TFLOP/s)")
-        return f"fp16 at {device.peak_fp16_flops / tera:.0f} TFLOP/s (as asked)"
+                    f"(bf16 {_rate(bf16)}, fp16 {_rate(fp16)})")
+        return f"fp16 at {_rate(fp16)} (as asked)"
     if dtype == "bf16":
-        if device.peak_bf16_flops < device.peak_fp16_flops:
-            return (f"bf16 at {device.peak_bf16_flops / tera:.0f} TFLOP/s (as asked): "
-                    f"{device.name} has no bf16 tensor cores; fp16 runs at "
-                    f"{device.peak_fp16_flops / tera:.0f} TFLOP/s (--dtype fp16)")
-        return (f"bf16 at {device.peak_bf16_flops / tera:.0f} TFLOP/s (fp16's speed without "
-                "loss scaling)")
-    return f"fp32 at {device.peak_fp32_flops / tera:.1f} TFLOP/s"
+        if bf16 < fp16:
+            return (f"bf16 at {_rate(bf16)} (as asked): {device.name} has no bf16 tensor cores; "
+                    f"fp16 runs at {_rate(fp16)} (--dtype fp16)")
+        return f"bf16 at {_rate(bf16)} (fp16's speed without loss scaling)"
+    return f"fp32 at {_rate(fp32)}"

@@ -62,7 +62,6 @@ __all__ = [
 
 # autopar schedule name -> torchtitan's `pipeline_parallel_schedule` (``Schedule.torchtitan_name``).
 TORCHTITAN_SCHEDULES: dict[str, str] = {n: s.torchtitan_name for n, s in SCHEDULES.items()}
-TORCH_DTYPES: dict[str, str] = dict(TORCH_DTYPE_NAMES)
 RDZV_PORT = 29500  # torchrun's default rendezvous port
 
 
@@ -121,7 +120,7 @@ def to_torchtitan(plan: Plan) -> Export:
             "local_batch_size": cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.micro_batch,
             "global_batch_size": cfg.global_batch,
             "seq_len": seq_len(plan),
-            "mixed_precision_param": TORCH_DTYPES["fp32" if cfg.dtype == "fp32" else "bf16"],
+            "mixed_precision_param": TORCH_DTYPE_NAMES["fp32" if cfg.dtype == "fp32" else "bf16"],
             "mixed_precision_reduce": "float32",
         },
     }

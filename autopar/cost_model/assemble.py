@@ -176,9 +176,9 @@ def assemble(
         for k in ranks
     ]
     largest = max(per_rank, key=lambda s: (s.memory_bytes, -s.rank))
-    host = max(sum(table.layers[i].host_bytes for i in layers_of[k]) for k in ranks)
+    host_bytes = max(sum(table.layers[i].host_bytes for i in layers_of[k]) for k in ranks)
     unstated_s = m * sum(table.layers[i].unstated_imbalance_s[idx[i]] for i in blayers)
-    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host,
+    return _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck, host_bytes,
                    unstated_s)
 
 
@@ -195,7 +195,7 @@ def _placement(cfg, stage_layers) -> tuple[dict[int, list[int]], dict[int, list[
 
 
 def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
-            host: float, unstated_s: float = 0.0) -> Estimate:
+            host_bytes: float, unstated_s: float = 0.0) -> Estimate:
     cfg = table.config
     batch = cfg.global_batch
     model_flops = batch * sum(layer.model_flops_per_sample for layer in table.layers)
@@ -206,7 +206,7 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
     per_gpu = model_flops / table.world_size / step_s
     hw_per_gpu = (model_flops + extra_flops) / table.world_size / step_s
     mem = largest.memory_bytes
-    fits = mem <= table.capacity_bytes and host <= table.host_capacity_bytes
+    fits = mem <= table.capacity_bytes and host_bytes <= table.host_capacity_bytes
     return Estimate(
         step_time_s=step_s,
         tokens_per_s=table.tokens_per_step / step_s,
@@ -219,10 +219,10 @@ def _finish(table, step_s, breakdown, per_rank, largest, recompute, bottleneck,
         time_breakdown=breakdown,
         memory_breakdown=largest.memory,
         stages=tuple(per_rank),
-        binding=_binding(table, breakdown, step_s, largest, bottleneck, host),
+        binding=_binding(table, breakdown, step_s, largest, bottleneck, host_bytes),
         framework=table.framework.spec,
         step_time_interval_s=step_time_interval_s(table, step_s, breakdown, unstated_s),
-        host_memory_per_gpu_bytes=host,
+        host_memory_per_gpu_bytes=host_bytes,
         host_memory_capacity_bytes=table.host_capacity_bytes,
         precision=table.dtype_reason,
     )
@@ -248,12 +248,12 @@ def step_time_interval_s(table: CostTable, step_s: float, breakdown: TimeBreakdo
 
 
 def _binding(table, breakdown: TimeBreakdown, step_s: float, largest, bottleneck: int,
-             host: float = 0.0) -> str:
+             host_bytes: float = 0.0) -> str:
     """What limits the split most, in words."""
     mem, cap = largest.memory_bytes, table.capacity_bytes
-    if host > table.host_capacity_bytes:
-        return (f"host memory: what the plan keeps there needs {host / GIB:.1f} GiB per GPU of "
-                f"{table.host_capacity_bytes / GIB:.1f} GiB")
+    if host_bytes > table.host_capacity_bytes:
+        return (f"host memory: what the plan keeps there needs {host_bytes / GIB:.1f} GiB per "
+                f"GPU of {table.host_capacity_bytes / GIB:.1f} GiB")
     if mem > cap:
         return (
             f"memory: pipeline rank {largest.rank} needs {mem / GIB:.1f} GiB of "

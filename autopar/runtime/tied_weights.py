@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.tp_layout import TPStyle
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,7 +92,7 @@ def check_tied_split(model: nn.Module, fqns: tuple[str, str], before: tuple[str,
             f"--dp {world_size}")
     if tp > 1:
         styles = resolve_layout(model, layout or default_tp_layout(model))
-        if (styles.get(owners[0]), styles.get(owners[1])) != ("rowwise", "colwise"):
+        if (styles.get(owners[0]), styles.get(owners[1])) != (TPStyle.ROWWISE, TPStyle.COLWISE):
             raise AutoparError(
                 f"{fqns[1]} is tied to {fqns[0]} but tensor parallelism does not shard both over "
                 "the vocabulary (a token embedding and an lm head whose sizes match the "

@@ -14,6 +14,7 @@ from autopar.cost_model.validate import tp_problem
 from autopar.errors import AutoparError
 from autopar.graph.tp import is_norm, split_blocker
 from autopar.runtime.tensor_parallel import build_tp_plan, default_tp_layout, resolve_layout
+from autopar.tp_layout import TPStyle
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -41,12 +42,13 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
     _check_split_modules(model, resolved, cfg.tp)
     if sp:
         for fqn, module in model.named_modules():
-            if is_norm(module) and resolved.get(fqn) != "sequence" and not _inside(fqn, resolved):
+            sequence = resolved.get(fqn) == TPStyle.SEQUENCE
+            if is_norm(module) and not sequence and not _inside(fqn, resolved):
                 raise AutoparError(
                     f"sequence parallelism needs every norm in the tp_layout as 'sequence'; "
                     f"{fqn} is not: fix the plan's tp_layout or turn sequence_parallel off"
                 )
-    fused = sorted(fqn for fqn, style in resolved.items() if style == "colwise_qkv")
+    fused = sorted(fqn for fqn, style in resolved.items() if style == TPStyle.COLWISE_QKV)
     if fused:
         _check_fused_attention(model, resolved, fused[0], cfg.tp)
     if fused and fsdp_recuts_tp_shards(cfg):
@@ -82,7 +84,8 @@ def _check_fused_attention(model: nn.Module, resolved: dict[str, str], fqn: str,
 
 
 def _colwise_parent_fqns(resolved: dict[str, str]) -> set[str]:
-    return {f.rsplit(".", 1)[0] for f, st in resolved.items() if st in ("colwise", "colwise_qkv")}
+    column = (TPStyle.COLWISE, TPStyle.COLWISE_QKV)
+    return {f.rsplit(".", 1)[0] for f, st in resolved.items() if st in column}
 
 
 def _inside(fqn: str, resolved: dict[str, str]) -> bool:
@@ -110,7 +113,7 @@ def _check_tp_heads(
         for name in ("num_attention_heads", "num_key_value_heads", "n_head")
     }
     for fqn, style in resolved.items():
-        if style == "colwise_qkv":
+        if style == TPStyle.COLWISE_QKV:
             parent = fqn.rsplit(".", 1)[0]
             for name in ("n_head", "num_heads"):
                 counts[f"{parent}.{name}"] = getattr(model.get_submodule(parent), name, None)

@@ -157,8 +157,8 @@ def integer_bottleneck_s(table: CostTable) -> float:
     """
     cfg = table.config
     runs = layer_runs(table)
-    n_layers = len(table.layers)
-    big = big_run(runs, n_layers)
+    num_layers = len(table.layers)
+    big = big_run(runs, num_layers)
     if cfg.num_stages == 1 or big is None:
         return 0.0
     p, s = cfg.pp, cfg.num_stages
@@ -170,9 +170,9 @@ def integer_bottleneck_s(table: CostTable) -> float:
     for g, (a, _b) in enumerate(runs):
         if g == big:
             continue
-        reach |= set(range(max(0, a - (n_layers - s)), min(a, s - 1) + 1))
+        reach |= set(range(max(0, a - (num_layers - s)), min(a, s - 1) + 1))
         t_min = min(table.layers[a].time_per_microbatch_s(r) for r in RECOMPUTE)
-        if a in (0, n_layers - 1):
+        if a in (0, num_layers - 1):
             base[stage_rank[0 if a == 0 else s - 1]] += t_min
         elif t_min >= t_b:  # placed somewhere: counts at least as a block
             count += 1
@@ -211,13 +211,13 @@ def _rank_curves(table: CostTable, runs, big: int,
     buffers and the rank's pipeline receive buffers, without the ILP's safety margin.
     """
     cfg = table.config
-    p, s, n_layers = cfg.pp, cfg.num_stages, len(table.layers)
+    p, s, num_layers = cfg.pp, cfg.num_stages, len(table.layers)
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
     edges: list[list] = [[] for _ in range(p)]
     reach: set[int] = set()
     for g, (a, _b) in enumerate(runs):
         if g != big:
-            window = range(max(0, a - (n_layers - s)), min(a, s - 1) + 1)
+            window = range(max(0, a - (num_layers - s)), min(a, s - 1) + 1)
             reach |= set(window)
             ranks = {stage_rank[j] for j in window}
             if len(ranks) == 1:

@@ -157,9 +157,9 @@ def _section(prob: pulp.LpProblem, pat: Pattern, lo: int, hi: int, s: int, var: 
 def around(table: CostTable, pat: Pattern) -> tuple[tuple, tuple, Pattern]:
     """(the runs before the section, the runs after it, the pattern with its kinds' first key
     after the leading runs)."""
-    n_layers = len(table.layers)
+    num_layers = len(table.layers)
     lead = runs_between(table, 0, pat.first - 1) if pat.first > 0 else ()
-    trail = runs_between(table, pat.last + 1, n_layers - 1) if pat.last < n_layers - 1 else ()
+    trail = runs_between(table, pat.last + 1, num_layers - 1) if pat.last < num_layers - 1 else ()
     return lead, trail, dataclasses.replace(pat, key0=len(lead))
 
 

@@ -37,7 +37,7 @@ R = range(len(RECOMPUTE))
 MAX_EDGE_LAYERS = 8  # more distinct layers than this around the blocks: use per-stage counting
 
 
-def big_run(runs, n_layers: int) -> int | None:
+def big_run(runs, num_layers: int) -> int | None:
     """Index of the one run of >= 2 layers when every other run is a single layer."""
     big = [g for g, (a, b) in enumerate(runs) if b > a]
     if len(big) != 1 or len(runs) - 1 > MAX_EDGE_LAYERS:
@@ -45,9 +45,9 @@ def big_run(runs, n_layers: int) -> int | None:
     return big[0]
 
 
-def the_big_run(runs, n_layers: int) -> int:
+def the_big_run(runs, num_layers: int) -> int:
     """``big_run`` where per-rank counting applies (``rank_aggregable``); ValueError otherwise."""
-    big = big_run(runs, n_layers)
+    big = big_run(runs, num_layers)
     if big is None:
         raise ValueError("per-rank counting needs one run of blocks among single edge layers")
     return big
@@ -64,11 +64,11 @@ def _window(i: int, n: int, s: int) -> range:
 
 def _edge_vars(prob, table: CostTable, runs, blocks: frozenset[int], var: Callable):
     """z[g, j, r] for every edge run g (not in ``blocks``), its stage index expression, h_j."""
-    s, n_layers = table.config.num_stages, len(table.layers)
+    s, num_layers = table.config.num_stages, len(table.layers)
     z: dict[tuple[int, int, int], pulp.LpVariable] = {}
     for g, (a, _b) in enumerate(runs):
         if g not in blocks:
-            for j in _window(a, n_layers, s):
+            for j in _window(a, num_layers, s):
                 for r in R:
                     z[g, j, r] = var(
                         prob, f"z[{table.names[a]}][{j}][{RECOMPUTE[r]}]", 0, 1, "Binary"

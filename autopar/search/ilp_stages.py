@@ -96,10 +96,10 @@ def add_run_counts(prob: pulp.LpProblem, table: CostTable, runs, s: int, var: Ca
                    n: dict, cnt: dict, key0: int = 0) -> list[Unit]:
     """Q and n of each run (keys key0, key0 + 1, ...) and its (count) constraints; fills ``n``
     and ``cnt`` (stage j's layers of the run) and returns the runs as order units."""
-    n_layers, units = len(table.layers), []
+    num_layers, units = len(table.layers), []
     for offset, (a, b) in enumerate(runs):
         g, name = key0 + offset, table.names[a]
-        size, (lo, hi) = b - a + 1, stage_window(a, b, n_layers, s)
+        size, (lo, hi) = b - a + 1, stage_window(a, b, num_layers, s)
         q: dict[int, Any] = {}
         for j in range(-1, s):
             q[j] = 0 if j < lo else size if j >= hi else var(prob, f"Q[{name}][{j}]", 0, size,

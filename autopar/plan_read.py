@@ -225,8 +225,9 @@ def moe_doc(value: Any) -> dict[str, Any]:
 
     data = dict(_fields_of(value, MoEStructure, "moe"))
     experts = whole(data.get("experts"), "moe.experts", low=1)
+    # top_k 0: the profile found no k (graph.moe.routed_top_k); the cost model assumes one.
     out: dict[str, Any] = {"experts": experts,
-                           "top_k": whole(data.get("top_k"), "moe.top_k", low=1, high=experts)}
+                           "top_k": whole(data.get("top_k"), "moe.top_k", high=experts)}
     for key, low in (("shared_experts", 0), ("hidden", 1), ("expert_hidden", 1),
                      ("expert_params", 1)):
         if key in data or low:

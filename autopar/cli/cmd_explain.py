@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``explain``'s arguments."""
     parser.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     parser.add_argument(
-        "--model", default=None,
+        "--model", default=None, type=common.model_name,
         help="the model the plan was made for (default: the plan's own; a .py model file runs "
         "only when named here)",
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.cli import common
 from autopar.cli.argtypes import MAX_RESTARTS, MAX_SEED, MAX_STEPS, int_in
 from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
@@ -37,12 +38,12 @@ ORDER = 80
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``autopar run`` on ``parser``."""
     parser.add_argument(
-        "source", metavar="PLAN_OR_MODEL",
+        "source", metavar="PLAN_OR_MODEL", type=common.model_name,
         help="a plan JSON file (brings its split and global batch), or a model: "
         "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32, a zoo preset, a .py model file, "
         "an HF config JSON",
     )
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, type=common.model_name,
                         help="with a plan: the model to run (default: the plan's model field; "
                         "a .py model file runs only when named here)")
     split = parser.add_argument_group("split (with a model; a plan brings its own)")

@@ -41,7 +41,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leading steps not timed (default 2)")
     parser.add_argument("--cluster", default=None, metavar="YAML",
                         help="predict on this cluster (default: the cluster the plan carries)")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, type=common.model_name,
                         help="the model (default: the plan's own; a .py model file runs only "
                         "when named here)")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,

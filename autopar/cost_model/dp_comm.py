@@ -87,6 +87,10 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
     else:
         calls = (_dp(AG, gather_bytes, "microbatch", "forward"),
                  _dp(AG, gather_bytes, "step", "backward"), _dp(RS, grads, "step", "backward"))
+    if cfg.data_ranks == 1:
+        # FSDP2 over one rank (an offload, config.dp_mechanism) issues no collective: kept for
+        # the host copies they stand for (offload.host_copies), not counted.
+        return tuple(dataclasses.replace(c, counted=False) for c in calls)
     if cfg.dp_replicate == 1:
         return calls
     # HSDP: each reduce-scatter's shard is all-reduced over the replicas (FSDP2 HSDP).

@@ -192,8 +192,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                     "CPUOffloadPolicy: parameters, gradients and optimizer state)",
         "dtypes": "sourced: torchtitan v0.2.2 training.mixed_precision_param bfloat16 / "
                   "float32 (config/job_config.py: no float16) and the quantize.linear.float8 "
-                  "converter (torchao); a part without bf16 tensor cores (V100) trains in fp32 "
-                  "there",
+                  "converter (torchao); a part without bf16 tensor cores (V100) runs bf16 at "
+                  "its slow rate there",
         "cp_comm": "sourced: torchtitan v0.2.2 job_config.py context_parallel_rotate_method "
                    "= 'allgather' (the default) for torch's context_parallel: "
                    "_AllGatherRotater gathers K/V once under the rank's own block, dK/dV "

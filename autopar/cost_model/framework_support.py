@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
 __all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
-           "model_framework", "model_support", "moe_support", "settings_support"]
+           "model_framework", "model_support", "moe_support", "recut_fix", "settings_support"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -128,8 +128,8 @@ def model_support(framework: Framework, config, profile) -> str | None:
     if fused and fsdp_recuts_tp_shards(config):
         return (f"{framework.name} splits the fused q/k/v projection {fused} over tp keeping "
                 "each rank's q, k and v heads together, a strided shard FSDP2 cannot cut again "
-                f"over dp (zero {config.zero}); use zero=0 (--zero 0) for dp x tp, or pp with "
-                f"tp, {_OWN_CODE}")
+                f"over dp (zero {config.zero}); {recut_fix(config)}, or pp with tp, "
+                f"{_OWN_CODE}")
     return None
 
 
@@ -137,6 +137,14 @@ def fsdp_recuts_tp_shards(config) -> bool:
     """FSDP2 shards the tensor-parallel weights again over the data-parallel ranks (tp > 1 and
     the config's mechanism is FSDP: ``config.dp_mechanism``, over dp x cp)."""
     return config.tp > 1 and dp_mechanism(config) == "fsdp"
+
+
+def recut_fix(config) -> str:
+    """What to change so that FSDP2 does not cut the tp shards again: no FSDP with dp x tp, or no
+    offload where FSDP2 runs over one rank only to offload."""
+    if config.data_ranks == 1:
+        return "use offload='none' (--offload none)"
+    return "use zero=0 (--zero 0) for dp x tp"
 
 
 _OWN_CODE = ("or plan for a framework that runs its own implementation of the model "

@@ -396,7 +396,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         framework=fw,
         dp_head_s=dp_head_s(profile, cfg, groups["dp"], fw) if cfg.data_ranks > 1 else 0.0,
         host_capacity_bytes=cluster.host_memory_bytes_per_gpu,
-        dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling),
+        dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling, fw.dtypes),
         names=terms.names,
         blocks=tuple(layer.kind == "block" for layer in profile.layers),
     )

@@ -135,9 +135,11 @@ def _rate(flops: float) -> str:
     return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.1f} GFLOP/s"
 
 
-def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str) -> str:
+def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str,
+                 framework_dtypes: tuple[str, ...] = ("fp16",)) -> str:
     """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line); an
-    fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``)."""
+    fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``), and
+    fp16 is suggested only where the framework trains in it (``framework_dtypes``)."""
     bf16, fp16, fp32 = device.peak_bf16_flops, device.peak_fp16_flops, device.peak_fp32_flops
     if dtype == "fp8":
         return (f"fp8 matmuls at {_rate(device.peak_fp8_flops)} "
@@ -151,6 +153,9 @@ def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str) -> str:
                     f"(bf16 {_rate(bf16)}, fp16 {_rate(fp16)})")
         return f"fp16 at {_rate(fp16)} (as asked)"
     if dtype == "bf16":
+        if bf16 < fp16 and "fp16" not in framework_dtypes:
+            return (f"bf16 at {_rate(bf16)}: {device.name} has no bf16 tensor cores, and the "
+                    f"framework no fp16 (fp16 would run at {_rate(fp16)})")
         if bf16 < fp16:
             return (f"bf16 at {_rate(bf16)} (as asked): {device.name} has no bf16 tensor cores; "
                     f"fp16 runs at {_rate(fp16)} (--dtype fp16)")

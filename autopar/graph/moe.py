@@ -343,7 +343,7 @@ def _probe_routed(module: nn.Module, w: ExpertWeights) -> str:
         try:
             got = type(module).forward(probe, blocks.reshape(-1, _PROBE_WIDTH))
         except Exception as e:  # any failure: not runnable one expert at a time
-            return f"{name}'s forward does not run as stacked experts ({e})"
+            return f"{name}'s forward does not run as stacked experts ({' '.join(str(e).split())})"
     if bool(zero.any()):
         return (f"{name}'s experts do not map a zero row to zero (the rows its router did not "
                 "pick cannot be skipped)")
@@ -373,7 +373,7 @@ def _probe(module: nn.Module, w: ExpertWeights) -> str:
         try:
             got = type(module).forward(probe, x, index, weights)
         except Exception as e:  # any failure: not runnable one expert at a time
-            return f"{name}'s forward does not run as stacked experts ({e})"
+            return f"{name}'s forward does not run as stacked experts ({' '.join(str(e).split())})"
     # The same rows, maybe under a batch dimension (DBRX hands back [b, s, h] as it was given).
     if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not torch.allclose(
             got.reshape(want.shape), want, rtol=1e-4, atol=1e-5):

@@ -19,6 +19,7 @@ it.
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from typing import Any
 
@@ -40,15 +41,33 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    # DCP records its checkpoint_id as a path (pathlib._local from Python 3.13).
+    *((module, cls) for module in ("pathlib", "pathlib._local")
+      for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    ("collections", "OrderedDict"),
 })
+# Enum classes whose members the metadata holds: Python 3.11.0-3.11.3 pickle a member as
+# getattr(cls, name), later ones as cls(value).
+_ENUMS = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING")})
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` for an enum member of an allowed class, nothing else."""
+    if (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)) not in _ENUMS \
+            or not isinstance(name, str) or name not in cls.__members__:
+        raise AutoparError("the checkpoint's .metadata calls getattr on something other than a "
+                           "DCP enum member; resume from a checkpoint autopar wrote")
+    return cls[name]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED:
+            if module == "pathlib._local":  # the same classes, importable before 3.13 too
+                return getattr(pathlib, name)
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise AutoparError(

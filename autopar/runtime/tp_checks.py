@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from autopar.cost_model.framework_support import fsdp_recuts_tp_shards
+from autopar.cost_model.framework_support import fsdp_recuts_tp_shards, recut_fix
 from autopar.cost_model.validate import tp_problem
 from autopar.errors import AutoparError
 from autopar.graph.tp import is_norm, split_blocker
@@ -55,7 +55,7 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
         raise AutoparError(
             f"FSDP (zero {cfg.zero}) cannot shard {fused[0]} under tp={cfg.tp}: its tensor-"
             "parallel split keeps each rank's q, k and v heads together (a strided shard that "
-            "FSDP2 cannot cut again over dp); use --zero 0 for dp x tp, or pp with tp"
+            f"FSDP2 cannot cut again over dp); {recut_fix(cfg)}, or pp with tp"
         )
     if not any(fqn.startswith(structure.container + ".") for fqn in resolved):
         raise AutoparError(

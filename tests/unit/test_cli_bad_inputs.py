@@ -79,6 +79,8 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     # a plan records its model: one it could not read back was written
     (["plan", "tab\tdir/c.json", "--gpus", "2", "--global-batch", "4"],
      "holds a non-printable character"),
+    (["run", "tab\tdir/c.json", "--global-batch", "4", "--steps", "1"],
+     "holds a non-printable character"),
     (["verify", "plan.json", "--refit", "--out", "no/such/dir/c.yaml"],
      "cannot write no/such/dir/c.yaml: directory"),
     (["verify", "plan.json", "--steps", "100000000000000000000"], "--steps: must be from 1 to"),
@@ -680,7 +682,7 @@ def test_a_plans_moe_record_and_report_words_are_checked(tmp_path, capfd):
             (("moe", "capacity_factor"), "x", "moe.capacity_factor must be a number"),
             (("moe", "capacity_factor"), 1e308, "moe.capacity_factor must be below 1e+06"),
             (("moe", "experts"), "4", "moe.experts must be a whole number"),
-            (("moe", "top_k"), 99, "moe.top_k must be from 1 to 4"),
+            (("moe", "top_k"), 99, "moe.top_k must be from 0 to 4"),
             (("moe", "shared_experts"), -1, "moe.shared_experts must be at least 0"),
             (("moe", "router_imbalance"), 0.5, "moe.router_imbalance must be 0 (unknown)"),
             (("moe", "module"), "moe\n", "moe.module must be one line"),

@@ -81,3 +81,36 @@ def test_a_checkpoint_dir_that_cannot_be_created_is_refused_before_training(
         check_checkpoint_dir(str(tmp_path / "file.json" / "ck"), resume=False, steps=1, every=0)
     assert check_checkpoint_dir(str(tmp_path / "new" / "ck"), resume=False, steps=1,
                                 every=0).step is None
+
+
+def test_metadata_pickled_by_other_pythons_loads(tmp_path: Path) -> None:
+    """Python 3.11.0-3.11.3 pickle an enum member as getattr(cls, name) (DCP's memory-format
+    enum is in every tensor's properties), Python 3.13 names pathlib._local's paths: both read;
+    a getattr of anything else does not."""
+    import copyreg
+    import enum
+    import io
+
+    _save(tmp_path / "step_1")
+    metadata = read_metadata_bytes((tmp_path / "step_1" / ".metadata").read_bytes())
+
+    class OldEnumPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    OldEnumPickler(buffer).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    again = read_metadata_bytes(buffer.getvalue())
+    assert again.state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    with pytest.raises(AutoparError, match="not DCP metadata"):
+        read_metadata_bytes(b"cpathlib._local\nPosixPath\n(S'/tmp/x'\ntR.")
+    evil = io.BytesIO()
+    pickle.Pickler(evil).dump(copyreg._reconstructor)  # any global: refused by name
+    with pytest.raises(AutoparError, match=r"names copyreg\._reconstructor"):
+        read_metadata_bytes(evil.getvalue())
+    with pytest.raises(AutoparError, match="getattr on something other than"):
+        read_metadata_bytes(b"cbuiltins\ngetattr\n(ccollections\nOrderedDict\n"
+                            b"S'fromkeys'\ntR.")

@@ -230,8 +230,11 @@ def test_fused_attention_sized_by_its_input_is_refused(tmp_path: Path) -> None:
     path.write_text(text)
     with pytest.raises(AutoparError, match=r"attention transformer\.h\.0\.attn .* --pp or --dp"):
         check_plan_runnable(_nanogpt(path), _plan(2, tp=2, micro_batch=4))
-    with pytest.raises(AutoparError, match=r"transformer\.h\.0\.attn\.c_attn .* --zero 0"):
+    with pytest.raises(AutoparError, match=r"transformer\.h\.0\.attn\.c_attn .* \(--zero 0\)"):
         check_plan_runnable(_nanogpt(), _plan(2, tp=2, dp=2, zero=3, micro_batch=2))
+    # FSDP2 over one rank to offload recuts them too: the fix is no offload, not zero 0.
+    with pytest.raises(AutoparError, match=r"c_attn .*\(--offload none\)"):
+        check_plan_runnable(_nanogpt(), _plan(2, tp=2, zero=1, offload="optimizer"))
 
 
 def test_an_hf_model_whose_heads_tp_does_not_divide_fails_before_launch() -> None:

@@ -212,7 +212,12 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
     fix = "raise --build-timeout (and --time-budget), or fix the model's build_model()"
     with time_limit(timeout_s, f"building and profiling {model_text}", fix,
                     hard_exit_after_s=HARD_EXIT_GRACE_S):
-        return build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
+        profile = build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
+    from autopar.models.resolve import model_notes
+
+    for note in model_notes(model_text):
+        print(f"autopar: note: {note}", file=sys.stderr)
+    return profile
 
 
 def _not_a_file(path: Path) -> str:

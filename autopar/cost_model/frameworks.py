@@ -39,6 +39,7 @@ from autopar.cost_model.framework_sources import default_sources
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.moe import EP_DISPATCHES
+from autopar.cost_model.pipeline import IN_FLIGHT, PER_MICROBATCH
 from autopar.cost_model.precision import FP8_SCALINGS
 from autopar.cost_model.presets import DP_OVERLAP
 from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
@@ -51,9 +52,6 @@ __all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framewor
 FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
 
 DDP_BUCKET_BYTES = 25 * MIB  # sourced: DistributedDataParallel's default bucket_cap_mb
-# Receive-buffer policies of a pipeline runtime.
-PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
-IN_FLIGHT = "in_flight"  # one tensor per transfer, freed with its micro-batch
 # How ZeRO-3 gathers parameters.
 GATHER_BLOCK = "block"  # FSDP2: one unit per block, the next one prefetched
 GATHER_BUCKET = "bucket"  # DeepSpeed stage 3: parameters gathered in bounded buckets

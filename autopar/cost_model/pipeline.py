@@ -16,7 +16,13 @@ from __future__ import annotations
 
 from autopar.schedules import get_schedule, rank_of_stage
 
+# Receive-buffer policies of a pipeline runtime (``Framework.pipeline_recv_buffers``).
+PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
+IN_FLIGHT = "in_flight"  # one tensor per transfer, freed with its micro-batch
+
 __all__ = [
+    "IN_FLIGHT",
+    "PER_MICROBATCH",
     "ZERO_BUBBLE_RESIDUAL",
     "bubble_coefficient",
     "bubble_ratio",
@@ -116,7 +122,7 @@ def in_flight_microbatches(
 
 def pipeline_buffer_microbatches(
     schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int,
-    policy: str = "per_microbatch",
+    policy: str = PER_MICROBATCH,
 ) -> int:
     """One-micro-batch stage-boundary tensors that torch's PipelineStages of ``rank`` hold.
 
@@ -148,7 +154,7 @@ def pipeline_buffer_microbatches(
     for stage in range(num_stages):
         if rank_of_stage(schedule, p, stage) != rank:
             continue
-        per = 1 if policy == "in_flight" else m
+        per = 1 if policy == IN_FLIGHT else m
         if stage > 0:
             count += per * (2 if split_backward else 1)
         if stage < num_stages - 1:

@@ -23,7 +23,7 @@ from autopar.json_data import read_json
 from autopar.models.spec import MAX_SIZES
 from autopar.models.tp_names import COLWISE_NAMES, FUSED_NAMES, ROWWISE_NAMES
 
-__all__ = ["HFStructure", "from_hf_config", "hf_tp_structure", "load_hf_config"]
+__all__ = ["HFStructure", "from_hf_config", "hf_config_notes", "hf_tp_structure", "load_hf_config"]
 
 # Last FQN component of a linear inside a decoder layer -> its tensor-parallel style. Column-wise:
 # input projections (q, k, v, gate, up, fc in); row-wise: output projections (o, down, fc out).
@@ -88,6 +88,17 @@ def load_hf_config(config: Any) -> Any:
         ) from None
     _check_sizes(cfg)
     return cfg
+
+
+def hf_config_notes(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """What an HF config asks for that a plan does not model, in words (for stderr notes)."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return ()
+    method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
+    return (f"the config's quantization_config ({method}) is not modelled: autopar plans full "
+            "training of the architecture in the plan's dtype (the weights dequantized), not "
+            "quantized fine-tuning",)
 
 
 # The config's counts and widths (transformers' names; attribute_map gives GPT-2's n_layer and

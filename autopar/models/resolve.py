@@ -19,7 +19,7 @@ from autopar.models.presets import PRESETS
 from autopar.models.spec import KINDS
 from autopar.models.zoo import SHAPE_KEYS, build, make_spec, suggest_names
 
-__all__ = ["ModelBuilder", "parse_model_spec", "resolve_model"]
+__all__ = ["ModelBuilder", "model_notes", "parse_model_spec", "resolve_model"]
 
 # build_model(device="meta", *, dtype=..., seed=None) -> nn.Module
 ModelBuilder = Callable[..., nn.Module]
@@ -157,3 +157,14 @@ def resolve_model(text: str) -> tuple[ModelBuilder, str]:
         f"autopar.models.list_presets()), KIND:key=value,... with KIND one of {', '.join(KINDS)}, "
         f"a .py model file, or an HF config .json"
     )
+
+
+def model_notes(text: str) -> tuple[str, ...]:
+    """What the MODEL argument asks for that a plan does not model (an HF config's
+    quantization), in words for stderr notes; () for every other form."""
+    if not text.endswith(".json"):
+        return ()
+    from autopar.models.hf import hf_config_notes
+
+    data = read_json(Path(text), text, "an HF config", UnknownModelError)
+    return hf_config_notes(data) if isinstance(data, dict) else ()

@@ -735,3 +735,17 @@ def test_a_plans_estimate_must_be_of_its_own_stages(tmp_path, capfd):
         file = tmp_path / "bad.json"
         file.write_text(json.dumps(edited))
         _fails(capfd, ["show", str(file)], needle)
+
+
+def test_a_quantized_hf_config_is_planned_with_a_note(tmp_path, capfd):
+    """A quantized checkpoint's config.json was planned as full training without a word."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256,
+        "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    assert main(["estimate", str(config), "--gpus", "1", "--global-batch", "2", "--seq-len",
+                 "32", "--json"]) == 0
+    out, err = capfd.readouterr()
+    json.loads(out)
+    assert "autopar: note: the config's quantization_config (awq) is not modelled" in err

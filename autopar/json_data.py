@@ -10,7 +10,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 
-__all__ = ["parse_json", "read_json"]
+__all__ = ["parse_json", "read_json", "read_text"]
 
 
 def parse_json(text: str, where: str, expected: str, error: type[Exception] = AutoparError,
@@ -38,13 +38,18 @@ def parse_json(text: str, where: str, expected: str, error: type[Exception] = Au
                     f"{expected}") from None
 
 
-def read_json(path: Path, where: str, expected: str, error: type[Exception] = AutoparError,
-              **options: Any) -> Any:
-    """``parse_json`` of the file ``path``; an unreadable or non-UTF-8 file raised as ``error``."""
+def read_text(path: Path, where: str, expected: str,
+              error: type[Exception] = AutoparError) -> str:
+    """The UTF-8 text of the file ``path``; an unreadable or non-UTF-8 file raised as ``error``."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise error(f"{where} is not UTF-8 text (a binary file?); give {expected}") from None
     except OSError as err:
         raise error(f"cannot read {where}: {err.strerror or err}") from None
-    return parse_json(text, where, expected, error, **options)
+
+
+def read_json(path: Path, where: str, expected: str, error: type[Exception] = AutoparError,
+              **options: Any) -> Any:
+    """``parse_json`` of the file ``path`` (``read_text``)."""
+    return parse_json(read_text(path, where, expected, error), where, expected, error, **options)

@@ -233,6 +233,7 @@ HARD_EXIT_GRACE_S = 5.0
 
 def load_plan_file(path: str) -> Any:
     """Read a plan JSON file (``PlanFormatError`` / ``AutoparError`` on a bad file)."""
+    from autopar.json_data import read_text
     from autopar.plan import Plan
 
     file = Path(path)
@@ -240,14 +241,9 @@ def load_plan_file(path: str) -> Any:
         what = _not_a_file(file)
         raise AutoparError(f"plan file {path} {what}; give a plan JSON file (`autopar plan "
                            "--out`)")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise AutoparError(f"plan file {path} is not UTF-8 text (a binary file?); give a plan "
-                           "JSON file (`autopar plan --out`)") from None
-    except OSError as e:
-        raise AutoparError(f"cannot read plan file {path}: {e.strerror or e}") from None
-    return Plan.from_json(text, f"plan file {path}")
+    where = f"plan file {path}"
+    text = read_text(file, where, "a plan JSON file (`autopar plan --out`)")
+    return Plan.from_json(text, where)
 
 
 def write_output(path: str, data: str | bytes, *, force: bool) -> None:

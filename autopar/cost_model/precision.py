@@ -136,7 +136,7 @@ def _rate(flops: float) -> str:
 
 
 def dtype_reason(device: DeviceSpec, dtype: str, fp8_scaling: str,
-                 framework_dtypes: tuple[str, ...] = ("fp16",)) -> str:
+                 framework_dtypes: tuple[str, ...]) -> str:
     """Why a plan runs in ``dtype`` on ``device``, in words (the report's precision line); an
     fp8 plan names its framework's scaling (``Framework.fp8_scaling``: ``FP8_RECIPE_WORDS``), and
     fp16 is suggested only where the framework trains in it (``framework_dtypes``)."""

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cost_model.comm import ring_steps
+from autopar.cost_model.comm import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    SEND_RECV,
+    ring_steps,
+)
 
 __all__ = [
     "Calibration",
@@ -324,7 +330,7 @@ def calibration_to_cluster(calibration: Calibration, base: Any = None) -> Any:
     data = base.to_dict()
     data.update(name=f"calibrated-{cal.device_type}", nodes=1, gpus_per_node=cal.nproc)
     _measured_device(data["device"], cal)
-    fits = [c for c in cal.collectives if c.op != "send_recv"]
+    fits = [c for c in cal.collectives if c.op != SEND_RECV]
     if fits:
         data.update(_measured_links(fits))
     return Cluster.from_dict(data)
@@ -375,9 +381,9 @@ def _measured_links(fits: Sequence[CollectiveFit]) -> dict[str, Any]:
 
 # Calibration op -> the Cluster field of its measured-over-modelled time factor.
 _TIME_FACTOR_FIELDS = {
-    "all_reduce": "all_reduce_time_factor",
-    "all_gather_into_tensor": "all_gather_time_factor",
-    "reduce_scatter_tensor": "reduce_scatter_time_factor",
+    ALL_REDUCE: "all_reduce_time_factor",
+    ALL_GATHER: "all_gather_time_factor",
+    REDUCE_SCATTER: "reduce_scatter_time_factor",
 }
 
 

@@ -59,7 +59,8 @@ import dataclasses
 from collections import Counter
 
 from autopar.config import ParallelConfig
-from autopar.cost_model.moe import EXPERT_TENSORS, expert_dp
+from autopar.cost_model.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from autopar.cost_model.moe import A2A, EXPERT_TENSORS, expert_dp
 from autopar.graph.types import LayerProfile, ModelProfile
 from autopar.schedules import rank_of_stage
 
@@ -76,7 +77,7 @@ __all__ = [
     "stage_split",
 ]
 
-_AR, _AG, _RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+_AR, _AG, _RS = ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER
 # How a framework's MoE blocks talk over tp (``block_tp_calls``; ``Framework.moe_tp``).
 MOE_TPS = ("gather", "boundary", "rows", "linears")
 AR, AG, RS = f"{_AR}@tp", f"{_AG}@tp", f"{_RS}@tp"
@@ -84,9 +85,9 @@ AR, AG, RS = f"{_AR}@tp", f"{_AG}@tp", f"{_RS}@tp"
 # loss.py, _log_softmax's max and sum of exponentials and _nll_loss_forward's target logit;
 # Megatron-LM's _VocabParallelCrossEntropy the same three), each of fp32 [b, s].
 LOSS_PARALLEL_REDUCES = 3
-DP_AR, DP_AG, DP_RS = "all_reduce@dp", "all_gather_into_tensor@dp", "reduce_scatter_tensor@dp"
-HSDP_AR = "all_reduce@dp_replicate"
-CP_AG, CP_RS = "all_gather_into_tensor@cp", "reduce_scatter_tensor@cp"
+DP_AR, DP_AG, DP_RS = f"{_AR}@dp", f"{_AG}@dp", f"{_RS}@dp"
+HSDP_AR = f"{_AR}@dp_replicate"
+CP_AG, CP_RS = f"{_AG}@cp", f"{_RS}@cp"
 
 
 def block_tp_calls(layer: LayerProfile, *, sp: bool, first_block: bool, moe_tp: str
@@ -245,11 +246,11 @@ def _ep_counts(layer: LayerProfile, cfg: ParallelConfig, full: bool) -> Counter[
     if cfg.ep <= 1 or layer.moe is None:
         return Counter()
     m = cfg.num_microbatches
-    counts = Counter({"all_to_all_single@ep": (10 if full else 6) * m})
+    counts = Counter({f"{A2A}@ep": (10 if full else 6) * m})
     if expert_dp(cfg) <= 1:
         return counts
     if cfg.zero == 0:
-        counts["all_reduce@edp"] = EXPERT_TENSORS * m
+        counts[f"{_AR}@edp"] = EXPERT_TENSORS * m
         return counts
     alone = _dp_counts(dataclasses.replace(cfg, dp_replicate=1), 1)
     counts.update({k.replace("@dp", "@edp"): v for k, v in alone.items()})

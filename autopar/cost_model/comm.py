@@ -57,8 +57,12 @@ RING_DECAY_PER_DOUBLING = 0.022  # ring busbw loss per doubling of nodes, latenc
 COMM_SPREAD = 0.08
 
 __all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
     "BUS_FACTORS",
     "COLLECTIVE_KINDS",
+    "REDUCE_SCATTER",
+    "SEND_RECV",
     "Collective",
     "GroupLink",
     "all_gather_s",
@@ -74,13 +78,20 @@ __all__ = [
     "tp_spans_nodes",
 ]
 
+# The collective kinds, by torch.distributed's function names (what the cost model charges,
+# what calibrate measures and what autopar.runtime.count_collectives counts).
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_tensor"
+SEND_RECV = "send_recv"
+
 # Bus factor of each collective as a function of the group size n (sourced: nccl-tests
 # doc/PERFORMANCE.md): bytes each rank moves over the buffer size S.
 BUS_FACTORS = MappingProxyType({
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "send_recv": lambda n: 1.0,
+    ALL_REDUCE: lambda n: 2.0 * (n - 1) / n,
+    ALL_GATHER: lambda n: (n - 1) / n,
+    REDUCE_SCATTER: lambda n: (n - 1) / n,
+    SEND_RECV: lambda n: 1.0,
 })
 
 
@@ -99,9 +110,9 @@ def bus_factor(op: str, group_size: int) -> float:
 
 def ring_steps(op: str, group_size: int) -> int:
     """Latency-bound steps of one ring collective: all-reduce 2 (n - 1), AG/RS n - 1, p2p 1."""
-    if op == "all_reduce":
+    if op == ALL_REDUCE:
         return 2 * (group_size - 1)
-    if op == "send_recv":
+    if op == SEND_RECV:
         return 1
     return group_size - 1
 
@@ -207,8 +218,8 @@ def reduce_scatter_s(link: GroupLink, size_bytes: float) -> float:
     if n <= 1 or size_bytes <= 0:
         return 0.0
     bw = link.bandwidth_bytes_per_s * (1.0 - RING_DECAY_PER_DOUBLING) ** link.doublings
-    op = "reduce_scatter_tensor"
-    return bus_factor(op, n) * size_bytes / bw + ring_steps(op, n) * link.latency_s
+    return (bus_factor(REDUCE_SCATTER, n) * size_bytes / bw
+            + ring_steps(REDUCE_SCATTER, n) * link.latency_s)
 
 
 def all_gather_s(link: GroupLink, size_bytes: float) -> float:
@@ -223,7 +234,7 @@ def all_reduce_s(link: GroupLink, size_bytes: float) -> float:
     if link.nodes <= 1 or n <= 1 or size_bytes <= 0:
         return reduce_scatter_s(link, size_bytes) + all_gather_s(link, size_bytes)
     bw = link.bandwidth_bytes_per_s * (1.0 - TREE_DECAY_PER_DOUBLING) ** link.doublings
-    return bus_factor("all_reduce", n) * size_bytes / bw + (
+    return bus_factor(ALL_REDUCE, n) * size_bytes / bw + (
         TREE_LATENCY_PER_DOUBLING_S * link.doublings)
 
 
@@ -246,11 +257,11 @@ def p2p_s(link: GroupLink, size_bytes: float) -> float:
 
 
 # Functional-collective kind (what autopar.runtime.count_collectives reports) -> time function.
-_FACTOR_INDEX = {"all_reduce": 0, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
+_FACTOR_INDEX = {ALL_REDUCE: 0, ALL_GATHER: 1, REDUCE_SCATTER: 2}
 COLLECTIVE_KINDS = {
-    "all_reduce": all_reduce_s,
-    "all_gather_into_tensor": all_gather_s,
-    "reduce_scatter_tensor": reduce_scatter_s,
+    ALL_REDUCE: all_reduce_s,
+    ALL_GATHER: all_gather_s,
+    REDUCE_SCATTER: reduce_scatter_s,
     # Offload's copies between a device and its host (offload.py), on the "pcie" axis.
     "host_to_device": host_copy_s,
     "device_to_host": host_copy_s,

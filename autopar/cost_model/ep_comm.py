@@ -44,7 +44,7 @@ def unit_collectives(layer: LayerProfile, config: ParallelConfig,
     if experts <= 0 or expert_dp(config, experts_whole(layer, shard)) <= 1:
         return dense
     if config.zero == 0:
-        hook = comm.Collective(kind="all_reduce", axis="edp",
+        hook = comm.Collective(kind=comm.ALL_REDUCE, axis="edp",
                                size_bytes=memory.GRAD_BYTES * experts / EXPERT_TENSORS,
                                calls=EXPERT_TENSORS, per="microbatch", phase="backward")
         return (*dense, hook)

@@ -18,7 +18,7 @@ from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["AG", "AR", "RS", "sp_gathered_inputs", "tp_collectives", "tp_modules", "tp_sharded"]
 
-AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+AR, AG, RS = comm.ALL_REDUCE, comm.ALL_GATHER, comm.REDUCE_SCATTER
 LOSS_REDUCE_BYTES = 4  # the fp32 [b, s] elements of the loss-parallel and width-norm all-reduces
 _NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
 

@@ -43,7 +43,13 @@ from autopar.cost_model.calibration import (
     fit_linear_relative,
     median,
 )
-from autopar.cost_model.comm import bus_factor
+from autopar.cost_model.comm import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    SEND_RECV,
+    bus_factor,
+)
 from autopar.runtime.calibrate_measure import (
     max_over_ranks,
     mean_over_ranks,
@@ -56,7 +62,7 @@ from autopar.runtime.mesh import backend_of, default_dtype
 
 __all__ = ["Sweep", "calibrate"]
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send_recv")
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SEND_RECV)
 # All-reduce in concurrent groups of 2 (measured when nproc >= 4 is even): the latency of the
 # small groups that tp=2 or dp=2 splits create, under the contention of the whole machine.
 PAIRS_ALL_REDUCE = "all_reduce_pairs"
@@ -162,14 +168,14 @@ def _collective_call(op: str, size_bytes: int, device: torch.device, pair_group:
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = max(size_bytes // 4 // world * world, world)
     buf = torch.ones(numel, dtype=torch.float32, device=device)
-    if op == "all_reduce":
+    if op == ALL_REDUCE:
         return lambda: dist.all_reduce(buf)
     if op == PAIRS_ALL_REDUCE:  # every pair (0, 1), (2, 3), ... at once, as tp=2 groups run
         return lambda: dist.all_reduce(buf, group=pair_group)
-    if op == "all_gather_into_tensor":  # S = the gathered output
+    if op == ALL_GATHER:  # S = the gathered output
         shard = torch.ones(numel // world, dtype=torch.float32, device=device)
         return lambda: dist.all_gather_into_tensor(buf, shard)
-    if op == "reduce_scatter_tensor":  # S = the reduced input
+    if op == REDUCE_SCATTER:  # S = the reduced input
         shard = torch.empty(numel // world, dtype=torch.float32, device=device)
         return lambda: dist.reduce_scatter_tensor(shard, buf)
     # send/recv between pairs (0 -> 1, 2 -> 3, ...); an odd last rank idles.
@@ -248,8 +254,8 @@ def _fit_collectives(raw: dict[str, list[list]], nproc: int) -> tuple[Collective
         rows = raw.get(key)
         if not rows:
             continue
-        op = "all_reduce" if key == PAIRS_ALL_REDUCE else key
-        group = 2 if key in ("send_recv", PAIRS_ALL_REDUCE) else nproc
+        op = ALL_REDUCE if key == PAIRS_ALL_REDUCE else key
+        group = 2 if key in (SEND_RECV, PAIRS_ALL_REDUCE) else nproc
         factor = bus_factor(op, group)
         fit = fit_linear_relative([factor * s for s, _ in rows], [t for _, t in rows])
         fits.append(CollectiveFit(

@@ -19,6 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from autopar.cost_model.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from autopar.cost_model.moe import A2A
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,17 +29,17 @@ __all__ = ["count_collectives"]
 
 # c10d op name -> functional-collective kind.
 _C10D_KINDS: dict[str, str] = {
-    "allreduce_": "all_reduce",
+    "allreduce_": ALL_REDUCE,
     "allreduce_coalesced_": "all_reduce_coalesced",
-    "_allgather_base_": "all_gather_into_tensor",
+    "_allgather_base_": ALL_GATHER,
     "allgather_": "all_gather",
     "allgather_coalesced_": "all_gather_coalesced",
     "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
-    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "_reduce_scatter_base_": REDUCE_SCATTER,
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
     "alltoall_": "all_to_all",
-    "alltoall_base_": "all_to_all_single",
+    "alltoall_base_": A2A,
     "broadcast_": "broadcast",
     "gather_": "gather",
     "scatter_": "scatter",

@@ -8,12 +8,12 @@ pulp) are imported on first use so ``import autopar`` stays fast.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import autopar.plan as _plan_module  # noqa: F401  (bound before ``plan`` below shadows it)
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.lazy import lazy_getattr
 from autopar.plan import Plan
 
 __all__ = [
@@ -36,29 +36,21 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# name -> (module, attribute); resolved lazily by __getattr__ (PEP 562).
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "Cluster": ("autopar.cost_model.hardware", "Cluster"),
-    "Estimate": ("autopar.cost_model.estimate", "Estimate"),
-    "FRAMEWORKS": ("autopar.cost_model.frameworks", "FRAMEWORKS"),
-    "Framework": ("autopar.cost_model.frameworks", "Framework"),
-    "SETTINGS": ("autopar.cost_model.frameworks", "SETTINGS"),
-    "estimate": ("autopar.costing", "estimate"),
-    "ModelProfile": ("autopar.graph.types", "ModelProfile"),
-    "profile": ("autopar.graph", "profile"),
-    "load_model_file": ("autopar.models.model_file", "load_model_file"),
-    "models": ("autopar.models", None),
+# name -> the module it is read from, on first use (PEP 562; autopar.lazy).
+_LAZY: dict[str, str] = {
+    "Cluster": "autopar.cost_model.hardware",
+    "Estimate": "autopar.cost_model.estimate",
+    "FRAMEWORKS": "autopar.cost_model.frameworks",
+    "Framework": "autopar.cost_model.frameworks",
+    "SETTINGS": "autopar.cost_model.frameworks",
+    "estimate": "autopar.costing",
+    "ModelProfile": "autopar.graph.types",
+    "profile": "autopar.graph",
+    "load_model_file": "autopar.models.model_file",
+    "models": "autopar.models",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
-    module_name, attr = _LAZY[name]
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def plan(

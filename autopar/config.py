@@ -207,8 +207,11 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
         """Build a config from ``to_dict()`` output; unknown keys are an error."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ParallelConfig is read from an object of its fields, got "
+                             f"{type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(data) - names)
         if unknown:
             raise ValueError(f"unknown ParallelConfig field(s): {', '.join(unknown)}")
         return cls(**data)

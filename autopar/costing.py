@@ -49,14 +49,22 @@ def estimate(
 
     Raises:
         ValueError: naming the constraint an impossible config breaks, or what the framework
-            cannot run; for a Plan, ``cluster`` not being the one it was made for (its cluster
-            fingerprint; ``plan.for_cluster(cluster)`` re-targets it on purpose).
+            cannot run; for a Plan (``PlanMismatchError``), ``profile`` not being of the model it
+            was made for (its profile fingerprint), or ``cluster`` not being the one it was made
+            for (its cluster fingerprint; ``plan.for_cluster(cluster)`` re-targets it on
+            purpose).
     """
     from autopar.cost_model.estimator import estimate as estimate_split
+    from autopar.cost_model.validate import check_inputs
 
+    check_inputs("estimate", profile, cluster)
     if isinstance(config_or_plan, ParallelConfig):
         return estimate_split(profile, cluster, config_or_plan, framework)
+    if not isinstance(config_or_plan, Plan):
+        raise TypeError(f"estimate() takes a ParallelConfig or a Plan, got "
+                        f"{type(config_or_plan).__name__}")
     plan = config_or_plan
+    plan.check_profile(profile)
     plan.check_cluster(cluster)
     return estimate_split(profile, cluster, plan.config,
                           plan.framework if framework is None else framework, **plan_split(plan))
@@ -67,6 +75,7 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     from autopar.cost_model.symbolic import explain
     from autopar.cost_model.validate import check_config
 
+    plan.check_profile(profile)
     try:  # what estimate refuses is not explained either (an edited plan's split)
         check_config(profile, cluster, plan.config)
     except ValueError as err:
@@ -85,4 +94,5 @@ def expected_collectives(
 
     if isinstance(plan_or_config, ParallelConfig):
         return count(profile, plan_or_config, pp_rank)
+    plan_or_config.check_profile(profile)
     return count(profile, plan_or_config.config, pp_rank, **plan_split(plan_or_config))

@@ -1,6 +1,6 @@
 """Parse a JSON document autopar reads as data (a plan, an HF config): one error naming the
 file and what is wrong with it, whatever its bytes hold (not UTF-8, invalid JSON, nested past
-Python's recursion limit, an integer of more digits than Python converts)."""
+Python's recursion limit, an integer of more digits than Python converts, a key given twice)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,17 @@ def parse_json(text: str, where: str, expected: str, error: type[Exception] = Au
         options: ``json.loads`` keywords (``parse_constant``); an AutoparError or ``error``
             they raise passes through.
     """
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # json.loads keeps the last of two equal keys: a typo read as data, refused instead.
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise error(f"{where} gives the key {key!r} twice; keep one")
+            out[key] = value
+        return out
+
     try:
-        return json.loads(text, **options)
+        return json.loads(text, object_pairs_hook=unique, **options)
     except (AutoparError, error):
         raise
     except json.JSONDecodeError as err:

@@ -10,14 +10,16 @@ __all__ = ["lazy_attribute", "lazy_getattr"]
 
 
 def lazy_attribute(package: str, table: Mapping[str, str], name: str) -> Any:
-    """The attribute ``name`` of the module ``table[name]``, for a package's ``__getattr__``.
+    """The attribute ``name`` of the module ``table[name]``, for a package's ``__getattr__``;
+    the module itself where its own name ends in ``name`` (a subpackage, ``autopar.models``).
 
     Raises:
         AttributeError: ``name`` is not in ``table``.
     """
     if name not in table:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(table[name]), name)
+    module = importlib.import_module(table[name])
+    return module if table[name].rpartition(".")[2] == name else getattr(module, name)
 
 
 def lazy_getattr(

@@ -9,6 +9,7 @@ formats live in ``autopar/exporters.py``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -94,6 +95,7 @@ class StagePlan:
         where = f"stages[{data.get('index', '?')}]" if isinstance(data, dict) else "stage"
         if not isinstance(data, dict):
             raise PlanFieldError(f"plan {where} must be an object, got {reprlib.repr(data)}")
+        _no_unknown_keys(data, _STAGE_KEYS, f"plan {where}")
         return cls(
             index=whole(data["index"], f"{where}.index"),
             layers=whole_pair(data["layers"], f"{where}.layers"),
@@ -167,17 +169,29 @@ class Plan:
     loss: str = "eager"
 
     def __post_init__(self) -> None:
+        # The plan owns its dicts: a caller's later edits of what it passed in do not reach it.
+        object.__setattr__(self, "cluster", copy.deepcopy(self.cluster))
+        object.__setattr__(self, "tp_layout", dict(self.tp_layout))
+        # What a plan file's reader checks, checked when a plan is made too: a plan autopar
+        # writes, autopar reads back.
+        try:
+            text(self.model, "model", line=True)
+            whole(self.seq_len, "seq_len")
+        except PlanFieldError as err:
+            raise PlanFormatError(str(err)) from None
+        _loss_kernel(self.loss)
         known: str | None = None
         try:
             if isinstance(self.framework, str):
                 known = get_framework(self.framework).spec
         except ValueError:
             pass
-        if known != self.framework:
+        if known is None:
             raise PlanFormatError(
                 f"plan framework {self.framework!r} is unknown; use one of {', '.join(FRAMEWORKS)}"
-                " (with its settings as name+setting+..., sorted)"
+                " (with its settings as name+setting+...)"
             )
+        object.__setattr__(self, "framework", known)  # its canonical spelling (settings sorted)
         if self.schema_version != SCHEMA_VERSION:
             raise PlanFormatError(
                 f"plan schema_version {self.schema_version} is not supported (this autopar "
@@ -256,6 +270,17 @@ class Plan:
         if reason:
             raise PlanMismatchError(reason)
 
+    def check_profile(self, profile: Any) -> None:
+        """Raise ``PlanMismatchError`` (a ValueError) when ``profile`` is not of the model the
+        plan was made for (its profile fingerprint: shape, seq_len, dtype and loss); a plan
+        that records no fingerprint (made by hand) is taken as it is."""
+        if self.profile_fingerprint and profile.fingerprint() != self.profile_fingerprint:
+            raise PlanMismatchError(
+                f"the plan was made for another model (profile fingerprint "
+                f"{self.profile_fingerprint}; this profile's is {profile.fingerprint()}); "
+                "profile the model it was made for (the same shape, seq_len, dtype and loss), "
+                "or re-plan for this one with autopar.plan")
+
     def for_cluster(self, cluster: Any) -> Plan:
         """The same split, re-targeted at ``cluster`` (its dict and fingerprint recorded), so
         that ``estimate`` predicts it there; ``estimate`` is left as the plan's own.
@@ -287,7 +312,7 @@ class Plan:
             "estimate": self.estimate.to_dict(),
             "profile_fingerprint": self.profile_fingerprint,
             "cluster_fingerprint": self.cluster_fingerprint,
-            "cluster": self.cluster,
+            "cluster": copy.deepcopy(self.cluster),
             "search": self.search.to_dict(),
         }
         if self.moe is not None:
@@ -306,6 +331,7 @@ class Plan:
         if not isinstance(data, dict) or "schema_version" not in data:
             raise PlanFormatError("not an autopar plan: the document has no schema_version")
         try:
+            _no_unknown_keys(data, _PLAN_KEYS, "the plan")
             stages = data["stages"]
             if not isinstance(stages, list):
                 raise PlanFieldError(f"plan stages must be a list, got {reprlib.repr(stages)}")
@@ -412,6 +438,15 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
         recorded = Cluster.from_dict(cluster)
     except (ClusterConfigError, TypeError):
         recorded = None  # a hand-made plan: commands that need the cluster say what is wrong
+        device = cluster.get("device")
+        # Its names are still shown and exported: one line of printable text each.
+        for name, value in (("cluster.name", cluster.get("name", "")),
+                            ("cluster.device.name",
+                             device.get("name", "") if isinstance(device, dict) else "")):
+            try:
+                text(value, name, line=True)
+            except PlanFieldError as err:
+                raise PlanFormatError(str(err)) from None
     problem = dtype_problem(recorded.device, config.dtype) if recorded else None
     if problem:
         raise PlanFormatError(f"the plan's cluster cannot train it: {problem}; re-plan with "
@@ -423,6 +458,21 @@ def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:
     if problem:
         raise PlanFormatError(f"the plan's {problem} ({nodes} x {per_node}); re-plan with "
                               "`autopar plan`")
+
+
+# The keys of a plan document and of each of its stages (``to_dict``): any other is a typo
+# ("los") that would otherwise fall back to a default without a word.
+_PLAN_KEYS = frozenset(("schema_version", "model", "framework", "seq_len", "config", "stages",
+                        "tp_layout", "estimate", "profile_fingerprint", "cluster_fingerprint",
+                        "cluster", "search", "moe", "loss"))
+_STAGE_KEYS = frozenset(("index", "layers", "layer_names", "recompute"))
+
+
+def _no_unknown_keys(data: dict[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted((k for k in data if k not in known), key=str)
+    if unknown:
+        raise PlanFieldError(f"{where} has an unknown field {unknown[0]!r}; its fields are "
+                             f"{', '.join(sorted(known))}")
 
 
 def _loss_kernel(value: Any) -> str:

@@ -44,7 +44,10 @@ def number(value: Any, name: str) -> float:
         raise PlanFieldError(f"plan {name} must be a number, got {_shown(value)}")
     if not 0 <= value < math.inf:
         raise PlanFieldError(f"plan {name} must be finite and >= 0, got {_shown(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits: no float holds it
+        raise PlanFieldError(f"plan {name} is far too large: {_shown(value)}") from None
 
 
 def text(value: Any, name: str, *, line: bool = False) -> str:

@@ -206,6 +206,10 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
     Raises:
         AutoparError: the model cannot be found, built or traced, or the limit ran out.
     """
+    # torch, the tracer and the zoo load before the clock starts: the limit bounds the model's
+    # own build and profile, and an alarm never lands inside torch's import.
+    import autopar.graph.profiler
+    import autopar.models.zoo  # noqa: F401
     from autopar.graph.model_text import build_and_profile
     from autopar.timelimit import time_limit
 

@@ -128,7 +128,11 @@ def _check_value(path: str, value: Any, kind: str, rule: str) -> Any:
                 f"cluster field {path} must be an integer, got {_shown(value)}")
         value = int(value)
     else:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer of hundreds of digits: no float holds it
+            raise ClusterConfigError(
+                f"cluster field {path} is far too large: {_shown(value)}") from None
     ok = {
         "pos": value > 0,
         "nonneg": value >= 0,
@@ -176,7 +180,7 @@ def _check_section(
     if not isinstance(data, dict):
         raise ClusterConfigError(f"cluster field {prefix.rstrip('.') or 'root'} must be a "
                                  "mapping")
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ClusterConfigError(
             f"unknown cluster field {prefix}{unknown[0]}; known fields: {', '.join(fields)}"
@@ -198,7 +202,7 @@ def validate(data: Any) -> dict[str, Any]:
     top_fields = {**_CLUSTER_FIELDS, **{k: ("dict", "") for k in nested}}
     if not isinstance(data, dict):
         raise ClusterConfigError("a cluster description must be a mapping of fields")
-    unknown = sorted(set(data) - set(top_fields))
+    unknown = sorted(set(data) - set(top_fields), key=str)
     if unknown:
         raise ClusterConfigError(
             f"unknown cluster field {unknown[0]}; known fields: {', '.join(top_fields)}"
@@ -220,8 +224,8 @@ def validate(data: Any) -> dict[str, Any]:
 
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` of a cluster file, stricter where YAML 1.1 reads a typo as data: a
-    key given twice (PyYAML keeps the last) and a sexagesimal number (``1:00`` reads as 60) are
-    ``yaml.YAMLError``s naming the line."""
+    key given twice (PyYAML keeps the last), a sexagesimal number (``1:00`` reads as 60) and a
+    leading zero (``010`` reads as octal 8) are ``yaml.YAMLError``s naming the line."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
@@ -242,6 +246,12 @@ def load_yaml(text: str) -> Any:
             raise yaml.constructor.ConstructorError(
                 None, None, f"{node.value!r} is a base-60 number in YAML 1.1; quote it or "
                 "write the number", node.start_mark)
+        digits = str(node.value).lstrip("+-").replace("_", "")
+        if node.tag.endswith(":int") and len(digits) > 1 and digits[0] == "0" and digits.isdigit():
+            value = yaml.SafeLoader.construct_yaml_int(loader, node)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} is octal ({value}) in YAML 1.1; write it without "
+                "the leading zero", node.start_mark)
         return (yaml.SafeLoader.construct_yaml_int if node.tag.endswith(":int")
                 else yaml.SafeLoader.construct_yaml_float)(loader, node)
 

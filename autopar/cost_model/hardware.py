@@ -156,6 +156,13 @@ class LinkSpec:
     latency_s: float
 
 
+def _check_count(name: str, value: Any) -> None:
+    """``nodes`` / ``gpus_per_node``: a whole number from 1 to MAX_GPUS (ClusterConfigError)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GPUS:
+        raise ClusterConfigError(
+            f"cluster {name} must be a whole number from 1 to {MAX_GPUS:,}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
     """A homogeneous cluster: ``nodes`` x ``gpus_per_node`` devices and two link tiers.
@@ -213,6 +220,8 @@ class Cluster:
     def __post_init__(self) -> None:
         from autopar.cost_model.cluster_fields import validate
 
+        _check_count("nodes", self.nodes)  # a str or float would pass validate's reading
+        _check_count("gpus_per_node", self.gpus_per_node)
         validate(self.to_dict())
 
     @property
@@ -246,6 +255,10 @@ class Cluster:
         Raises:
             ClusterConfigError: unknown preset or impossible values.
         """
+        if not isinstance(name, str):
+            raise TypeError(f"a cluster preset is named by a string, got {type(name).__name__}")
+        _check_count("nodes", nodes)
+        _check_count("gpus_per_node", gpus_per_node)  # before the cpu preset divides by it
         key = name.lower()
         fields: Mapping[str, Any]
         if key == "cpu":
@@ -302,8 +315,16 @@ class Cluster:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def to_yaml(self, path: str | Path) -> None:
-        """Write the cluster as YAML to ``path``."""
-        Path(path).write_text(self.to_yaml_text())
+        """Write the cluster as YAML to ``path``.
+
+        Raises:
+            ClusterConfigError: the file cannot be written (a directory, a missing folder).
+        """
+        try:
+            Path(path).write_text(self.to_yaml_text())
+        except OSError as e:
+            raise ClusterConfigError(f"cannot write cluster file {path}: {e.strerror or e}; "
+                                     "give a writable file path") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:

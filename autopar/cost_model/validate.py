@@ -16,10 +16,31 @@ from autopar.cost_model.hardware import Cluster, DeviceSpec
 from autopar.graph.types import ModelProfile
 from autopar.schedules import check_schedule
 
-__all__ = ["check_config", "check_dimensions", "check_ep", "cp_problem", "dtype_problem",
-           "ep_problem", "offload_problem", "sp_problem", "stages_problem", "tp_problem",
-           "world_problem"]
+__all__ = [
+    "check_config",
+    "check_dimensions",
+    "check_ep",
+    "check_inputs",
+    "cp_problem",
+    "dtype_problem",
+    "ep_problem",
+    "offload_problem",
+    "sp_problem",
+    "stages_problem",
+    "tp_problem",
+    "world_problem",
+]
 
+
+
+def check_inputs(caller: str, profile: object, cluster: object) -> None:
+    """A TypeError naming what ``caller`` takes, where its profile or cluster is something
+    else (a dict, a name, None) that would fail deep inside with an AttributeError."""
+    for value, kind, what in ((profile, ModelProfile, "a ModelProfile (autopar.profile(model))"),
+                              (cluster, Cluster, "a Cluster (autopar.Cluster.preset(...) or "
+                               "Cluster.from_yaml(...))")):
+        if not isinstance(value, kind):
+            raise TypeError(f"{caller}() takes {what}, got {type(value).__name__}")
 
 def cp_problem(cp: int, seq_len: int) -> str | None:
     """Load-balanced ring attention gives each cp rank two chunks: 2 cp divides the length."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from autopar.lazy import lazy_getattr
 from autopar.models.spec import ModelSpec
-from autopar.models.transformer import cross_entropy_loss, init_weights
-from autopar.models.zoo import build, list_presets, make_spec, num_params
 
 __all__ = [
     "ModelFile",
@@ -28,8 +26,15 @@ __all__ = [
     "resolve_model",
 ]
 
-# Loaded on first use (PEP 562): the HF adapter imports transformers, which is slow and optional.
+# Loaded on first use (PEP 562): the zoo imports torch, and the HF adapter transformers (slow and
+# optional), so the cost model reads the presets' figures without either.
 _LAZY = {
+    "build": "autopar.models.zoo",
+    "list_presets": "autopar.models.zoo",
+    "make_spec": "autopar.models.zoo",
+    "num_params": "autopar.models.zoo",
+    "cross_entropy_loss": "autopar.models.transformer",
+    "init_weights": "autopar.models.transformer",
     "from_hf_config": "autopar.models.hf",
     "hf_tp_structure": "autopar.models.hf",
     "load_model_file": "autopar.models.model_file",

@@ -51,7 +51,8 @@ def llama_default_ffn_hidden(hidden: int, multiple_of: int = LLAMA_FFN_MULTIPLE_
 # sizes in the tens of thousands, vocabularies of a few hundred thousand, million-token contexts),
 # low enough that a typo fails at once instead of building a model for hours.
 MAX_SIZES = {"layers": 10_000, "hidden": 1 << 20, "ffn_hidden": 1 << 22, "vocab": 1 << 24,
-             "seq_len": 1 << 24}
+             "seq_len": 1 << 24, "experts": 1 << 16, "shared_experts": 1 << 16,
+             "expert_hidden": 1 << 22}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,8 +121,11 @@ class ModelSpec:
             raise ValueError(
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                or not 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
         if self.kind == "mlp":
             if self.heads != 0 or self.kv_heads != 0:
                 raise ValueError("an mlp model has no attention: heads and kv_heads must be 0")
@@ -134,6 +138,9 @@ class ModelSpec:
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field_name} must be a non-negative integer, got {value!r}")
+            if field_name in MAX_SIZES and value > MAX_SIZES[field_name]:
+                raise ValueError(f"{field_name} must be at most {MAX_SIZES[field_name]:,}, "
+                                 f"got {value:,}")
         cf = self.capacity_factor
         if (isinstance(cf, bool) or not isinstance(cf, (int, float))
                 or not 0 <= cf < MAX_CAPACITY_FACTOR):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.config import TORCH_DTYPE_NAMES
 from autopar.errors import UnknownModelError
 from autopar.models.gpt import build_gpt
 from autopar.models.llama import build_llama
@@ -75,6 +76,9 @@ def make_spec(kind_or_preset: str, **shape: Any) -> ModelSpec:
         ValueError: a missing, unknown or impossible size.
     """
     name = kind_or_preset
+    if not isinstance(name, str):
+        raise TypeError(f"the model must be named by a string (a kind or a preset), got "
+                        f"{type(name).__name__}")
     if name in PRESETS:
         merged = preset_shape(name)
         kind = merged.pop("kind")
@@ -100,8 +104,11 @@ def make_spec(kind_or_preset: str, **shape: Any) -> ModelSpec:
 def _with_defaults(kind: str, shape: dict[str, Any]) -> dict[str, Any]:
     out = dict(shape)
     hidden = out["hidden"]
-    if out.get("ffn_hidden") is None and isinstance(hidden, int) and hidden > 0:
-        out["ffn_hidden"] = llama_default_ffn_hidden(hidden) if kind == "llama" else 4 * hidden
+    if out.get("ffn_hidden") is None:
+        # An impossible hidden is left for ModelSpec to name (it checks hidden first).
+        valid = isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0
+        out["ffn_hidden"] = (hidden if not valid else llama_default_ffn_hidden(hidden)
+                             if kind == "llama" else 4 * hidden)
     if out.get("experts") and not out.get("expert_hidden"):
         out["expert_hidden"] = out["ffn_hidden"]
     if kind == "mlp":
@@ -115,7 +122,7 @@ def build(
     kind_or_preset: str,
     *,
     device: str | torch.device = "meta",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     seed: int | None = None,
     **shape: Any,
 ) -> nn.Module:
@@ -124,7 +131,7 @@ def build(
     Args:
         kind_or_preset: "gpt", "llama", "mlp", or a preset name (see ``list_presets()``).
         device: where the weights live; "meta" (default) allocates nothing.
-        dtype: parameter dtype.
+        dtype: parameter dtype (a torch dtype, or "bf16", "fp16", "fp32").
         seed: on a real device, initialise the weights deterministically from this seed
             (normal(0, 0.02) linears and embeddings, zero biases, unit norms); None draws from
             torch's global generator. Ignored on meta.
@@ -142,7 +149,12 @@ def build(
         >>> model = build("gpt3-175b", seq_len=4096)
     """
     spec = make_spec(kind_or_preset, **shape)
-    device = torch.device(device)
+    dtype = _torch_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device; use 'meta' (the default), "
+                         "'cpu' or 'cuda'") from None
     with device:
         model = _BUILDERS[spec.kind](spec)
     if device.type != "meta":
@@ -150,6 +162,16 @@ def build(
     if dtype != torch.float32:
         model = model.to(dtype)
     return model
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` as a torch dtype: one already, or autopar's name of one ("bf16", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in TORCH_DTYPE_NAMES:
+        return getattr(torch, TORCH_DTYPE_NAMES[dtype])
+    raise ValueError(f"dtype {dtype!r} is not a torch dtype; pass one (torch.bfloat16) or a "
+                     f"name among {', '.join(TORCH_DTYPE_NAMES)}")
 
 
 def num_params(spec: ModelSpec) -> int:

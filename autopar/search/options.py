@@ -6,9 +6,11 @@ micro-batch sizes) to plan faster or to match what a cluster allows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
-from autopar.config import DTYPES, OFFLOADS, SCHEDULES, ZERO_STAGES
+from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS, SCHEDULES, ZERO_STAGES
 
 __all__ = ["SOLVERS", "SearchOptions"]
 
@@ -17,6 +19,59 @@ SOLVERS: tuple[str, ...] = ("highs", "cbc")
 # cp = 16, 8,192 tokens per rank; Megatron-Core's context-parallel guide suggests cp for
 # sequences of 8K tokens and longer. The search stops at this many tokens per rank.
 MIN_CP_TOKENS = 8192
+# The largest degree a limit may name (autopar plans for at most 2**20 GPUs) and the most model
+# chunks per rank (a bound on a typo, far above any schedule's use).
+_MAX_DEGREE = 2**20
+_MAX_VIRTUAL_STAGES = 1024
+# Switches (True / False only: a string such as "no" would read as on).
+_FLAGS = ("allow_zero_bubble", "allow_tp_across_nodes", "robust", "context_parallel", "hsdp",
+          "settings_search")
+# Whole-number fields: (low, high); None allowed where the default is None.
+_COUNTS = {"max_virtual_stages": (2, _MAX_VIRTUAL_STAGES), "max_tp": (1, _MAX_DEGREE),
+           "max_cp": (1, _MAX_DEGREE), "min_cp_tokens": (1, MAX_SEQ_LEN)}
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"SearchOptions.{name} must be a whole number from {low:,} to "
+                         f"{high:,}, got {value!r}")
+
+
+def _real(name: str, value: Any, low: float, high: float, *, high_open: bool = True) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (low <= value < high if high_open else low <= value <= high)):
+        bound = (f"a finite number >= {low:g}" if high == math.inf else
+                 f"a number from {low:g} to {high:g}{' (excluded)' if high_open else ''}")
+        raise ValueError(f"SearchOptions.{name} must be {bound}, got {value!r}")
+
+
+def _check_types(options: SearchOptions) -> None:
+    """Every field's type and range (a NaN, a string or a negative would be read as data)."""
+    for name in _FLAGS:
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"SearchOptions.{name} must be True or False, got "
+                             f"{getattr(options, name)!r}")
+    for name, (low, high) in _COUNTS.items():
+        value = getattr(options, name)
+        if value is not None or name in ("max_virtual_stages", "min_cp_tokens"):
+            _whole(name, value, low, high)
+    _real("time_limit_s", options.time_limit_s, 0.0, math.inf)  # NaN and inf refused too
+    if options.time_limit_s == 0:
+        raise ValueError("SearchOptions.time_limit_s must be > 0, got 0")
+    _real("mip_gap", options.mip_gap, 0.0, 1.0)
+    if options.memory_headroom_bytes is not None:
+        _real("memory_headroom_bytes", options.memory_headroom_bytes, 0.0, math.inf)
+    for name in ("schedules", "zero_stages", "sequence_parallel", "offloads"):
+        if not isinstance(getattr(options, name), tuple):
+            raise ValueError(f"SearchOptions.{name} must be a tuple, got "
+                             f"{getattr(options, name)!r}")
+    if not all(isinstance(v, bool) for v in options.sequence_parallel):
+        raise ValueError("SearchOptions.sequence_parallel must hold True / False")
+    if options.micro_batch_sizes is not None:
+        if not isinstance(options.micro_batch_sizes, tuple):
+            raise ValueError("SearchOptions.micro_batch_sizes must be a tuple or None")
+        for size in options.micro_batch_sizes:
+            _whole("micro_batch_sizes", size, 1, MAX_GLOBAL_BATCH)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,10 +139,7 @@ class SearchOptions:
     settings_search: bool = True
 
     def __post_init__(self) -> None:
-        if self.time_limit_s <= 0:
-            raise ValueError(f"SearchOptions.time_limit_s must be > 0, got {self.time_limit_s}")
-        if not 0 <= self.mip_gap < 1:
-            raise ValueError(f"SearchOptions.mip_gap must be in [0, 1), got {self.mip_gap}")
+        _check_types(self)
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(
@@ -97,10 +149,6 @@ class SearchOptions:
             raise ValueError(
                 f"SearchOptions.solver {self.solver!r} is unknown; use one of {SOLVERS}"
             )
-        if self.max_virtual_stages < 2:
-            raise ValueError("SearchOptions.max_virtual_stages must be >= 2")
-        if self.max_tp is not None and self.max_tp < 1:
-            raise ValueError(f"SearchOptions.max_tp must be >= 1, got {self.max_tp}")
         if not self.zero_stages or any(z not in ZERO_STAGES for z in self.zero_stages):
             raise ValueError(f"SearchOptions.zero_stages {self.zero_stages!r}: use 0, 1, 2, 3")
         if not self.sequence_parallel:
@@ -109,13 +157,7 @@ class SearchOptions:
 
         # raises ValueError naming the known ones; kept in canonical form (settings sorted)
         object.__setattr__(self, "framework", get_framework(self.framework).spec)
-        if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
-            raise ValueError("SearchOptions.micro_batch_sizes must be positive")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"SearchOptions.dtype {self.dtype!r}: use one of {DTYPES} or None")
-        if self.min_cp_tokens < 1:
-            raise ValueError(f"SearchOptions.min_cp_tokens must be >= 1, got {self.min_cp_tokens}")
-        if self.max_cp is not None and self.max_cp < 1:
-            raise ValueError(f"SearchOptions.max_cp must be >= 1, got {self.max_cp}")
         if not self.offloads or any(o not in OFFLOADS for o in self.offloads):
             raise ValueError(f"SearchOptions.offloads {self.offloads!r}: use names in {OFFLOADS}")

@@ -29,6 +29,7 @@ from autopar.cost_model.assemble import assemble
 from autopar.cost_model.framework_support import model_support, moe_sp_blocker
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.tables import CostTable
+from autopar.cost_model.validate import check_inputs
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import Plan, SearchInfo
 from autopar.schedules import DEFAULT_SCHEDULE
@@ -262,6 +263,8 @@ def _check_inputs(global_batch: object, top_k: object, time_budget_s: object,
         isinstance(time_budget_s, (int, float)) and 0 < time_budget_s < math.inf
     ):
         raise ValueError(f"time_budget_s must be a positive finite number, got {time_budget_s!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+        raise TypeError(f"seq_len must be an integer, got {seq_len!r}")
     if seq_len is not None and seq_len != profile_seq_len:
         raise ValueError(
             f"seq_len {seq_len} differs from the profile's {profile_seq_len}; profile the model "
@@ -304,7 +307,10 @@ def plan(
         ValueError: bad arguments, or no (dp, tp, pp) split satisfies the model's constraints.
         InfeasiblePlanError: no candidate fits the device memory.
     """
+    check_inputs("plan", profile, cluster)
     options = options or SearchOptions()
+    if not isinstance(options, SearchOptions):
+        raise TypeError(f"options must be a SearchOptions, got {type(options).__name__}")
     if framework is not None:
         options = dataclasses.replace(options, framework=framework)
     _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile.seq_len)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,17 @@ def test_pure_packages_do_not_import_torch_distributed(package: str) -> None:
         or name == "torch.distributed"
     ]
     assert not offenders, "torch.distributed imported in a pure package:\n" + "\n".join(offenders)
+
+
+def test_planning_loads_no_torch() -> None:
+    # The package, the cost model, the search, plans and exports run without torch: it loads
+    # only where a model is built, profiled or run (``import autopar`` stays fast).
+    code = ("import sys, autopar, autopar.costing, autopar.search.planner, autopar.exporters, "
+            "autopar.report, autopar.cli; autopar.FRAMEWORKS; autopar.Cluster; autopar.Estimate; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 MAX_MODULE_LINES = 500

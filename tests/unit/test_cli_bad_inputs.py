@@ -492,10 +492,11 @@ def test_directories_given_as_files_named(tmp_path, capfd):
 @pytest.mark.parametrize(("edit", "needle"), [
     (lambda text: text + "nodes: 2\n", "the key 'nodes' is given twice"),
     (lambda text: text.replace("nodes: 1", "nodes: 1:00"), "'1:00' is a base-60 number"),
+    (lambda text: text.replace("nodes: 1", "nodes: 010"), "'010' is octal (8) in YAML 1.1"),
 ])
 def test_yaml_typos_are_not_read_as_data(tmp_path, capfd, edit, needle):
-    """YAML 1.1 keeps the last of two equal keys and reads 1:00 as 60 (sexagesimal): a cluster
-    file is read strictly instead."""
+    """YAML 1.1 keeps the last of two equal keys, reads 1:00 as 60 (sexagesimal) and 010 as 8
+    (octal): a cluster file is read strictly instead."""
     import yaml
 
     file = tmp_path / "c.yaml"

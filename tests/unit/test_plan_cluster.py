@@ -38,6 +38,21 @@ def test_estimate_on_another_cluster_names_the_mismatch() -> None:
         autopar.estimate(TINY, h100, plan)
 
 
+def test_a_plan_is_estimated_explained_and_counted_on_its_own_model_only() -> None:
+    plan = _plan()
+    for other in (analytic_transformer_profile(4, 512, 8, 1024, 128),  # wider
+                  analytic_transformer_profile(4, 256, 8, 1024, 256)):  # longer sequences
+        for call in (lambda p: autopar.estimate(p, CLUSTER, plan),
+                     lambda p: autopar.costing.explain_plan(p, CLUSTER, plan),
+                     lambda p: autopar.costing.expected_collectives(p, plan)):
+            with pytest.raises(PlanMismatchError, match="made for another model") as info:
+                call(other)
+            assert plan.profile_fingerprint in str(info.value)
+            assert other.fingerprint() in str(info.value)
+    hand_made = dataclasses.replace(plan, profile_fingerprint="")
+    autopar.estimate(analytic_transformer_profile(4, 512, 8, 1024, 128), CLUSTER, hand_made)
+
+
 def test_for_cluster_re_targets_a_plan_of_the_same_size_only() -> None:
     plan = _plan()
     slower = dataclasses.replace(

@@ -2,7 +2,8 @@
 
 The cost model's compute term of a block (``LayerCost.compute_s``: forward + backward matmuls,
 elementwise traffic and framework overhead of one micro-batch on one rank) and its saved
-activations (``LayerCost.act_bytes``, no recompute) are predicted here for the cluster preset
+activations (``LayerCost.act_bytes``, no recompute, live bytes without the allocator's unusable
+share) are predicted here for the cluster preset
 (default ``h200``) at the models' real shapes, for several tensor-parallel degrees and
 micro-batch sizes. On the GPU, the same block is built with the local shard shapes a
 tensor-parallel rank holds (q/k/v and MLP up/gate projections ``1/tp`` of their outputs, the
@@ -47,6 +48,7 @@ ROWWISE = ("wo", "w2")  # input dim split over tp (row-parallel)
 def predict(models, tps, mbs, cluster_name: str, seq_len: int | None) -> list[dict]:
     """Cost-model compute term and saved activations of one block per (model, tp, mb)."""
     from autopar.config import ParallelConfig
+    from autopar.cost_model.frameworks import get_framework
     from autopar.cost_model.hardware import Cluster
     from autopar.cost_model.layer_costs import build_cost_table
     from autopar.graph.model_text import build_and_profile
@@ -55,6 +57,10 @@ def predict(models, tps, mbs, cluster_name: str, seq_len: int | None) -> list[di
     # The measured blocks hold bf16 weights and drop their gradients every iteration: none of
     # the runtime's per-micro-batch weight casts and gradient accumulation to charge.
     cluster = dataclasses.replace(Cluster.preset(cluster_name), param_traffic_factor=0.0)
+    # The measurement is the bytes the forward leaves allocated (torch.cuda.memory_allocated):
+    # the caching allocator's unusable share, which the cost model adds to churning memory, is
+    # not in it, so it is left out of the prediction compared with it.
+    live_bytes = dataclasses.replace(get_framework("autopar"), fragmentation_fraction=0.0)
     rows = []
     for name in models:
         _, prof = build_and_profile(name, seq_len=seq_len, dtype="bf16")
@@ -68,7 +74,7 @@ def predict(models, tps, mbs, cluster_name: str, seq_len: int | None) -> list[di
                 # Two micro-batches: act_bytes is then the raw saved bytes (not net of the
                 # backward-born state, which only a one-micro-batch step nets out).
                 config = ParallelConfig(tp=tp, micro_batch=mb, global_batch=2 * mb, dtype="bf16")
-                cost = build_cost_table(prof, cluster, config).layers[block]
+                cost = build_cost_table(prof, cluster, config, live_bytes).layers[block]
                 rows.append({
                     "model": name, "kind": spec.kind, "seq_len": prof.seq_len, "tp": tp,
                     "micro_batch": mb, "hidden": spec.hidden, "heads": spec.heads,

@@ -169,6 +169,11 @@ class Plan:
     loss: str = "eager"
 
     def __post_init__(self) -> None:
+        for name, kind in (("config", ParallelConfig), ("estimate", Estimate),
+                           ("search", SearchInfo), ("cluster", dict), ("tp_layout", dict)):
+            if not isinstance(getattr(self, name), kind):
+                raise PlanFormatError(f"plan {name} must be of type {kind.__name__}, got "
+                                      f"{type(getattr(self, name)).__name__}")
         # The plan owns its dicts: a caller's later edits of what it passed in do not reach it.
         object.__setattr__(self, "cluster", copy.deepcopy(self.cluster))
         object.__setattr__(self, "tp_layout", dict(self.tp_layout))
@@ -288,8 +293,11 @@ class Plan:
         Raises:
             PlanMismatchError: ``cluster`` does not have the plan's dp*cp*tp*pp GPUs.
         """
+        from autopar.cost_model.hardware import Cluster
         from autopar.cost_model.validate import world_problem
 
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"for_cluster() takes a Cluster, got {type(cluster).__name__}")
         data = cluster.to_dict()
         world = int(data.get("nodes", 0)) * int(data.get("gpus_per_node", 0))
         problem = world_problem(self.config, world)
@@ -412,6 +420,11 @@ def _check_estimate(estimate: Estimate) -> None:
             raise PlanFormatError(f"plan estimate.{name} must be finite and >= 0, got {value!r}")
     if not isinstance(estimate.fits, bool):
         raise PlanFormatError(f"plan estimate.fits must be true or false, got {estimate.fits!r}")
+    if estimate.fits and estimate.memory_per_gpu_bytes > estimate.memory_capacity_bytes:
+        raise PlanFormatError(
+            f"plan estimate says it fits, but its memory_per_gpu_bytes "
+            f"{estimate.memory_per_gpu_bytes:.4g} exceeds its memory_capacity_bytes "
+            f"{estimate.memory_capacity_bytes:.4g}; re-create the plan with `autopar plan`")
     low, high = estimate.step_time_interval_s
     if high and not low <= estimate.step_time_s <= high:  # (0, 0): no interval recorded
         raise PlanFormatError(f"plan estimate.step_time_interval_s {[low, high]} does not hold "

@@ -343,6 +343,9 @@ def profile(
 
 def _check_trainable(model: nn.Module, loss: str, loss_fn: Callable[..., Any] | None) -> None:
     """Something to train, and a loss kernel the profiler knows."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"profile() takes a torch nn.Module (autopar.models.build(...)), got "
+                        f"{type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise AutoparError(
             f"{type(model).__name__} has no trainable parameters (none, or none that requires "

@@ -175,3 +175,21 @@ def test_config_and_cluster_files_name_their_faults(tmp_path) -> None:
         autopar.ParallelConfig.from_dict({1: 2, "global_batch": 16})
     with pytest.raises(ClusterConfigError, match=r"cannot write cluster file .*: Is a directory"):
         CLUSTER.to_yaml(tmp_path)
+
+
+def test_profile_and_plan_parts_name_wrong_types() -> None:
+    plan = _plan()
+    with pytest.raises(TypeError, match=r"profile\(\) takes a torch nn.Module"):
+        autopar.profile("llama")
+    with pytest.raises(TypeError, match=r"for_cluster\(\) takes a Cluster, got NoneType"):
+        plan.for_cluster(None)
+    for field, value in (("tp_layout", None), ("config", {}), ("estimate", None)):
+        with pytest.raises(PlanFormatError, match=f"plan {field} must be of type"):
+            dataclasses.replace(plan, **{field: value})
+
+
+def test_an_estimate_that_fits_holds_its_memory() -> None:
+    doc = _plan().to_dict()
+    doc["estimate"]["memory_per_gpu_bytes"] = 10**300
+    with pytest.raises(PlanFormatError, match="says it fits, but its memory_per_gpu_bytes"):
+        autopar.Plan.from_dict(doc)

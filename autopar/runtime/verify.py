@@ -19,6 +19,7 @@ step time (``autopar.cost_model.calibration.refit_cluster``) and writes the new 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +317,8 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
         # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
         profile = model_profile(model_text, dtype, kernels="cpu")
+        # The same model (checked above), counted as the CPU kernels keep it: estimated so.
+        plan = dataclasses.replace(plan, profile_fingerprint=profile.fingerprint())
     # --cluster predicts the plan's split on another cluster of the same size on purpose.
     return estimate(profile, cluster, plan.for_cluster(cluster))
 

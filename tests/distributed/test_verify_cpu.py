@@ -108,3 +108,24 @@ def test_verify_refit_needs_out_and_never_overwrites(tmp_path):
     assert existing.read_text() == "keep"
     with pytest.raises(AutoparError, match=r"missing\.json does not exist"):
         verify_command(_args(str(tmp_path / "missing.json")))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_verify_predicts_a_plan_whose_cpu_profile_differs(tmp_path, capfd):
+    """A llama plan is made with the GPU kernels' saved tensors (as ``autopar plan`` counts
+    them); on CPU verify re-profiles the same model with the CPU kernels', whose fingerprint
+    differs (an unfused RMSNorm keeps its input), and predicts with that profile on purpose."""
+    from autopar.runtime.verify import model_profile
+    from autopar.search.planner import plan_from_config
+
+    model = "llama:layers=2,hidden=32,heads=2,kv_heads=1,vocab=64,seq_len=16"
+    assert model_profile(model).fingerprint() != model_profile(model, kernels="cpu").fingerprint()
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    config = ParallelConfig(dp=2, global_batch=4, dtype="fp32")
+    plan = plan_from_config(model_profile(model), cluster, config, model=model)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert verify_command(_args(str(path), "--steps", "2", "--warmup", "1", "--json")) == 0
+    record = json.loads(capfd.readouterr().out)
+    assert record["predicted_step_time_s"] > 0 and record["measured_step_time_s"] > 0

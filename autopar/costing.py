@@ -73,7 +73,9 @@ def estimate(
 def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     """The plan's memory and time formulas, then the same with its numbers substituted."""
     from autopar.cost_model.symbolic import explain
-    from autopar.cost_model.validate import check_config
+    from autopar.cost_model.validate import check_config, check_inputs
+
+    check_inputs("explain_plan", profile, cluster)
 
     plan.check_profile(profile)
     try:  # what estimate refuses is not explained either (an edited plan's split)
@@ -91,6 +93,9 @@ def expected_collectives(
 ) -> dict[str, int]:
     """Collectives per step on one rank of ``pp_rank`` (``cost_model.collectives``)."""
     from autopar.cost_model.collectives import expected_collectives as count
+    from autopar.cost_model.validate import check_inputs
+
+    check_inputs("expected_collectives", profile)
 
     if isinstance(plan_or_config, ParallelConfig):
         return count(profile, plan_or_config, pp_rank)

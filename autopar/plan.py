@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +24,10 @@ from autopar.errors import ClusterConfigError, PlanMismatchError
 from autopar.graph.types import MoEStructure
 from autopar.plan_read import (
     PlanFieldError,
+    check_estimate,
     cluster_size,
     estimate_doc,
+    estimate_stages_problem,
     layer_names_problem,
     moe_doc,
     search_fields,
@@ -169,22 +170,12 @@ class Plan:
     loss: str = "eager"
 
     def __post_init__(self) -> None:
-        for name, kind in (("config", ParallelConfig), ("estimate", Estimate),
-                           ("search", SearchInfo), ("cluster", dict), ("tp_layout", dict)):
-            if not isinstance(getattr(self, name), kind):
-                raise PlanFormatError(f"plan {name} must be of type {kind.__name__}, got "
-                                      f"{type(getattr(self, name)).__name__}")
+        # What a plan file's reader checks, checked when a plan is made too: a plan autopar
+        # writes, autopar reads back.
+        _check_parts(self)
         # The plan owns its dicts: a caller's later edits of what it passed in do not reach it.
         object.__setattr__(self, "cluster", copy.deepcopy(self.cluster))
         object.__setattr__(self, "tp_layout", dict(self.tp_layout))
-        # What a plan file's reader checks, checked when a plan is made too: a plan autopar
-        # writes, autopar reads back.
-        try:
-            text(self.model, "model", line=True)
-            whole(self.seq_len, "seq_len")
-        except PlanFieldError as err:
-            raise PlanFormatError(str(err)) from None
-        _loss_kernel(self.loss)
         known: str | None = None
         try:
             if isinstance(self.framework, str):
@@ -197,13 +188,7 @@ class Plan:
                 " (with its settings as name+setting+...)"
             )
         object.__setattr__(self, "framework", known)  # its canonical spelling (settings sorted)
-        if self.schema_version != SCHEMA_VERSION:
-            raise PlanFormatError(
-                f"plan schema_version {self.schema_version} is not supported (this autopar "
-                f"reads version {SCHEMA_VERSION}); re-create the plan with `autopar plan`"
-            )
         _check_world(self.config, self.cluster)
-        _check_estimate(self.estimate)
         expected = self.config.num_stages
         if len(self.stages) != expected:
             raise PlanFormatError(
@@ -275,16 +260,24 @@ class Plan:
         if reason:
             raise PlanMismatchError(reason)
 
-    def check_profile(self, profile: Any) -> None:
-        """Raise ``PlanMismatchError`` (a ValueError) when ``profile`` is not of the model the
-        plan was made for (its profile fingerprint: shape, seq_len, dtype and loss); a plan
-        that records no fingerprint (made by hand) is taken as it is."""
+    def check_profile(self, profile: Any, fix: str = "") -> None:
+        """Raise ``PlanMismatchError`` (a ValueError) when ``profile`` is not the one the plan was
+        made for (its profile fingerprint, a hash of the whole profile: the model, seq_len, dtype
+        and loss, and how the profiler counted); a plan that records no fingerprint (made by
+        hand) is taken as it is. ``fix``: the advice to end the message with."""
         if self.profile_fingerprint and profile.fingerprint() != self.profile_fingerprint:
             raise PlanMismatchError(
-                f"the plan was made for another model (profile fingerprint "
-                f"{self.profile_fingerprint}; this profile's is {profile.fingerprint()}); "
-                "profile the model it was made for (the same shape, seq_len, dtype and loss), "
-                "or re-plan for this one with autopar.plan")
+                f"the plan was made for another model or profile (fingerprint "
+                f"{self.profile_fingerprint}; this one's is {profile.fingerprint()}: another "
+                "model, seq_len, dtype or loss, or another profiler's count); "
+                + (fix or "profile the model it was made for as it was, re-target the plan on "
+                   "purpose with plan.for_profile(profile), or re-plan with autopar.plan"))
+
+    def for_profile(self, profile: Any) -> Plan:
+        """The same split, re-targeted at ``profile`` (its fingerprint recorded), so that
+        ``estimate`` predicts it there: the same model profiled otherwise (another profiler
+        version, the CPU kernels' saved tensors). ``estimate`` is left as the plan's own."""
+        return dataclasses.replace(self, profile_fingerprint=profile.fingerprint())
 
     def for_cluster(self, cluster: Any) -> Plan:
         """The same split, re-targeted at ``cluster`` (its dict and fingerprint recorded), so
@@ -364,7 +357,7 @@ class Plan:
             )
             # A document's estimate is of its own stages (Python callers re-stage a plan and
             # estimate it anew: dataclasses.replace keeps the old estimate until then).
-            problem = _estimate_stages_problem(plan.estimate, plan.stages)
+            problem = estimate_stages_problem(plan.estimate, plan.stages)
             if problem:
                 raise PlanFieldError(problem)
             return plan
@@ -389,11 +382,6 @@ class Plan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-# Estimate fields that are plain numbers: finite and >= 0 in any plan autopar reads or writes.
-_ESTIMATE_NUMBERS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu",
-                     "mfu", "memory_per_gpu_bytes", "memory_capacity_bytes")
-
-
 def _changed_fields(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the fields whose values differ between two cluster dicts, sorted."""
     out = []
@@ -410,35 +398,33 @@ def _reject_constant(name: str) -> float:
     raise PlanFormatError(f"plan holds {name}; every number in a plan must be finite")
 
 
-def _check_estimate(estimate: Estimate) -> None:
-    """Each figure a number, finite and >= 0; ``fits`` a boolean (a NaN must never read as fits)."""
-    for name in _ESTIMATE_NUMBERS:
-        value = getattr(estimate, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PlanFormatError(f"plan estimate.{name} must be a number, got {value!r}")
-        if not 0 <= value < math.inf:
-            raise PlanFormatError(f"plan estimate.{name} must be finite and >= 0, got {value!r}")
-    if not isinstance(estimate.fits, bool):
-        raise PlanFormatError(f"plan estimate.fits must be true or false, got {estimate.fits!r}")
-    if estimate.fits and estimate.memory_per_gpu_bytes > estimate.memory_capacity_bytes:
+def _check_parts(plan: Plan) -> None:
+    """A plan's parts of their types, and the fields a plan file's reader checks
+    (PlanFormatError)."""
+    for name, kind in (("config", ParallelConfig), ("estimate", Estimate), ("search", SearchInfo),
+                       ("cluster", dict), ("tp_layout", dict), ("stages", tuple)):
+        if not isinstance(getattr(plan, name), kind):
+            raise PlanFormatError(f"plan {name} must be of type {kind.__name__}, got "
+                                  f"{type(getattr(plan, name)).__name__}")
+    if not all(isinstance(stage, StagePlan) for stage in plan.stages):
+        raise PlanFormatError("plan stages must each be a StagePlan")
+    if plan.moe is not None and not isinstance(plan.moe, MoEStructure):
+        raise PlanFormatError(f"plan moe must be a MoEStructure or None, got "
+                              f"{type(plan.moe).__name__}")
+    if plan.schema_version != SCHEMA_VERSION:
         raise PlanFormatError(
-            f"plan estimate says it fits, but its memory_per_gpu_bytes "
-            f"{estimate.memory_per_gpu_bytes:.4g} exceeds its memory_capacity_bytes "
-            f"{estimate.memory_capacity_bytes:.4g}; re-create the plan with `autopar plan`")
-    low, high = estimate.step_time_interval_s
-    if high and not low <= estimate.step_time_s <= high:  # (0, 0): no interval recorded
-        raise PlanFormatError(f"plan estimate.step_time_interval_s {[low, high]} does not hold "
-                              f"its step_time_s {estimate.step_time_s}")
-
-
-def _estimate_stages_problem(estimate: Estimate, stages: tuple[StagePlan, ...]) -> str | None:
-    """Why the estimate's pipeline ranks do not hold the plan's stages (None when they do)."""
-    for rank in estimate.stages:
-        for chunk, pair in zip(rank.stages, rank.layers, strict=False):
-            if chunk >= len(stages) or tuple(pair) != stages[chunk].layers:
-                return (f"the estimate's pipeline rank {rank.rank} holds layers {list(pair)} as "
-                        f"stage {chunk}, which the plan's stages do not")
-    return None
+            f"plan schema_version {plan.schema_version!r} is not supported (this autopar reads "
+            f"version {SCHEMA_VERSION}); re-create the plan with `autopar plan`")
+    try:
+        text(plan.model, "model", line=True)
+        whole(plan.seq_len, "seq_len")
+        text(plan.profile_fingerprint, "profile_fingerprint")
+        text(plan.cluster_fingerprint, "cluster_fingerprint")
+        cluster_size(plan.cluster)
+        check_estimate(plan.estimate)
+    except PlanFieldError as err:
+        raise PlanFormatError(str(err)) from None
+    _loss_kernel(plan.loss)
 
 
 def _check_world(config: ParallelConfig, cluster: dict[str, Any]) -> None:

@@ -15,8 +15,9 @@ import re
 import reprlib
 from typing import Any
 
-__all__ = ["PlanFieldError", "cluster_size", "estimate_doc", "layer_names_problem", "moe_doc",
-           "number", "search_fields", "text", "text_map", "texts", "whole", "whole_pair"]
+__all__ = ["PlanFieldError", "check_estimate", "cluster_size", "estimate_doc",
+           "estimate_stages_problem", "layer_names_problem", "moe_doc", "number", "search_fields",
+           "text", "text_map", "texts", "whole", "whole_pair"]
 
 
 class PlanFieldError(ValueError):
@@ -252,3 +253,39 @@ def moe_doc(value: Any) -> dict[str, Any]:
             raise PlanFieldError("plan moe.expert_tp_folded must be true or false")
         out["expert_tp_folded"] = data["expert_tp_folded"]
     return out
+
+
+# Estimate fields that are plain numbers: finite and >= 0 in any plan autopar reads or writes.
+_ESTIMATE_NUMBERS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu",
+                     "mfu", "memory_per_gpu_bytes", "memory_capacity_bytes")
+
+
+def check_estimate(estimate: Any) -> None:
+    """Each figure a number, finite and >= 0; ``fits`` a boolean (a NaN must never read as fits)."""
+    for name in _ESTIMATE_NUMBERS:
+        value = getattr(estimate, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanFieldError(f"plan estimate.{name} must be a number, got {value!r}")
+        if not 0 <= value < math.inf:
+            raise PlanFieldError(f"plan estimate.{name} must be finite and >= 0, got {value!r}")
+    if not isinstance(estimate.fits, bool):
+        raise PlanFieldError(f"plan estimate.fits must be true or false, got {estimate.fits!r}")
+    if estimate.fits and estimate.memory_per_gpu_bytes > estimate.memory_capacity_bytes:
+        raise PlanFieldError(
+            f"plan estimate says it fits, but its memory_per_gpu_bytes "
+            f"{estimate.memory_per_gpu_bytes:.4g} exceeds its memory_capacity_bytes "
+            f"{estimate.memory_capacity_bytes:.4g}; re-create the plan with `autopar plan`")
+    low, high = estimate.step_time_interval_s
+    if high and not low <= estimate.step_time_s <= high:  # (0, 0): no interval recorded
+        raise PlanFieldError(f"plan estimate.step_time_interval_s {[low, high]} does not hold "
+                              f"its step_time_s {estimate.step_time_s}")
+
+
+def estimate_stages_problem(estimate: Any, stages: tuple[Any, ...]) -> str | None:
+    """Why the estimate's pipeline ranks do not hold the plan's stages (None when they do)."""
+    for rank in estimate.stages:
+        for chunk, pair in zip(rank.stages, rank.layers, strict=False):
+            if chunk >= len(stages) or tuple(pair) != stages[chunk].layers:
+                return (f"the estimate's pipeline rank {rank.rank} holds layers {list(pair)} as "
+                        f"stage {chunk}, which the plan's stages do not")
+    return None

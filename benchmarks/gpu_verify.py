@@ -12,7 +12,6 @@ measured step time and peak memory (``torch.cuda.max_memory_allocated``) beside 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ def verify_rows() -> list[dict]:
                                  gpus_per_node=plan.cluster["gpus_per_node"])
         # The same model profiled by today's profiler (its fingerprint may differ from the one
         # the stored plan recorded when it was made): the split is predicted on it on purpose.
-        plan = dataclasses.replace(plan, profile_fingerprint=profile.fingerprint())
+        plan = plan.for_profile(profile)
         est = autopar.estimate(profile, cluster, plan.for_cluster(cluster))
         meas = measured(run)
         c = plan.config

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         cluster = common.cluster_from_args(args)
+        common.load_profiler()  # its import time is the budget's too
         profile = common.load_profile(
             args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout), loss=args.loss
         )

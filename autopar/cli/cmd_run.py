@@ -21,7 +21,7 @@ from autopar.cli import common
 from autopar.cli.argtypes import MAX_RESTARTS, MAX_SEED, MAX_STEPS, int_in
 from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
-from autopar.errors import AutoparError, PlanMismatchError
+from autopar.errors import AutoparError
 from autopar.json_data import read_json
 from autopar.stdio import document_stdout
 from autopar.units import MIB
@@ -184,12 +184,9 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         plan = Plan.from_dict(doc)
         model_text = plan_model_text(plan.model, args.model)
         model, profile = _build_and_profile(model_text, plan.seq_len or None)
-        if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
-            raise PlanMismatchError(
-                f"plan {args.source} was made for another model (profile fingerprint "
-                f"{plan.profile_fingerprint}, {model_text} has {profile.fingerprint()}); "
-                "re-plan with `autopar plan` for this model"
-            )
+        plan.check_profile(profile, fix=f"{model_text} is not it: pass the model plan "
+                           f"{args.source} was made for with --model, or re-plan with "
+                           "`autopar plan` for this model")
     else:
         if args.model:
             raise AutoparError("--model goes with a plan file; give the model as PLAN_OR_MODEL")

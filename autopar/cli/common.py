@@ -206,10 +206,7 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
     Raises:
         AutoparError: the model cannot be found, built or traced, or the limit ran out.
     """
-    # torch, the tracer and the zoo load before the clock starts: the limit bounds the model's
-    # own build and profile, and an alarm never lands inside torch's import.
-    import autopar.graph.profiler
-    import autopar.models.zoo  # noqa: F401
+    load_profiler()  # before the clock starts: an alarm never lands inside torch's import
     from autopar.graph.model_text import build_and_profile
     from autopar.timelimit import time_limit
 
@@ -222,6 +219,14 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
     for note in model_notes(model_text):
         print(f"autopar: note: {note}", file=sys.stderr)
     return profile
+
+
+def load_profiler() -> None:
+    """Import torch, the tracer and the zoo (a second or more): a build's time limit bounds
+    the model's own build and profile, not this; a command's --time-budget counts it when its
+    clock starts before this call."""
+    import autopar.graph.profiler
+    import autopar.models.zoo  # noqa: F401
 
 
 def _not_a_file(path: Path) -> str:
@@ -479,12 +484,8 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None, *,
     text = plan_model_text(plan.model, model_text)
     profile = load_profile(text, seq_len or plan.seq_len or None, loss=plan.loss,
                            timeout_s=timeout_s)
-    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for another model (profile fingerprint "
-            f"{plan.profile_fingerprint}, {text} gives {profile.fingerprint()}); pass the model "
-            "it was made for with --model (and --seq-len), or re-plan with `autopar plan`"
-        )
+    plan.check_profile(profile, fix=f"{text} is not it: pass the model the plan was made for "
+                       "with --model (and --seq-len), or re-plan with `autopar plan`")
     if not plan.cluster:
         raise AutoparError("the plan does not record its cluster; re-create it with autopar plan")
     cluster = Cluster.from_dict(plan.cluster)

@@ -59,6 +59,7 @@ COMM_SPREAD = 0.08
 __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
+    "ALL_TO_ALL",
     "BUS_FACTORS",
     "COLLECTIVE_KINDS",
     "REDUCE_SCATTER",
@@ -84,6 +85,7 @@ ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_tensor"
 SEND_RECV = "send_recv"
+ALL_TO_ALL = "all_to_all_single"  # expert parallelism's token exchange (moe.py)
 
 # Bus factor of each collective as a function of the group size n (sourced: nccl-tests
 # doc/PERFORMANCE.md): bytes each rank moves over the buffer size S.

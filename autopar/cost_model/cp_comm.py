@@ -163,7 +163,7 @@ def rotate_gather_s(kv: float, attn_fwd_s: float, attn_bwd_s: float, config: Par
     cp = config.cp
     if cp <= 1 or kv <= 0:
         return 0.0, 0.0, 0.0
-    gather = comm.collective_s(gather_link, "all_gather_into_tensor", cp * kv)
+    gather = comm.collective_s(gather_link, comm.ALL_GATHER, cp * kv)
     fwd = overlapped_s(gather, attn_fwd_s / cp, slowdown)
     bwd = overlapped_s(gather, attn_bwd_s / cp, slowdown) + (cp - 1) * overlapped_s(
         comm.p2p_s(ring_link, DKV_FP32_RATIO * kv), attn_bwd_s / cp, slowdown)
@@ -183,9 +183,8 @@ def gather_collectives(kv: float, config: ParallelConfig) -> tuple[tuple[comm.Co
         return comm.Collective(kind=kind, axis="cp", size_bytes=size, calls=calls,
                                per="microbatch", phase=phase)
 
-    once = (call("all_gather_into_tensor", "forward", 1),
-            call("reduce_scatter_tensor", "backward", 1))
-    full = (call("all_gather_into_tensor", "forward", 2), once[1])
+    once = (call(comm.ALL_GATHER, "forward", 1), call(comm.REDUCE_SCATTER, "backward", 1))
+    full = (call(comm.ALL_GATHER, "forward", 2), once[1])
     return once, once, full
 
 

@@ -163,6 +163,23 @@ def _check_count(name: str, value: Any) -> None:
             f"cluster {name} must be a whole number from 1 to {MAX_GPUS:,}, got {value!r}")
 
 
+def _misread(given: dict[str, Any], read: dict[str, Any], prefix: str = "") -> str | None:
+    """Why ``given`` is not what ``cluster_fields.validate`` read it as (None when it is): a
+    string for a number, a float for a whole number, another value."""
+    for key, value in read.items():
+        held = given.get(key)
+        if isinstance(value, dict):
+            found = _misread(held if isinstance(held, dict) else {}, value, f"{prefix}{key}.")
+            if found:
+                return found
+        elif (held != value or isinstance(held, str) != isinstance(value, str)
+              or (isinstance(value, int) and not isinstance(held, int))):
+            kind = "a whole number" if isinstance(value, int) else (
+                "a string" if isinstance(value, str) else "a number")
+            return f"cluster field {prefix}{key} must be {kind}, got {held!r}"
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
     """A homogeneous cluster: ``nodes`` x ``gpus_per_node`` devices and two link tiers.
@@ -220,9 +237,12 @@ class Cluster:
     def __post_init__(self) -> None:
         from autopar.cost_model.cluster_fields import validate
 
-        _check_count("nodes", self.nodes)  # a str or float would pass validate's reading
-        _check_count("gpus_per_node", self.gpus_per_node)
-        validate(self.to_dict())
+        data = self.to_dict()
+        # validate reads text data leniently ("312e12", 2.0 for a count); an object built in
+        # Python must already hold what it reads: a value it would change is refused.
+        misread = _misread(data, validate(data))
+        if misread:
+            raise ClusterConfigError(misread)
 
     @property
     def num_gpus(self) -> int:

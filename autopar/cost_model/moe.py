@@ -119,7 +119,7 @@ DROPLESS_IMBALANCE = 1.25
 FITTED_ROUTER_IMBALANCE_RANGE = (MIXTRAL_ROUTER_IMBALANCE, 1.79)  # the Mixtral fit, one home
 # sourced: autopar/models/moe.py Experts: two parameter tensors (gate_up_proj, down_proj).
 EXPERT_TENSORS = 2
-A2A = "all_to_all_single"
+A2A = comm.ALL_TO_ALL  # the expert exchange: comm.py's name for it
 # How a framework moves the routed rows (module docstring).
 EP_DISPATCHES = ("all_to_all", "hierarchical")
 # sourced: presets.py MATMUL_HALF_S: the half-efficiency work of a layer is the fixed cost of

@@ -111,13 +111,13 @@ def host_copies(config: ParallelConfig, dp_calls: tuple[comm.Collective, ...],
         return comm.Collective(kind=kind, axis="pcie", size_bytes=memory.GRAD_BYTES * shard,
                                calls=calls, per=c_per, phase=phase, counted=False)
 
-    reductions = [c for c in dp_calls if c.kind != "all_gather_into_tensor"
+    reductions = [c for c in dp_calls if c.kind != comm.ALL_GATHER
                   and c.axis == "dp"]
     out = [copy(_D2H, c.per, c.phase, c.calls) for c in reductions[:1]]
     if not out:
         out.append(copy(_D2H, "step", "backward", 1))
     if mode == "params":
-        gathers = [c for c in dp_calls if c.kind == "all_gather_into_tensor"]
+        gathers = [c for c in dp_calls if c.kind == comm.ALL_GATHER]
         out += [copy(_H2D, c.per, c.phase, c.calls) for c in gathers] or [
             copy(_H2D, "microbatch", "forward", 1), copy(_H2D, "microbatch", "backward", 1)]
     return tuple(out)

@@ -33,12 +33,13 @@ __all__ = [
 
 
 
-def check_inputs(caller: str, profile: object, cluster: object) -> None:
-    """A TypeError naming what ``caller`` takes, where its profile or cluster is something
-    else (a dict, a name, None) that would fail deep inside with an AttributeError."""
+def check_inputs(caller: str, profile: object, *cluster: object) -> None:
+    """A TypeError naming what ``caller`` takes, where its profile or (when it takes one) its
+    cluster is something else (a dict, a name, None) that would fail deep inside with an
+    AttributeError."""
     for value, kind, what in ((profile, ModelProfile, "a ModelProfile (autopar.profile(model))"),
-                              (cluster, Cluster, "a Cluster (autopar.Cluster.preset(...) or "
-                               "Cluster.from_yaml(...))")):
+                              *((c, Cluster, "a Cluster (autopar.Cluster.preset(...) or "
+                                 "Cluster.from_yaml(...))") for c in cluster)):
         if not isinstance(value, kind):
             raise TypeError(f"{caller}() takes {what}, got {type(value).__name__}")
 

@@ -48,6 +48,7 @@ from autopar.graph.tp import block_tp
 from autopar.graph.trace import CallOrder, trace_call_order
 from autopar.graph.types import ModelProfile
 from autopar.models.losses import LOSS_KERNELS
+from autopar.models.zoo import torch_dtype
 
 __all__ = ["KERNELS", "profile"]
 
@@ -55,18 +56,14 @@ __all__ = ["KERNELS", "profile"]
 KERNELS = ("cuda", "cpu")
 
 _DTYPE_NAMES = {getattr(torch, torch_name): name for name, torch_name in TORCH_DTYPE_NAMES.items()}
-_DTYPE_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 _BATCH_SIZES = (1, 2)  # per-sample counts = counts(b=2) - counts(b=1)
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPE_BY_NAME:
-            raise AutoparError(f"dtype {dtype!r} is not one of bf16, fp16, fp32")
-        return _DTYPE_BY_NAME[dtype]
-    if dtype not in _DTYPE_NAMES:
-        raise AutoparError(f"dtype {dtype} is not one of torch.bfloat16, float16, float32")
-    return dtype
+    try:
+        return torch_dtype(dtype)  # the zoo's rule
+    except ValueError as err:
+        raise AutoparError(str(err)) from None
 
 
 def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

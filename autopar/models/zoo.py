@@ -23,7 +23,8 @@ from autopar.models.presets import PRESETS, preset_shape
 from autopar.models.spec import KINDS, ModelSpec, llama_default_ffn_hidden
 from autopar.models.transformer import Transformer, init_weights
 
-__all__ = ["SHAPE_KEYS", "build", "list_presets", "make_spec", "num_params", "suggest_names"]
+__all__ = ["SHAPE_KEYS", "build", "list_presets", "make_spec", "num_params", "suggest_names",
+           "torch_dtype"]
 
 _BUILDERS: dict[str, Callable[[ModelSpec], Transformer]] = {
     "gpt": build_gpt,
@@ -149,7 +150,7 @@ def build(
         >>> model = build("gpt3-175b", seq_len=4096)
     """
     spec = make_spec(kind_or_preset, **shape)
-    dtype = _torch_dtype(dtype)
+    dtype = torch_dtype(dtype)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -164,14 +165,20 @@ def build(
     return model
 
 
-def _torch_dtype(dtype: Any) -> torch.dtype:
-    """``dtype`` as a torch dtype: one already, or autopar's name of one ("bf16", ...)."""
-    if isinstance(dtype, torch.dtype):
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """A training dtype autopar builds and profiles models in: ``torch.bfloat16``,
+    ``float16`` or ``float32``, or autopar's name of one ("bf16", "fp16", "fp32").
+
+    Raises:
+        ValueError: any other value.
+    """
+    by_name = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
+    if isinstance(dtype, str) and dtype in by_name:
+        return by_name[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in by_name.values():
         return dtype
-    if isinstance(dtype, str) and dtype in TORCH_DTYPE_NAMES:
-        return getattr(torch, TORCH_DTYPE_NAMES[dtype])
-    raise ValueError(f"dtype {dtype!r} is not a torch dtype; pass one (torch.bfloat16) or a "
-                     f"name among {', '.join(TORCH_DTYPE_NAMES)}")
+    raise ValueError(f"dtype {dtype!r} is not one autopar trains in; pass torch.bfloat16, "
+                     f"float16 or float32, or a name among {', '.join(TORCH_DTYPE_NAMES)}")
 
 
 def num_params(spec: ModelSpec) -> int:

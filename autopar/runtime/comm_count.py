@@ -19,8 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autopar.cost_model.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from autopar.cost_model.moe import A2A
+from autopar.cost_model.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +38,7 @@ _C10D_KINDS: dict[str, str] = {
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
     "alltoall_": "all_to_all",
-    "alltoall_base_": A2A,
+    "alltoall_base_": ALL_TO_ALL,
     "broadcast_": "broadcast",
     "gather_": "gather",
     "scatter_": "scatter",

@@ -19,12 +19,11 @@ step time (``autopar.cost_model.calibration.refit_cluster``) and writes the new 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost_model.calibration import median
-from autopar.errors import AutoparError, PlanMismatchError
+from autopar.errors import AutoparError
 from autopar.units import MIB
 
 __all__ = [
@@ -308,17 +307,14 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
     if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
         dtype = plan.config.dtype
         profile = model_profile(model_text, dtype)
-    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for another model than {model_text} (profile fingerprints "
-            f"differ); re-plan with `autopar plan` for this model"
-        )
+    plan.check_profile(profile, fix=f"{model_text} is not it: re-plan with `autopar plan` for "
+                       "this model")
     if not torch.cuda.is_available():
         # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
         profile = model_profile(model_text, dtype, kernels="cpu")
         # The same model (checked above), counted as the CPU kernels keep it: estimated so.
-        plan = dataclasses.replace(plan, profile_fingerprint=profile.fingerprint())
+        plan = plan.for_profile(profile)
     # --cluster predicts the plan's split on another cluster of the same size on purpose.
     return estimate(profile, cluster, plan.for_cluster(cluster))
 

@@ -7,10 +7,12 @@ micro-batch sizes) to plan faster or to match what a cluster allows.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS, SCHEDULES, ZERO_STAGES
+from autopar.cost_model.hardware import MAX_GPUS
 
 __all__ = ["SOLVERS", "SearchOptions"]
 
@@ -19,27 +21,28 @@ SOLVERS: tuple[str, ...] = ("highs", "cbc")
 # cp = 16, 8,192 tokens per rank; Megatron-Core's context-parallel guide suggests cp for
 # sequences of 8K tokens and longer. The search stops at this many tokens per rank.
 MIN_CP_TOKENS = 8192
-# The largest degree a limit may name (autopar plans for at most 2**20 GPUs) and the most model
-# chunks per rank (a bound on a typo, far above any schedule's use).
-_MAX_DEGREE = 2**20
+# The most model chunks per rank (a bound on a typo, far above any schedule's use).
 _MAX_VIRTUAL_STAGES = 1024
 # Switches (True / False only: a string such as "no" would read as on).
 _FLAGS = ("allow_zero_bubble", "allow_tp_across_nodes", "robust", "context_parallel", "hsdp",
           "settings_search")
 # Whole-number fields: (low, high); None allowed where the default is None.
-_COUNTS = {"max_virtual_stages": (2, _MAX_VIRTUAL_STAGES), "max_tp": (1, _MAX_DEGREE),
-           "max_cp": (1, _MAX_DEGREE), "min_cp_tokens": (1, MAX_SEQ_LEN)}
+_COUNTS = {"max_virtual_stages": (2, _MAX_VIRTUAL_STAGES), "max_tp": (1, MAX_GPUS),
+           "max_cp": (1, MAX_GPUS), "min_cp_tokens": (1, MAX_SEQ_LEN)}
 
 
 def _whole(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    # numbers.Integral: Python's and numpy's integers, not bool (a flag read as 0 or 1).
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not low <= int(value) <= high):
         raise ValueError(f"SearchOptions.{name} must be a whole number from {low:,} to "
                          f"{high:,}, got {value!r}")
 
 
 def _real(name: str, value: Any, low: float, high: float, *, high_open: bool = True) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (low <= value < high if high_open else low <= value <= high)):
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not (low <= number < high if high_open else low <= number <= high)):
         bound = (f"a finite number >= {low:g}" if high == math.inf else
                  f"a number from {low:g} to {high:g}{' (excluded)' if high_open else ''}")
         raise ValueError(f"SearchOptions.{name} must be {bound}, got {value!r}")
@@ -67,6 +70,8 @@ def _check_types(options: SearchOptions) -> None:
                              f"{getattr(options, name)!r}")
     if not all(isinstance(v, bool) for v in options.sequence_parallel):
         raise ValueError("SearchOptions.sequence_parallel must hold True / False")
+    for stage in options.zero_stages:
+        _whole("zero_stages", stage, 0, max(ZERO_STAGES))
     if options.micro_batch_sizes is not None:
         if not isinstance(options.micro_batch_sizes, tuple):
             raise ValueError("SearchOptions.micro_batch_sizes must be a tuple or None")

@@ -308,7 +308,7 @@ def plan(
         InfeasiblePlanError: no candidate fits the device memory.
     """
     check_inputs("plan", profile, cluster)
-    options = options or SearchOptions()
+    options = SearchOptions() if options is None else options
     if not isinstance(options, SearchOptions):
         raise TypeError(f"options must be a SearchOptions, got {type(options).__name__}")
     if framework is not None:

@@ -76,7 +76,8 @@ SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32)
     (dict(hidden=0), ValueError, "hidden must be a positive integer, got 0"),  # not ffn_hidden
     (dict(hidden="64"), ValueError, "hidden must be a positive integer"),
     (dict(experts=10**30, top_k=1), ValueError, "experts must be at most 65,536"),
-    (dict(dtype=5), ValueError, "dtype 5 is not a torch dtype"),
+    (dict(dtype=5), ValueError, "dtype 5 is not one autopar trains in"),
+    (dict(dtype="int8"), ValueError, "dtype 'int8' is not one autopar trains in"),
     (dict(device="nope"), ValueError, "device 'nope' is not a torch device"),
 ])
 def test_build_names_the_bad_argument(changes, error, needle) -> None:
@@ -111,9 +112,10 @@ def test_wrong_types_are_named(call, needle) -> None:
 
 
 @pytest.mark.parametrize(("changes", "needle"), [
-    (dict(nodes="2"), "cluster nodes must be a whole number"),
-    (dict(nodes=2.0), "cluster nodes must be a whole number"),
-    (dict(gpus_per_node=True), "cluster gpus_per_node must be a whole number"),
+    (dict(nodes="2"), "cluster field nodes must be a whole number, got '2'"),
+    (dict(nodes=2.0), "cluster field nodes must be a whole number, got 2.0"),
+    (dict(gpus_per_node=True), "cluster field gpus_per_node must be a number"),
+    (dict(param_traffic_factor="0.5"), "cluster field param_traffic_factor must be a number"),
 ])
 def test_a_cluster_holds_whole_counts(changes, needle) -> None:
     with pytest.raises(ClusterConfigError, match=needle):
@@ -193,3 +195,13 @@ def test_an_estimate_that_fits_holds_its_memory() -> None:
     doc["estimate"]["memory_per_gpu_bytes"] = 10**300
     with pytest.raises(PlanFormatError, match="says it fits, but its memory_per_gpu_bytes"):
         autopar.Plan.from_dict(doc)
+
+
+def test_a_plan_is_re_targeted_at_another_profile_on_purpose() -> None:
+    plan = _plan()
+    other = analytic_transformer_profile(4, 256, 8, 1024, 256)
+    with pytest.raises(ValueError, match=r"plan\.for_profile\(profile\)"):
+        autopar.estimate(other, CLUSTER, plan)
+    moved = plan.for_profile(other)
+    assert moved.profile_fingerprint == other.fingerprint() and moved.stages == plan.stages
+    assert autopar.estimate(other, CLUSTER, moved).step_time_s > 0

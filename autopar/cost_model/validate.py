@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 def check_inputs(caller: str, profile: object, *cluster: object) -> None:
     """A TypeError naming what ``caller`` takes, where its profile or (when it takes one) its
     cluster is something else (a dict, a name, None) that would fail deep inside with an
@@ -42,6 +41,7 @@ def check_inputs(caller: str, profile: object, *cluster: object) -> None:
                                  "Cluster.from_yaml(...))") for c in cluster)):
         if not isinstance(value, kind):
             raise TypeError(f"{caller}() takes {what}, got {type(value).__name__}")
+
 
 def cp_problem(cp: int, seq_len: int) -> str | None:
     """Load-balanced ring attention gives each cp rank two chunks: 2 cp divides the length."""

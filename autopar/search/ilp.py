@@ -371,7 +371,11 @@ def _quiet_stdout() -> Iterator[None]:
 def _solver(options: SearchOptions):
     common = {"msg": False, "timeLimit": options.time_limit_s, "gapRel": options.mip_gap}
     if options.solver == "highs":
-        highs = pulp.HiGHS(threads=1, random_seed=0, **common)
+        # mip_feasibility_tolerance 1e-8 (HiGHS's default 1e-6): at the default, HiGHS 1.16.0
+        # corrupted its heap on an ILP of the Llama 4 Maverick search and 1.11-1.15 returned a
+        # wrong optimum of a relaxation (tests/unit/test_search_solver.py keeps both ILPs; the
+        # lever is FlexMeasures' for its heap corruption, flexmeasures#2527).
+        highs = pulp.HiGHS(threads=1, random_seed=0, mip_feasibility_tolerance=1e-8, **common)
         if highs.available():
             return highs
     with warnings.catch_warnings():  # pulp 3.3 flags its bundled CBC as deprecated

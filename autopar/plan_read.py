@@ -86,6 +86,9 @@ def whole_pair(value: Any, name: str) -> tuple[int, int]:
 # SearchInfo's fields and the type each holds in JSON.
 _SEARCH_COUNTS = ("candidates_considered", "candidates_pruned", "ilps_solved")
 _SEARCH_FLAGS = ("optimal", "time_limit_hit")
+# A bound on the search's counts far above any search (millions of candidates at most): a
+# hand-edited count of hundreds of digits is no count to print.
+MAX_SEARCH_COUNT = 10**12
 
 
 def search_fields(value: Any) -> dict[str, Any]:
@@ -96,7 +99,7 @@ def search_fields(value: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, item in value.items():
         if key in _SEARCH_COUNTS:
-            out[key] = whole(item, f"search.{key}")
+            out[key] = whole(item, f"search.{key}", high=MAX_SEARCH_COUNT)
         elif key in _SEARCH_FLAGS:
             if not isinstance(item, bool):
                 raise PlanFieldError(f"plan search.{key} must be true or false, got {_shown(item)}")

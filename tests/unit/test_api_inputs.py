@@ -205,3 +205,10 @@ def test_a_plan_is_re_targeted_at_another_profile_on_purpose() -> None:
     moved = plan.for_profile(other)
     assert moved.profile_fingerprint == other.fingerprint() and moved.stages == plan.stages
     assert autopar.estimate(other, CLUSTER, moved).step_time_s > 0
+
+
+def test_search_counts_are_bounded() -> None:
+    doc = _plan().to_dict()
+    doc["search"]["candidates_considered"] = 10**300
+    with pytest.raises(PlanFormatError, match=r"search\.candidates_considered must be from 0"):
+        autopar.Plan.from_dict(doc)

@@ -265,13 +265,17 @@ class Plan:
         made for (its profile fingerprint, a hash of the whole profile: the model, seq_len, dtype
         and loss, and how the profiler counted); a plan that records no fingerprint (made by
         hand) is taken as it is. ``fix``: the advice to end the message with."""
-        if self.profile_fingerprint and profile.fingerprint() != self.profile_fingerprint:
+        if not self.profile_matches(profile):
             raise PlanMismatchError(
                 f"the plan was made for another model or profile (fingerprint "
                 f"{self.profile_fingerprint}; this one's is {profile.fingerprint()}: another "
                 "model, seq_len, dtype or loss, or another profiler's count); "
                 + (fix or "profile the model it was made for as it was, re-target the plan on "
                    "purpose with plan.for_profile(profile), or re-plan with autopar.plan"))
+
+    def profile_matches(self, profile: Any) -> bool:
+        """Whether ``profile`` is the one the plan was made for (``check_profile``'s rule)."""
+        return not self.profile_fingerprint or profile.fingerprint() == self.profile_fingerprint
 
     def for_profile(self, profile: Any) -> Plan:
         """The same split, re-targeted at ``profile`` (its fingerprint recorded), so that

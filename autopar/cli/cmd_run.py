@@ -184,9 +184,11 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         plan = Plan.from_dict(doc)
         model_text = plan_model_text(plan.model, args.model)
         model, profile = _build_and_profile(model_text, plan.seq_len or None)
-        plan.check_profile(profile, fix=f"{model_text} is not it: pass the model plan "
-                           f"{args.source} was made for with --model, or re-plan with "
-                           "`autopar plan` for this model")
+        plan.check_profile(profile, fix=(
+            f"--model {model_text} is not the model plan {args.source} was made for: pass that "
+            "one, or re-plan with `autopar plan` for this model" if args.model else
+            f"plan {args.source}'s own model {model_text} profiles differently now (a plan "
+            "from another autopar version?): re-plan it with `autopar plan`"))
     else:
         if args.model:
             raise AutoparError("--model goes with a plan file; give the model as PLAN_OR_MODEL")

@@ -484,8 +484,11 @@ def plan_context(plan: Any, model_text: str | None, seq_len: int | None, *,
     text = plan_model_text(plan.model, model_text)
     profile = load_profile(text, seq_len or plan.seq_len or None, loss=plan.loss,
                            timeout_s=timeout_s)
-    plan.check_profile(profile, fix=f"{text} is not it: pass the model the plan was made for "
-                       "with --model (and --seq-len), or re-plan with `autopar plan`")
+    plan.check_profile(profile, fix=(
+        f"{text} is not it: pass the model the plan was made for with --model (and --seq-len), "
+        "or re-plan with `autopar plan`" if model_text or seq_len else
+        f"the plan's own model {text} profiles differently now (a plan from another autopar "
+        "version?): re-plan it with `autopar plan`"))
     if not plan.cluster:
         raise AutoparError("the plan does not record its cluster; re-create it with autopar plan")
     cluster = Cluster.from_dict(plan.cluster)

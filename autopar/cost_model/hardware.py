@@ -172,6 +172,8 @@ def _misread(given: dict[str, Any], read: dict[str, Any], prefix: str = "") -> s
             found = _misread(held if isinstance(held, dict) else {}, value, f"{prefix}{key}.")
             if found:
                 return found
+        elif isinstance(held, int) and isinstance(value, float) and not isinstance(held, bool):
+            continue  # an int for a rate: read as its float
         elif (held != value or isinstance(held, str) != isinstance(value, str)
               or (isinstance(value, int) and not isinstance(held, int))):
             kind = "a whole number" if isinstance(value, int) else (
@@ -239,10 +241,16 @@ class Cluster:
 
         data = self.to_dict()
         # validate reads text data leniently ("312e12", 2.0 for a count); an object built in
-        # Python must already hold what it reads: a value it would change is refused.
-        misread = _misread(data, validate(data))
+        # Python must already hold what it reads: a value it would change is refused, and an
+        # int in a rate's field is held as the float that a file read back gives (so the two
+        # have one fingerprint).
+        clean = validate(data)
+        misread = _misread(data, clean)
         if misread:
             raise ClusterConfigError(misread)
+        for key, value in clean.items():
+            spec = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec}.get(key)
+            object.__setattr__(self, key, spec(**value) if spec else value)
 
     @property
     def num_gpus(self) -> int:

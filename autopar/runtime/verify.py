@@ -304,11 +304,10 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
 
     dtype = None
     profile = model_profile(model_text)
-    if plan.profile_fingerprint and profile.fingerprint() != plan.profile_fingerprint:
+    if not plan.profile_matches(profile):
         dtype = plan.config.dtype
         profile = model_profile(model_text, dtype)
-    plan.check_profile(profile, fix=f"{model_text} is not it: re-plan with `autopar plan` for "
-                       "this model")
+    plan.check_profile(profile, fix=f"re-plan with `autopar plan` for {model_text}")
     if not torch.cuda.is_available():
         # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).

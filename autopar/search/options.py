@@ -79,6 +79,23 @@ def _check_types(options: SearchOptions) -> None:
             _whole("micro_batch_sizes", size, 1, MAX_GLOBAL_BATCH)
 
 
+def _as_python_numbers(options: SearchOptions) -> None:
+    """numpy numbers (accepted above) held as Python's own: the search compares, sums and
+    formats them as such."""
+    def put(name: str, value: Any) -> None:
+        object.__setattr__(options, name, value)
+
+    for name in _COUNTS:
+        if getattr(options, name) is not None:
+            put(name, int(getattr(options, name)))
+    for name in ("time_limit_s", "mip_gap", "memory_headroom_bytes"):
+        if getattr(options, name) is not None:
+            put(name, float(getattr(options, name)))
+    put("zero_stages", tuple(int(z) for z in options.zero_stages))
+    if options.micro_batch_sizes is not None:
+        put("micro_batch_sizes", tuple(int(b) for b in options.micro_batch_sizes))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchOptions:
     """How the planner searches.
@@ -145,6 +162,7 @@ class SearchOptions:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _as_python_numbers(self)
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(

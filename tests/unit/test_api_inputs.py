@@ -212,3 +212,19 @@ def test_search_counts_are_bounded() -> None:
     doc["search"]["candidates_considered"] = 10**300
     with pytest.raises(PlanFormatError, match=r"search\.candidates_considered must be from 0"):
         autopar.Plan.from_dict(doc)
+
+
+def test_numbers_are_held_as_the_file_reader_holds_them() -> None:
+    import numpy as np
+
+    from autopar.search.options import SearchOptions
+
+    options = SearchOptions(memory_headroom_bytes=np.float32(2**20), max_tp=np.int64(4),
+                            zero_stages=(np.int64(0), np.int64(1)))
+    assert type(options.memory_headroom_bytes) is float and type(options.max_tp) is int
+    assert options.zero_stages == (0, 1) and all(type(z) is int for z in options.zero_stages)
+    assert autopar.plan(PROFILE, CLUSTER, 16, options=options).estimate.fits
+    # An int in a rate's field: the float a file read back holds, and its fingerprint.
+    cluster = dataclasses.replace(CLUSTER, param_traffic_factor=0)
+    assert type(cluster.param_traffic_factor) is float
+    assert cluster.fingerprint() == autopar.Cluster.from_dict(cluster.to_dict()).fingerprint()

@@ -76,7 +76,6 @@ def explain_plan(profile: ModelProfile, cluster: Cluster, plan: Plan) -> str:
     from autopar.cost_model.validate import check_config, check_inputs
 
     check_inputs("explain_plan", profile, cluster)
-
     plan.check_profile(profile)
     try:  # what estimate refuses is not explained either (an edited plan's split)
         check_config(profile, cluster, plan.config)

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from autopar.cost_model.presets import (
@@ -163,6 +164,11 @@ def _check_count(name: str, value: Any) -> None:
             f"cluster {name} must be a whole number from 1 to {MAX_GPUS:,}, got {value!r}")
 
 
+# A Cluster's nested records, by field.
+_SPECS: Mapping[str, type] = MappingProxyType(
+    {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec})
+
+
 def _misread(given: dict[str, Any], read: dict[str, Any], prefix: str = "") -> str | None:
     """Why ``given`` is not what ``cluster_fields.validate`` read it as (None when it is): a
     string for a number, a float for a whole number, another value."""
@@ -249,7 +255,7 @@ class Cluster:
         if misread:
             raise ClusterConfigError(misread)
         for key, value in clean.items():
-            spec = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec}.get(key)
+            spec = _SPECS.get(key)
             object.__setattr__(self, key, spec(**value) if spec else value)
 
     @property
@@ -331,10 +337,7 @@ class Cluster:
         from autopar.cost_model.cluster_fields import validate
 
         clean = validate(data)
-        nested = {"device": DeviceSpec(**clean["device"]),
-                  "intra_node": LinkSpec(**clean["intra_node"]),
-                  "inter_node": LinkSpec(**clean["inter_node"])}
-        return cls(**{**clean, **nested})
+        return cls(**{**clean, **{key: spec(**clean[key]) for key, spec in _SPECS.items()}})
 
     def to_yaml_text(self) -> str:
         """The cluster as YAML text (``from_yaml`` reads it back)."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.config import MAX_SEQ_LEN, TORCH_DTYPE_NAMES
+from autopar.config import MAX_SEQ_LEN
 from autopar.errors import AutoparError, TraceError
 from autopar.graph.cp import cp_blocker
 from autopar.graph.facts import ModelFacts, default_seq_len, learned_positions, model_facts
@@ -48,14 +48,14 @@ from autopar.graph.tp import block_tp
 from autopar.graph.trace import CallOrder, trace_call_order
 from autopar.graph.types import ModelProfile
 from autopar.models.losses import LOSS_KERNELS
-from autopar.models.zoo import torch_dtype
+from autopar.models.zoo import TORCH_DTYPES, torch_dtype
 
 __all__ = ["KERNELS", "profile"]
 
 # Kernel sets whose saved tensors ``profile`` can count (see its ``kernels`` argument).
 KERNELS = ("cuda", "cpu")
 
-_DTYPE_NAMES = {getattr(torch, torch_name): name for name, torch_name in TORCH_DTYPE_NAMES.items()}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 _BATCH_SIZES = (1, 2)  # per-sample counts = counts(b=2) - counts(b=1)
 
 

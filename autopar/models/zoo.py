@@ -8,7 +8,8 @@ profiler and the docs quote (a test checks it against the built model).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -23,8 +24,12 @@ from autopar.models.presets import PRESETS, preset_shape
 from autopar.models.spec import KINDS, ModelSpec, llama_default_ffn_hidden
 from autopar.models.transformer import Transformer, init_weights
 
-__all__ = ["SHAPE_KEYS", "build", "list_presets", "make_spec", "num_params", "suggest_names",
-           "torch_dtype"]
+__all__ = ["SHAPE_KEYS", "TORCH_DTYPES", "build", "list_presets", "make_spec", "num_params",
+           "suggest_names", "torch_dtype"]
+
+# autopar's dtype names -> the torch dtypes it builds, profiles and trains models in.
+TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()})
 
 _BUILDERS: dict[str, Callable[[ModelSpec], Transformer]] = {
     "gpt": build_gpt,
@@ -172,10 +177,9 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     Raises:
         ValueError: any other value.
     """
-    by_name = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
-    if isinstance(dtype, str) and dtype in by_name:
-        return by_name[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in by_name.values():
+    if isinstance(dtype, str) and dtype in TORCH_DTYPES:
+        return TORCH_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in TORCH_DTYPES.values():
         return dtype
     raise ValueError(f"dtype {dtype!r} is not one autopar trains in; pass torch.bfloat16, "
                      f"float16 or float32, or a name among {', '.join(TORCH_DTYPE_NAMES)}")

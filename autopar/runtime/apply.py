@@ -17,8 +17,9 @@ from torch import nn
 from autopar.config import uses_autocast
 from autopar.cost_model.validate import cp_problem, ep_problem, sp_problem, tp_problem
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.models.zoo import TORCH_DTYPES
 from autopar.runtime.context_parallel import apply_context_parallel
-from autopar.runtime.data_parallel import TORCH_DTYPES, apply_data_parallel
+from autopar.runtime.data_parallel import apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
 from autopar.runtime.loss import default_loss, vocab_parallel_loss
 from autopar.runtime.mesh import data_parallel_mesh, mesh_device

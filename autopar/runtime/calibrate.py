@@ -50,13 +50,13 @@ from autopar.cost_model.comm import (
     SEND_RECV,
     bus_factor,
 )
+from autopar.models.zoo import TORCH_DTYPES
 from autopar.runtime.calibrate_measure import (
     max_over_ranks,
     mean_over_ranks,
     measure_overheads,
     sync,
 )
-from autopar.runtime.data_parallel import TORCH_DTYPES
 from autopar.runtime.launch import PG_TIMEOUT_S
 from autopar.runtime.mesh import backend_of, default_dtype
 

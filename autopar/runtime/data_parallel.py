@@ -45,18 +45,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autopar.config import TORCH_DTYPE_NAMES, dp_mechanism
+from autopar.config import dp_mechanism
+from autopar.models.zoo import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar.config import ParallelConfig
 
-__all__ = ["TORCH_DTYPES", "apply_data_parallel", "dp_mechanism", "mp_policy"]
+__all__ = ["apply_data_parallel", "dp_mechanism", "mp_policy"]
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()
-}
 
 
 def mp_policy(cfg: ParallelConfig) -> Any:

@@ -172,7 +172,7 @@ class SearchOptions:
             raise ValueError(
                 f"SearchOptions.solver {self.solver!r} is unknown; use one of {SOLVERS}"
             )
-        if not self.zero_stages or any(z not in ZERO_STAGES for z in self.zero_stages):
+        if not self.zero_stages:  # each one's range: _check_types
             raise ValueError(f"SearchOptions.zero_stages {self.zero_stages!r}: use 0, 1, 2, 3")
         if not self.sequence_parallel:
             raise ValueError("SearchOptions.sequence_parallel must list at least one setting")

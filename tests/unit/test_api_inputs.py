@@ -9,21 +9,16 @@ import json
 import pytest
 import yaml
 
+# The small model, cluster, config and plan of the plan-and-cluster tests.
+from test_plan_cluster import CLUSTER, CONFIG, _plan
+from test_plan_cluster import TINY as PROFILE
+
 import autopar
 from autopar.cli import main
 from autopar.errors import ClusterConfigError
 from autopar.plan import PlanFormatError
-from autopar.search import plan_from_config
 from tests.fixtures.profiles import analytic_transformer_profile
 from tests.helpers import one_error_line
-
-PROFILE = analytic_transformer_profile(4, 256, 8, 1024, 128)
-CLUSTER = autopar.Cluster.preset("a100-80g", nodes=1)
-CONFIG = autopar.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=1, global_batch=16)
-
-
-def _plan() -> autopar.Plan:
-    return plan_from_config(PROFILE, CLUSTER, CONFIG)
 
 
 def test_a_plan_owns_its_cluster_dict() -> None:

@@ -105,6 +105,15 @@ def _closed_stdout() -> int:
     return 0
 
 
+def _check_force(args: argparse.Namespace) -> None:
+    """``--force`` overwrites the files ``--out`` and ``--plot`` name; alone it would do nothing."""
+    if getattr(args, "force", False) and not any(
+        getattr(args, name, None) for name in ("out", "plot")
+    ):
+        raise UsageError("--force overwrites the file --out or --plot names; name one, or drop "
+                         "--force")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autopar`` command line.
 
@@ -119,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser(args_list).parse_args(args_list)
+        _check_force(args)
     except UsageError as error:
         print(f"autopar: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE

@@ -56,6 +56,9 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     # a typo's size fails at once instead of building a model for hours
     (["estimate", "gpt:layers=99999999999999999999,hidden=64,heads=4,vocab=256,seq_len=32",
       "--gpus", "1", "--global-batch", "4"], "layers must be at most 10,000"),
+    # --force with no file to overwrite had been ignored without a word
+    ([*PLAN, "--force"], "--force overwrites the file --out or --plot names"),
+    (["verify", "plan.json", "--force"], "--force overwrites the file --out or --plot names"),
     # a forced fp8 on a part without fp8 tensor cores: said once, not a division by zero
     ([*PLAN, "--dtype", "fp8", "--framework", "torchtitan"], "dtype fp8 needs fp8 tensor cores"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--price-per-gpu-hour", "nan"],

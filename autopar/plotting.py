@@ -27,7 +27,7 @@ from autopar.units import GIB
 __all__ = ["ScheduledOp", "plot_plan", "plot_sweep", "simulate_schedule"]
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
+MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 _EPS_S = 1e-15
 
 

@@ -44,6 +44,7 @@ MEMORY_KINDS: tuple[tuple[str, str], ...] = (
     ("optimizer_bytes", "optim"),
     ("activations_bytes", "activ"),
     ("buffers_bytes", "buffers"),
+    ("pipeline_buffers_bytes", "pp bufs"),
 )
 
 

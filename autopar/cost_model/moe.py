@@ -103,6 +103,7 @@ __all__ = [
     "inter_node_share",
     "remote_nodes",
     "routed_imbalance",
+    "state_parts",
     "unstated_imbalance",
 ]
 
@@ -174,21 +175,30 @@ def held_expert_params(layer: LayerProfile, config: ParallelConfig, shard: int) 
     return layer.moe.routed_params / config.ep / (1 if whole else shard)
 
 
-def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> memory.LayerState:
-    """Model state of ``layer`` on one rank: the dense part ZeRO-sharded over dp, the rank's
-    ``held_expert_params`` over the ``expert_dp`` ranks (both after tp sharding by ``shard``)."""
+def state_parts(layer: LayerProfile, config: ParallelConfig,
+                shard: int) -> tuple[tuple[float, int], ...]:
+    """(parameters after tp sharding by ``shard``, ranks ZeRO shards them over) of each part of
+    ``layer``'s model state on one rank: the dense part over the config's shard group
+    (``config.shard_ranks``), and the rank's ``held_expert_params`` over the ``expert_dp``
+    ranks where expert parallelism holds them apart."""
     held = held_expert_params(layer, config, shard)
     if not held:
-        return memory.layer_state(layer.num_params / shard, config)
+        return ((layer.num_params / shard, config.shard_ranks),)
     assert layer.moe is not None  # held_expert_params: a MoE layer
-    dense = memory.layer_state((layer.num_params - layer.moe.routed_params) / shard, config)
-    experts = memory.layer_state(held, config,
-                                 shard_ranks=expert_dp(config, experts_whole(layer, shard)))
+    return (((layer.num_params - layer.moe.routed_params) / shard, config.shard_ranks),
+            (held, expert_dp(config, experts_whole(layer, shard))))
+
+
+def ep_layer_state(layer: LayerProfile, config: ParallelConfig, shard: int) -> memory.LayerState:
+    """Model state of ``layer`` on one rank: the sum of ``memory.layer_state`` over its
+    ``state_parts``."""
+    parts = [memory.layer_state(p, config, shard_ranks=n)
+             for p, n in state_parts(layer, config, shard)]
     return memory.LayerState(
-        param_bytes=dense.param_bytes + experts.param_bytes,
-        grad_bytes=dense.grad_bytes + experts.grad_bytes,
-        optimizer_bytes=dense.optimizer_bytes + experts.optimizer_bytes,
-        local_params=dense.local_params + experts.local_params,
+        param_bytes=sum(x.param_bytes for x in parts),
+        grad_bytes=sum(x.grad_bytes for x in parts),
+        optimizer_bytes=sum(x.optimizer_bytes for x in parts),
+        local_params=sum(x.local_params for x in parts),
     )
 
 

@@ -4,10 +4,12 @@ Units: bytes and seconds. The expressions are built once (module constants) and 
 numbers from the plan's CostTable; tests check that they evaluate to what the numeric code
 (memory.py, comm.py, compute.py, assemble.py) computes, so the printed formulas are the model.
 
-Symbols: Psi parameters a rank holds after tensor-parallel and pipeline sharding, d data-parallel
-degree, w bytes of the training dtype, m micro-batches, p pipeline ranks, v chunks per rank,
-c the schedule's bubble coefficient, n group size, S message bytes, B bus bandwidth, alpha
-per-step latency, F FLOPs, P peak FLOP/s.
+Symbols: Psi parameters a rank holds after tensor-parallel and pipeline sharding, d the ranks
+ZeRO shards them over (Psi_e and d_e: routed experts held apart under expert parallelism), w bytes
+of the training dtype, g bytes of a gradient element and o of Adam's two moments (the framework's
+``grad_reduce_bytes`` and ``adam_moment_bytes``), m micro-batches, p pipeline ranks, v chunks
+per rank, c the schedule's bubble coefficient, n group size, S message bytes, B bus bandwidth,
+alpha per-step latency, F FLOPs, P peak FLOP/s.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.framework_support import model_framework
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import (
     ADAM_BYTES,
@@ -26,11 +30,15 @@ from autopar.cost_model.memory import (
     fsdp_accumulates_grads,
     fsdp_keeps_params_unsharded,
 )
+from autopar.cost_model.moe import state_parts
 from autopar.cost_model.pipeline import bubble_coefficient
+from autopar.cost_model.tied_head import split_tied_head
+from autopar.cost_model.tp_comm import tp_sharded
 from autopar.units import GIB, KIB, MIB
 
 if TYPE_CHECKING:
     from autopar.cost_model.estimate import Estimate
+    from autopar.cost_model.frameworks import Framework
     from autopar.cost_model.hardware import Cluster
     from autopar.cost_model.tables import CostTable
     from autopar.graph.types import ModelProfile
@@ -44,9 +52,11 @@ __all__ = [
     "explain",
     "model_state_expr",
     "model_state_expr_for",
+    "state_byte_sizes",
 ]
 
 Psi, d, w, m, p, v, n, S, B, alpha = sp.symbols("Psi d w m p v n S B alpha", positive=True)
+Psi_e, d_e, g, o = sp.symbols("Psi_e d_e g o", positive=True)
 c = sp.Symbol("c", nonnegative=True)
 F, P, eff_max, W, W_half = sp.symbols("F P eff_max W W_half", positive=True)
 R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
@@ -56,10 +66,11 @@ R_max, T_sum, E_max = sp.symbols("R_max T_sum E_max", nonnegative=True)
 # keeps unsharded parameters through a pipeline step (memory.fsdp_accumulates_grads and
 # memory.fsdp_keeps_params_unsharded say when). An unsharded accumulator and the sharded gradient
 # that replaces it at its reduce-scatter never coexist: gradients are 4 a + 4 (1 - a) / d.
-# The byte counts are memory.py's (fp32 master weights, fp32 gradients, Adam's two moments; DDP's
-# reducer keeps a bucket copy of the gradients).
+# The byte counts are memory.py's (fp32 master weights; gradients of g bytes and Adam's two
+# moments of o bytes, memory.GRAD_BYTES and ADAM_BYTES unless the framework keeps them narrower;
+# DDP's reducer keeps a bucket copy of the gradients).
 a, u = sp.symbols("a u", nonnegative=True)
-_M, _G, _A = sp.Integer(MASTER_BYTES), sp.Integer(GRAD_BYTES), sp.Integer(ADAM_BYTES)
+_M, _G, _A = sp.Integer(MASTER_BYTES), g, o
 _SHARDED_GRADS = (_G * a + _G * (1 - a) / d) * Psi
 MODEL_STATE: dict[str, tuple[sp.Expr, sp.Expr, sp.Expr]] = {
     "none": ((_M + w) * Psi, _G * Psi, _A * Psi),
@@ -86,7 +97,8 @@ def model_state_expr(
 ) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     """(parameters, gradients, optimizer) expressions of a mechanism, w' = 0 for fp32 copies.
 
-    ``accumulates`` and ``keeps_params`` set the symbols a and u (see ``MODEL_STATE``).
+    ``accumulates`` and ``keeps_params`` set the symbols a and u (see ``MODEL_STATE``); g and o
+    stay symbols (``model_state_expr_for`` gives them a framework's values).
     """
     key = f"zero{zero}" if kind == "fsdp" else kind
     exprs = tuple(e.subs({a: int(accumulates), u: int(keeps_params)}) for e in MODEL_STATE[key])
@@ -104,6 +116,14 @@ def model_state_expr_for(config: ParallelConfig) -> tuple[sp.Expr, sp.Expr, sp.E
         accumulates=fsdp_accumulates_grads(config),
         keeps_params=fsdp_keeps_params_unsharded(config) and config.zero == 3,
     )
+
+
+def state_byte_sizes(framework: Framework | None = None) -> dict[sp.Symbol, int]:
+    """Values of g and o: the ``framework``'s gradient and Adam moment bytes (its
+    ``grad_reduce_bytes`` and ``adam_moment_bytes``; default memory.py's)."""
+    if framework is None:
+        return {g: GRAD_BYTES, o: ADAM_BYTES}
+    return {g: framework.grad_reduce_bytes, o: framework.adam_moment_bytes}
 
 
 def _gib(x: float) -> str:
@@ -139,31 +159,65 @@ def explain(
 
     table = build_cost_table(profile, cluster, config, framework)
     est = assemble(table, split, recompute)
+    fw = model_framework(get_framework(framework), profile)  # as the table reads it
     lines = [f"plan: {config.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)", ""]
-    lines += _memory_lines(config, est)
+    lines += _memory_lines(profile, config, est, fw)
     lines += ["", f"step time: {sp.sstr(STEP_TIME)}"]
     lines += _time_lines(config, cluster, table, est, framework)
     return "\n".join(lines)
 
 
-def _memory_lines(cfg: ParallelConfig, est: Estimate) -> list[str]:
+def _rank_parts(profile: ModelProfile, cfg: ParallelConfig, rank_layers) -> dict[int, float]:
+    """Parameters (after tp) the rank holds, by the ranks ZeRO shards them over: each of its
+    layers' ``moe.state_parts``, as the cost table counts them."""
+    layers = split_tied_head(profile, cfg.pp).layers  # the cost table's layers
+    parts: dict[int, float] = {cfg.shard_ranks: 0.0}
+    for first, last in rank_layers:
+        for layer in layers[first:last + 1]:
+            shard = cfg.tp if tp_sharded(layer) else 1
+            for params, ranks in state_parts(layer, cfg, shard):
+                parts[ranks] = parts.get(ranks, 0.0) + params
+    return parts
+
+
+def _memory_lines(
+    profile: ModelProfile, cfg: ParallelConfig, est: Estimate, fw: Framework
+) -> list[str]:
     from autopar.config import DTYPE_BYTES
 
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
-    psi = largest.num_params / cfg.tp
-    values = {Psi: psi, d: cfg.shard_ranks, w: DTYPE_BYTES[cfg.dtype]}  # the shard group
+    parts = _rank_parts(profile, cfg, largest.layers)
+    dense = parts.pop(cfg.shard_ranks)
+    values = {Psi: dense, d: cfg.shard_ranks, w: DTYPE_BYTES[cfg.dtype], **state_byte_sizes(fw)}
     lines = [
         f"memory of pipeline rank {largest.rank} (data parallel: {dp_mechanism(cfg)}, "
-        f"zero {cfg.zero}):",
-        f"  Psi = parameters of the rank / tp = {largest.num_params:,} / {cfg.tp} = {psi:,.0f}",
+        f"zero {cfg.zero}; {fw.name}: gradients g = {values[g]} bytes, Adam moments o = "
+        f"{values[o]} bytes):",
+        f"  Psi = parameters of the rank after tp = {dense:,.0f}, over d = {cfg.shard_ranks}",
     ]
-    for name, expr in zip(("parameters", "gradients", "optimizer"), model_state_expr_for(cfg)):
-        lines.append(f"  {name:11s} = {sp.sstr(expr)} = {_gib(float(expr.subs(values)))}")
+    groups = [(Psi, d)]
+    for i, (ranks, params) in enumerate(sorted(parts.items())):
+        psi_i, d_i = (Psi_e, d_e) if len(parts) == 1 else sp.symbols(f"Psi_e{i} d_e{i}",
+                                                                     positive=True)
+        values |= {psi_i: params, d_i: ranks}
+        groups.append((psi_i, d_i))
+        lines.append(f"  {psi_i} = routed-expert parameters held apart (ep {cfg.ep}) = "
+                     f"{params:,.0f}, over {d_i} = {ranks}")
     mem = largest.memory
+    held = (mem.parameters_bytes, mem.gradients_bytes, mem.optimizer_bytes)
+    for name, expr, on_device in zip(("parameters", "gradients", "optimizer"),
+                                     model_state_expr_for(cfg), held):
+        total = sum((expr.subs({Psi: x, d: y}) for x, y in groups), sp.Integer(0))
+        value = float(total.subs(values))
+        moved = (f" ({_gib(on_device)} on the device: offload {cfg.offload})"
+                 if abs(value - on_device) > 1e-6 * max(1.0, value) else "")
+        lines.append(f"  {name:11s} = {sp.sstr(total)} = {_gib(value)}{moved}")
     lines += [
         f"  activations = sum_j inflight_j * sum_i act_i + max_i transient_i = "
         f"{_gib(mem.activations_bytes)}",
         f"  buffers     = comm buffers + allocator reserve = {_gib(mem.buffers_bytes)}",
+        f"  pipeline    = receive buffers of the in-flight micro-batches = "
+        f"{_gib(mem.pipeline_buffers_bytes)}",
         f"  total       = {_gib(largest.memory_bytes)} of {_gib(est.memory_capacity_bytes)} "
         f"usable -> {'fits' if est.fits else 'does NOT fit'}",
     ]

@@ -7,6 +7,7 @@ import pytest
 from autopar.config import ParallelConfig
 from autopar.cost_model import comm
 from autopar.cost_model.estimator import default_split, estimate
+from autopar.cost_model.frameworks import FRAMEWORKS
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import layer_state
@@ -29,12 +30,15 @@ from autopar.cost_model.symbolic import (
     model_state_expr_for,
     n,
     p,
+    state_byte_sizes,
     w,
 )
 from autopar.cost_model.symbolic import v as v_sym
 from autopar.costing import explain_plan
 from autopar.plan import Plan, StagePlan
+from autopar.units import GIB, MIB
 from tests.fixtures.profiles import analytic_transformer_profile
+from tests.unit.test_search_planner import moe_profile
 
 PROFILE = analytic_transformer_profile(6, 128, 4, 512, 64)
 
@@ -47,7 +51,7 @@ def test_model_state_expressions_match_memory(dtype, dp, pp, zero):
     cfg = ParallelConfig(dp=dp, pp=pp, zero=zero, dtype=dtype, global_batch=dp * 4)
     state = layer_state(1000.0, cfg)
     exprs = model_state_expr_for(cfg)
-    values = {Psi: 1000.0, d: dp, w: 2 if dtype == "bf16" else 4}
+    values = {Psi: 1000.0, d: dp, w: 2 if dtype == "bf16" else 4, **state_byte_sizes()}
     got = [float(e.subs(values)) for e in exprs]
     assert got == pytest.approx([state.param_bytes, state.grad_bytes, state.optimizer_bytes])
 
@@ -104,5 +108,41 @@ def test_explain_plan_prints_formulas_and_numbers():
     )
     plan = Plan(config=cfg, stages=stages, estimate=est)
     text = explain_plan(PROFILE, cluster, plan)
-    assert "8*Psi/d" in text and "R_max*m" in text and "fits" in text
+    assert "Psi*o/d" in text and "R_max*m" in text and "fits" in text
     assert f"{est.tokens_per_s:,.0f} tokens/s" in text
+
+
+def _printed_bytes(text: str, name: str) -> float:
+    """The figure explain prints on ``name``'s memory line (``_gib``'s 2 decimals)."""
+    line = next(x for x in text.splitlines() if x.strip().startswith(f"{name} "))
+    number, unit = line.rsplit("=", 1)[1].split()[:2]
+    return float(number) * {"GiB": GIB, "MiB": MIB, "KiB": 1024, "B": 1}[unit]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(("moe", "kwargs"), [
+    (False, {"dp": 4, "zero": 1}),
+    (False, {"dp": 2, "tp": 2, "zero": 3}),
+    (True, {"dp": 4, "ep": 2, "zero": 1}),
+    (True, {"dp": 4, "ep": 4, "zero": 3}),
+])
+def test_explains_model_state_is_the_estimates(framework, moe, kwargs):
+    """Each model-state line of explain is the estimate's figure, under every framework's
+    gradient and Adam moment bytes and with experts held apart under expert parallelism (it
+    had charged 4-byte gradients to megatron-lm and deepspeed and every expert to each rank)."""
+    profile = moe_profile(2, 64, 8, s=64) if moe else PROFILE
+    cfg = ParallelConfig(global_batch=8, **kwargs)
+    cluster = Cluster.preset("a100-80g", gpus_per_node=4)
+    try:
+        est = estimate(profile, cluster, cfg, framework=framework)
+    except ValueError:  # a split this framework does not run
+        pytest.skip(f"{framework} does not run {cfg.describe()}")
+    split, recompute = default_split(build_cost_table(profile, cluster, cfg, framework))
+    text = explain(profile, cluster, cfg, split, recompute, framework)
+    memory = est.stages[0].memory
+    for name, value in (("parameters", memory.parameters_bytes),
+                        ("gradients", memory.gradients_bytes),
+                        ("optimizer", memory.optimizer_bytes),
+                        ("pipeline", memory.pipeline_buffers_bytes)):
+        assert _printed_bytes(text, name) == pytest.approx(value, rel=0.006, abs=1), name
+    assert ("Psi_e" in text) == (cfg.ep > 1)

@@ -60,3 +60,14 @@ def test_report_shows_split_breakdown_stages_binding_and_alternatives():
                    "0-1,3-4 (4)", "2,5 (2)", "40.0 GiB (53%)", "pure DP: needs", "tokens/s 256"):
         assert needle in text, needle
     assert text.isascii()
+
+
+def test_the_per_rank_columns_are_every_kind_of_memory():
+    """The per-rank table has a column for every term of a rank's memory, so its columns add to
+    the total it prints (the pipeline's receive buffers had been left out: 8 GiB of a 72.5 GiB
+    Llama 3 405B rank shown in no column)."""
+    from autopar.cost_model.estimate import MemoryBreakdown
+    from autopar.report import MEMORY_KINDS
+
+    fields = [f.name for f in dataclasses.fields(MemoryBreakdown)]
+    assert [field for field, _ in MEMORY_KINDS] == fields

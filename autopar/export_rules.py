@@ -271,8 +271,6 @@ def _moe_rules(a: MegatronArgs) -> list[str]:
         elif a.num_experts % a.ep:
             out.append(f"--num-experts {a.num_experts} is not a multiple of "
                        f"--expert-model-parallel-size {a.ep}")
-        if a.fp16:
-            out.append("expert parallelism is not supported with --fp16; use --bf16")
     return out
 
 

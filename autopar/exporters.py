@@ -184,15 +184,6 @@ def _titan_parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
     return parallelism
 
 
-def _deepspeed_ep(cfg: Any) -> None:
-    if cfg.ep > 1:
-        raise ValueError(
-            f"DeepSpeed's JSON config cannot express expert parallelism (ep={cfg.ep}): its "
-            "degree is set in model code (deepspeed.moe.layer.MoE(ep_size=...)); export to "
-            "megatron or torchtitan, or re-plan with ep=1"
-        )
-
-
 def _deepspeed_pipeline(plan: Plan, doc: dict[str, Any]) -> list[str]:
     """The notes building a DeepSpeed PipelineModule for the plan's stages (its pipeline
     section set in ``doc``)."""
@@ -232,11 +223,14 @@ def to_deepspeed(plan: Plan) -> Export:
     """DeepSpeed config JSON (batch sizes, ZeRO stage, precision, pipeline, tensor parallel)."""
     cfg = plan.config
     notes = []
-    _deepspeed_ep(cfg)
     if plan.moe is not None:
+        # DeepSpeed sets the expert-parallel degree in model code; its JSON has no key for it.
         notes.append("the model is a mixture of experts: build its MoE layers with "
-                     f"deepspeed.moe.layer.MoE(num_experts={plan.moe.experts}, ep_size=1, "
-                     f"k={plan.moe.top_k})")
+                     f"deepspeed.moe.layer.MoE(num_experts={plan.moe.experts}, "
+                     f"ep_size={cfg.ep}, k={plan.moe.top_k})"
+                     + (", and give the optimizer the parameter groups of deepspeed.moe.utils."
+                        "split_params_into_different_moe_groups_for_optimizer (the experts' "
+                        "own data-parallel groups)" if cfg.ep > 1 else ""))
     doc: dict[str, Any] = {
         "train_batch_size": cfg.global_batch,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,

@@ -48,11 +48,22 @@ def test_torchtitan_sets_expert_parallel_degree():
     assert "expert_tensor_parallel_degree = 1" in text
 
 
-def test_deepspeed_refuses_ep_clearly():
-    with pytest.raises(ValueError, match="cannot express expert parallelism"):
-        export_plan(_plan("deepspeed"), "deepspeed")
+def test_deepspeed_names_ep_where_its_model_code_sets_it():
+    """DeepSpeed's JSON has no expert-parallel key: the export says where ep goes (it had
+    refused a plan the deepspeed framework was allowed to make)."""
+    two = export_plan(_plan("deepspeed"), "deepspeed")
+    assert any("MoE(num_experts=8, ep_size=2, k=2)" in n
+               and "split_params_into_different_moe_groups_for_optimizer" in n
+               for n in two.notes)
     one = export_plan(_plan("deepspeed", ep=1), "deepspeed")
-    assert any("deepspeed.moe.layer.MoE(num_experts=8" in n for n in one.notes)
+    assert any("MoE(num_experts=8, ep_size=1, k=2)" in n for n in one.notes)
+
+
+def test_megatron_exports_ep_in_fp16():
+    """Megatron-LM runs ep in fp16 (its fp16 assert went in #2495, before the commit the
+    export rules are read at); the megatron-lm framework plans it, so the export writes it."""
+    text = export_plan(_plan("megatron-lm", dtype="fp16"), "megatron").text
+    assert "--fp16" in text and "--expert-model-parallel-size 2" in text
 
 
 def test_slurm_runs_what_autopars_runtime_runs():

@@ -44,7 +44,16 @@ MEMORY_KINDS: tuple[tuple[str, str], ...] = (
     ("optimizer_bytes", "optim"),
     ("activations_bytes", "activ"),
     ("buffers_bytes", "buffers"),
-    ("pipeline_buffers_bytes", "pp bufs"),
+    ("pipeline_buffers_bytes", "pipeline buffers"),
+)
+# The per-rank table's memory columns: each MEMORY_KINDS field in one column, the pipeline's
+# receive buffers with the other buffers (the columns add to the rank's total).
+TABLE_MEMORY_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("params", ("parameters_bytes",)),
+    ("grads", ("gradients_bytes",)),
+    ("optim", ("optimizer_bytes",)),
+    ("activ", ("activations_bytes",)),
+    ("buffers", ("buffers_bytes", "pipeline_buffers_bytes")),
 )
 
 
@@ -335,7 +344,7 @@ def stage_table(est: Estimate) -> Any:
     table.add_column("rank", justify="right")
     table.add_column("layers")
     table.add_column("params", justify="right")
-    for _, head in MEMORY_KINDS:
+    for head, _ in TABLE_MEMORY_COLUMNS:
         table.add_column(head, justify="right")
     table.add_column("total / capacity", justify="right")
     table.add_column("time/mb", justify="right")
@@ -347,7 +356,8 @@ def stage_table(est: Estimate) -> Any:
             str(stage.rank),
             _layer_text(stage.layers),
             format_count(stage.num_params),
-            *(format_bytes(getattr(mem, field)) for field, _ in MEMORY_KINDS),
+            *(format_bytes(sum(getattr(mem, field) for field in fields))
+              for _, fields in TABLE_MEMORY_COLUMNS),
             f"[red]{total}[/red]" if share > 1 else total,
             format_time(stage.time_per_microbatch_s),
         )

@@ -63,11 +63,14 @@ def test_report_shows_split_breakdown_stages_binding_and_alternatives():
 
 
 def test_the_per_rank_columns_are_every_kind_of_memory():
-    """The per-rank table has a column for every term of a rank's memory, so its columns add to
-    the total it prints (the pipeline's receive buffers had been left out: 8 GiB of a 72.5 GiB
-    Llama 3 405B rank shown in no column)."""
+    """The per-rank table's columns and the memory plot's bars hold every term of a rank's
+    memory once, so they add to its total (the pipeline's receive buffers had been left out:
+    8 GiB of a 72.5 GiB Llama 3 405B rank shown in no column)."""
     from autopar.cost_model.estimate import MemoryBreakdown
-    from autopar.report import MEMORY_KINDS
+    from autopar.plotting import MEMORY_COLORS
+    from autopar.report import MEMORY_KINDS, TABLE_MEMORY_COLUMNS
 
     fields = [f.name for f in dataclasses.fields(MemoryBreakdown)]
     assert [field for field, _ in MEMORY_KINDS] == fields
+    assert len(MEMORY_COLORS) == len(MEMORY_KINDS)
+    assert [f for _, group in TABLE_MEMORY_COLUMNS for f in group] == fields

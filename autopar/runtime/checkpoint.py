@@ -30,7 +30,6 @@ several nodes DIR must be on storage every node sees.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -54,7 +53,6 @@ __all__ = [
     "checkpoint_path",
     "load_latest_checkpoint",
     "model_problem",
-    "read_manifest",
     "save_checkpoint",
 ]
 
@@ -167,12 +165,6 @@ def _resume_point(checkpoint_dir: str, *, steps: int, trust: bool) -> ResumePoin
             f"{steps}; --steps is the total, so pass --steps {point.step} or more"
         )
     return point
-
-
-def read_manifest(checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
-    """The manifest of checkpoint ``step``: its facts (step, world size, config) and files."""
-    text = (checkpoint_path(checkpoint_dir, step) / MANIFEST_NAME).read_text()
-    return json.loads(text)
 
 
 def _optim_key(key: str, tied: tuple[str, str] | None) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
-from autopar.cost_model.frameworks import FRAMEWORKS, get_framework
+from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, get_framework
 from autopar.errors import ClusterConfigError, PlanMismatchError
 from autopar.graph.types import MoEStructure
 from autopar.plan_read import (
@@ -164,7 +164,7 @@ class Plan:
     seq_len: int = 0
     cluster: dict[str, Any] = field(default_factory=dict)
     search: SearchInfo = field(default_factory=SearchInfo)
-    framework: str = "autopar"
+    framework: str = DEFAULT_FRAMEWORK
     schema_version: int = SCHEMA_VERSION
     moe: MoEStructure | None = None
     loss: str = "eager"
@@ -344,7 +344,7 @@ class Plan:
             plan = cls(
                 schema_version=whole(data["schema_version"], "schema_version"),
                 model=text(data.get("model", ""), "model", line=True),
-                framework=text(data.get("framework", "autopar"), "framework"),
+                framework=text(data.get("framework", DEFAULT_FRAMEWORK), "framework"),
                 seq_len=whole(data.get("seq_len", 0), "seq_len"),
                 config=config,
                 stages=tuple(StagePlan.from_dict(s) for s in stages),

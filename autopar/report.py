@@ -303,10 +303,10 @@ def _experts_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
     if moe is None:
         return []
     from autopar.cost_model.framework_support import folds_experts
-    from autopar.cost_model.frameworks import get_framework
+    from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, get_framework
     from autopar.cost_model.moe import routed_imbalance
 
-    fw = get_framework(getattr(plan, "framework", "autopar"))
+    fw = get_framework(getattr(plan, "framework", DEFAULT_FRAMEWORK))
     head = f"[bold]Experts[/bold] {moe.experts} routed, top-{moe.top_k}"
     folded = ("; experts whole on each rank, each tp rank routing its own tokens (folded "
               "over tp: expert-tp-1)" if folds_experts(fw, config) else "")

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
+
 __all__ = ["SweepPoint", "mark_pareto", "parse_prices", "sweep"]
 
 SECONDS_PER_DAY = 86400.0
@@ -115,7 +117,7 @@ def sweep(
     time_budget_s: float | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     model: str = "",
-    framework: str = "autopar",
+    framework: str = DEFAULT_FRAMEWORK,
 ) -> tuple[SweepPoint, ...]:
     """Plan every cluster and price the training run.
 

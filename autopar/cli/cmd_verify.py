@@ -15,6 +15,7 @@ from typing import Any
 
 from autopar.cli import common
 from autopar.cli.argtypes import MAX_SEED, MAX_STEPS, int_in
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.errors import AutoparError
 
 NAME = "verify"
@@ -52,7 +53,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --refit: where to write the refitted cluster")
     parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--framework", default="autopar", type=framework_spec,
+    parser.add_argument("--framework", default=DEFAULT_FRAMEWORK, type=framework_spec,
                         metavar="NAME[+SETTING...]",
                         help="predict as this framework would run the plan (default autopar: "
                         "the runtime verify runs)")
@@ -95,7 +96,7 @@ def verify_command(args: argparse.Namespace) -> int:
         raise AutoparError("--out goes with --refit")
     plan, cluster = _load_inputs(args)
     # The run here is autopar's runtime; --framework predicts as another framework would.
-    plan = dataclasses.replace(plan, framework=getattr(args, "framework", "autopar"))
+    plan = dataclasses.replace(plan, framework=getattr(args, "framework", DEFAULT_FRAMEWORK))
     result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
                          warmup_steps=args.warmup, seed=args.seed)
     record = result.to_dict()

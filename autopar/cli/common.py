@@ -19,6 +19,7 @@ from typing import Any
 
 from autopar.cli.argtypes import int_in, positive_float
 from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.cost_model.hardware import GPUS_PER_NODE, MAX_GPU_MEMORY_GB, MAX_GPUS
 from autopar.errors import AutoparError, ClusterConfigError
 from autopar.stdio import document_stdout
@@ -115,11 +116,10 @@ def add_framework_argument(parser: argparse.ArgumentParser) -> None:
     from autopar.cli.argtypes import framework_spec
 
     parser.add_argument(
-        "--framework", default="autopar", type=framework_spec, metavar="NAME[+SETTING...]",
-        help="training framework that runs the split: autopar (default, this project's "
-        "runtime), torchtitan, megatron-lm, deepspeed, with the settings you turn on, e.g. "
-        "megatron-lm+tp-comm-overlap+overlap-grad-reduce (docs/frameworks.md)",
-    )
+        "--framework", default=DEFAULT_FRAMEWORK, type=framework_spec, metavar="NAME[+SETTING...]",
+        help=f"training framework that runs the split: {', '.join(FRAMEWORKS)} (default "
+        f"{DEFAULT_FRAMEWORK}: this project's runtime), with the settings you turn on, e.g. "
+        "megatron-lm+tp-comm-overlap+overlap-grad-reduce (docs/frameworks.md)")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool = True) -> None:

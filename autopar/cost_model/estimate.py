@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
+
 __all__ = ["Estimate", "MemoryBreakdown", "StageEstimate", "TimeBreakdown"]
 
 
@@ -187,7 +189,7 @@ class Estimate:
     memory_breakdown: MemoryBreakdown
     stages: tuple[StageEstimate, ...] = ()
     binding: str = ""
-    framework: str = "autopar"
+    framework: str = DEFAULT_FRAMEWORK
     step_time_interval_s: tuple[float, float] = (0.0, 0.0)
     host_memory_per_gpu_bytes: float = 0.0
     host_memory_capacity_bytes: float = 0.0

@@ -11,7 +11,12 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble, check_split
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.framework_support import model_support
-from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
+from autopar.cost_model.frameworks import (
+    DEFAULT_FRAMEWORK,
+    Framework,
+    framework_supports,
+    get_framework,
+)
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.partition import balanced_partition
@@ -88,7 +93,8 @@ def estimate(
         >>> cluster = Cluster.preset("a100-80g")
         >>> est = estimate(profile, cluster, ParallelConfig(tp=8, global_batch=8))
     """
-    table = checked_table(profile, cluster, config, "autopar" if framework is None else framework)
+    table = checked_table(profile, cluster, config,
+                          DEFAULT_FRAMEWORK if framework is None else framework)
     if split is None:
         split, default_recompute = default_split(table)
         recompute = default_recompute if recompute is None else recompute

@@ -12,7 +12,14 @@ from autopar.cost_model.framework_settings import (
     SETTINGS,
 )
 
-__all__ = ["default_sources"]
+__all__ = ["MEMORY_BAND", "MEMORY_BAND_SOURCE", "default_sources"]
+
+# measured: the largest error of predicted peak memory over autopar's own runs in the latest
+# reference measurement (16 configurations on CPU; tests/unit/test_frameworks.py reads it
+# there). No published memory figure of another framework is fitted yet: theirs is this band.
+MEMORY_BAND = 0.093
+MEMORY_BAND_SOURCE = ("benchmarks/results/accuracy_cpu_20261204.md (benchmarks/accuracy.py): "
+                      "largest memory error 9.3% over 16 configurations (CPU)")
 
 _WHOLE_INPUT = ("sourced: full recompute keeps the block input whole on the device (the "
                 "framework's checkpoint keeps its inputs as given)")
@@ -32,8 +39,8 @@ def default_sources(name: str) -> dict[str, str]:
     for key in (*FITTED_FIELDS[name], "step_time_band"):
         out.setdefault(key, "fitted: benchmarks/calibration.py --fit on this framework's "
                                 "published runs (benchmarks/data/published_runs.json)")
-    out.setdefault("memory_band", "measured: autopar's own band (benchmarks/accuracy.py; "
-                                      "no published memory figure of this framework fitted yet)")
+    out.setdefault("memory_band", f"measured: autopar's own band, {MEMORY_BAND_SOURCE}; no "
+                                  "published memory figure of this framework fitted yet")
     out.setdefault("overlap_slowdown", "sourced: arXiv:2507.03114 (18.9% average compute "
                                           "slowdown under overlapped NCCL collectives)")
     for key, text in OVERLAP_SOURCES[name].items():

@@ -29,13 +29,14 @@ from autopar.cost_model.collectives import MOE_TPS
 from autopar.cost_model.compute import ATTENTION_KERNELS
 from autopar.cost_model.cp_comm import CP_COMMS
 from autopar.cost_model.framework_fit import FIT
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS, RUNTIME
 from autopar.cost_model.framework_settings import (
     EXPANDABLE_FRAGMENTATION,
     FSDP2_UNIT,
     SETTINGS,
     setting_changes,
 )
-from autopar.cost_model.framework_sources import default_sources
+from autopar.cost_model.framework_sources import MEMORY_BAND, MEMORY_BAND_SOURCE, default_sources
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.moe import EP_DISPATCHES
@@ -46,10 +47,9 @@ from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
 from autopar.cost_model.stage_splits import STAGE_SPLITS
 from autopar.units import MIB
 
-__all__ = ["FRAMEWORKS", "SETTINGS", "Framework", "framework_cluster", "framework_supports",
-           "get_framework"]
+__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "RUNTIME", "SETTINGS", "Framework",
+           "framework_cluster", "framework_supports", "get_framework"]
 
-FRAMEWORKS: tuple[str, ...] = ("autopar", "torchtitan", "megatron-lm", "deepspeed")
 
 DDP_BUCKET_BYTES = 25 * MIB  # sourced: DistributedDataParallel's default bucket_cap_mb
 # How ZeRO-3 gathers parameters.
@@ -268,12 +268,6 @@ _EXPANDABLE = ("sourced: PyTorch CUDA caching allocator notes (expandable_segmen
 _NO_EXPANDABLE = ("sourced: PyTorch CUDA caching allocator without expandable segments "
                   "(memory_stats: reserved exceeds allocated by 5-10% on varied sizes); 7% "
                   "charged")
-
-# measured: the largest error of predicted peak memory over autopar's own runs in the latest
-# reference measurement (16 configurations on CPU; tests/unit/test_frameworks.py reads it there).
-MEMORY_BAND = 0.093
-MEMORY_BAND_SOURCE = ("benchmarks/results/accuracy_cpu_20261204.md (benchmarks/accuracy.py): "
-                      "largest memory error 9.3% over 16 configurations (CPU)")
 
 _RECORDS: dict[str, dict[str, object]] = {
     "autopar": dict(

@@ -71,7 +71,7 @@ from autopar.cost_model.framework_support import (
     moe_routes_whole_sequence,
     moe_tp_mode,
 )
-from autopar.cost_model.frameworks import Framework, get_framework
+from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, RUNTIME, Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
     activation_bytes_of,
@@ -348,7 +348,7 @@ def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framew
 
 
 def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelConfig,
-                     framework: str | Framework = "autopar") -> CostTable:
+                     framework: str | Framework = DEFAULT_FRAMEWORK) -> CostTable:
     """The CostTable (what ``assemble`` and the search's ILP consume) of every per-layer cost
     term of ``config`` on ``cluster`` for ``profile`` (bytes at ``profile.dtype``, counts per
     sample) under ``framework`` (a name in ``FRAMEWORKS`` or a Framework record)."""
@@ -476,7 +476,7 @@ def charged_collectives(
             ``collectives.stage_split``.
     """
     cfg, split, recompute = stage_split(profile, config, split, recompute)
-    runtime = model_framework(get_framework("autopar"), profile)
+    runtime = model_framework(get_framework(RUNTIME), profile)
     ratio = DTYPE_BYTES[cfg.dtype] / DTYPE_BYTES[profile.dtype]
     m, first = cfg.num_microbatches, first_block_index(profile)
     counts: Counter[str] = Counter()

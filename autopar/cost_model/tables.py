@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
-from autopar.cost_model.frameworks import Framework, get_framework
+from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, Framework, get_framework
 
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 
@@ -150,7 +150,8 @@ class CostTable:
     peak_flops: float
     tokens_per_step: int
     recv_buffer_bytes: float = 0.0
-    framework: Framework = dataclasses.field(default_factory=lambda: get_framework("autopar"))
+    framework: Framework = dataclasses.field(
+        default_factory=lambda: get_framework(DEFAULT_FRAMEWORK))
     dp_head_s: float = 0.0
     host_capacity_bytes: float = 0.0
     dtype_reason: str = ""

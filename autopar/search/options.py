@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS, SCHEDULES, ZERO_STAGES
+from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK
 from autopar.cost_model.hardware import MAX_GPUS
 
 __all__ = ["SOLVERS", "SearchOptions"]
@@ -151,7 +152,7 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] | None = None
     solver: str = "highs"
     dtype: str | None = None
-    framework: str = "autopar"
+    framework: str = DEFAULT_FRAMEWORK
     robust: bool = False
     context_parallel: bool = True
     max_cp: int | None = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.framework_support import model_support, moe_sp_blocker
-from autopar.cost_model.frameworks import get_framework
+from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, get_framework
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_inputs
 from autopar.errors import InfeasiblePlanError
@@ -418,7 +418,7 @@ def _best_plans(profile, cluster, state: _State, model: str, options: SearchOpti
 
 
 def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "",
-                     framework: str = "autopar") -> Plan:
+                     framework: str = DEFAULT_FRAMEWORK) -> Plan:
     """A Plan for a given split: the most balanced stages and ``config.recompute`` everywhere.
 
     Its estimate equals ``autopar.estimate(profile, cluster, config, framework)``.

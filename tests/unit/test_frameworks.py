@@ -261,7 +261,7 @@ def test_the_memory_band_is_the_largest_error_its_source_measured() -> None:
     measurement it names, read from that file (it had said 7.2% where the file said 9.3%)."""
     import re
 
-    from autopar.cost_model.frameworks import MEMORY_BAND, MEMORY_BAND_SOURCE
+    from autopar.cost_model.framework_sources import MEMORY_BAND, MEMORY_BAND_SOURCE
 
     root = Path(__file__).parents[2]
     text = (root / MEMORY_BAND_SOURCE.split()[0]).read_text()
@@ -272,3 +272,27 @@ def test_the_memory_band_is_the_largest_error_its_source_measured() -> None:
     assert f"{max(errors)}%" in MEMORY_BAND_SOURCE
     for name in autopar.FRAMEWORKS:
         assert autopar.cost_model.frameworks.get_framework(name).memory_band == MEMORY_BAND
+
+
+def test_every_framework_keyed_table_names_frameworks_and_their_settings() -> None:
+    """The tables a record is built from are keyed by framework name: a misspelt key (read with
+    ``.get(name, {})``) would turn a setting off without a word."""
+    from autopar.cost_model import framework_dimensions, framework_fit, framework_settings
+
+    tables = {
+        "DIMENSIONS": framework_dimensions.DIMENSIONS,
+        "DIMENSION_SOURCES": framework_dimensions.DIMENSION_SOURCES,
+        "FIT": framework_fit.FIT,
+        "FITTED_FIELDS": framework_fit.FITTED_FIELDS,
+        "SETTINGS": framework_settings.SETTINGS,
+        "SEARCHED_SETTINGS": framework_settings.SEARCHED_SETTINGS,
+        "MEMORY_SETTINGS": framework_settings.MEMORY_SETTINGS,
+        "OVERLAP_SOURCES": framework_settings.OVERLAP_SOURCES,
+    }
+    for name, table in tables.items():
+        assert set(table) <= set(autopar.FRAMEWORKS), name
+    for name in ("SEARCHED_SETTINGS", "MEMORY_SETTINGS"):
+        for framework, settings in tables[name].items():
+            assert set(settings) <= set(framework_settings.SETTINGS[framework]), name
+    named = {s for settings in framework_settings.SETTINGS.values() for s in settings}
+    assert set(framework_settings.SETTING_EFFECTS) <= named

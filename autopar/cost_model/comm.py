@@ -62,6 +62,8 @@ __all__ = [
     "ALL_TO_ALL",
     "BUS_FACTORS",
     "COLLECTIVE_KINDS",
+    "DEVICE_TO_HOST",
+    "HOST_TO_DEVICE",
     "REDUCE_SCATTER",
     "SEND_RECV",
     "Collective",
@@ -86,6 +88,9 @@ ALL_GATHER = "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_tensor"
 SEND_RECV = "send_recv"
 ALL_TO_ALL = "all_to_all_single"  # expert parallelism's token exchange (moe.py)
+# Offload's copies between a device and its host (offload.py), on the "pcie" axis.
+HOST_TO_DEVICE = "host_to_device"
+DEVICE_TO_HOST = "device_to_host"
 
 # Bus factor of each collective as a function of the group size n (sourced: nccl-tests
 # doc/PERFORMANCE.md): bytes each rank moves over the buffer size S.
@@ -264,9 +269,8 @@ COLLECTIVE_KINDS = {
     ALL_REDUCE: all_reduce_s,
     ALL_GATHER: all_gather_s,
     REDUCE_SCATTER: reduce_scatter_s,
-    # Offload's copies between a device and its host (offload.py), on the "pcie" axis.
-    "host_to_device": host_copy_s,
-    "device_to_host": host_copy_s,
+    HOST_TO_DEVICE: host_copy_s,
+    DEVICE_TO_HOST: host_copy_s,
 }
 
 

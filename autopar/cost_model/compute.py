@@ -84,11 +84,15 @@ class LayerCompute:
         forward_s: forward matmuls plus forward elementwise traffic.
         backward_s: backward matmuls plus backward elementwise traffic.
         recompute_s: re-run forward time by recompute mode (none, selective, full).
+        floor_stretch: (forward, backward) wall time over the kernels' own where the host's
+            dispatch floor holds the layer up (1: it does not): each kernel's window, for
+            what overlaps it (cp_comm.py), is stretched alike.
     """
 
     forward_s: float
     backward_s: float
     recompute_s: tuple[float, float, float]
+    floor_stretch: tuple[float, float] = (1.0, 1.0)
 
 
 def layer_compute(
@@ -134,21 +138,22 @@ def layer_compute(
     """
     rate = peak_flops * matmul_efficiency(device, fwd_flops)
     traffic_s = device.elementwise_traffic_factor * elementwise_bytes / device.hbm_bytes_per_s
-    # Elementwise traffic and framework overhead split alike between forward and backward.
-    traffic_s += overhead_s
+    traffic_s += overhead_s  # elementwise traffic and overhead split alike over fwd and bwd
     fwd_traffic_s = FORWARD_SHARE * traffic_s
     fwd_mm = fwd_flops / rate if fwd_flops > 0 else 0.0
     recompute = _recompute_s(recompute_flops, fwd_flops, rate, fwd_traffic_s + recompute_extra_s,
                              selective_rate_ratio)
     bwd_mm = bwd_flops / rate if bwd_flops > 0 else 0.0
-    fwd_s = max(fwd_mm + fwd_traffic_s, FORWARD_SHARE * floor_s)
-    bwd_s = max(bwd_mm + traffic_s - fwd_traffic_s, (1.0 - FORWARD_SHARE) * floor_s)
+    own = (fwd_mm + fwd_traffic_s, bwd_mm + traffic_s - fwd_traffic_s)
+    fwd_s, bwd_s = max(own[0], FORWARD_SHARE * floor_s), max(own[1], (1 - FORWARD_SHARE) * floor_s)
+    stretch = (fwd_s / own[0] if own[0] > 0 else 1.0, bwd_s / own[1] if own[1] > 0 else 1.0)
     fwd_s += param_traffic_bytes[0] / device.hbm_bytes_per_s
     bwd_s += param_traffic_bytes[1] / device.hbm_bytes_per_s
     return LayerCompute(
         forward_s=fwd_s / speedup,
         backward_s=bwd_s / speedup,
         recompute_s=(recompute[0] / speedup, recompute[1] / speedup, recompute[2] / speedup),
+        floor_stretch=stretch,
     )
 
 

@@ -215,10 +215,12 @@ class CpTerms:
 
 
 def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cluster: Cluster,
-             groups: dict, attn_flops: float, shard: int, fw) -> CpTerms:
+             groups: dict, attn_flops: float, shard: int, fw,
+             stretch: tuple[float, float] = (1.0, 1.0)) -> CpTerms:
     """The K/V exchange of one layer as ``fw`` runs it (``Framework.cp_comm``): the all-gather
     variant on the "cp" group, or the ring on ``groups["cp_ring"]`` (``profile``: the local
-    one; ``attn_flops``: the rank's attention-core forward FLOPs per micro-batch)."""
+    one; ``attn_flops``: the rank's attention-core forward FLOPs per micro-batch; ``stretch``:
+    the layer's ``LayerCompute.floor_stretch``, its attention's wall time over its kernels')."""
     if cfg.cp == 1:
         return CpTerms()
     kv = kv_bytes(profile, layer, cfg, shard)
@@ -233,7 +235,8 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
         cluster.device, fw.attention_kernel, profile.attention))
     attn_fwd_s = attn_flops / rate
     attn_bwd_s = attn_fwd_s * (layer.bwd_flops / layer.fwd_flops if layer.fwd_flops
-                              else MATMUL_BACKWARD_RATIO)
+                              else MATMUL_BACKWARD_RATIO) * stretch[1]
+    attn_fwd_s *= stretch[0]
     if fw.cp_comm == "all_gather_rotate":
         live = (cfg.cp - 1) * kv
         return CpTerms(comm_s=rotate_gather_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp"],

@@ -148,7 +148,7 @@ def dp_terms(colls, links: dict[str, comm.GroupLink], fwd_s: float, bwd_s: float
         link = links[c.axis]
         total[(c.per, c.phase)] += c.time_s(link)
         # The last unit's reductions (and its gradient's copy to the host) wait for nothing.
-        if c.phase == "backward" and c.kind in (RS, AR, "device_to_host"):
+        if c.phase == "backward" and c.kind in (RS, AR, comm.DEVICE_TO_HOST):
             size = min(c.size_bytes, c.calls * c.size_bytes)
             tail += comm.collective_s(link, c.kind, size)
     window = {"forward": eta * fwd_s, "backward": eta * bwd_s}

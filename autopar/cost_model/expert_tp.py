@@ -74,7 +74,7 @@ def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int) -> LayerProfile
     more = tp - 1
     fwd = moe.routed_fwd_flops(seq_len)  # per sample
     rows = seq_len * moe.routed_rows_per_token()
-    saved = round(rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w)
+    saved = round(rows * moe.routed_saved_bytes_per_row(w))
     return dataclasses.replace(
         layer,
         num_params=layer.num_params + more * moe.routed_params,

@@ -142,8 +142,7 @@ def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
-    layer = framework_layer(profile.layers[index], fw)
-    b = cfg.micro_batch
+    layer, b = framework_layer(profile.layers[index], fw), cfg.micro_batch
     shard = cfg.tp if tp_sharded(layer) else 1
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
@@ -194,7 +193,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         ep_comm_s=ep.comm_s,
         optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
-        cp_comm_s=cp.comm_s,
+        cp_comm_s=cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw,
+                           base.floor_stretch).comm_s,
         host_bytes=host_bytes + ckpt.host_bytes,
         unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
                                                    base, (times, ep)),

@@ -294,7 +294,7 @@ def ep_terms(
     extra = routed_imbalance(moe, force_balance) - 1.0
     fwd = moe.routed_fwd_flops(b * seq_len) / shard
     size = rows / _tokens_div(config, whole_sequence) * moe.hidden * w
-    act = extra * rows * (2 * moe.hidden + 4 * moe.expert_hidden) * w / shard
+    act = extra * rows * moe.routed_saved_bytes_per_row(w) / shard
     stride = ep_stride(layer, config)
     share = dispatch_share(cluster, config.ep, stride, moe, dispatch)
     none, sel, full = (float(sum(c.calls * all_to_all_s(cluster, config.ep, stride,

@@ -45,7 +45,7 @@ __all__ = [
 # CPU Adam; taken per node and shared by the node's GPU processes.
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1e9 / 1.18
 HOST_BYTES_PER_PARAM = memory.MASTER_BYTES + memory.ADAM_BYTES + memory.GRAD_BYTES
-_H2D, _D2H = "host_to_device", "device_to_host"
+_H2D, _D2H = comm.HOST_TO_DEVICE, comm.DEVICE_TO_HOST
 
 
 def run_offload(config: ParallelConfig, fw: Any) -> str:

@@ -156,6 +156,11 @@ class MoEStructure:
         """Forward FLOPs of the routed experts on ``tokens`` tokens: 2 * rows * P_e."""
         return 2.0 * tokens * self.routed_rows_per_token() * self.expert_params
 
+    def routed_saved_bytes_per_row(self, dtype_bytes: int) -> float:
+        """Bytes a SwiGLU expert saves for backward per dispatched row: its input and output
+        rows (2 h) and its gate, up, activated gate and product (4 f), at ``dtype_bytes``."""
+        return (2 * self.hidden + 4 * self.expert_hidden) * dtype_bytes
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerProfile:

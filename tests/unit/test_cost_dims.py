@@ -312,3 +312,27 @@ def test_one_gpu_offload_runs_fsdp2_over_one_rank_and_is_costed() -> None:
     base, moved = (autopar.estimate(LLAMA, cluster, c) for c in (cfg, off))
     assert moved.host_memory_per_gpu_bytes > 0 == base.host_memory_per_gpu_bytes
     assert moved.memory_per_gpu_bytes < base.memory_per_gpu_bytes
+
+
+def _faster(cluster: Cluster, k: float) -> Cluster:
+    """``cluster`` with every peak FLOP rate and the HBM bandwidth ``k`` times as high."""
+    doc = cluster.to_dict()
+    for field in ("peak_bf16_flops", "peak_fp16_flops", "peak_fp8_flops", "hbm_bytes_per_s"):
+        doc["device"][field] *= k
+    return Cluster.from_dict(doc)
+
+
+@pytest.mark.parametrize("framework", ["megatron-lm", "torchtitan"])
+def test_a_faster_gpu_never_slows_a_context_parallel_step(framework):
+    """The ring's K/V exchange hides under the attention's wall time: where the host's dispatch
+    floor holds a small layer up, a faster GPU does not shrink that window (it had: the window
+    was the attention's FLOPs at peak, and a 3x faster GPU predicted a slower step)."""
+    profile = analytic_transformer_profile(4, 256, 4, 512, 4096, gated_mlp=True)
+    cfg = ParallelConfig(dp=1, cp=4, global_batch=4, zero=1)
+    base = Cluster.preset("h100", gpus_per_node=4)
+    steps = [autopar.estimate(profile, _faster(base, k), cfg, framework=framework).step_time_s
+             for k in (1, 2, 3, 4, 8)]
+    assert steps == sorted(steps, reverse=True)
+    exposed = [autopar.estimate(profile, _faster(base, k), cfg, framework=framework)
+               .time_breakdown.cp_comm_s for k in (1, 8)]
+    assert exposed[1] <= exposed[0] * (1 + 1e-9)

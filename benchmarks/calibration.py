@@ -4,6 +4,7 @@ Usage:
     python benchmarks/calibration.py            # every run: measured, predicted, error, memory
     python benchmarks/calibration.py --loso     # and leave-one-source-out error (refits per source)
     python benchmarks/calibration.py --fit      # fit each framework's parameters on its records
+    python benchmarks/calibration.py --fit-dp-overlap  # the clusters' DP overlap, by LOSO error
 
 Every record of benchmarks/data/published_runs.json (each number with its source) names its
 framework, its model (kind, shape, attention kernel, dropout, tied embeddings), its cluster (GPU,
@@ -19,9 +20,16 @@ and no rule keyed on a record's id. Records outside autopar's space are listed a
 
 The fit (``--fit``): for each framework, its own records only, the few fitted fields of its
 ``Framework`` record (``FITTED``) minimise the squared log error of tokens/s per GPU
-(Nelder-Mead). Leave-one-source-out (``--loso``): for each publication (``source_key``), fit
-without it, predict it. A framework's step-time band is the 10th-90th percentile of measured
-over predicted step time in that cross-validation.
+(scipy ``least_squares``). Leave-one-source-out (``--loso``): for each publication
+(``source_key``), fit without it, predict it. A framework's step-time band is the 10th-90th
+percentile of measured over predicted step time in that cross-validation.
+
+``--fit-dp-overlap``: the GPU presets' ``dp_overlap_efficiency`` (presets.DP_OVERLAP, a cluster
+field, and the field of the torchtitan, Megatron-LM and DeepSpeed records: how much of the last
+backward hides the data-parallel reduction) is shared by every framework, so no one framework's
+fit can set it; each value of ``DP_OVERLAP_GRID`` is given to
+every record's cluster, every framework refitted leaving each source out, and the value with the
+lowest leave-one-source-out median error (then p90) is the fitted one.
 """
 
 from __future__ import annotations
@@ -195,10 +203,21 @@ def record_framework(rec: dict, framework: Framework | None = None) -> Framework
     return fw.with_settings(settings)
 
 
+# --fit-dp-overlap: the values tried, and the one every record's cluster holds while trying it
+DP_OVERLAP_GRID = (0.6, 0.7, 0.8, 0.9, 1.0)
+_DP_OVERLAP: dict[str, float] = {}
+
+
 def record_inputs(rec: dict, framework: Framework | None = None):
     """(profile, cluster, config-or-plan, framework) exactly as a user would pass them."""
     fw = record_framework(rec, framework)
     profile, cluster, chosen = _record_split(rec["id"])
+    if _DP_OVERLAP:  # --fit-dp-overlap: the clusters' value, and the records' that share it
+        cluster = dataclasses.replace(cluster, dp_overlap_efficiency=_DP_OVERLAP["value"])
+        if fw.dp_overlap_efficiency is not None:
+            fw = fw.with_fit(dp_overlap_efficiency=_DP_OVERLAP["value"])
+        if isinstance(chosen, autopar.Plan):  # a split planned on the preset, re-targeted
+            chosen = chosen.for_cluster(cluster)
     return profile, cluster, chosen, fw
 
 
@@ -345,6 +364,24 @@ def leave_one_source_out(records: list[dict], name: str) -> list[dict]:
     return rows
 
 
+def fit_dp_overlap(records: list[dict], frameworks: list[str]) -> float:
+    """Print the leave-one-source-out error of every ``DP_OVERLAP_GRID`` value; return the
+    value with the lowest median (then p90) error."""
+    scores = []
+    for value in DP_OVERLAP_GRID:
+        _DP_OVERLAP["value"] = value
+        try:
+            rows = [row for name in frameworks for row in leave_one_source_out(records, name)]
+        finally:
+            _DP_OVERLAP.clear()
+        s = summary(rows)
+        scores.append((round(s["median"], 4), round(s["p90"], 4), value))
+        _print_summary(f"dp_overlap_efficiency {value}: LOSO all", s)
+    best = min(scores)[2]
+    print(f"fitted dp_overlap_efficiency: {best} (lowest leave-one-source-out median, then p90)")
+    return best
+
+
 def step_time_band(rows: list[dict]) -> tuple[float, float]:
     """10th and 90th percentile of measured over predicted step time."""
     ratios = sorted((1 + r["error"]) for r in rows)  # predicted / measured throughput
@@ -414,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out error")
     ap.add_argument("--fit", action="store_true", help="fit each framework on its records")
+    ap.add_argument("--fit-dp-overlap", action="store_true",
+                    help="fit the clusters' dp_overlap_efficiency by leave-one-source-out error")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--records", action="store_true",
                     help="print the framework records (values and sources) as markdown")
@@ -425,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [(r["id"], out_of_space(r)) for r in records if out_of_space(r)]
     records = [r for r in records if not out_of_space(r)]
     frameworks = sorted({r["framework"] for r in records})
+    if args.fit_dp_overlap:
+        fit_dp_overlap(records, frameworks)
+        return 0
     if args.fit:
         for name in frameworks:
             fw = fit([r for r in records if r["framework"] == name], get_framework(name))

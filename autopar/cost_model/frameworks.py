@@ -42,7 +42,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.moe import EP_DISPATCHES
 from autopar.cost_model.pipeline import IN_FLIGHT, PER_MICROBATCH
 from autopar.cost_model.precision import FP8_SCALINGS
-from autopar.cost_model.presets import DP_OVERLAP
+from autopar.cost_model.presets import DP_OVERLAP, DP_OVERLAP_FIT
 from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
 from autopar.cost_model.stage_splits import STAGE_SPLITS
 from autopar.units import MIB
@@ -355,7 +355,7 @@ _RECORDS: dict[str, dict[str, object]] = {
             "fragmentation_fraction": _EXPANDABLE + " (torchtitan's run script sets it)",
             "param_traffic_factor": "sourced: FSDP2 MixedPrecisionPolicy(param bf16, reduce "
                                     "fp32): fp32 gradient accumulation as autopar's",
-            "dp_overlap_efficiency": "sourced: autopar's preset value (FSDP2 prefetch alike)",
+            "dp_overlap_efficiency": f"{DP_OVERLAP_FIT} (FSDP2 prefetch alike)",
             "zero_stages": "sourced: torchtitan parallel dims dp_shard (FSDP2, zero 3; "
                            "fsdp_reshard_after_forward='never' keeps parameters gathered "
                            "between forward and backward: zero 1 and 2) / dp_replicate (DDP)",
@@ -403,8 +403,8 @@ _RECORDS: dict[str, dict[str, object]] = {
                            "(ZeRO-1); parameters and gradients replicated",
             "schedules": "sourced: schedules.py forward_backward_pipelining_without/with_"
                          "interleaving",
-            "dp_overlap_efficiency": "sourced: autopar's preset value (--overlap-grad-reduce "
-                                     "buckets overlap the backward)",
+            "dp_overlap_efficiency": f"{DP_OVERLAP_FIT} (--overlap-grad-reduce buckets "
+                                     "overlap the backward)",
         },
     ),
     "deepspeed": dict(
@@ -447,7 +447,7 @@ _RECORDS: dict[str, dict[str, object]] = {
             "zero_stages": "sourced: deepspeed.ai ZeRO tutorial; pipeline engine supports "
                            "ZeRO-1 only",
             "schedules": "sourced: deepspeed/runtime/pipe/schedule.py TrainSchedule (1F1B)",
-            "dp_overlap_efficiency": "sourced: autopar's preset value (overlap_comm)",
+            "dp_overlap_efficiency": f"{DP_OVERLAP_FIT} (overlap_comm)",
         },
     ),
 }

@@ -32,7 +32,7 @@ from autopar.cost_model.tables import LayerCost
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["folded_experts", "model_flops_once", "replicated_experts"]
+__all__ = ["costed_profiles", "folded_experts", "model_flops_once", "replicated_experts"]
 
 # One widened profile per (profile, tp): a search builds thousands of tables from one profile.
 _WIDENED: IdentityCache[ModelProfile] = IdentityCache()
@@ -103,3 +103,21 @@ def model_flops_once(layers: list[LayerCost], model: ModelProfile, cp: int) -> l
             cost, model_flops_per_sample=flops,
             recompute_flops_per_sample=(none + more, selective + more, full + more)))
     return out
+
+
+def costed_profiles(profile: ModelProfile, cfg, fw) -> tuple[ModelProfile, ModelProfile,
+                                                             ModelProfile]:
+    """(whole, local, costed) profiles of ``cfg`` under framework ``fw``, as the cost table
+    reads them: ``whole`` with a head tied to the embedding holding its own copy across a
+    pipeline split (tied_head.py); ``local`` a rank's s / cp tokens of it; ``costed`` that with
+    its routed experts whole on every tp rank where the framework does not shard them, or folded
+    over tp (``replicated_experts``, ``folded_experts``)."""
+    from autopar.cost_model.cp_comm import local_profile
+    from autopar.cost_model.framework_support import folds_experts
+    from autopar.cost_model.tied_head import split_tied_head
+
+    whole = split_tied_head(profile, cfg.pp)
+    local = local_profile(whole, cfg.cp)
+    costed = (replicated_experts(local, cfg.tp) if not fw.expert_tensor_parallel
+              else folded_experts(local, cfg.tp) if folds_experts(fw, cfg) else local)
+    return whole, local, costed

@@ -4,7 +4,8 @@ One entry per framework of ``frameworks.FRAMEWORKS``, merged into its ``Framewor
 (fields ``context_parallel``, ``hsdp``, ``offloads``, ``dtypes``, and how it runs them:
 ``cp_comm`` "ring" (point-to-point K/V, overlapped with attention), "all_gather" (one K/V
 all-gather per attention, exposed) or "all_gather_rotate" (torch's gather under the rank's own
-block: cp_comm.py); ``ep_with_cp``; ``expert_gemm_calls``, the GEMM
+block: cp_comm.py); ``ep_with_cp``; ``moe_zero_stages``, the ZeRO stages it trains a
+mixture-of-experts model with; ``expert_gemm_calls``, the GEMM
 calls per local expert of a framework that loops over its experts (0: one grouped GEMM for all:
 moe.py); ``expert_tensor_parallel``, routed experts sharded over tp (else every tp rank holds and
 runs them whole: expert_tp.py ``replicated_experts``); ``expert_tp_folded``, routed experts
@@ -89,6 +90,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
         dtypes=("bf16", "fp16", "fp32"), expert_gemm_calls=3, expert_tensor_parallel=False,
+        moe_zero_stages=(0, 1, 2),
         expert_tp_folded=False,
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
@@ -127,6 +129,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "ep_with_cp": "sourced: autopar/runtime/expert_parallel.py ep_groups cuts the ep "
                       "groups from the dp x cp ranks (tests/distributed/test_runtime_moe.py "
                       "dp2 x cp2 ep2)",
+        "moe_zero_stages": "sourced: autopar/runtime/expert_parallel.py: FSDP2 shards the "
+                           "experts over their own data-parallel ranks at every ZeRO stage",
         "offload_optimizer_moves_params": "sourced: autopar/runtime/data_parallel.py "
                                           "_offload_policy: FSDP2 CPUOffloadPolicy for "
                                           "offload='optimizer' too, which (its torch 2.13 "
@@ -201,6 +205,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                    "'cp-rotate-alltoall': the ring",
         "ep_with_cp": "sourced: torchtitan v0.2.2 ParallelDims: ep borrows its ranks from "
                       "dp_shard * cp",
+        "moe_zero_stages": "sourced: torchtitan v0.2.2 parallelize: FSDP2 shards the experts "
+                           "over dp_shard (its MoE models train with ZeRO-3)",
         "offload_optimizer_moves_params": "sourced: torchtitan has no optimizer-only "
                                           "offload (offloads above)",
         "expert_gemm_calls": "sourced: torchtitan's GroupedExperts (use_grouped_mm: "
@@ -260,6 +266,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                    "attention, K/V exchange overlapped with attention",
         "ep_with_cp": "sourced: Megatron-Core MoE README (parallel folding: EP with CP, "
                       "e.g. CP=8, EP=8 on 64 GPUs)",
+        "moe_zero_stages": "sourced: the distributed optimizer shards the experts' state over "
+                           "their own data-parallel group (Megatron-Core MoE README)",
         "offload_optimizer_moves_params": "sourced: Megatron-LM --optimizer-cpu-offload "
                                           "moves the optimizer state only",
         "expert_gemm_calls": "sourced: Megatron-LM --moe-grouped-gemm (TEGroupedMLP, in "
@@ -323,6 +331,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "dtypes": "sourced: deepspeed.ai config-json bf16 / fp16 sections; no fp8 training",
         "cp_comm": "sourced: no ring-attention context parallelism (above); unused",
         "ep_with_cp": "sourced: no context parallelism (above)",
+        "moe_zero_stages": "sourced: DeepSpeed 0.19.8 runtime/engine.py "
+                           "_configure_zero_optimizer: 'Native DeepSpeed MoE is not supported "
+                           "with ZeRO Stage 3' (deepspeed.moe.layer.MoE, what the export names)",
         "offload_optimizer_moves_params": "sourced: deepspeed.ai config-json "
                                           "offload_optimizer keeps the 16-bit parameters on "
                                           "the GPU",

@@ -159,6 +159,10 @@ def moe_support(framework: Framework, config, moe, ep_blocker: str = "") -> str 
     records (``Plan.moe``) is enough, so the exporters ask it too."""
     if moe is None:
         return None
+    if config.zero not in framework.moe_zero_stages:
+        return (f"{framework.name} trains mixture-of-experts models with ZeRO stages "
+                f"{', '.join(map(str, framework.moe_zero_stages))} only; use zero "
+                f"{max(framework.moe_zero_stages)}")
     if config.sequence_parallel and config.tp > 1:
         reason = moe_sp_blocker(framework, moe)
         if reason:

@@ -190,6 +190,7 @@ class Framework:
     fp8_param_gather: bool = False
     loss_grad_in_place: bool = False
     ep_with_cp: bool = True
+    moe_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     cp_comm: str = "ring"
     offload_optimizer_moves_params: bool = False
     expert_gemm_calls: int = 0

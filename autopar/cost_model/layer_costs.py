@@ -64,9 +64,8 @@ from autopar.cost_model.dp_comm import (
     params_tp,
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
-from autopar.cost_model.expert_tp import folded_experts, model_flops_once, replicated_experts
+from autopar.cost_model.expert_tp import costed_profiles, model_flops_once
 from autopar.cost_model.framework_support import (
-    folds_experts,
     model_framework,
     moe_routes_whole_sequence,
     moe_tp_mode,
@@ -100,7 +99,7 @@ from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
-from autopar.cost_model.tied_head import split_tied_head, tied_sync_s, with_tied_sync
+from autopar.cost_model.tied_head import tied_sync_s, with_tied_sync
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import ModelProfile
 
@@ -355,13 +354,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     cfg = config
     fw = model_framework(get_framework(framework), profile)
     cluster = driven_cluster(cluster, fw)  # framework_cluster, once per search
-    # A head tied to the embedding holds its own copy across a pipeline split (tied_head.py).
-    profile = split_tied_head(profile, cfg.pp)
-    whole, local = profile, local_profile(profile, cfg.cp)  # a rank's s / cp tokens
-    # Routed experts whole on every tp rank where the framework does not shard them, or folded
-    # over tp (expert_tp.py).
-    profile = (replicated_experts(local, cfg.tp) if not fw.expert_tensor_parallel
-               else folded_experts(local, cfg.tp) if folds_experts(fw, cfg) else local)
+    whole, local, profile = costed_profiles(profile, cfg, fw)  # expert_tp.py
     # The attention core's FLOPs (what "selective" re-runs in the traced profile; a framework's
     # own selective policy replaces that entry per layer): the cp ring's window, fp8's split.
     terms = profile_terms(profile)

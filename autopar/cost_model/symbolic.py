@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from autopar.config import ParallelConfig
+from autopar.cost_model.expert_tp import costed_profiles
 from autopar.cost_model.framework_support import model_framework
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.layer_costs import build_cost_table
@@ -32,7 +33,6 @@ from autopar.cost_model.memory import (
 )
 from autopar.cost_model.moe import state_parts
 from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.tied_head import split_tied_head
 from autopar.cost_model.tp_comm import tp_sharded
 from autopar.units import GIB, KIB, MIB
 
@@ -167,17 +167,21 @@ def explain(
     return "\n".join(lines)
 
 
-def _rank_parts(profile: ModelProfile, cfg: ParallelConfig, rank_layers) -> dict[int, float]:
-    """Parameters (after tp) the rank holds, by the ranks ZeRO shards them over: each of its
-    layers' ``moe.state_parts``, as the cost table counts them."""
-    layers = split_tied_head(profile, cfg.pp).layers  # the cost table's layers
-    parts: dict[int, float] = {cfg.shard_ranks: 0.0}
+def _rank_parts(profile: ModelProfile, cfg: ParallelConfig, fw: Framework,
+                rank_layers) -> tuple[float, dict[int, float]]:
+    """Parameters (after tp) the rank holds: its dense parts (over the config's shard group)
+    and, by the ranks ZeRO shards them over, the routed experts held apart: each of its layers'
+    ``moe.state_parts`` (the first part dense), on the layers the cost table costs."""
+    layers = costed_profiles(profile, cfg, fw)[2].layers
+    dense, experts = 0.0, {}
     for first, last in rank_layers:
         for layer in layers[first:last + 1]:
             shard = cfg.tp if tp_sharded(layer) else 1
-            for params, ranks in state_parts(layer, cfg, shard):
-                parts[ranks] = parts.get(ranks, 0.0) + params
-    return parts
+            (params, _), *held = state_parts(layer, cfg, shard)
+            dense += params
+            for params, ranks in held:
+                experts[ranks] = experts.get(ranks, 0.0) + params
+    return dense, experts
 
 
 def _memory_lines(
@@ -186,8 +190,7 @@ def _memory_lines(
     from autopar.config import DTYPE_BYTES
 
     largest = max(est.stages, key=lambda s: (s.memory_bytes, -s.rank))
-    parts = _rank_parts(profile, cfg, largest.layers)
-    dense = parts.pop(cfg.shard_ranks)
+    dense, parts = _rank_parts(profile, cfg, fw, largest.layers)
     values = {Psi: dense, d: cfg.shard_ranks, w: DTYPE_BYTES[cfg.dtype], **state_byte_sizes(fw)}
     lines = [
         f"memory of pipeline rank {largest.rank} (data parallel: {dp_mechanism(cfg)}, "
@@ -210,7 +213,7 @@ def _memory_lines(
         total = sum((expr.subs({Psi: x, d: y}) for x, y in groups), sp.Integer(0))
         value = float(total.subs(values))
         moved = (f" ({_gib(on_device)} on the device: offload {cfg.offload})"
-                 if abs(value - on_device) > 1e-6 * max(1.0, value) else "")
+                 if cfg.offload != "none" else "")
         lines.append(f"  {name:11s} = {sp.sstr(total)} = {_gib(value)}{moved}")
     lines += [
         f"  activations = sum_j inflight_j * sum_i act_i + max_i transient_i = "

@@ -57,6 +57,9 @@ def test_deepspeed_names_ep_where_its_model_code_sets_it():
                for n in two.notes)
     one = export_plan(_plan("deepspeed", ep=1), "deepspeed")
     assert any("MoE(num_experts=8, ep_size=1, k=2)" in n for n in one.notes)
+    # DeepSpeed's engine refuses its MoE layers under ZeRO-3: no such plan is made for it.
+    with pytest.raises(ValueError, match="ZeRO stages 0, 1, 2 only; use zero 2"):
+        _plan("deepspeed", zero=3)
 
 
 def test_megatron_exports_ep_in_fp16():

@@ -173,7 +173,7 @@ def _rank_parts(profile: ModelProfile, cfg: ParallelConfig, fw: Framework,
     and, by the ranks ZeRO shards them over, the routed experts held apart: each of its layers'
     ``moe.state_parts`` (the first part dense), on the layers the cost table costs."""
     layers = costed_profiles(profile, cfg, fw)[2].layers
-    dense, experts = 0.0, {}
+    dense, experts = 0.0, dict[int, float]()
     for first, last in rank_layers:
         for layer in layers[first:last + 1]:
             shard = cfg.tp if tp_sharded(layer) else 1

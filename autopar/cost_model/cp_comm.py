@@ -15,6 +15,8 @@ micro-batch:
 
     kv      = 2 * b * (s / cp) * (kv_heads / shard) * (h / heads) * w       (K and V, bytes)
     a_f     = attention-core forward time of the rank / cp                   (one ring step)
+              (its wall time: x the layer's LayerCompute.floor_stretch where the host's
+              dispatch floor holds the layer up)
     exposed = (cp - 1) * (over(p2p(kv), a_f) + over(p2p(2 kv), a_b))
     over(c, a) = overlapped_s(c, a, slowdown)                                 (overlap.py)
 

@@ -203,19 +203,20 @@ def record_framework(rec: dict, framework: Framework | None = None) -> Framework
     return fw.with_settings(settings)
 
 
-# --fit-dp-overlap: the values tried, and the one every record's cluster holds while trying it
-DP_OVERLAP_GRID = (0.6, 0.7, 0.8, 0.9, 1.0)
-_DP_OVERLAP: dict[str, float] = {}
+DP_OVERLAP_GRID = (0.6, 0.7, 0.8, 0.9, 1.0)  # the values --fit-dp-overlap tries
 
 
-def record_inputs(rec: dict, framework: Framework | None = None):
-    """(profile, cluster, config-or-plan, framework) exactly as a user would pass them."""
+def record_inputs(rec: dict, framework: Framework | None = None,
+                  dp_overlap: float | None = None):
+    """(profile, cluster, config-or-plan, framework) exactly as a user would pass them;
+    ``dp_overlap`` (--fit-dp-overlap): the clusters' dp_overlap_efficiency, and the framework
+    records' that share it, as a cluster file and a fitted record would set them."""
     fw = record_framework(rec, framework)
     profile, cluster, chosen = _record_split(rec["id"])
-    if _DP_OVERLAP:  # --fit-dp-overlap: the clusters' value, and the records' that share it
-        cluster = dataclasses.replace(cluster, dp_overlap_efficiency=_DP_OVERLAP["value"])
+    if dp_overlap is not None:
+        cluster = dataclasses.replace(cluster, dp_overlap_efficiency=dp_overlap)
         if fw.dp_overlap_efficiency is not None:
-            fw = fw.with_fit(dp_overlap_efficiency=_DP_OVERLAP["value"])
+            fw = fw.with_fit(dp_overlap_efficiency=dp_overlap)
         if isinstance(chosen, autopar.Plan):  # a split planned on the preset, re-targeted
             chosen = chosen.for_cluster(cluster)
     return profile, cluster, chosen, fw
@@ -281,9 +282,10 @@ def measured_tokens_per_gpu(rec: dict, profile) -> float:
     return meas["tflops_per_gpu"] * 1e12 / flops_per_token
 
 
-def predict(rec: dict, framework: Framework | None = None) -> dict:
+def predict(rec: dict, framework: Framework | None = None,
+            dp_overlap: float | None = None) -> dict:
     """One row: measured and predicted tokens/s per GPU, error, memory, fit."""
-    profile, cluster, config, fw = record_inputs(rec, framework)
+    profile, cluster, config, fw = record_inputs(rec, framework, dp_overlap)
     est = autopar.estimate(profile, cluster, config, framework=fw)
     measured = measured_tokens_per_gpu(rec, profile)
     predicted = est.tokens_per_s / cluster.num_gpus
@@ -317,7 +319,7 @@ def summary(rows: list[dict]) -> dict:
             "not_fit": [r["id"] for r in rows if not r["fits"]]}
 
 
-def fit(records: Iterable[dict], base: Framework) -> Framework:
+def fit(records: Iterable[dict], base: Framework, dp_overlap: float | None = None) -> Framework:
     """The framework's fitted fields (``FITTED_FIELDS``) fitted to ``records``: bounded least
     squares of the log error of tokens/s per GPU (scipy ``least_squares``), started from the
     neutral values, so a field the records say nothing about stays neutral."""
@@ -338,7 +340,7 @@ def fit(records: Iterable[dict], base: Framework) -> Framework:
 
     def residuals(x) -> list[float]:
         fw = trial(x)
-        return [math.log1p(predict(r, fw)["error"]) for r in records]
+        return [math.log1p(predict(r, fw, dp_overlap)["error"]) for r in records]
 
     res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
                         ftol=1e-6, max_nfev=60)
@@ -352,15 +354,17 @@ def neutral_framework(name: str) -> Framework:
     return base.with_fit(**{k: NEUTRAL_FIT[k] for k in FITTED_FIELDS[name]})
 
 
-def leave_one_source_out(records: list[dict], name: str) -> list[dict]:
-    """Each source of framework ``name`` predicted by a fit on the framework's other sources."""
+def leave_one_source_out(records: list[dict], name: str,
+                         dp_overlap: float | None = None) -> list[dict]:
+    """Each source of framework ``name`` predicted by a fit on the framework's other sources
+    (``dp_overlap``: as ``record_inputs``)."""
     own = [r for r in records if r["framework"] == name]
     neutral = neutral_framework(name)
     rows = []
     for source in sorted({r["source_key"] for r in own}):
         rest = [r for r in own if r["source_key"] != source]
-        fw = fit(rest, neutral)  # with no other source, nothing is fitted: neutral
-        rows += [predict(r, fw) for r in own if r["source_key"] == source]
+        fw = fit(rest, neutral, dp_overlap)  # with no other source, nothing is fitted: neutral
+        rows += [predict(r, fw, dp_overlap) for r in own if r["source_key"] == source]
     return rows
 
 
@@ -369,11 +373,8 @@ def fit_dp_overlap(records: list[dict], frameworks: list[str]) -> float:
     value with the lowest median (then p90) error."""
     scores = []
     for value in DP_OVERLAP_GRID:
-        _DP_OVERLAP["value"] = value
-        try:
-            rows = [row for name in frameworks for row in leave_one_source_out(records, name)]
-        finally:
-            _DP_OVERLAP.clear()
+        rows = [row for name in frameworks
+                for row in leave_one_source_out(records, name, value)]
         s = summary(rows)
         scores.append((round(s["median"], 4), round(s["p90"], 4), value))
         _print_summary(f"dp_overlap_efficiency {value}: LOSO all", s)

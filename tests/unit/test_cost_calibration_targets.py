@@ -79,3 +79,19 @@ def test_the_command_line_gives_the_same_number(index: int, capfd) -> None:
     predicted = BENCH.predict(rec)["predicted"]
     assert est["tokens_per_s"] / rec["cluster"]["n_gpus"] == pytest.approx(predicted, rel=1e-9)
     assert est["framework"] == BENCH.record_framework(rec).spec
+
+
+def test_the_dp_overlap_fit_tries_values_as_a_cluster_file_and_a_record_set_them() -> None:
+    """--fit-dp-overlap gives each value to the record's cluster and to the framework records
+    that share it; the presets' fitted value predicts what the committed records predict."""
+    from autopar.cost_model.presets import DP_OVERLAP
+
+    assert DP_OVERLAP in BENCH.DP_OVERLAP_GRID
+    moved = 0
+    for rec in RECORDS[::4]:
+        _, cluster, _, fw = BENCH.record_inputs(rec, dp_overlap=0.6)
+        assert cluster.dp_overlap_efficiency == 0.6
+        assert fw.dp_overlap_efficiency in (0.6, None)  # None: the cluster's (autopar)
+        assert BENCH.predict(rec, dp_overlap=DP_OVERLAP) == BENCH.predict(rec)
+        moved += BENCH.predict(rec, dp_overlap=0.6)["predicted"] < BENCH.predict(rec)["predicted"]
+    assert moved >= 3  # the runs whose reductions the last backward does not hide at 0.6

@@ -19,13 +19,12 @@ from autopar.cost_model.frameworks import (
 )
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
-from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.recompute_layers import (
     blocks_recompute,
     recompute_refusal,
     stage_ranks,
 )
-from autopar.cost_model.stage_splits import method_splits, split_refusal
+from autopar.cost_model.stage_splits import framework_splits, split_refusal
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
 from autopar.graph.types import ModelProfile
@@ -41,10 +40,8 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
-    if table.framework.stage_splits == "any":
-        return balanced_partition(costs, cfg.num_stages), recompute
-    # the framework's own splits (stage_splits.py): the one with the lightest heaviest stage
-    splits = method_splits(table.block_mask, cfg.num_stages).values()
+    # the splits the framework cuts (stage_splits.py): the one with the lightest heaviest stage
+    splits = framework_splits(table, cfg.recompute)
     return min(splits, key=lambda split: max(sum(costs[a:b + 1]) for a, b in split)), recompute
 
 

@@ -28,11 +28,17 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["STAGE_SPLITS", "linear_partition", "method_splits", "split_method", "split_refusal",
-           "uniform_partition"]
+from autopar.cost_model.partition import balanced_partition
+
+if TYPE_CHECKING:
+    from autopar.cost_model.tables import CostTable
+
+__all__ = ["STAGE_SPLITS", "balanced_split", "framework_splits", "linear_partition",
+           "method_splits", "split_method", "split_refusal", "uniform_partition"]
 
 STAGE_SPLITS = ("any", "partition-methods")
 Split = tuple[tuple[int, int], ...]
@@ -117,3 +123,19 @@ def split_refusal(framework_spec: str, kind: str, split: Sequence[tuple[int, int
     sizes = ", ".join(str(b - a + 1) for a, b in split)
     return (f"{framework_spec} splits pipeline stages by partition_method ('uniform' layers or "
             f"'type:<block>' balanced blocks), not this plan's split (layers per stage {sizes})")
+
+
+def balanced_split(table: CostTable, recompute: str) -> Split:
+    """The most balanced contiguous split by time per micro-batch under uniform recompute (the
+    table costs a non-block layer's modes alike: ``LayerCost.never_recomputed``)."""
+    costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
+    return balanced_partition(costs, table.config.num_stages)
+
+
+def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
+    """The splits worth trying under uniform ``recompute`` that the table's framework cuts: the
+    most balanced one, or each of its partition methods' (what ``estimate``'s default split and
+    the search's bounds both start from)."""
+    if table.framework.stage_splits == "any":
+        return (balanced_split(table, recompute),)
+    return tuple(dict.fromkeys(method_splits(table.block_mask, table.config.num_stages).values()))

@@ -28,13 +28,11 @@ import operator
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.partition import balanced_partition
 from autopar.cost_model.pipeline import (
     bubble_coefficient,
     in_flight_microbatches,
     pipeline_buffer_microbatches,
 )
-from autopar.cost_model.stage_splits import method_splits
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp import cost_signature, layer_runs
@@ -46,8 +44,6 @@ FLOAT_SLACK = 1e-9  # relative: keeps float summation order from lifting a bound
 
 __all__ = [
     "TableSummary",
-    "balanced_split",
-    "framework_splits",
     "ilp_key",
     "integer_bottleneck_s",
     "memory_bottleneck_s",
@@ -355,21 +351,6 @@ def memory_lower_bound(table: CostTable, summary: TableSummary | None = None, *,
         for static, act, trans in summary.single_bytes
     )
     return table.buffers_bytes + max(mean, single)
-
-
-def balanced_split(table: CostTable, recompute: str) -> tuple[tuple[int, int], ...]:
-    """The most balanced contiguous split by time per micro-batch under uniform recompute (the
-    table costs a non-block layer's modes alike: ``LayerCost.never_recomputed``)."""
-    costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
-    return balanced_partition(costs, table.config.num_stages)
-
-
-def framework_splits(table: CostTable, recompute: str) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The splits worth trying under uniform ``recompute`` that the table's framework cuts: the
-    most balanced one, or each of its partition methods' (``stage_splits.py``)."""
-    if table.framework.stage_splits == "any":
-        return (balanced_split(table, recompute),)
-    return tuple(dict.fromkeys(method_splits(table.block_mask, table.config.num_stages).values()))
 
 
 def ilp_key(table: CostTable) -> tuple:

@@ -20,11 +20,11 @@ from autopar.cost_model.recompute_layers import (
     pattern_recompute,
     stage_ranks,
 )
+from autopar.cost_model.stage_splits import framework_splits
 from autopar.cost_model.tables import CostTable
 from autopar.search.bounds import (
     FLOAT_SLACK,
     TableSummary,
-    framework_splits,
     ilp_key,
     time_lower_bound,
 )

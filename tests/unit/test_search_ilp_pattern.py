@@ -16,10 +16,10 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
+from autopar.cost_model.stage_splits import balanced_split
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
 from autopar.search import ilp as ilp_module
-from autopar.search.bounds import balanced_split
 from autopar.search.ilp import build_ilp, decode, realized, solve_ilp
 from autopar.search.ilp_pattern import MIN_PERIODS, Pattern, find_pattern
 from autopar.search.ilp_rank_kinds import kind_rank_keys, realize, window_spread

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from autopar.cost_model.memory import GRAD_BYTES
+
 __all__ = ["EXPANDABLE_FRAGMENTATION", "FSDP2_UNIT", "MEMORY_SETTINGS", "OVERLAP_SOURCES",
            "SEARCHED_SETTINGS", "SETTINGS", "SETTING_EFFECTS", "SETTING_OFF", "setting_changes"]
 # The switches a framework's user turns on, each off by default as in the framework itself;
@@ -124,7 +126,7 @@ SETTING_EFFECTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "partition-activations": {"checkpoint_partitioned": True},
     "distribute-saved-activations": {"checkpoint_partitioned": True},
     "cpu-checkpointing": {"checkpoint_offloaded": True},
-    "accumulate-allreduce-grads-in-fp32": {"grad_reduce_bytes": 4},
+    "accumulate-allreduce-grads-in-fp32": {"grad_reduce_bytes": GRAD_BYTES},
     "bf16-adam-moments": {"adam_moment_bytes": 4},
 })
 

@@ -39,6 +39,7 @@ from autopar.cost_model.framework_settings import (
 from autopar.cost_model.framework_sources import MEMORY_BAND, MEMORY_BAND_SOURCE, default_sources
 from autopar.cost_model.framework_support import framework_supports
 from autopar.cost_model.hardware import Cluster
+from autopar.cost_model.memory import GRAD_BYTES
 from autopar.cost_model.moe import EP_DISPATCHES
 from autopar.cost_model.pipeline import IN_FLIGHT, PER_MICROBATCH
 from autopar.cost_model.precision import FP8_SCALINGS
@@ -277,11 +278,11 @@ _RECORDS: dict[str, dict[str, object]] = {
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=IN_FLIGHT, zero3_gather=GATHER_BLOCK,
-        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
+        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / GRAD_BYTES,
         fragmentation_fraction=EXPANDABLE_FRAGMENTATION,
         param_traffic_factor=None, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=MEMORY_BAND,
-        loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
+        loss_parallel=True, grad_reduce_bytes=GRAD_BYTES, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True,
         exports=("slurm",),
@@ -325,11 +326,11 @@ _RECORDS: dict[str, dict[str, object]] = {
         tp_comm_overlapped=False, dp_reduce_overlap_stages=(0, 1, 2, 3),
         param_gather_overlapped=True,
         pipeline_recv_buffers=PER_MICROBATCH, zero3_gather=GATHER_BLOCK,
-        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / 4,
+        zero3_live_params=0.0, reduce_bucket_params=DDP_BUCKET_BYTES / GRAD_BYTES,
         fragmentation_fraction=EXPANDABLE_FRAGMENTATION,
         param_traffic_factor=1.0, elementwise_traffic_scale=1.0,
         dp_overlap_efficiency=DP_OVERLAP, first_gather_exposed=True, memory_band=MEMORY_BAND,
-        loss_parallel=True, grad_reduce_bytes=4, sp_regathers_inputs=False,
+        loss_parallel=True, grad_reduce_bytes=GRAD_BYTES, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
         sequence_parallel=True, exports=("torchtitan",),
         expert_parallel=True, ep_needs_sharded_dp=True,

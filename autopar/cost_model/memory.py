@@ -64,10 +64,10 @@ __all__ = [
     "zero_paper_model_state_bytes",
 ]
 
-MASTER_BYTES = 4  # fp32 parameters (the master weights under mixed precision)
-GRAD_BYTES = 4  # fp32 gradients (reduce dtype fp32)
-ADAM_BYTES = 8  # fp32 exp_avg + exp_avg_sq
-FP32_LOGPROB_BYTES = 4  # the loss's log-softmax is fp32
+MASTER_BYTES = DTYPE_BYTES["fp32"]  # fp32 parameters (the master weights, mixed precision)
+GRAD_BYTES = DTYPE_BYTES["fp32"]  # fp32 gradients (reduce dtype fp32)
+ADAM_BYTES = 2 * DTYPE_BYTES["fp32"]  # fp32 exp_avg + exp_avg_sq
+FP32_LOGPROB_BYTES = DTYPE_BYTES["fp32"]  # the loss's log-softmax is fp32
 
 
 def zero_paper_model_state_bytes(psi: float, nd: int, stage: int, k: float = 12.0) -> float:

@@ -19,7 +19,8 @@ from autopar.graph.types import LayerProfile, ModelProfile
 __all__ = ["AG", "AR", "RS", "sp_gathered_inputs", "tp_collectives", "tp_modules", "tp_sharded"]
 
 AR, AG, RS = comm.ALL_REDUCE, comm.ALL_GATHER, comm.REDUCE_SCATTER
-LOSS_REDUCE_BYTES = 4  # the fp32 [b, s] elements of the loss-parallel and width-norm all-reduces
+# the fp32 [b, s] elements of the loss-parallel and width-norm all-reduces
+LOSS_REDUCE_BYTES = DTYPE_BYTES["fp32"]
 _NO_TP: tuple[tuple[comm.Collective, ...], ...] = ((), (), ())
 
 

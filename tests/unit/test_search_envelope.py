@@ -13,8 +13,8 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
+from autopar.cost_model.stage_splits import balanced_split
 from autopar.cost_model.tables import CostTable, LayerCost
-from autopar.search.bounds import balanced_split
 from autopar.search.envelope import MIN_BLOCKS, envelope_table, pattern_blocks
 from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
 from autopar.search.options import SearchOptions

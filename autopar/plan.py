@@ -19,7 +19,8 @@ from typing import Any
 
 from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
-from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, get_framework
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS
+from autopar.cost_model.frameworks import get_framework
 from autopar.errors import ClusterConfigError, PlanMismatchError
 from autopar.graph.types import MoEStructure
 from autopar.plan_read import (

@@ -302,8 +302,9 @@ def _experts_lines(config: ParallelConfig, plan: Any | None) -> list[str]:
     moe = getattr(plan, "moe", None)
     if moe is None:
         return []
+    from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
     from autopar.cost_model.framework_support import folds_experts
-    from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, get_framework
+    from autopar.cost_model.frameworks import get_framework
     from autopar.cost_model.moe import routed_imbalance
 
     fw = get_framework(getattr(plan, "framework", DEFAULT_FRAMEWORK))

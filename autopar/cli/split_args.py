@@ -51,7 +51,8 @@ def add_split_arguments(split: argparse._ArgumentGroup, *, for_run: bool) -> Non
     split.add_argument("--zero", type=int, default=default(0), choices=ZERO_STAGES,
                        help="ZeRO stage (default 0)")
     if for_run:
-        from autopar.cost_model.frameworks import RUNTIME, get_framework
+        from autopar.cost_model.framework_names import RUNTIME
+        from autopar.cost_model.frameworks import get_framework
 
         split.add_argument("--dtype", default=None,
                            choices=[d for d in DTYPES if d in get_framework(RUNTIME).dtypes],

@@ -60,8 +60,9 @@ from autopar.cost_model.precision import attention_peak_flops
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = [
-    "CP_COMMS", "CpTerms", "cp_link", "cp_terms", "gather_collectives", "gather_exchange_s",
-    "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s", "rotate_gather_s",
+    "CP_COMMS", "CpTerms", "cp_exchange_s", "cp_link", "cp_terms", "gather_collectives",
+    "gather_exchange_s", "gathered_kv_bytes", "kv_bytes", "local_profile", "ring_exchange_s",
+    "rotate_gather_s",
 ]
 
 # How a framework exchanges K/V under context parallelism (module docstring).
@@ -208,28 +209,41 @@ def gathered_kv_bytes(kv: float, config: ParallelConfig) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CpTerms:
-    """One layer's context-parallel terms per micro-batch, each by recompute mode (none,
-    selective, full): exposed seconds, bytes saved for backward, transient bytes."""
+    """One layer's context-parallel memory per micro-batch, each by recompute mode (none,
+    selective, full): bytes saved for backward, transient bytes."""
 
-    comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     saved_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
     transient_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
-def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cluster: Cluster,
-             groups: dict, attn_flops: float, shard: int, fw,
-             stretch: tuple[float, float] = (1.0, 1.0)) -> CpTerms:
-    """The K/V exchange of one layer as ``fw`` runs it (``Framework.cp_comm``): the all-gather
-    variant on the "cp" group, or the ring on ``groups["cp_ring"]`` (``profile``: the local
-    one; ``attn_flops``: the rank's attention-core forward FLOPs per micro-batch; ``stretch``:
-    the layer's ``LayerCompute.floor_stretch``, its attention's wall time over its kernels')."""
-    if cfg.cp == 1:
+def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, shard: int,
+             fw) -> CpTerms:
+    """The memory of one layer's K/V exchange as ``fw`` runs it (``Framework.cp_comm``): the
+    all-gather variant saves the gathered K/V; the rotating gather holds it while the attention
+    runs; the ring keeps nothing beyond its in-flight block (``profile``: the local one)."""
+    if cfg.cp == 1 or fw.cp_comm == "ring":
         return CpTerms()
     kv = kv_bytes(profile, layer, cfg, shard)
     if fw.cp_comm == "all_gather":
         saved, live = gathered_kv_bytes(kv, cfg)
-        return CpTerms(comm_s=gather_exchange_s(kv, cfg, groups["cp"]),
-                       saved_bytes=(saved, saved, 0.0), transient_bytes=(0.0, 0.0, live))
+        return CpTerms(saved_bytes=(saved, saved, 0.0), transient_bytes=(0.0, 0.0, live))
+    live = (cfg.cp - 1) * kv
+    return CpTerms(transient_bytes=(live, live, live))
+
+
+def cp_exchange_s(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig,
+                  cluster: Cluster, groups: dict, attn_flops: float, shard: int, fw,
+                  stretch: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float, float]:
+    """Exposed seconds of one layer's K/V exchange per micro-batch, by recompute mode, as ``fw``
+    runs it: the all-gather variant on the "cp" group, or the ring on ``groups["cp_ring"]``
+    (``profile``: the local one; ``attn_flops``: the rank's attention-core forward FLOPs per
+    micro-batch; ``stretch``: the layer's ``LayerCompute.floor_stretch``, its attention's wall
+    time over its kernels')."""
+    if cfg.cp == 1:
+        return 0.0, 0.0, 0.0
+    kv = kv_bytes(profile, layer, cfg, shard)
+    if fw.cp_comm == "all_gather":
+        return gather_exchange_s(kv, cfg, groups["cp"])
     # The window: the attention core at the 16-bit rate, the layer's efficiency and its
     # kernel's speed (compute.attention_ratio).
     rate = matmul_efficiency(cluster.device, layer.fwd_flops * cfg.micro_batch / shard)
@@ -240,9 +254,7 @@ def cp_terms(profile: ModelProfile, layer: LayerProfile, cfg: ParallelConfig, cl
                               else MATMUL_BACKWARD_RATIO) * stretch[1]
     attn_fwd_s *= stretch[0]
     if fw.cp_comm == "all_gather_rotate":
-        live = (cfg.cp - 1) * kv
-        return CpTerms(comm_s=rotate_gather_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp"],
-                                              groups["cp_ring"], fw.overlap_slowdown),
-                       transient_bytes=(live, live, live))
-    return CpTerms(comm_s=ring_exchange_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp_ring"],
-                                          fw.overlap_slowdown))
+        return rotate_gather_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp"], groups["cp_ring"],
+                               fw.overlap_slowdown)
+    return ring_exchange_s(kv, attn_fwd_s, attn_bwd_s, cfg, groups["cp_ring"],
+                           fw.overlap_slowdown)

@@ -10,13 +10,9 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble, check_split
 from autopar.cost_model.estimate import Estimate
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.framework_support import model_support
-from autopar.cost_model.frameworks import (
-    DEFAULT_FRAMEWORK,
-    Framework,
-    framework_supports,
-    get_framework,
-)
+from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.recompute_layers import (

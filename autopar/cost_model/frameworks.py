@@ -29,7 +29,7 @@ from autopar.cost_model.collectives import MOE_TPS
 from autopar.cost_model.compute import ATTENTION_KERNELS
 from autopar.cost_model.cp_comm import CP_COMMS
 from autopar.cost_model.framework_fit import FIT
-from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS, RUNTIME
+from autopar.cost_model.framework_names import FRAMEWORKS
 from autopar.cost_model.framework_settings import (
     EXPANDABLE_FRAGMENTATION,
     FSDP2_UNIT,
@@ -48,7 +48,7 @@ from autopar.cost_model.recompute_layers import RECOMPUTE_LAYERS
 from autopar.cost_model.stage_splits import STAGE_SPLITS
 from autopar.units import MIB
 
-__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "RUNTIME", "SETTINGS", "Framework",
+__all__ = ["FRAMEWORKS", "SETTINGS", "Framework",
            "framework_cluster", "framework_supports", "get_framework"]
 
 

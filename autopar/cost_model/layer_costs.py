@@ -50,6 +50,7 @@ from autopar.cost_model.compute import (
     param_traffic_bytes_per_param,
 )
 from autopar.cost_model.cp_comm import (
+    cp_exchange_s,
     cp_link,
     cp_terms,
     gather_collectives,
@@ -65,12 +66,13 @@ from autopar.cost_model.dp_comm import (
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import costed_profiles, model_flops_once
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, RUNTIME
 from autopar.cost_model.framework_support import (
     model_framework,
     moe_routes_whole_sequence,
     moe_tp_mode,
 )
-from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, RUNTIME, Framework, get_framework
+from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
     activation_bytes_of,
@@ -151,7 +153,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     ep = _ep_terms(profile, layer, cfg, cluster, shard, fw)
     rec_flops = tuple(layer.recompute_flops.get(m, 0.0) for m in RECOMPUTE)
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
-    cp = cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw)
+    cp = cp_terms(profile, layer, cfg, shard, fw)
     act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
     fp8, rates = _layer_rates(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
     passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
@@ -192,8 +194,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         ep_comm_s=ep.comm_s,
         optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
-        cp_comm_s=cp_terms(profile, layer, cfg, cluster, groups, attn_flops, shard, fw,
-                           base.floor_stretch).comm_s,
+        cp_comm_s=cp_exchange_s(profile, layer, cfg, cluster, groups, attn_flops, shard, fw,
+                                base.floor_stretch),
         host_bytes=host_bytes + ckpt.host_bytes,
         unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
                                                    base, (times, ep)),

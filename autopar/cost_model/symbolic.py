@@ -20,8 +20,6 @@ import sympy as sp
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.expert_tp import costed_profiles
-from autopar.cost_model.framework_support import model_framework
-from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import (
     ADAM_BYTES,
@@ -159,9 +157,8 @@ def explain(
 
     table = build_cost_table(profile, cluster, config, framework)
     est = assemble(table, split, recompute)
-    fw = model_framework(get_framework(framework), profile)  # as the table reads it
     lines = [f"plan: {config.describe()} on {cluster.name} ({cluster.num_gpus} GPUs)", ""]
-    lines += _memory_lines(profile, config, est, fw)
+    lines += _memory_lines(profile, config, est, table.framework)
     lines += ["", f"step time: {sp.sstr(STEP_TIME)}"]
     lines += _time_lines(config, cluster, table, est, framework)
     return "\n".join(lines)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import RECOMPUTE, ParallelConfig
-from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, Framework, get_framework
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
+from autopar.cost_model.frameworks import Framework, get_framework
 
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 

@@ -290,7 +290,8 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
     Raises:
         AutoparError: with a one-line message saying what is wrong and what to do.
     """
-    from autopar.cost_model.frameworks import RUNTIME, framework_supports, get_framework
+    from autopar.cost_model.framework_names import RUNTIME
+    from autopar.cost_model.frameworks import framework_supports, get_framework
 
     # What this runtime runs at all (the "autopar" record: dtypes, schedules, ZeRO stages,
     # offload, ...), whatever framework the plan was made for.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS, SCHEDULES, ZERO_STAGES
-from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.hardware import MAX_GPUS
 
 __all__ = ["SOLVERS", "SearchOptions"]

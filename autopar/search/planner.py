@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
+from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.framework_support import model_support, moe_sp_blocker
-from autopar.cost_model.frameworks import DEFAULT_FRAMEWORK, get_framework
+from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_inputs
 from autopar.errors import InfeasiblePlanError

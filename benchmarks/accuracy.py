@@ -17,7 +17,9 @@ order is the other way round. On a GPU machine the same script runs with NCCL an
 ``--calibration cal.json`` keeps the raw calibration (read when the file exists, written after
 calibrating otherwise) and ``--measurements runs.json`` the raw measurements (configurations
 found there are not run again): together they re-predict a real run after a cost-model change
-without re-measuring. The predicted time terms of every configuration go to stderr.
+without re-measuring. A measurement keeps the stage split its plan ran (``split``), and the
+re-prediction costs that split, whatever the default split of the day. The predicted time terms
+of every configuration go to stderr.
 """
 
 from __future__ import annotations
@@ -161,8 +163,10 @@ def disagreeing_pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
     return out
 
 
-def predict_case(case: Case, cluster: Cluster, kernels: str = "cpu"):
-    """The plan (split chosen by autopar for the config) and its estimate on ``cluster``.
+def predict_case(case: Case, cluster: Cluster, kernels: str = "cpu",
+                 split: list[list[int]] | None = None):
+    """The plan (``split``, or the split chosen by autopar for the config) and its estimate on
+    ``cluster``.
 
     The profile counts what the measured device's kernels save (``kernels``: "cpu" for the
     gloo runs here, "cuda" on GPU; on CPU torch's RMSNorm is a composite that keeps one more
@@ -173,7 +177,8 @@ def predict_case(case: Case, cluster: Cluster, kernels: str = "cpu"):
 
     # fp32 runs profiled at fp32
     profile = build_and_profile(case.model, dtype=case.config.dtype, kernels=kernels)[1]
-    return plan_from_config(profile, cluster, case.config, model=case.model)
+    return plan_from_config(profile, cluster, case.config, model=case.model,
+                            split=None if split is None else tuple(map(tuple, split)))
 
 
 def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
@@ -182,9 +187,10 @@ def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
     from autopar.runtime.verify import measure_plan
 
     try:
-        plan = predict_case(case, cluster, kernels)
-        if measured is not None and case.label in measured:
-            m = measured[case.label]
+        stored = (measured or {}).get(case.label)
+        plan = predict_case(case, cluster, kernels, None if stored is None else stored["split"])
+        if stored is not None:
+            m = stored
             times = m["step_times_s"][m["warmup_steps"]:]
             measured_s, peak = median(times), int(m["peak_memory_bytes"])
         else:
@@ -194,7 +200,8 @@ def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
                 measured[case.label] = {
                     "step_times_s": list(run.step_times_s), "warmup_steps": warmup,
                     "peak_memory_bytes": peak,
-                    "peak_memory_bytes_per_rank": list(run.peak_memory_bytes_per_rank)}
+                    "peak_memory_bytes_per_rank": list(run.peak_memory_bytes_per_rank),
+                    "split": [list(stage.layers) for stage in plan.stages]}
     except (AutoparError, ValueError, RuntimeError) as err:
         return Row(case=case, error=" ".join(str(err).split())[:120])
     return Row(case=case, predicted_s=plan.estimate.step_time_s, measured_s=measured_s,

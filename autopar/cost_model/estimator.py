@@ -1,8 +1,9 @@
 """``estimate(profile, cluster, config, split=, recompute=)``: the Estimate of one split.
 
 The caller may bring a stage split and per-layer recompute (a Plan's, ``autopar.costing``
-unwraps one); without them a ParallelConfig gets the most balanced contiguous split of its layers
-(min-max stage time, ``partition.balanced_partition``) and its ``recompute`` for every layer.
+unwraps one); without them a ParallelConfig gets the contiguous split of its layers whose
+pipeline ranks are most balanced (min-max rank time, ``stage_splits.balanced_split``) and its
+``recompute`` for every layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_config
 from autopar.graph.types import ModelProfile
 
-__all__ = ["checked_table", "default_split", "estimate"]
+__all__ = ["checked_split", "checked_table", "default_split", "estimate"]
 
 
 def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
@@ -36,9 +37,16 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
     costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
-    # the splits the framework cuts (stage_splits.py): the one with the lightest heaviest stage
-    splits = framework_splits(table, cfg.recompute)
-    return min(splits, key=lambda split: max(sum(costs[a:b + 1]) for a, b in split)), recompute
+    ranks = stage_ranks(cfg)
+
+    def heaviest_rank_s(split: tuple[tuple[int, int], ...]) -> float:
+        loads = [0.0] * cfg.pp
+        for (first, last), rank in zip(split, ranks, strict=True):
+            loads[rank] += sum(costs[first:last + 1])
+        return max(loads)
+
+    # the splits the framework cuts (stage_splits.py): the one with the lightest heaviest rank
+    return min(framework_splits(table, cfg.recompute), key=heaviest_rank_s), recompute
 
 
 def checked_table(
@@ -72,8 +80,8 @@ def estimate(
         framework: the training framework that runs it (a name in ``FRAMEWORKS`` or a
             Framework record); default "autopar".
         split: (first, last) profile layer of every stage; default the balanced split.
-        recompute: recompute choice of every profile layer; default the config's everywhere
-            (given together with ``split``).
+        recompute: recompute choice of every profile layer; default the config's on every
+            block, none elsewhere (every framework recomputes blocks only).
 
     Returns:
         The Estimate (fields and meanings in DESIGN.md).
@@ -88,11 +96,26 @@ def estimate(
     """
     table = checked_table(profile, cluster, config,
                           DEFAULT_FRAMEWORK if framework is None else framework)
+    # every framework recomputes blocks only: the table costs the other layers' modes as none
+    return assemble(table, *checked_split(table, split, recompute))
+
+
+def checked_split(
+    table: CostTable,
+    split: tuple[tuple[int, int], ...] | None = None,
+    recompute: tuple[str, ...] | None = None,
+) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """(split, per-layer recompute) of ``table``'s config, the defaults filled in
+    (``default_split``; ``config.recompute`` on every block with a given split), after checking
+    that the split is well formed and that the table's framework runs it (ValueError naming
+    what it cannot)."""
+    config = table.config
     if split is None:
         split, default_recompute = default_split(table)
         recompute = default_recompute if recompute is None else recompute
     elif recompute is None:
-        recompute = (config.recompute,) * len(table.layers)
+        recompute = blocks_recompute((config.recompute,) * len(table.layers), table.block_mask)
+    split = tuple((int(a), int(b)) for a, b in split)
     fw = table.framework
     check_split(table, split, recompute)  # a malformed split first, in its own words
     reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
@@ -100,5 +123,4 @@ def estimate(
                           stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
-    # every framework recomputes blocks only: the table costs the other layers' modes as none
-    return assemble(table, split, recompute)
+    return split, tuple(recompute)

@@ -5,14 +5,18 @@ the lower bound max(max_i c_i, sum c / k) and the upper bound lower + max_i c_i 
 under that limit always needs <= k stages) to a relative precision of 1e-7; each probe is a
 greedy left-to-right packing using bisection on prefix sums, O(k log n). The split returned is
 the greedy packing under the final bound that leaves at least one layer for every later stage.
+
+``rank_balanced_partition`` balances pipeline ranks that run several stages each (interleaved
+and V schedules): from the balanced split, a local search over single-layer bound moves.
 """
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right
 from collections.abc import Sequence
 
-__all__ = ["balanced_partition"]
+__all__ = ["balanced_partition", "rank_balanced_partition"]
 
 _RELATIVE_TOLERANCE = 1e-7  # stop bisecting when the bottleneck is known to this precision
 
@@ -106,3 +110,51 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[i
     assert ends is not None
     starts = [0, *ends[:-1]]
     return tuple((a, b - 1) for a, b in zip(starts, ends))
+
+
+def _rank_loads(prefix: list[float], bounds: list[int], ranks: Sequence[int]) -> tuple[float, ...]:
+    """Every rank's summed stage cost, heaviest first (the order local search minimises)."""
+    loads = [0.0] * (max(ranks) + 1)
+    for stage, rank in enumerate(ranks):
+        loads[rank] += prefix[bounds[stage + 1]] - prefix[bounds[stage]]
+    return tuple(sorted(loads, reverse=True))
+
+
+def rank_balanced_partition(costs: Sequence[float],
+                            ranks: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Split ``costs`` into ``len(ranks)`` non-empty contiguous stages, stage ``j`` run by rank
+    ``ranks[j]``, balancing the ranks' summed costs.
+
+    With one stage per rank this is ``balanced_partition``. When a rank runs several stages
+    (interleaved and V schedules) the stage-balanced split can leave one rank a layer heavier
+    than another on every chunk; from it, steepest descent moves one stage bound by one layer at
+    a time while the ranks' loads, heaviest first, get lexicographically smaller (each step a
+    strict decrease, so it ends). A local optimum: never heavier on its heaviest rank than the
+    stage-balanced split.
+
+    Example:
+        >>> rank_balanced_partition([1] * 10, (0, 1, 1, 0))  # balanced_partition: 4 and 6
+        ((0, 3), (4, 5), (6, 8), (9, 9))
+    """
+    split = balanced_partition(costs, len(ranks))
+    if len(set(ranks)) == len(ranks):
+        return split
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    bounds = [first for first, _ in split] + [len(costs)]
+    best = _rank_loads(prefix, bounds, ranks)
+    while True:
+        move = None
+        for j in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                b = bounds[j] + step
+                if not bounds[j - 1] < b < bounds[j + 1]:
+                    continue
+                trial = [*bounds[:j], b, *bounds[j + 1:]]
+                loads = _rank_loads(prefix, trial, ranks)
+                if loads < best:
+                    best, move = loads, trial
+        if move is None:
+            return tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
+        bounds = move

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost_model.partition import balanced_partition
+from autopar.cost_model.partition import rank_balanced_partition
+from autopar.cost_model.recompute_layers import stage_ranks
 
 if TYPE_CHECKING:
     from autopar.cost_model.tables import CostTable
@@ -126,10 +127,12 @@ def split_refusal(framework_spec: str, kind: str, split: Sequence[tuple[int, int
 
 
 def balanced_split(table: CostTable, recompute: str) -> Split:
-    """The most balanced contiguous split by time per micro-batch under uniform recompute (the
-    table costs a non-block layer's modes alike: ``LayerCost.never_recomputed``)."""
+    """The contiguous split whose pipeline ranks are most balanced by time per micro-batch under
+    uniform recompute (``partition.rank_balanced_partition``: a rank of an interleaved or V
+    schedule sums its stages; the table costs a non-block layer's modes alike:
+    ``LayerCost.never_recomputed``)."""
     costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
-    return balanced_partition(costs, table.config.num_stages)
+    return rank_balanced_partition(costs, stage_ranks(table.config))
 
 
 def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:

@@ -419,13 +419,15 @@ def _best_plans(profile, cluster, state: _State, model: str, options: SearchOpti
 
 
 def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "",
-                     framework: str = DEFAULT_FRAMEWORK) -> Plan:
-    """A Plan for a given split: the most balanced stages and ``config.recompute`` everywhere.
+                     framework: str = DEFAULT_FRAMEWORK,
+                     split: tuple[tuple[int, int], ...] | None = None) -> Plan:
+    """A Plan for a given config: its stages ``split`` (default the most balanced,
+    ``estimator.default_split``) and ``config.recompute`` everywhere (blocks only, by default).
 
-    Its estimate equals ``autopar.estimate(profile, cluster, config, framework)``.
+    Its estimate equals ``autopar.estimate(profile, cluster, config, framework, split=split)``.
     """
-    from autopar.cost_model.estimator import checked_table, default_split
+    from autopar.cost_model.estimator import checked_split, checked_table
 
     table = checked_table(profile, cluster, config, framework)
-    split, recompute = default_split(table)
+    split, recompute = checked_split(table, split)
     return plan_record(profile, cluster, table, split, recompute, model=model)

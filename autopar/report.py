@@ -14,12 +14,12 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.cost_model.comm import tp_spans_nodes
 from autopar.cost_model.estimate import Estimate
+from autopar.units import format_bytes
 
 __all__ = [
     "TIME_TERMS",
     "Alternative",
     "describe_alternative",
-    "format_bytes",
     "format_count",
     "format_time",
     "render_report",
@@ -72,16 +72,6 @@ class Alternative:
     config: ParallelConfig | None = None
     estimate: Estimate | None = None
     reason: str = ""
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1.5 GiB``-style text (binary units)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} PiB"
 
 
 def format_time(seconds: float) -> str:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from autopar.models import list_presets
-    from autopar.report import format_bytes
+    from autopar.units import format_bytes
 
     models, gpus = list_presets(), _gpus()
     if args.json:

@@ -371,7 +371,7 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int, str], None]]:
 
 def describe_cluster(cluster: Any) -> str:
     """``16 x 8 a100-80g (128 GPUs, 76.0 GiB usable each)``."""
-    from autopar.report import format_bytes
+    from autopar.units import format_bytes
 
     return (
         f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.num_gpus} GPUs, "

@@ -262,10 +262,6 @@ class Calibration:
             raise KeyError(op)
         return max(fits, key=lambda f: f.group_size)
 
-    def achieved_flops(self, flops: float) -> float:
-        """Fitted achieved FLOP/s of one matmul of ``flops`` FLOPs: F / (t0 + F / R)."""
-        return flops / (self.matmul_fixed_s + flops / self.matmul_peak_flops)
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples as lists)."""
         return dataclasses.asdict(self)

@@ -32,7 +32,7 @@ from autopar.cost_model.memory import (
 from autopar.cost_model.moe import state_parts
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tp_comm import tp_sharded
-from autopar.units import GIB, KIB, MIB
+from autopar.units import format_bytes
 
 if TYPE_CHECKING:
     from autopar.cost_model.estimate import Estimate
@@ -124,14 +124,6 @@ def state_byte_sizes(framework: Framework | None = None) -> dict[sp.Symbol, int]
     return {g: framework.grad_reduce_bytes, o: framework.adam_moment_bytes}
 
 
-def _gib(x: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1."""
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if abs(x) >= size:
-            return f"{x / size:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
 def explain(
     profile: ModelProfile,
     cluster: Cluster,
@@ -209,16 +201,17 @@ def _memory_lines(
                                      model_state_expr_for(cfg), held):
         total = sum((expr.subs({Psi: x, d: y}) for x, y in groups), sp.Integer(0))
         value = float(total.subs(values))
-        moved = (f" ({_gib(on_device)} on the device: offload {cfg.offload})"
+        moved = (f" ({format_bytes(on_device, 2)} on the device: offload {cfg.offload})"
                  if cfg.offload != "none" else "")
-        lines.append(f"  {name:11s} = {sp.sstr(total)} = {_gib(value)}{moved}")
+        lines.append(f"  {name:11s} = {sp.sstr(total)} = {format_bytes(value, 2)}{moved}")
     lines += [
         f"  activations = sum_j inflight_j * sum_i act_i + max_i transient_i = "
-        f"{_gib(mem.activations_bytes)}",
-        f"  buffers     = comm buffers + allocator reserve = {_gib(mem.buffers_bytes)}",
+        f"{format_bytes(mem.activations_bytes, 2)}",
+        f"  buffers     = comm buffers + allocator reserve = {format_bytes(mem.buffers_bytes, 2)}",
         f"  pipeline    = receive buffers of the in-flight micro-batches = "
-        f"{_gib(mem.pipeline_buffers_bytes)}",
-        f"  total       = {_gib(largest.memory_bytes)} of {_gib(est.memory_capacity_bytes)} "
+        f"{format_bytes(mem.pipeline_buffers_bytes, 2)}",
+        f"  total       = {format_bytes(largest.memory_bytes, 2)} of "
+        f"{format_bytes(est.memory_capacity_bytes, 2)} "
         f"usable -> {'fits' if est.fits else 'does NOT fit'}",
     ]
     return lines

@@ -10,17 +10,18 @@ from rich.console import Console
 from autopar.report import (
     Alternative,
     describe_alternative,
-    format_bytes,
     format_count,
     format_time,
     render_report,
 )
+from autopar.units import format_bytes
 
 
 def test_formatters():
     assert format_bytes(1.9 * 1024 * GIB) == "1.9 TiB"
     assert format_bytes(80 * GIB) == "80.0 GiB"
     assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**50) == "3.0 PiB" and format_bytes(2048, digits=2) == "2.00 KiB"
     assert format_time(12.345) == "12.35 s" and format_time(0.0456) == "45.6 ms"
     assert format_time(0) == "0"
     assert format_count(175e9) == "175.0B" and format_count(6.7e6) == "6.7M"

@@ -1,4 +1,5 @@
-"""Binary byte units, defined once (IEC: 1 KiB = 2**10 bytes, 1 MiB = 2**20, 1 GiB = 2**30)."""
+"""Binary byte units, defined once (IEC: 1 KiB = 2**10 bytes, 1 MiB = 2**20, 1 GiB = 2**30), and
+their text (``format_bytes``)."""
 
 from __future__ import annotations
 

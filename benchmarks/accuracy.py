@@ -188,7 +188,8 @@ def run_case(case: Case, cluster: Cluster, steps: int, warmup: int,
 
     try:
         stored = (measured or {}).get(case.label)
-        plan = predict_case(case, cluster, kernels, None if stored is None else stored["split"])
+        # a measurement stored before splits were kept: today's default split
+        plan = predict_case(case, cluster, kernels, None if stored is None else stored.get("split"))
         if stored is not None:
             m = stored
             times = m["step_times_s"][m["warmup_steps"]:]

@@ -1,5 +1,7 @@
 """Data-parallel communication terms: the collectives of one FSDP2 / replicate() / DDP unit,
-as autopar's runtime issues them and as a framework issues them, and their exposed time.
+as autopar's runtime issues them and as a framework issues them, and their exposed time; and
+the FSDP2 root unit's gathered parameters and gradients that outlive its layers
+(``fsdp_root_bytes``).
 
 Charged as layer_costs.py's module docstring lists them; overlap by ``overlap.overlapped_s``.
 """
@@ -10,7 +12,7 @@ import dataclasses
 import math
 from collections import Counter
 
-from autopar.config import DTYPE_BYTES, FP8_ELEMENT_BYTES, ParallelConfig
+from autopar.config import DTYPE_BYTES, FP8_ELEMENT_BYTES, ParallelConfig, dp_mechanism
 from autopar.cost_model import comm, memory
 from autopar.cost_model.frameworks import DDP_BUCKET_BYTES, GATHER_BUCKET, Framework
 from autopar.cost_model.moe import held_expert_params
@@ -24,6 +26,7 @@ __all__ = [
     "dp_head_s",
     "dp_terms",
     "framework_dp_collectives",
+    "fsdp_root_bytes",
     "fsdp_unit_params",
     "params_tp",
 ]
@@ -36,6 +39,24 @@ def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
     experts = held_expert_params(layer, cfg, shard)
     routed = layer.moe.routed_params if experts and layer.moe is not None else 0.0
     return (layer.num_params - routed) / shard + experts
+
+
+def fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
+    """Zero 3 at pp == 1: the root unit's unsharded parameters and gradients held over the step.
+
+    FSDP2 never reshards the root module after forward, so its gathered parameters (w bytes per
+    parameter) stay from the forward to the end of the backward; its reduce-scatter waits for
+    every root gradient, the embedding's coming last, so the other root layers' unsharded fp32
+    gradients (the head's) stay through the blocks' backward. The per-layer transient terms
+    count one unit at a time; this is the root's share that outlives its own layers.
+    """
+    if dp_mechanism(cfg) != "fsdp" or cfg.zero != 3 or cfg.num_stages > 1:
+        return 0.0
+    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+    if not roots:
+        return 0.0
+    params = [params_tp(profile.layers[k], cfg) for k in roots]
+    return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
 
 
 def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:
@@ -66,7 +87,7 @@ def dp_collectives(cfg: ParallelConfig, unit_params: float) -> tuple[comm.Collec
         cfg: the config (dp, zero, pp, dtype, micro-batches).
         unit_params: the unit's parameters on this rank (``fsdp_unit_params``).
     """
-    kind = memory.dp_mechanism(cfg)
+    kind = dp_mechanism(cfg)
     if kind == "none" or unit_params <= 0:
         return ()
     grads = memory.GRAD_BYTES * unit_params  # reduced in fp32
@@ -160,7 +181,7 @@ def dp_terms(colls, links: dict[str, comm.GroupLink], fwd_s: float, bwd_s: float
 def dp_head_s(profile: ModelProfile, cfg: ParallelConfig, link: comm.GroupLink,
                fw: Framework) -> float:
     """The step's first parameter all-gather (ZeRO 1-3), which no compute precedes."""
-    if not fw.first_gather_exposed or memory.dp_mechanism(cfg) != "fsdp":
+    if not fw.first_gather_exposed or dp_mechanism(cfg) != "fsdp":
         return 0.0
     for index in range(len(profile.layers)):
         unit = fsdp_unit_params(profile, cfg, index)

@@ -1,9 +1,9 @@
 """``estimate(profile, cluster, config, split=, recompute=)``: the Estimate of one split.
 
 The caller may bring a stage split and per-layer recompute (a Plan's, ``autopar.costing``
-unwraps one); without them a ParallelConfig gets the contiguous split of its layers whose
-pipeline ranks are most balanced (min-max rank time, ``stage_splits.balanced_split``) and its
-``recompute`` for every layer.
+unwraps one); without them a ParallelConfig gets the faster fitting one of its most balanced
+contiguous splits, by stage and by pipeline rank (``default_split``), and its ``recompute`` on
+every block.
 """
 
 from __future__ import annotations
@@ -30,23 +30,22 @@ __all__ = ["checked_split", "checked_table", "default_split", "estimate"]
 
 
 def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
-    """The balanced contiguous split (of those the framework cuts) and the config's recompute
-    for every layer."""
+    """Of the most balanced contiguous splits the framework cuts (``framework_splits``: by stage
+    and by pipeline rank), the fastest that fits (the fastest when none does), and the config's
+    recompute on every block."""
     cfg = table.config
     recompute = blocks_recompute((cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
         return ((0, len(table.layers) - 1),), recompute
-    costs = [layer.time_per_microbatch_s(cfg.recompute) for layer in table.layers]
-    ranks = stage_ranks(cfg)
+    splits = framework_splits(table, cfg.recompute)
+    if len(splits) == 1:
+        return splits[0], recompute
 
-    def heaviest_rank_s(split: tuple[tuple[int, int], ...]) -> float:
-        loads = [0.0] * cfg.pp
-        for (first, last), rank in zip(split, ranks, strict=True):
-            loads[rank] += sum(costs[first:last + 1])
-        return max(loads)
+    def rank(split: tuple[tuple[int, int], ...]) -> tuple[bool, float]:
+        est = assemble(table, split, recompute)
+        return not est.fits, est.step_time_s
 
-    # the splits the framework cuts (stage_splits.py): the one with the lightest heaviest rank
-    return min(framework_splits(table, cfg.recompute), key=heaviest_rank_s), recompute
+    return min(splits, key=rank), recompute
 
 
 def checked_table(

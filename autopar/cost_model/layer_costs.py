@@ -36,7 +36,14 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from autopar.config import DTYPE_BYTES, RECOMPUTE, ParallelConfig, base_dtype, uses_autocast
+from autopar.config import (
+    DTYPE_BYTES,
+    RECOMPUTE,
+    ParallelConfig,
+    base_dtype,
+    dp_mechanism,
+    uses_autocast,
+)
 from autopar.cost_model import comm, memory
 from autopar.cost_model.checkpoints import checkpoint_terms
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
@@ -61,6 +68,7 @@ from autopar.cost_model.dp_comm import (
     dp_head_s,
     dp_terms,
     framework_dp_collectives,
+    fsdp_root_bytes,
     fsdp_unit_params,
     params_tp,
 )
@@ -130,7 +138,7 @@ def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, 
         num_microbatches=cfg.num_microbatches)
     # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
     # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
-    if memory.dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
+    if dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
         return fwd * params_tp, bwd * params_tp / cfg.shard_ranks
     return fwd * params_tp, bwd * params_tp
 
@@ -256,7 +264,7 @@ def _overheads_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, i
                  shard: int) -> tuple[float, float]:
     """The framework's fixed seconds of the layer's passes and of its optimizer step."""
     layer = profile.layers[index]
-    kind = memory.dp_mechanism(cfg)
+    kind = dp_mechanism(cfg)
     fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
     return framework_overheads_s(
         cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
@@ -383,7 +391,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         dp_tail_s=max(tails) if cfg.data_ranks > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency
         if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
-        buffers_bytes=memory.buffers_bytes(cfg, cluster) + _fsdp_root_bytes(profile, cfg),
+        buffers_bytes=memory.buffers_bytes(cfg, cluster) + fsdp_root_bytes(profile, cfg),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(base_dtype(cfg.dtype)),
         tokens_per_step=cfg.global_batch * whole.seq_len,
@@ -428,24 +436,6 @@ def _pipeline_sends(max_output_bytes: float, cfg: ParallelConfig, groups, ratio
     recv_bytes = boundary / sp_div  # one stage input (or output gradient) on one rank
     # forward activation send + backward gradient send of one micro-batch
     return 2 * comm.p2p_s(groups["pp"], recv_bytes), recv_bytes
-
-
-def _fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
-    """Zero 3 at pp == 1: the root unit's unsharded parameters and gradients held over the step.
-
-    FSDP2 never reshards the root module after forward, so its gathered parameters (w bytes per
-    parameter) stay from the forward to the end of the backward; its reduce-scatter waits for
-    every root gradient, the embedding's coming last, so the other root layers' unsharded fp32
-    gradients (the head's) stay through the blocks' backward. The per-layer transient terms
-    count one unit at a time; this is the root's share that outlives its own layers.
-    """
-    if memory.dp_mechanism(cfg) != "fsdp" or cfg.zero != 3 or cfg.num_stages > 1:
-        return 0.0
-    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
-    if not roots:
-        return 0.0
-    params = [params_tp(profile.layers[k], cfg) for k in roots]
-    return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
 
 
 def charged_collectives(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.config import DTYPE_BYTES, ParallelConfig, dp_mechanism
 from autopar.cost_model import memory
 from autopar.cost_model.framework_support import moe_tp_mode
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
@@ -55,7 +55,7 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
     the parameters the rank holds after tp and ep sharding; ``loss``: the profile's loss
     kernel, ``ModelProfile.loss``)."""
     w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
-    fsdp = memory.dp_mechanism(cfg) == "fsdp"
+    fsdp = dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
     # The backward's fresh gradient (training dtype), plus its fp32 copy unless it accumulates
     # into the (static) fp32 accumulator.

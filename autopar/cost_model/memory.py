@@ -56,7 +56,6 @@ __all__ = [
     "LayerState",
     "activation_bytes",
     "buffers_bytes",
-    "dp_mechanism",
     "fsdp_accumulates_grads",
     "fsdp_keeps_params_unsharded",
     "layer_state",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autopar.config import DTYPE_BYTES, ParallelConfig
+from autopar.config import DTYPE_BYTES, ParallelConfig, dp_mechanism
 from autopar.cost_model import comm, memory
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.memory import LayerState
@@ -104,7 +104,7 @@ def host_copies(config: ParallelConfig, dp_calls: tuple[comm.Collective, ...],
     mode = mode or config.offload
     if mode == "none" or unit_params <= 0:
         return ()
-    n = config.shard_ranks if memory.dp_mechanism(config) == "fsdp" else 1
+    n = config.shard_ranks if dp_mechanism(config) == "fsdp" else 1
     shard = unit_params / n
 
     def copy(kind: str, c_per: str, phase: str, calls: float) -> comm.Collective:

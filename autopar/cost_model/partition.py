@@ -16,7 +16,7 @@ import itertools
 from bisect import bisect_right
 from collections.abc import Sequence
 
-__all__ = ["balanced_partition", "rank_balanced_partition"]
+__all__ = ["balanced_partition", "rank_balanced_partition", "uniform_partition"]
 
 _RELATIVE_TOLERANCE = 1e-7  # stop bisecting when the bottleneck is known to this precision
 
@@ -112,12 +112,63 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> tuple[tuple[i
     return tuple((a, b - 1) for a, b in zip(starts, ends))
 
 
-def _rank_loads(prefix: list[float], bounds: list[int], ranks: Sequence[int]) -> tuple[float, ...]:
-    """Every rank's summed stage cost, heaviest first (the order local search minimises)."""
+def _rank_loads(prefix: list[float], bounds: Sequence[int], ranks: Sequence[int]) -> list[float]:
+    """Every rank's summed stage cost (stage ``j`` spans ``bounds[j]:bounds[j + 1]``)."""
     loads = [0.0] * (max(ranks) + 1)
     for stage, rank in enumerate(ranks):
         loads[rank] += prefix[bounds[stage + 1]] - prefix[bounds[stage]]
-    return tuple(sorted(loads, reverse=True))
+    return loads
+
+
+def _key(loads: Sequence[float]) -> tuple[float, float]:
+    """What the rank search minimises: the heaviest rank, then the sum of squared loads."""
+    return max(loads), sum(x * x for x in loads)
+
+
+def _chain_moves(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence[int],
+                 loads: list[float], stage: int):
+    """(key, shifted bounds) of every move of one layer out of ``stage`` to another stage: its
+    first layer to stage t < stage (bounds t+1 .. stage one later: the stages between keep their
+    sizes, each passing a layer on), or its last to stage t > stage (bounds stage+1 .. t one
+    earlier). The loads are updated as the chain grows, a layer at a time."""
+    last = len(ranks) - 1
+    for step in (1, -1):  # 1: the first layer goes left; -1: the last layer goes right
+        cur = loads.copy()
+        edge = stage if step == 1 else stage + 1  # the bound that moves first
+        layer = bounds[edge] if step == 1 else bounds[edge] - 1
+        cur[ranks[stage]] -= costs[layer]
+        t = stage - step
+        while 0 <= t <= last:
+            cur[ranks[t]] += costs[layer]
+            moved = range(t + 1, stage + 1) if step == 1 else range(stage + 1, t + 1)
+            yield _key(cur), moved, step
+            # extend the chain: stage t passes on its own outer layer to stage t - step
+            layer = bounds[t] if step == 1 else bounds[t + 1] - 1
+            cur[ranks[t]] -= costs[layer]
+            t -= step
+
+
+def _descend(costs: Sequence[float], prefix: list[float], bounds: list[int],
+             ranks: Sequence[int]) -> list[int]:
+    """Steepest descent of ``_key`` over chain moves out of the heaviest ranks' stages."""
+    while True:
+        loads = _rank_loads(prefix, bounds, ranks)
+        key = _key(loads)
+        best = None
+        for stage, rank in enumerate(ranks):
+            if loads[rank] < key[0] or bounds[stage + 1] - bounds[stage] < 2:
+                continue
+            for trial, moved, step in _chain_moves(costs, bounds, ranks, loads, stage):
+                if trial < key and (best is None or trial < best[0]):
+                    best = (trial, moved, step)
+        if best is None:
+            return bounds
+        shifted = bounds.copy()
+        for j in best[1]:
+            shifted[j] += best[2]
+        if _key(_rank_loads(prefix, shifted, ranks)) >= key:  # rounding: stop, never cycle
+            return bounds
+        bounds = shifted
 
 
 def rank_balanced_partition(costs: Sequence[float],
@@ -127,9 +178,11 @@ def rank_balanced_partition(costs: Sequence[float],
 
     With one stage per rank this is ``balanced_partition``. When a rank runs several stages
     (interleaved and V schedules) the stage-balanced split can leave one rank a layer heavier
-    than another on every chunk; from it, steepest descent moves one stage bound by one layer at
-    a time while the ranks' loads, heaviest first, get lexicographically smaller (each step a
-    strict decrease, so it ends). A local optimum: never heavier on its heaviest rank than the
+    than another on every chunk. A local search then moves one layer at a time out of a stage of
+    the heaviest rank to any other stage (the stages between pass a layer on and keep their
+    sizes), steepest first, while the heaviest rank gets lighter or, as heavy, the squared loads
+    smaller (a strict decrease: it ends). It starts from the stage-balanced split and from equal
+    layer counts, and keeps the better end: never heavier on its heaviest rank than the
     stage-balanced split.
 
     Example:
@@ -142,19 +195,17 @@ def rank_balanced_partition(costs: Sequence[float],
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    bounds = [first for first, _ in split] + [len(costs)]
-    best = _rank_loads(prefix, bounds, ranks)
-    while True:
-        move = None
-        for j in range(1, len(bounds) - 1):
-            for step in (-1, 1):
-                b = bounds[j] + step
-                if not bounds[j - 1] < b < bounds[j + 1]:
-                    continue
-                trial = [*bounds[:j], b, *bounds[j + 1:]]
-                loads = _rank_loads(prefix, trial, ranks)
-                if loads < best:
-                    best, move = loads, trial
-        if move is None:
-            return tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
-        bounds = move
+    starts = ([first for first, _ in split] + [len(costs)],
+              uniform_partition(len(costs), len(ranks)))
+    ends = [_descend(costs, prefix, list(b), ranks) for b in starts]
+    bounds = min(ends, key=lambda b: _key(_rank_loads(prefix, b, ranks)))
+    return tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
+
+
+def uniform_partition(num_items: int, num_parts: int) -> list[int]:
+    """Stage bounds (``num_parts + 1`` offsets) of equal stages, the first ``num_items %
+    num_parts`` one item longer (DeepSpeed ``partition_uniform``)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    size, extra = divmod(num_items, num_parts)
+    return [p * size + min(p, extra) for p in range(num_parts + 1)]

@@ -32,26 +32,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost_model.partition import rank_balanced_partition
+from autopar.cost_model.partition import (
+    balanced_partition,
+    rank_balanced_partition,
+    uniform_partition,
+)
 from autopar.cost_model.recompute_layers import stage_ranks
 
 if TYPE_CHECKING:
     from autopar.cost_model.tables import CostTable
 
-__all__ = ["STAGE_SPLITS", "balanced_split", "framework_splits", "linear_partition",
-           "method_splits", "split_method", "split_refusal", "uniform_partition"]
+__all__ = ["STAGE_SPLITS", "balanced_splits", "framework_splits", "linear_partition",
+           "method_splits", "split_method", "split_refusal"]
 
 STAGE_SPLITS = ("any", "partition-methods")
 Split = tuple[tuple[int, int], ...]
-
-
-def uniform_partition(num_items: int, num_parts: int) -> list[int]:
-    """Stage bounds (``num_parts + 1`` offsets) of equal stages, the first ``num_items %
-    num_parts`` one item longer (DeepSpeed ``partition_uniform``)."""
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    size, extra = divmod(num_items, num_parts)
-    return [p * size + min(p, extra) for p in range(num_parts + 1)]
 
 
 def linear_partition(weights: Sequence[float], num_parts: int) -> list[int]:
@@ -126,19 +121,21 @@ def split_refusal(framework_spec: str, kind: str, split: Sequence[tuple[int, int
             f"'type:<block>' balanced blocks), not this plan's split (layers per stage {sizes})")
 
 
-def balanced_split(table: CostTable, recompute: str) -> Split:
-    """The contiguous split whose pipeline ranks are most balanced by time per micro-batch under
-    uniform recompute (``partition.rank_balanced_partition``: a rank of an interleaved or V
-    schedule sums its stages; the table costs a non-block layer's modes alike:
-    ``LayerCost.never_recomputed``)."""
+def balanced_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
+    """The most balanced contiguous splits by time per micro-batch under uniform recompute: the
+    stage-balanced one (``partition.balanced_partition``) and the rank-balanced one
+    (``partition.rank_balanced_partition``: a rank of an interleaved or V schedule sums its
+    stages), one when they agree (every rank runs one stage). The table costs a non-block
+    layer's modes alike (``LayerCost.never_recomputed``)."""
     costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
-    return rank_balanced_partition(costs, stage_ranks(table.config))
+    return tuple(dict.fromkeys((balanced_partition(costs, table.config.num_stages),
+                                rank_balanced_partition(costs, stage_ranks(table.config)))))
 
 
 def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
     """The splits worth trying under uniform ``recompute`` that the table's framework cuts: the
-    most balanced one, or each of its partition methods' (what ``estimate``'s default split and
+    most balanced ones, or each of its partition methods' (what ``estimate``'s default split and
     the search's bounds both start from)."""
     if table.framework.stage_splits == "any":
-        return (balanced_split(table, recompute),)
+        return balanced_splits(table, recompute)
     return tuple(dict.fromkeys(method_splits(table.block_mask, table.config.num_stages).values()))

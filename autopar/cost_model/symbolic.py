@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, dp_mechanism
 from autopar.cost_model.expert_tp import costed_profiles
 from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.memory import (
     ADAM_BYTES,
     GRAD_BYTES,
     MASTER_BYTES,
-    dp_mechanism,
     fsdp_accumulates_grads,
     fsdp_keeps_params_unsharded,
 )

@@ -424,7 +424,8 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
     """A Plan for a given config: its stages ``split`` (default the most balanced,
     ``estimator.default_split``) and ``config.recompute`` everywhere (blocks only, by default).
 
-    Its estimate equals ``autopar.estimate(profile, cluster, config, framework, split=split)``.
+    Its estimate equals ``cost_model.estimator.estimate(profile, cluster, config, framework,
+    split=split)``.
     """
     from autopar.cost_model.estimator import checked_split, checked_table
 

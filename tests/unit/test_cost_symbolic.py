@@ -113,10 +113,11 @@ def test_explain_plan_prints_formulas_and_numbers():
 
 
 def _printed_bytes(text: str, name: str) -> float:
-    """The figure explain prints on ``name``'s memory line (``_gib``'s 2 decimals)."""
+    """The figure explain prints on ``name``'s memory line (``format_bytes``, 2 decimals)."""
     line = next(x for x in text.splitlines() if x.strip().startswith(f"{name} "))
     number, unit = line.rsplit("=", 1)[1].split()[:2]
-    return float(number) * {"GiB": GIB, "MiB": MIB, "KiB": 1024, "B": 1}[unit]
+    return float(number) * {"PiB": 1024**2 * GIB, "TiB": 1024 * GIB, "GiB": GIB, "MiB": MIB,
+                            "KiB": 1024, "B": 1}[unit]
 
 
 @pytest.mark.parametrize("framework", [*FRAMEWORKS, "megatron-lm+expert-tp-1"])

@@ -13,7 +13,7 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.stage_splits import balanced_split
+from autopar.cost_model.stage_splits import balanced_splits
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.search.envelope import MIN_BLOCKS, envelope_table, pattern_blocks
 from autopar.search.ilp import build_ilp, decode, layer_runs, solve_ilp
@@ -56,7 +56,7 @@ def pattern_tables(draw) -> CostTable:
         tokens_per_step=128,
     )  # fmt: skip
     # A share of what the balanced split needs without recompute: tight shares mix the modes.
-    need = assemble(table, balanced_split(table, "none"), ("none",) * len(layers))
+    need = assemble(table, balanced_splits(table, "none")[0], ("none",) * len(layers))
     share = draw(st.sampled_from([0.6, 0.75, 0.9, 1.2]))
     return dataclasses.replace(table, capacity_bytes=share * need.memory_per_gpu_bytes)
 

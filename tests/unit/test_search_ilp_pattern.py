@@ -16,7 +16,7 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.stage_splits import balanced_split
+from autopar.cost_model.stage_splits import balanced_splits
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
 from autopar.search import ilp as ilp_module
@@ -69,7 +69,7 @@ def alternating_tables(draw) -> CostTable:
     if v == 2 and pp > 2:
         pp = 2
     table = _table([*lead, *blocks, *trail], pp, schedule, v)
-    need = assemble(table, balanced_split(table, "none"), ("none",) * len(table.layers))
+    need = assemble(table, balanced_splits(table, "none")[0], ("none",) * len(table.layers))
     # Shares off round numbers: a split whose memory lands exactly on the cap is decided by the
     # solver's feasibility tolerance, differently in the two formulations.
     share = draw(st.sampled_from([0.5013, 0.7029, 0.8507, 1.2011]))
@@ -122,7 +122,7 @@ def test_lp_relaxation_proves_the_pigeonhole() -> None:
     dense, moe = _layer("d", 0.4, 1e8, 1e8), _layer("m", 0.5, 1e8, 6e9)
     blocks = [dataclasses.replace(moe if i % 2 else dense, name=f"b{i}") for i in range(24)]
     table = _table(blocks, 8)
-    one = assemble(table, balanced_split(table, "full"), ("full",) * 24).memory_per_gpu_bytes
+    one = assemble(table, balanced_splits(table, "full")[0], ("full",) * 24).memory_per_gpu_bytes
     table = dataclasses.replace(table, capacity_bytes=one * 0.8)  # < 2 MoE blocks a rank
 
     def relaxed_status(model) -> int:

@@ -16,12 +16,8 @@ import pytest
 from rich.console import Console
 
 import autopar
-from autopar.cost_model.stage_splits import (
-    linear_partition,
-    method_splits,
-    split_method,
-    uniform_partition,
-)
+from autopar.cost_model.partition import uniform_partition
+from autopar.cost_model.stage_splits import linear_partition, method_splits, split_method
 from autopar.export_base import plan_split_method
 from autopar.exporters import export_plan
 from autopar.report import render_report

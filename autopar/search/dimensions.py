@@ -12,19 +12,21 @@ the framework settings that are parallelism choices.
   (zero 3; zero 1 for Megatron-LM's distributed optimizer), where the per-micro-batch
   gathers make the shard group's link matter most.
 - dtype: ``options.dtype``, or every dtype the GPU runs fast that the framework runs
-  (``precision.supported_dtypes``), less bf16 where fp8 dominates it: fp8 stores and
-  communicates what bf16 does (2-byte parameters, gradients, activations), so it differs only
-  in compute; when every layer computes faster in fp8 at the smallest matmuls the search
-  considers (the widest tp, one sequence a micro-batch), bf16 cannot win and is not costed.
+  (``precision.supported_dtypes``). bf16 is costed beside fp8: fp8's casts can outweigh its
+  faster matmuls at some shapes and not others (a small Llama on H100 under Megatron-LM: fp8
+  faster at tp=4 with one sequence a micro-batch, 11% slower at dp=8 with four), and its
+  shorter backward hides less data-parallel traffic, so no one shape shows bf16 cannot win.
 - framework settings that are parallelism choices (``SEARCHED_SETTINGS``: Megatron-LM's
   ``expert-tp-1``, its experts folded over tp): the whole search runs once per combination
   for a model they apply to (``framework_variants``), and the faster plan wins; its framework
   spec names the settings, so the export writes their flags.
-- offload: when no candidate fits without it, the offloaded variants of those whose memory
-  lower bound exceeds the capacity, with the settings the framework and ``options.offloads``
-  allow (planner.plan's second pass). The cost model charges offload only extra time (copies,
-  the CPU step), so an offloaded plan can beat a fitting one only through a cheaper
-  recomputation or split; that case is not searched.
+- offload: after the search, the offloaded variants, with the settings the framework and
+  ``options.offloads`` allow (``planner._offload_worthy``), of the candidates that fit no
+  split without offload (their memory bound over the capacity) and could, memory aside, beat
+  the k-th best plan; of every candidate when none fits. The cost model charges offload only
+  extra time (copies, the CPU step), so the variant of a candidate that fits without it can win
+  only through the recomputation its freed memory saves; that case is not searched, nor a
+  candidate whose memory bound is under the capacity though no split of it fits.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from autopar.cost_model.framework_settings import SEARCHED_SETTINGS
 from autopar.cost_model.framework_support import folds_experts
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster, DeviceSpec
-from autopar.cost_model.layer_costs import build_cost_table
 from autopar.cost_model.precision import supported_dtypes
 from autopar.cost_model.validate import cp_problem, dtype_problem, offload_problem
 from autopar.graph.types import ModelProfile
@@ -45,7 +46,6 @@ from autopar.search.options import SearchOptions
 __all__ = [
     "changed_by_settings",
     "cp_choices",
-    "dominant_dtypes",
     "dtype_choices",
     "framework_variants",
     "offload_variants",
@@ -122,24 +122,6 @@ def dtype_choices(device: DeviceSpec | None, options: SearchOptions) -> list[str
         return ["bf16"]
     wanted = [d for d in supported_dtypes(device) if d in framework.dtypes]
     return wanted or [next(d for d in ("bf16", "fp16", "fp32") if d in framework.dtypes)]
-
-
-def dominant_dtypes(profile: ModelProfile, cluster: Cluster, dtypes: list[str],
-                    options: SearchOptions) -> list[str]:
-    """``dtypes`` less bf16 when fp8 computes every layer faster (module docstring)."""
-    if "fp8" not in dtypes or "bf16" not in dtypes:
-        return dtypes
-    heads = [h for h in (profile.heads, profile.kv_heads) if h]
-    limit = options.max_tp or cluster.gpus_per_node
-    tp = max(t for t in range(1, limit + 1) if all(h % t == 0 for h in heads))
-    times = {}
-    for dtype in ("bf16", "fp8"):
-        cfg = ParallelConfig(tp=tp, global_batch=1, sequence_parallel=tp > 1, dtype=dtype)
-        table = build_cost_table(profile, cluster, cfg, options.framework)
-        times[dtype] = [layer.compute_s + layer.recompute_s[2] for layer in table.layers]
-    if all(f <= b for f, b in zip(times["fp8"], times["bf16"])):
-        return [d for d in dtypes if d != "bf16"]
-    return dtypes
 
 
 def offload_variants(configs: list[ParallelConfig], cluster: Cluster,

@@ -127,7 +127,7 @@ class SearchOptions:
         max_cp: largest context-parallel degree (None: any that divides the sequence).
         min_cp_tokens: fewest tokens per context-parallel rank (s / cp) to consider.
         hsdp: consider HSDP (dp_replicate > 1, the shard group filling one node).
-        offloads: offload settings to consider, when nothing fits without offload
+        offloads: offload settings to consider for the candidates that need one to fit
             (``dimensions.py``).
         framework: the training framework that will run the plan (``FRAMEWORKS``): the search
             proposes only what it can run and costs it as it runs.

@@ -46,7 +46,6 @@ from autopar.search.bounds import (
 )
 from autopar.search.dimensions import (
     changed_by_settings,
-    dominant_dtypes,
     dtype_choices,
     framework_variants,
     offload_variants,
@@ -101,8 +100,7 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
         global_batch=global_batch,
         options=options,
         seq_len=profile.seq_len,
-        dtypes=dominant_dtypes(profile, cluster, dtype_choices(cluster.device, options),
-                               options),
+        dtypes=dtype_choices(cluster.device, options),
         expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
         moe_sequence_parallel=not any(moe_sp_blocker(get_framework(options.framework), x.moe)
                                       for x in profile.layers if x.moe),
@@ -315,6 +313,12 @@ def plan(
     if framework is not None:
         options = dataclasses.replace(options, framework=framework)
     _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile.seq_len)
+    headroom = options.memory_headroom_bytes
+    if headroom is not None and headroom >= cluster.device.memory_bytes:
+        raise ValueError(
+            f"memory_headroom_bytes {headroom:.4g} leaves nothing of the "
+            f"{cluster.device.memory_bytes:.4g} bytes of a {cluster.device.name}: keep it "
+            "below the GPU's memory")
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     plans: list[Plan] = []
     refusals: list[InfeasiblePlanError] = []
@@ -362,7 +366,7 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
         if not configs:
             return []
     if not configs:
-        raise _no_split_error(profile, cluster, global_batch)
+        raise _no_split_error(profile, cluster, global_batch, options)
     cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline,
                                beat_s)
     if not state.best and changed_only:
@@ -379,28 +383,69 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
 
 def _search_all(profile, cluster, configs, top_k, options, progress, deadline,
                 beat_s: float = math.inf):
-    """Cost, bound and search every candidate (only what beats ``beat_s``); when none fits,
-    their offloading variants too (not when only a faster plan than one found is sought).
-    Returns (candidates, state); a search cut short by the deadline is flagged in the state."""
+    """Cost, bound and search every candidate (only what beats ``beat_s``), then the offloaded
+    variants of those that may gain by offloading (``_offload_worthy``). Returns (candidates,
+    state); a search cut short by the deadline is flagged in the state."""
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
     truncated = len(cands) < len(configs)
     state = _search(cands, top_k, options, progress, deadline, beat_s)
-    if (not state.best and not state.time_limit_hit and not truncated
-            and beat_s == math.inf):  # try offloading
-        extra = offload_variants([c.table.config for c in cands if c.memory_lb_bytes
-                                  > c.table.capacity_bytes], cluster, options)
+    if not truncated and not state.time_limit_hit:
+        extra = offload_variants(_offload_worthy(cands, state, top_k, beat_s), cluster, options)
         more = _bounded(profile, cluster, extra, options, progress, deadline, len(cands))
         truncated = len(more) < len(extra)
-        if more:
+        if more:  # searched on their own for what beats the k-th best so far, then merged
             cands += more
-            state = _search(cands, top_k, options, progress, deadline, beat_s)
+            _merge(state, _search(more, top_k, options, progress, deadline,
+                                  min(beat_s, _kth(state, top_k))), top_k)
     if truncated:
         state.time_limit_hit = True
         state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
     return cands, state
 
 
-def _no_split_error(profile, cluster, global_batch: int) -> ValueError:
+def _kth(state: _State, top_k: int) -> float:
+    """The k-th best step found (inf while fewer than k)."""
+    return state.best[top_k - 1][0] if len(state.best) >= top_k else math.inf
+
+
+def _merge(state: _State, other: _State, top_k: int) -> None:
+    """Fold a search over more candidates into ``state``: the k best of both, the counts."""
+    state.best = sorted(state.best + other.best, key=lambda b: (b[0], b[1]))[:top_k]
+    state.considered += other.considered
+    state.pruned += other.pruned
+    state.ilps += other.ilps
+    state.time_limit_hit |= other.time_limit_hit
+    state.remaining_lb_s = min(state.remaining_lb_s, other.remaining_lb_s)
+
+
+_UNLIMITED_BYTES = 1e30  # a capacity no memory term reaches (an infinite one makes inf - inf)
+
+
+def _offload_worthy(cands: list[Candidate], state: _State, top_k: int,
+                    beat_s: float) -> list[ParallelConfig]:
+    """The candidates whose offloaded variants are worth costing: every one when none fits
+    (not when only a faster plan than one found is sought), else those that fit no split
+    without offload (their memory bound over the capacity) and could, memory aside, beat the
+    k-th best plan: offload frees memory and only adds time (copies, the CPU step), so a
+    variant is no faster than its candidate's time bound with unlimited memory."""
+    if not state.best:
+        return [c.table.config for c in cands] if beat_s == math.inf else []
+    bound = min(_kth(state, top_k), beat_s)
+    return [c.table.config for c in cands if c.memory_lb_bytes > c.table.capacity_bytes
+            and time_lower_bound(dataclasses.replace(c.table, capacity_bytes=_UNLIMITED_BYTES),
+                                 c.summary) < bound]
+
+
+def _no_split_error(profile, cluster, global_batch: int, options: SearchOptions) -> ValueError:
+    """Why no candidate exists: the options' narrowing (named) when the framework's whole
+    space has one, else the batch, GPU count, heads and layers."""
+    whole = SearchOptions(framework=options.framework)
+    narrowed = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
+                if getattr(options, f.name) != getattr(whole, f.name)]
+    if narrowed and _candidates(profile, cluster, global_batch, whole):
+        return ValueError(
+            f"the search options leave no split of {cluster.num_gpus} GPUs at global_batch "
+            f"{global_batch} ({', '.join(narrowed)}): widen them")
     return ValueError(
         f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
         f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "

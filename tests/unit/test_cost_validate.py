@@ -149,7 +149,8 @@ def test_rank_balanced_partition_is_optimal_on_pipeline_shaped_costs(pp, schedul
             assert _rank_worst(costs, split, ranks) == pytest.approx(_rank_optimum(costs, ranks))
     costs = [0.1] + [1.0] * 12 + [0.3]
     if (pp, schedule) == (4, "v"):
-        assert _rank_worst(costs, rank_balanced_partition(costs, ranks), ranks) == pytest.approx(3.4)
+        split = rank_balanced_partition(costs, ranks)
+        assert _rank_worst(costs, split, ranks) == pytest.approx(3.4)
         assert _rank_worst(costs, balanced_partition(costs, 8), ranks) == pytest.approx(4.0)
 
 

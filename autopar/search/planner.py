@@ -250,8 +250,9 @@ def _info(state: _State, outcome: Outcome, step_s: float) -> SearchInfo:
 
 
 def _check_inputs(global_batch: object, top_k: object, time_budget_s: object,
-                  seq_len: int | None = None, profile_seq_len: int = 0) -> None:
+                  seq_len: int | None, profile, options: SearchOptions, cluster) -> None:
     """Reject impossible search inputs before any loop over them."""
+    _check_headroom(options, cluster)
     for name, value, high in (("global_batch", global_batch, MAX_GLOBAL_BATCH),
                               ("top_k", top_k, 10_000)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -264,9 +265,9 @@ def _check_inputs(global_batch: object, top_k: object, time_budget_s: object,
         raise ValueError(f"time_budget_s must be a positive finite number, got {time_budget_s!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise TypeError(f"seq_len must be an integer, got {seq_len!r}")
-    if seq_len is not None and seq_len != profile_seq_len:
+    if seq_len is not None and seq_len != profile.seq_len:
         raise ValueError(
-            f"seq_len {seq_len} differs from the profile's {profile_seq_len}; profile the model "
+            f"seq_len {seq_len} differs from the profile's {profile.seq_len}; profile the model "
             f"with seq_len={seq_len}"
         )
 
@@ -312,13 +313,7 @@ def plan(
         raise TypeError(f"options must be a SearchOptions, got {type(options).__name__}")
     if framework is not None:
         options = dataclasses.replace(options, framework=framework)
-    _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile.seq_len)
-    headroom = options.memory_headroom_bytes
-    if headroom is not None and headroom >= cluster.device.memory_bytes:
-        raise ValueError(
-            f"memory_headroom_bytes {headroom:.4g} leaves nothing of the "
-            f"{cluster.device.memory_bytes:.4g} bytes of a {cluster.device.name}: keep it "
-            "below the GPU's memory")
+    _check_inputs(global_batch, top_k, time_budget_s, seq_len, profile, options, cluster)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     plans: list[Plan] = []
     refusals: list[InfeasiblePlanError] = []
@@ -337,6 +332,16 @@ def plan(
     plans.sort(key=lambda p: p.estimate.step_time_s)  # stable: ties keep the asked-for one
     plans = robust_order(plans)[:top_k] if options.robust else plans[:top_k]
     return plans[0] if top_k == 1 else plans
+
+
+def _check_headroom(options: SearchOptions, cluster) -> None:
+    """ValueError when ``memory_headroom_bytes`` leaves the GPU no memory."""
+    headroom = options.memory_headroom_bytes
+    if headroom is not None and headroom >= cluster.device.memory_bytes:
+        raise ValueError(
+            f"memory_headroom_bytes {headroom:.4g} leaves nothing of the "
+            f"{cluster.device.memory_bytes:.4g} bytes of a {cluster.device.name}: keep it "
+            "below the GPU's memory")
 
 
 def _to_beat(plans: list[Plan], top_k: int, options: SearchOptions) -> float:

@@ -100,8 +100,10 @@ def _megatron_options(plan: Plan, notes: list[str]) -> tuple[list[list[str]], di
         if "expandable-segments" in fw.settings:
             notes.append("launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the "
                          "plan's memory assumed it)")
-    # the precision-aware optimizer (bf16-adam-moments) runs in the distributed one only
-    if (cfg.zero in (1, 2) and cfg.data_ranks > 1) or "bf16-adam-moments" in fw.settings:
+    # the precision-aware optimizer (bf16-adam-moments) and --optimizer-cpu-offload run in the
+    # distributed one only (on one data rank too, where the plan's zero shards nothing)
+    if (cfg.zero in (1, 2) and cfg.data_ranks > 1) or (
+            cfg.offload != "none" and cfg.data_ranks == 1) or "bf16-adam-moments" in fw.settings:
         flags.append(["--use-distributed-optimizer"])
         extra["distributed_optimizer"] = True
         if cfg.dp_replicate > 1:  # HSDP of the optimizer: instances, all-reduced across

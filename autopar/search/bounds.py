@@ -21,6 +21,7 @@ and the rank holding layer i needs at least static_i + min_r (f_min act_i(r) + t
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -53,6 +54,7 @@ __all__ = [
     "recv_buffer_counts",
     "summarize",
     "time_lower_bound",
+    "unlimited_memory_time_bound",
 ]
 
 
@@ -383,3 +385,16 @@ def ilp_key(table: CostTable) -> tuple:
         flights,
         bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches),
     )
+
+
+# A capacity no memory term reaches (an infinite one makes inf - inf in the memory budget).
+_UNLIMITED_BYTES = 1e30
+
+
+def unlimited_memory_time_bound(table: CostTable, summary: TableSummary) -> float:
+    """``time_lower_bound`` with unlimited memory (the dual at lam = 0 alone): a step time no
+    split, recompute choice or offloading of the candidate can beat, since offloading only
+    frees memory and adds time (copies, the CPU step)."""
+    free = sum(n * min(t) for n, t, _ in summary.runs)
+    return time_lower_bound(dataclasses.replace(table, capacity_bytes=_UNLIMITED_BYTES),
+                            summary, in_flight=1.0, duals=((0.0, free),))

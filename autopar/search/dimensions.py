@@ -20,13 +20,12 @@ the framework settings that are parallelism choices.
   ``expert-tp-1``, its experts folded over tp): the whole search runs once per combination
   for a model they apply to (``framework_variants``), and the faster plan wins; its framework
   spec names the settings, so the export writes their flags.
-- offload: after the search, the offloaded variants, with the settings the framework and
-  ``options.offloads`` allow (``planner._offload_worthy``), of the candidates that fit no
-  split without offload (their memory bound over the capacity) and could, memory aside, beat
-  the k-th best plan; of every candidate when none fits. The cost model charges offload only
-  extra time (copies, the CPU step), so the variant of a candidate that fits without it can win
-  only through the recomputation its freed memory saves; that case is not searched, nor a
-  candidate whose memory bound is under the capacity though no split of it fits.
+- offload: after the search, the offloaded variants (``offload_variants``: the settings the
+  framework and ``options.offloads`` allow) of the candidates that could, memory aside, beat
+  the k-th best plan (``planner._offload_worthy``), of every candidate when none fits. The cost
+  model charges offload only extra time (copies, the CPU step), so a variant is no faster than
+  its candidate's time bound with unlimited memory (``bounds.unlimited_memory_time_bound``);
+  it wins where the freed memory lets a split fit at all, or with less recomputation.
 """
 
 from __future__ import annotations
@@ -126,18 +125,22 @@ def dtype_choices(device: DeviceSpec | None, options: SearchOptions) -> list[str
 
 def offload_variants(configs: list[ParallelConfig], cluster: Cluster,
                      options: SearchOptions) -> list[ParallelConfig]:
-    """The offloaded variants of candidates that fit no split without offload."""
+    """The offloaded variants of ``configs`` the framework and ``options.offloads`` allow:
+    the optimizer's state (zero >= 1) and, at zero 3, the parameters too. A candidate with one
+    data rank (zero 0 in the space: nothing to shard) is offloaded at zero 1 and 3, as ZeRO-
+    Offload runs on one GPU (``config.dp_mechanism``: FSDP2 over the one rank)."""
     framework = get_framework(options.framework)
     if offload_problem("optimizer", cluster):
         return []
     out = []
     for config in configs:
-        if config.offload != "none" or config.zero == 0:
+        if config.offload != "none" or (config.zero == 0 and config.data_ranks > 1):
             continue
         for offload in ("optimizer", "params"):
-            if offload not in options.offloads or (offload == "params" and config.zero != 3):
+            zero = config.zero or (3 if offload == "params" else 1)
+            if offload not in options.offloads or (offload == "params" and zero != 3):
                 continue
-            variant = dataclasses.replace(config, offload=offload)
+            variant = dataclasses.replace(config, zero=zero, offload=offload)
             if framework_supports(framework, variant) is None:
                 out.append(variant)
     return out

@@ -11,6 +11,7 @@ ILPs, not one per offload variant.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from autopar.config import RECOMPUTE
@@ -20,7 +21,7 @@ from autopar.search.ilp import build_ilp, decode, solve_ilp
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
 
-__all__ = ["closest_split", "infeasible_error"]
+__all__ = ["closest_split", "infeasible_error", "no_split_error"]
 
 
 
@@ -96,3 +97,25 @@ def _cp_hint(profile, options: SearchOptions) -> str:
     runs = [name for name in FRAMEWORKS if shards(name)]
     return (f", or shard each {profile.seq_len}-token sequence with context parallelism "
             f"(--framework {' or '.join(runs)})")
+
+
+def no_split_error(profile, cluster, global_batch: int, options: SearchOptions,
+                   candidates) -> ValueError:
+    """Why no candidate exists: the search options that narrowed it (each one whose default
+    alone brings candidates back; ``candidates(options)`` lists a space's), else the batch, the
+    GPU count, the heads and the layers."""
+    whole = SearchOptions(framework=options.framework)
+    changed = [f.name for f in dataclasses.fields(options)
+               if getattr(options, f.name) != getattr(whole, f.name)]
+    if changed and candidates(whole):
+        narrowing = [name for name in changed if candidates(
+            dataclasses.replace(options, **{name: getattr(whole, name)}))] or changed
+        shown = ", ".join(f"{name}={getattr(options, name)!r}" for name in narrowing)
+        return ValueError(f"the search options leave no split of {cluster.num_gpus} GPUs at "
+                          f"global_batch {global_batch} ({shown}): widen them")
+    return ValueError(
+        f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
+        f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "
+        f"global batch that is a multiple of {cluster.num_gpus} (one replica a GPU), or "
+        "another GPU count"
+    )

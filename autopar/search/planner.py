@@ -43,6 +43,7 @@ from autopar.search.bounds import (
     recv_buffer_counts,
     summarize,
     time_lower_bound,
+    unlimited_memory_time_bound,
 )
 from autopar.search.dimensions import (
     changed_by_settings,
@@ -50,7 +51,7 @@ from autopar.search.dimensions import (
     framework_variants,
     offload_variants,
 )
-from autopar.search.infeasible import infeasible_error
+from autopar.search.infeasible import infeasible_error, no_split_error
 from autopar.search.options import SearchOptions
 from autopar.search.plan_records import plan_record, robust_order
 from autopar.search.solve import Candidate, Outcome, fits_host, solve_candidate, warm_bound
@@ -371,15 +372,21 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
         if not configs:
             return []
     if not configs:
-        raise _no_split_error(profile, cluster, global_batch, options)
+        raise no_split_error(profile, cluster, global_batch, options,
+                             lambda narrower: _candidates(profile, cluster, global_batch,
+                                                          narrower))
     cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline,
                                beat_s)
     if not state.best and changed_only:
         return []
     if not state.best and state.time_limit_hit:
+        spent = ("the time budget ran out" if time_budget_s is None
+                 else f"the time budget ({time_budget_s:g} s) ran out")
+        if deadline is None or time.monotonic() < deadline:
+            spent = f"every ILP tried hit its time limit ({options.time_limit_s:g} s)"
         raise InfeasiblePlanError(
-            f"the time budget ({time_budget_s:g} s) ran out before any split was found; "
-            "allow more time (time_budget_s / --time-budget) or narrow the search options"
+            f"{spent} before any split was found; allow more time (time_budget_s / "
+            "--time-budget, SearchOptions.time_limit_s) or narrow the search options"
         )
     if not state.best:
         raise infeasible_error(profile, cluster, cands, options, deadline, global_batch)
@@ -392,20 +399,32 @@ def _search_all(profile, cluster, configs, top_k, options, progress, deadline,
     variants of those that may gain by offloading (``_offload_worthy``). Returns (candidates,
     state); a search cut short by the deadline is flagged in the state."""
     cands = _bounded(profile, cluster, configs, options, progress, deadline)
-    truncated = len(cands) < len(configs)
     state = _search(cands, top_k, options, progress, deadline, beat_s)
-    if not truncated and not state.time_limit_hit:
-        extra = offload_variants(_offload_worthy(cands, state, top_k, beat_s), cluster, options)
-        more = _bounded(profile, cluster, extra, options, progress, deadline, len(cands))
-        truncated = len(more) < len(extra)
-        if more:  # searched on their own for what beats the k-th best so far, then merged
-            cands += more
-            _merge(state, _search(more, top_k, options, progress, deadline,
-                                  min(beat_s, _kth(state, top_k))), top_k)
-    if truncated:
-        state.time_limit_hit = True
-        state.remaining_lb_s = min(state.remaining_lb_s, 0.0)
+    if len(cands) < len(configs):  # the deadline cut the costing short
+        _cut_short(state, 0.0)
+        return cands, state
+    worthy = _offload_worthy(cands, state, top_k, beat_s)
+    extra = offload_variants([c.table.config for c in worthy], cluster, options)
+    if not extra:
+        return cands, state
+    if deadline is not None and time.monotonic() >= deadline:
+        # no variant can beat its candidate's bound with unlimited memory
+        _cut_short(state, min(unlimited_memory_time_bound(c.table, c.summary) for c in worthy))
+        return cands, state
+    more = _bounded(profile, cluster, extra, options, None, deadline, len(cands))
+    cands += more
+    # searched on their own for what beats the k-th best so far, then merged
+    _merge(state, _search(more, top_k, options, None, deadline,
+                          min(beat_s, _kth(state, top_k))), top_k)
+    if len(more) < len(extra):
+        _cut_short(state, 0.0)
     return cands, state
+
+
+def _cut_short(state: _State, bound_s: float) -> None:
+    """Flag a search the deadline cut short; ``bound_s`` bounds what it left unsearched."""
+    state.time_limit_hit = True
+    state.remaining_lb_s = min(state.remaining_lb_s, bound_s)
 
 
 def _kth(state: _State, top_k: int) -> float:
@@ -423,40 +442,17 @@ def _merge(state: _State, other: _State, top_k: int) -> None:
     state.remaining_lb_s = min(state.remaining_lb_s, other.remaining_lb_s)
 
 
-_UNLIMITED_BYTES = 1e30  # a capacity no memory term reaches (an infinite one makes inf - inf)
-
-
 def _offload_worthy(cands: list[Candidate], state: _State, top_k: int,
-                    beat_s: float) -> list[ParallelConfig]:
-    """The candidates whose offloaded variants are worth costing: every one when none fits
-    (not when only a faster plan than one found is sought), else those that fit no split
-    without offload (their memory bound over the capacity) and could, memory aside, beat the
-    k-th best plan: offload frees memory and only adds time (copies, the CPU step), so a
-    variant is no faster than its candidate's time bound with unlimited memory."""
-    if not state.best:
-        return [c.table.config for c in cands] if beat_s == math.inf else []
+                    beat_s: float) -> list[Candidate]:
+    """The candidates whose offloaded variants are worth costing: those that could, memory
+    aside, beat the k-th best plan found (and ``beat_s``); every one when the search found none
+    and seeks no faster plan than one found elsewhere. Offload frees memory (a split that fit
+    nowhere fits, or fits with less recomputation) and only adds time (copies, the CPU step),
+    so a variant is no faster than its candidate's time bound with unlimited memory."""
+    if not state.best and beat_s == math.inf:
+        return list(cands)
     bound = min(_kth(state, top_k), beat_s)
-    return [c.table.config for c in cands if c.memory_lb_bytes > c.table.capacity_bytes
-            and time_lower_bound(dataclasses.replace(c.table, capacity_bytes=_UNLIMITED_BYTES),
-                                 c.summary) < bound]
-
-
-def _no_split_error(profile, cluster, global_batch: int, options: SearchOptions) -> ValueError:
-    """Why no candidate exists: the options' narrowing (named) when the framework's whole
-    space has one, else the batch, GPU count, heads and layers."""
-    whole = SearchOptions(framework=options.framework)
-    narrowed = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
-                if getattr(options, f.name) != getattr(whole, f.name)]
-    if narrowed and _candidates(profile, cluster, global_batch, whole):
-        return ValueError(
-            f"the search options leave no split of {cluster.num_gpus} GPUs at global_batch "
-            f"{global_batch} ({', '.join(narrowed)}): widen them")
-    return ValueError(
-        f"no (dp, tp, pp) split of {cluster.num_gpus} GPUs fits global_batch {global_batch} "
-        f"and the model's heads ({profile.heads}/{profile.kv_heads} kv) and layers: pick a "
-        f"global batch that is a multiple of {cluster.num_gpus} (one replica a GPU), or "
-        "another GPU count"
-    )
+    return [c for c in cands if unlimited_memory_time_bound(c.table, c.summary) < bound]
 
 
 def _best_plans(profile, cluster, state: _State, model: str, options: SearchOptions,

@@ -32,12 +32,22 @@ def _configs():
             continue
 
 
+def _offload_configs():
+    """Offloaded splits, on four data ranks and on one (ZeRO-Offload on one data rank)."""
+    for (dp, tp, pp), zero, offload in itertools.product(
+            [(4, 1, 1), (1, 2, 2), (1, 4, 1)], [1, 3], ["optimizer", "params"]):
+        try:
+            yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload, global_batch=8)
+        except ValueError:
+            continue
+
+
 @pytest.mark.parametrize("profile", [PROFILE, DENSE], ids=["moe", "dense"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_every_plan_a_framework_makes_exports_to_its_tool(framework, profile):
     formats = get_framework(framework).exports
     planned = 0
-    for cfg in _configs():
+    for cfg in [*_configs(), *_offload_configs()]:
         try:
             plan = plan_from_config(profile, CLUSTER, cfg, model="moe", framework=framework)
         except ValueError:

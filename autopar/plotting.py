@@ -8,7 +8,7 @@ thirds (backward FLOPs = 2 x forward for matmuls); schedules that split the back
 (zero-bubble) run the input-gradient and weight-gradient halves as separate boxes. Each rank
 runs, greedily, the highest-priority operation whose inputs are ready, under the schedule's
 bound on forwards in flight (GPipe: none; 1F1B: pp - rank; interleaved: Megatron's warm-up
-(pp - rank - 1) * 2 + (v - 1) * pp, plus one). It is a picture of the schedule's shape, not a
+plus one, ``schedules.interleaved_warmup_forwards``). It is a picture of the schedule's shape, not a
 trace of torch's action order; communication and the optimizer step are left out.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.cost_model.compute import FORWARD_SHARE
 from autopar.cost_model.estimate import Estimate
-from autopar.schedules import get_schedule
+from autopar.schedules import get_schedule, interleaved_warmup_forwards
 from autopar.units import GIB
 
 __all__ = ["ScheduledOp", "plot_plan", "plot_sweep", "simulate_schedule"]
@@ -52,8 +52,7 @@ def _inflight_limit(config: ParallelConfig, rank: int, num_chunks: int) -> float
         return float(pp - rank)
     if get_schedule(config.schedule).v_shaped:
         return float(2 * (pp - rank))
-    # Megatron's interleaved warm-up (Narayanan et al. 2021, schedules.py).
-    return float(min((pp - rank - 1) * 2 + (v - 1) * pp + 1, num_chunks))
+    return float(min(interleaved_warmup_forwards(pp, v, rank), num_chunks))
 
 
 def _deps(kind: str, m: int, s: int, num_stages: int) -> tuple[tuple[str, int, int], ...]:

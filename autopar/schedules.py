@@ -36,6 +36,7 @@ __all__ = [
     "Schedule",
     "check_schedule",
     "get_schedule",
+    "interleaved_warmup_forwards",
     "rank_of_stage",
 ]
 
@@ -116,6 +117,15 @@ def get_schedule(name: str) -> Schedule:
 def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
     """Pipeline rank that runs model chunk ``stage_index`` under ``schedule`` (by name)."""
     return get_schedule(schedule).rank_of_stage(num_ranks, stage_index)
+
+
+def interleaved_warmup_forwards(num_ranks: int, virtual_stages: int, rank: int) -> int:
+    """Chunk forwards an interleaved (loop placement) rank runs before its first backward, plus
+    the one its steady state keeps in flight: (v - 1) p + 2 (p - 1 - r) + 1 (Narayanan et al.
+    2021; Megatron-LM schedules.py and torch's ``ScheduleInterleaved1F1B`` warm up with
+    (v - 1) p + 2 (p - 1 - r))."""
+    p, v = num_ranks, virtual_stages
+    return (v - 1) * p + 2 * (p - 1 - rank) + 1
 
 
 def _chunk_problem(s: Schedule, pp: int, virtual_stages: int, exact: bool) -> str | None:

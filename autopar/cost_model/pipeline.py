@@ -14,7 +14,7 @@ T_F ~ T_B/2, i.e. about 1/3 of (p-1)(T_F+T_B)), which ``ZERO_BUBBLE_RESIDUAL`` e
 
 from __future__ import annotations
 
-from autopar.schedules import get_schedule, rank_of_stage
+from autopar.schedules import get_schedule, interleaved_warmup_forwards, rank_of_stage
 
 # Receive-buffer policies of a pipeline runtime (``Framework.pipeline_recv_buffers``).
 PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
@@ -90,7 +90,8 @@ def in_flight_microbatches(
     - gpipe: all m forwards run before any backward: m;
     - 1f1b: rank r warms up with p - r forwards: min(m, p - r) (Megatron-LM SC'21 section 2.2.1);
     - interleaved (loop placement, v chunks): torch's Interleaved1F1B warms up
-      (v - 1) p + 2 (p - 1 - r) chunk-forwards, then keeps one more in flight; per chunk that is
+      (v - 1) p + 2 (p - 1 - r) chunk-forwards, then keeps one more in flight
+      (``schedules.interleaved_warmup_forwards``); per chunk that is
       ((v - 1) p + 2 (p - 1 - r) + 1) / v, which at r = 0 is p (1 + (p - 1) / (p v)),
       Korthikanti et al. 2022's interleaving factor;
     - V-shaped, counted on torch's own per-rank action lists (``_calculate_single_rank_operations``
@@ -114,7 +115,7 @@ def in_flight_microbatches(
     elif schedule == "dualpipe-v":
         value = (2 * p + 1) / 2.0
     elif v > 1:
-        value = ((v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+        value = interleaved_warmup_forwards(p, v, rank) / v
     else:
         value = float(p - rank)
     return min(float(m), value)

@@ -3,7 +3,7 @@ the framework settings that are parallelism choices.
 
 - cp: powers of two dividing the data/context ranks, at most ``max_cp``, with the sequence a
   multiple of 2 cp (load-balanced ring attention: two chunks per rank) and at least
-  ``min_cp_tokens`` tokens per rank (options.py: 4,096, the fewest of a published run), when
+  ``min_cp_tokens`` tokens per rank (options.py: 8,192, Llama 3's long-context layout), when
   the framework runs context parallelism. The bounds and the ILP decide, per candidate,
   whether the ring's traffic is worth the smaller per-rank sequence.
 - dp_replicate (HSDP): 1, and the replica count whose shard group of dp_shard * cp * tp ranks

@@ -18,11 +18,10 @@ from autopar.cost_model.hardware import MAX_GPUS
 __all__ = ["SOLVERS", "SearchOptions"]
 
 SOLVERS: tuple[str, ...] = ("highs", "cbc")
-# sourced: the fewest tokens per context-parallel rank of a published run, NVIDIA's Llama 3
-# 8B / 70B and 3.1 405B recipes at 8,192 tokens with cp = 2 (NeMo 24.07 performance table,
-# Megatron-Bridge 25.11 and 26.06 summaries; benchmarks/data/published_runs.json), which the
-# calibration predicts. Below it the cost model is unchecked; the search stops there.
-MIN_CP_TOKENS = 4096
+# sourced: Llama 3 (arXiv:2407.21783, section 3.3.4) trained its 131,072-token context with
+# cp = 16, 8,192 tokens per rank; Megatron-Core's context-parallel guide suggests cp for
+# sequences of 8K tokens and longer. The search stops at this many tokens per rank.
+MIN_CP_TOKENS = 8192
 # The most model chunks per rank (a bound on a typo, far above any schedule's use).
 _MAX_VIRTUAL_STAGES = 1024
 # Switches (True / False only: a string such as "no" would read as on).

@@ -7,7 +7,8 @@ greedy left-to-right packing using bisection on prefix sums, O(k log n). The spl
 the greedy packing under the final bound that leaves at least one layer for every later stage.
 
 ``rank_balanced_partition`` balances pipeline ranks that run several stages each (interleaved
-and V schedules): from the balanced split, a local search over single-layer bound moves.
+and V schedules): from the balanced split and from equal layer counts, a local search that moves
+one layer out of a heaviest rank's stage to any other stage.
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def _key(loads: Sequence[float]) -> tuple[float, float]:
 
 def _chain_moves(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence[int],
                  loads: list[float], stage: int):
-    """(key, shifted bounds) of every move of one layer out of ``stage`` to another stage: its
-    first layer to stage t < stage (bounds t+1 .. stage one later: the stages between keep their
-    sizes, each passing a layer on), or its last to stage t > stage (bounds stage+1 .. t one
-    earlier). The loads are updated as the chain grows, a layer at a time."""
+    """(key, bounds moved, direction) of every move of one layer out of ``stage`` to another
+    stage: its first layer to stage t < stage (bounds t+1 .. stage one later, direction 1: the
+    stages between keep their sizes, each passing a layer on), or its last to stage t > stage
+    (bounds stage+1 .. t one earlier, direction -1). The loads are updated as the chain grows,
+    a layer at a time."""
     last = len(ranks) - 1
     for step in (1, -1):  # 1: the first layer goes left; -1: the last layer goes right
         cur = loads.copy()

@@ -128,8 +128,11 @@ def balanced_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
     stages), one when they agree (every rank runs one stage). The table costs a non-block
     layer's modes alike (``LayerCost.never_recomputed``)."""
     costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
-    return tuple(dict.fromkeys((balanced_partition(costs, table.config.num_stages),
-                                rank_balanced_partition(costs, stage_ranks(table.config)))))
+    by_stage = balanced_partition(costs, table.config.num_stages)
+    ranks = stage_ranks(table.config)
+    if len(set(ranks)) == len(ranks):  # one stage a rank: the same split
+        return (by_stage,)
+    return tuple(dict.fromkeys((by_stage, rank_balanced_partition(costs, ranks))))
 
 
 def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:

@@ -468,7 +468,7 @@ def plan_from_config(profile, cluster, config: ParallelConfig, *, model: str = "
                      framework: str = DEFAULT_FRAMEWORK,
                      split: tuple[tuple[int, int], ...] | None = None) -> Plan:
     """A Plan for a given config: its stages ``split`` (default the most balanced,
-    ``estimator.default_split``) and ``config.recompute`` everywhere (blocks only, by default).
+    ``estimator.default_split``) and ``config.recompute`` on every block (none elsewhere).
 
     Its estimate equals ``cost_model.estimator.estimate(profile, cluster, config, framework,
     split=split)``.

@@ -8,7 +8,7 @@ from typing import Any
 
 from autopar.cli import common
 from autopar.cli.argtypes import int_in, positive_float
-from autopar.config import DTYPES, MAX_GLOBAL_BATCH, OFFLOADS
+from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS
 from autopar.cost_model.hardware import MAX_GPUS
 
 NAME = "plan"
@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument("--no-cp", action="store_true", help="no context parallelism")
     space.add_argument("--max-cp", type=int_in(1, MAX_GPUS), default=None,
                        help="largest context-parallel degree")
+    # default None: the search's own floor (SearchOptions.min_cp_tokens), which the help names
+    # (a test holds the two equal) without importing the search here.
+    space.add_argument("--min-cp-tokens", type=int_in(1, MAX_SEQ_LEN), default=None,
+                       metavar="T", help="fewest tokens per context-parallel rank "
+                       "(sequence / cp) to consider (default 8192)")
     space.add_argument("--max-virtual-stages", type=int_in(2, 64), default=4, metavar="V",
                        help="most model chunks a pipeline rank holds in interleaved schedules "
                        "(default 4)")
@@ -62,6 +67,7 @@ def search(
     from autopar.search import SearchOptions
     from autopar.search import plan as search_plan
 
+    floor = {} if args.min_cp_tokens is None else {"min_cp_tokens": args.min_cp_tokens}
     with common.progress_bar("searching") as progress:
         result = search_plan(
             profile,
@@ -76,7 +82,7 @@ def search(
                 context_parallel=not args.no_cp, max_cp=args.max_cp, hsdp=not args.no_hsdp,
                 max_virtual_stages=args.max_virtual_stages,
                 offloads=("none",) if args.no_offload else OFFLOADS,
-                settings_search=not args.no_setting_search,
+                settings_search=not args.no_setting_search, **floor,
             ),
         )
     return list(result) if isinstance(result, (list, tuple)) else [result]

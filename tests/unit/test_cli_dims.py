@@ -177,3 +177,26 @@ def test_plan_max_virtual_stages_bounds_the_chunks_a_rank_holds(capfd) -> None:
     assert _json(capfd, [*argv, "--max-virtual-stages", "2"])["config"]["virtual_stages"] <= 2
     one_error_line(main([*argv, "--max-virtual-stages", "1"]), *capfd.readouterr(),
                    "--max-virtual-stages")
+
+
+def test_plan_min_cp_tokens_moves_the_context_parallel_floor(capfd) -> None:
+    """llama3-8b at 32,768 tokens on 8 H100: by default no cp rank holds under 8,192 tokens;
+    `--min-cp-tokens 4096` lets the search reach cp=8 (4,096 a rank), which it predicts faster,
+    and the floor still holds."""
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8",
+            "--seq-len", "32768", "--framework", "megatron-lm", "--json"]
+    default = _json(capfd, argv)
+    lowered = _json(capfd, [*argv, "--min-cp-tokens", "4096"])
+    assert 32768 // default["config"]["cp"] >= 8192
+    assert lowered["config"]["cp"] == 8
+    assert lowered["estimate"]["step_time_s"] < default["estimate"]["step_time_s"]
+    one_error_line(main([*argv, "--min-cp-tokens", "0"]), *capfd.readouterr(),
+                   "--min-cp-tokens")
+
+
+def test_plan_help_names_the_search_cp_floor(capsys) -> None:
+    from autopar.search.options import MIN_CP_TOKENS
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert f"(default {MIN_CP_TOKENS})" in " ".join(capsys.readouterr().out.split())

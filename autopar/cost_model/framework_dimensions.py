@@ -43,6 +43,10 @@ blocks of each stage, every n-th block of a rank, or one mode for all); ``stage_
 pipeline stage splits it cuts (stage_splits.py: any, or DeepSpeed's partition methods'); a
 framework that trains its own
 implementation of the architecture splits it whatever code was profiled), each with its source;
+``static_grad_buffer``, one contiguous gradient buffer of ``grad_reduce_bytes`` per parameter
+the rank holds, allocated with the model and kept for the run on every data rank whatever the
+ZeRO stage and the number of micro-batches, the weight-gradient GEMMs accumulating into it
+(Megatron-Core's, memory.py), instead of gradients born in the backward;
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -68,7 +72,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         attention_kernel="flash2",
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
-        recompute_layers="any", stage_splits="any",
+        recompute_layers="any", stage_splits="any", static_grad_buffer=False,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -77,7 +81,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         expert_tp_folded=False, fold_needs_ep=True,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False, recompute_layers="every-nth",
-        stage_splits="any",
+        stage_splits="any", static_grad_buffer=False,
     ),
     "megatron-lm": dict(
         context_parallel=True, hsdp=True, offloads=("none", "optimizer"),
@@ -85,7 +89,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         moe_tp="rows", expert_tp_folded=False,
         native_gqa=True, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=True, fused_norms=True, scatter_combine=True, recompute_layers="first-n",
-        stage_splits="any",
+        stage_splits="any", static_grad_buffer=True,
     ),
     "deepspeed": dict(
         context_parallel=False, hsdp=False, offloads=("none", "optimizer", "params"),
@@ -95,7 +99,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         attention_kernel="flash2", fused_swiglu=False, native_gqa=False,
         moe_force_balance=False, ep_dispatch="all_to_all", fp8_saves_inputs=False,
         fused_norms=True, scatter_combine=False, recompute_layers="uniform",
-        stage_splits="partition-methods",
+        stage_splits="partition-methods", static_grad_buffer=False,
     ),
 }
 
@@ -107,6 +111,8 @@ _OWN_MODEL_CODE = ("sourced: the framework runs its own model code (torchtitan's
 
 DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
+        "static_grad_buffer": "sourced: autopar/runtime/data_parallel.py (FSDP2 and DDP: "
+                              "gradients allocated in the backward, freed by zero_grad)",
         "stage_splits": "sourced: autopar/runtime/pipeline_parallel.py builds each stage "
                         "from the plan's own layer bounds (_owned_blocks)",
         "recompute_layers": "sourced: autopar/runtime/recompute.py apply_recompute wraps each "
@@ -182,6 +188,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
                                "(tp_checks.py)",
     },
     "torchtitan": {
+        "static_grad_buffer": "sourced: torchtitan's FSDP2 / DDP (gradients allocated in the "
+                              "backward, FSDP2's sharded by reduce-scatter)",
         "stage_splits": "sourced: torchtitan v0.2.2 parallelism.module_fqns_per_model_part "
                         "names every stage's modules (distributed/pipeline_parallel.py)",
         "recompute_layers": "sourced: torchtitan v0.2.2 activation_checkpoint mode 'selective' "
@@ -248,6 +256,11 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "megatron-lm": {
+        "static_grad_buffer": "sourced: megatron/core/distributed/param_and_grad_buffer.py "
+                              "(one contiguous main_grad buffer per model chunk, built with "
+                              "the model; the distributed optimizer reduce-scatters in place "
+                              "and shards only its fp32 copies: 'bf16 param, bf16 grads: "
+                              "4 + 16/d bytes', docs/source/api-guide/dist_optimizer.md)",
         "stage_splits": "sourced: --pipeline-model-parallel-layout takes any layout "
                         "(megatron/core/transformer/pipeline_parallel_layer_layout.py)",
         "recompute_layers": "sourced: --recompute-granularity full --recompute-method block "
@@ -316,6 +329,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "deepspeed": {
+        "static_grad_buffer": "sourced: deepspeed/runtime/zero/stage_1_and_2.py (16-bit .grad "
+                              "tensors from the backward, reduced and freed at the "
+                              "accumulation boundary)",
         "stage_splits": "sourced: deepspeed/runtime/pipe/module.py _partition_layers: "
                         "partition_method 'uniform' (runtime/utils.py partition_uniform) or "
                         "'type:<regex>' (partition_balanced over 0/1 weights; "

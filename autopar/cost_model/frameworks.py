@@ -213,6 +213,7 @@ class Framework:
     checkpoint_offloaded: bool = False
     adam_moment_bytes: int = 8
     interleaved_groups_of_pp: bool = False
+    static_grad_buffer: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -284,8 +285,7 @@ _RECORDS: dict[str, dict[str, object]] = {
         dp_overlap_efficiency=None, first_gather_exposed=True, memory_band=MEMORY_BAND,
         loss_parallel=True, grad_reduce_bytes=GRAD_BYTES, sp_regathers_inputs=False,
         schedules=_TORCH_SCHEDULES, zero_stages=(0, 1, 2, 3), zero_with_pipeline=3,
-        sequence_parallel=True,
-        exports=("slurm",),
+        sequence_parallel=True, exports=("slurm",),
         expert_parallel=True, ep_with_tp=True,
         sources={
             "expert_parallel": "sourced: autopar/runtime/expert_parallel.py (the zoo's and "

@@ -85,6 +85,7 @@ from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_terms import (
     activation_bytes_of,
     framework_layer,
+    grad_bytes_of,
     kept_less_of,
     net_of_backward_state,
     transient_bytes_of,
@@ -193,10 +194,10 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
-            act, kept_less)), cfg, state.local_params, held), cluster, fw),
+            act, kept_less)), cfg, state.local_params, held, fw), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
-        grad_bytes=state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES,  # reduce dtype
+        grad_bytes=grad_bytes_of(state, held, fw),
         optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,

@@ -18,8 +18,8 @@ from autopar.cost_model.precision import fp8_linears
 from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
-__all__ = ["activation_bytes_of", "framework_layer", "kept_less_of", "net_of_backward_state",
-           "transient_bytes_of"]
+__all__ = ["activation_bytes_of", "framework_layer", "grad_bytes_of", "kept_less_of",
+           "net_of_backward_state", "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -64,7 +64,8 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
         w + memory.GRAD_BYTES)
     sp_div = cfg.tp if (cfg.sequence_parallel and shard > 1) else 1
     gathered_bytes = 2 * w * held if gathered else 0.0
-    unsharded_grad_bytes = fresh_grad * held if fsdp else 0.0
+    # a static gradient buffer takes the weight gradients as the GEMMs make them
+    unsharded_grad_bytes = fresh_grad * held if fsdp and not fw.static_grad_buffer else 0.0
     if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
         gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
         unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)
@@ -156,7 +157,8 @@ def kept_less_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float
 
 
 def net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
-                           local_params: float, params_tp: float) -> tuple[float, float, float]:
+                           local_params: float, params_tp: float,
+                           fw: Framework) -> tuple[float, float, float]:
     """Saved activations net of the model state that the backward creates in their place.
 
     When every forward of the step runs before any backward (one micro-batch, or a GPipe
@@ -168,10 +170,11 @@ def net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
     adds x (static) to m a (assemble.py), so a is charged as a - min(a, x) / m (with one
     micro-batch: max(0, a - x)). With other schedules (and with gradient accumulation at
     pp == 1) the state exists from the first backward on while later forwards still save
-    activations: both are charged in full.
+    activations: both are charged in full; and so with a static gradient buffer
+    (``fw.static_grad_buffer``), which exists before the first forward.
     """
     m = cfg.num_microbatches
-    if m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe"):
+    if fw.static_grad_buffer or (m > 1 and not (cfg.pp > 1 and cfg.schedule == "gpipe")):
         return act
     # The fp32 gradient: the local one, or FSDP2's unsharded accumulator (which the sharded one
     # replaces at its reduce-scatter: memory.layer_state charges the larger of the two).
@@ -184,3 +187,13 @@ def net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
     # peak with all the activations and are not netted.
     return (act[0] - min(act[0], born) / m, act[1] - min(act[1], born) / m,
             act[2] - min(act[2], born) / m)
+
+
+def grad_bytes_of(state: memory.LayerState, params_tp: float, fw: Framework) -> float:
+    """The gradient bytes a rank holds for a layer of ``params_tp`` parameters (after tp and
+    ep) whose state without them is ``state`` (``memory.layer_state``, offload applied):
+    ``fw``'s static buffer at ``grad_reduce_bytes`` a parameter, else memory.py's gradients
+    in ``fw``'s reduce dtype."""
+    if fw.static_grad_buffer:
+        return fw.grad_reduce_bytes * params_tp
+    return state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES

@@ -104,15 +104,22 @@ def model_state_expr(
     return exprs
 
 
-def model_state_expr_for(config: ParallelConfig) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
-    """``model_state_expr`` with a and u read off the config as memory.py decides them."""
-    return model_state_expr(
+def model_state_expr_for(
+    config: ParallelConfig, framework: Framework | None = None
+) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """``model_state_expr`` with a and u read off the config as memory.py decides them; the
+    gradients g Psi where ``framework`` keeps a static gradient buffer
+    (``Framework.static_grad_buffer``, layer_terms.grad_bytes_of)."""
+    params, grads, optimizer = model_state_expr(
         dp_mechanism(config),
         config.zero,
         config.dtype,
         accumulates=fsdp_accumulates_grads(config),
         keeps_params=fsdp_keeps_params_unsharded(config) and config.zero == 3,
     )
+    if framework is not None and framework.static_grad_buffer:
+        grads = g * Psi
+    return params, grads, optimizer
 
 
 def state_byte_sizes(framework: Framework | None = None) -> dict[sp.Symbol, int]:
@@ -197,7 +204,7 @@ def _memory_lines(
     mem = largest.memory
     held = (mem.parameters_bytes, mem.gradients_bytes, mem.optimizer_bytes)
     for name, expr, on_device in zip(("parameters", "gradients", "optimizer"),
-                                     model_state_expr_for(cfg), held):
+                                     model_state_expr_for(cfg, fw), held):
         total = sum((expr.subs({Psi: x, d: y}) for x, y in groups), sp.Integer(0))
         value = float(total.subs(values))
         moved = (f" ({format_bytes(on_device, 2)} on the device: offload {cfg.offload})"

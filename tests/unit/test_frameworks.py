@@ -296,3 +296,34 @@ def test_every_framework_keyed_table_names_frameworks_and_their_settings() -> No
             assert set(settings) <= set(framework_settings.SETTINGS[framework]), name
     named = {s for settings in framework_settings.SETTINGS.values() for s in settings}
     assert set(framework_settings.SETTING_EFFECTS) <= named
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_holds_its_gradient_buffer_at_every_micro_batch_count(zero, tp) -> None:
+    """Megatron-Core's main_grad buffer (grad_reduce_bytes a parameter, built with the model)
+    is there at one micro-batch as at many, at ZeRO 0 with no DDP bucket copy beside it, and it
+    is not netted against the activations the backward frees (dist_optimizer.md: bf16 grads,
+    4 + 16/d bytes a parameter with the distributed optimizer)."""
+    from autopar.config import ParallelConfig
+
+    profile = analytic_transformer_profile(4, 1024, 8, 32000, 1024)
+    cluster = autopar.Cluster.preset("h100", nodes=2)
+    megatron = get_framework("megatron-lm")
+    params = sum(layer.num_params for layer in profile.layers)
+    held = {}
+    for m in (1, 2, 8):
+        cfg = ParallelConfig(dp=16 // tp, tp=tp, zero=zero, micro_batch=1,
+                             global_batch=16 // tp * m, sequence_parallel=tp > 1)
+        est = autopar.estimate(profile, cluster, cfg, framework=megatron)
+        grads = est.memory_breakdown.gradients_bytes
+        assert grads == pytest.approx(megatron.grad_reduce_bytes * params / tp, rel=0.02)
+        held[m] = est.memory_per_gpu_bytes
+    # one micro-batch of the same size holds no less than several
+    assert held[1] == pytest.approx(held[2]) == pytest.approx(held[8])
+    # the explained formula is the same figure
+    from autopar.cost_model.symbolic import Psi, d, g, model_state_expr_for, w
+
+    expr = model_state_expr_for(cfg, megatron)[1]
+    assert float(expr.subs({Psi: params / tp, d: 16 // tp, w: 2, g: 2})) == pytest.approx(
+        grads, rel=0.02)

@@ -50,31 +50,49 @@ def folded_experts(profile: ModelProfile, tp: int) -> ModelProfile:
         for layer in profile.layers)))
 
 
-def replicated_experts(profile: ModelProfile, tp: int) -> ModelProfile:
+def replicated_experts(profile: ModelProfile, tp: int,
+                       sequence_parallel: bool = True) -> ModelProfile:
     """``profile`` as a framework that keeps routed experts whole on every one of ``tp`` ranks
     runs it (module docstring): each tp-sharded MoE layer with its routed experts tp times
     wider, so that its per-rank share (1 / tp) holds and runs them whole. Its routed
-    activations per dispatched row are moe.py's (2 h + 4 f_e elements)."""
+    activations per dispatched row are moe.py's (2 h + 4 f_e elements).
+
+    The activations a rank keeps are whole too. Under sequence parallelism memory.py divides
+    all of a layer's saved bytes by tp, so the routed ones grow tp-fold with the experts.
+    Without it memory.py divides only what the profile recorded as tp-sharded: the experts'
+    4 f_e elements a row where their linears are in the layer's tensor-parallel structure
+    (``TPStructure.colwise`` under an ``experts`` module, as per-expert ``nn.Linear``s are),
+    which grow; nothing where they are not (the zoo's stacked experts: recorded replicated,
+    so whole already).
+    """
     if tp <= 1 or not any(layer.moe is not None for layer in profile.layers):
         return profile
-    return _WIDENED.get((profile,), tp, lambda: _widened_profile(profile, tp))
+    return _WIDENED.get((profile,), (tp, sequence_parallel),
+                        lambda: _widened_profile(profile, tp, sequence_parallel))
 
 
-def _widened_profile(profile: ModelProfile, tp: int) -> ModelProfile:
+def _widened_profile(profile: ModelProfile, tp: int, sequence_parallel: bool) -> ModelProfile:
     w = DTYPE_BYTES[profile.dtype]
-    layers = tuple(_widened(layer, tp, profile.seq_len, w)
+    layers = tuple(_widened(layer, tp, profile.seq_len, w, sequence_parallel)
                    if layer.moe is not None and tp_sharded(layer) else layer
                    for layer in profile.layers)
     return dataclasses.replace(profile, layers=layers)
 
 
-def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int) -> LayerProfile:
+def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int,
+             sequence_parallel: bool) -> LayerProfile:
     moe = layer.moe
     assert moe is not None
     more = tp - 1
     fwd = moe.routed_fwd_flops(seq_len)  # per sample
     rows = seq_len * moe.routed_rows_per_token()
-    saved = round(rows * moe.routed_saved_bytes_per_row(w))
+    if sequence_parallel:  # per sample, the routed bytes memory.py divides by tp
+        grown = round(rows * moe.routed_saved_bytes_per_row(w))
+    elif any("experts" in f.split(".") for f in layer.tp.colwise):
+        grown = round(rows * 4 * moe.expert_hidden * w)
+    else:
+        grown = 0
+
     return dataclasses.replace(
         layer,
         num_params=layer.num_params + more * moe.routed_params,
@@ -83,7 +101,7 @@ def _widened(layer: LayerProfile, tp: int, seq_len: int, w: int) -> LayerProfile
         bwd_flops=layer.bwd_flops + MATMUL_BACKWARD_RATIO * more * fwd,
         recompute_flops={m: f + (more * fwd if m == "full" else 0.0)
                          for m, f in layer.recompute_flops.items()},
-        saved_bytes={m: b + (0 if m == "full" else more * saved)
+        saved_bytes={m: b + (0 if m == "full" else more * grown)
                      for m, b in layer.saved_bytes.items()},
         moe=dataclasses.replace(moe, expert_hidden=tp * moe.expert_hidden,
                                 expert_params=tp * moe.expert_params),
@@ -118,6 +136,7 @@ def costed_profiles(profile: ModelProfile, cfg, fw) -> tuple[ModelProfile, Model
 
     whole = split_tied_head(profile, cfg.pp)
     local = local_profile(whole, cfg.cp)
-    costed = (replicated_experts(local, cfg.tp) if not fw.expert_tensor_parallel
+    costed = (replicated_experts(local, cfg.tp, cfg.sequence_parallel)
+              if not fw.expert_tensor_parallel
               else folded_experts(local, cfg.tp) if folds_experts(fw, cfg) else local)
     return whole, local, costed

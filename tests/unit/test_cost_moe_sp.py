@@ -159,3 +159,32 @@ def test_megatron_gathers_the_routed_rows_over_tp() -> None:
     with pytest.raises(ValueError, match="only with sequence parallelism"):
         autopar.estimate(ROUTED_ONLY, cluster, dataclasses.replace(
             cfg, sequence_parallel=False), framework="megatron-lm")
+
+
+@pytest.mark.parametrize("framework", ["autopar", "deepspeed"])
+def test_experts_whole_on_every_tp_rank_keep_their_activations_once(framework: str) -> None:
+    """A framework running every routed expert whole on each tp rank (no sequence
+    parallelism: each rank sees the whole sequence) keeps the routed activations of tp = 1 on
+    every rank, and the attention's share falls by tp: a block's activations do not rise with
+    tp. The zoo's profile records the routed activations as replicated (its experts are outside
+    the tensor-parallel structure); a profile whose per-expert linears are column-parallel
+    records their 4 f_e elements a row as sharded, and those come back whole."""
+    from autopar.cost_model.layer_costs import build_cost_table
+
+    cluster = Cluster.preset("a100-80g", nodes=1)
+    moe = _block(ROUTED_ONLY).moe
+    routed = SHAPE["seq_len"] * moe.routed_rows_per_token() * moe.routed_saved_bytes_per_row(2)
+    fe_part = SHAPE["seq_len"] * moe.routed_rows_per_token() * 4 * moe.expert_hidden * 2
+    block = _block(ROUTED_ONLY)
+    linears = dataclasses.replace(block, tp=dataclasses.replace(block.tp, colwise=(
+        *block.tp.colwise, "layers.0.moe.experts.0.w1")), saved_bytes_replicated={
+        m: b - (0 if m == "full" else fe_part) for m, b in block.saved_bytes_replicated.items()})
+    per_expert = dataclasses.replace(ROUTED_ONLY, layers=(
+        ROUTED_ONLY.layers[0], linears, *ROUTED_ONLY.layers[2:]))
+    for profile in (ROUTED_ONLY, per_expert):
+        act = {}
+        for tp in (1, 2, 4):  # two micro-batches at every tp
+            cfg = ParallelConfig(dp=8 // tp, tp=tp, global_batch=2 * (8 // tp), zero=1)
+            act[tp] = build_cost_table(profile, cluster, cfg, framework).layers[1].act_bytes[0]
+        assert act[4] <= act[2] <= act[1]
+        assert act[4] >= routed

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, base_dtype
 from autopar.cost_model.comm import tp_spans_nodes
 from autopar.cost_model.estimate import Estimate
 from autopar.units import format_bytes
@@ -228,6 +228,8 @@ def _tokens_text(plan: Any | None) -> str:
 
 def _summary_lines(config: ParallelConfig, est: Estimate, plan: Any | None = None) -> list[str]:
     mfu = f"{est.mfu * 100:.1f}%"
+    if config.dtype == "fp8":  # Estimate.mfu's convention: fp8 runs above the 16-bit peak
+        mfu += f" (of the {base_dtype(config.dtype)} peak)"
     split = config.describe()
     per_layer = getattr(plan, "recompute_per_layer", None)
     if per_layer:

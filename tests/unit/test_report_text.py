@@ -75,3 +75,18 @@ def test_the_per_rank_columns_are_every_kind_of_memory():
     assert [field for field, _ in MEMORY_KINDS] == fields
     assert len(MEMORY_COLORS) == len(MEMORY_KINDS)
     assert [f for _, group in TABLE_MEMORY_COLUMNS for f in group] == fields
+
+
+def test_fp8_mfu_names_the_peak_it_is_a_fraction_of():
+    """MFU of an fp8 plan is of the 16-bit peak (Estimate.mfu), so it can pass 100%: the
+    report says which peak."""
+    import dataclasses
+
+    plan = make_plan()
+    fp8 = dataclasses.replace(plan.config, dtype="fp8")
+    texts = []
+    for config in (plan.config, fp8):
+        console = Console(record=True, width=140)
+        render_report(console, config, plan.estimate, title="T", plan=plan)
+        texts.append(console.export_text())
+    assert "MFU 48.0%\n" in texts[0] and "MFU 48.0% (of the bf16 peak)" in texts[1]

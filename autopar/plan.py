@@ -17,7 +17,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.config import LOSS_KERNELS, RECOMPUTE, ParallelConfig
+from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN, RECOMPUTE, ParallelConfig
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.cost_model.frameworks import get_framework
@@ -346,7 +346,7 @@ class Plan:
                 schema_version=whole(data["schema_version"], "schema_version"),
                 model=text(data.get("model", ""), "model", line=True),
                 framework=text(data.get("framework", DEFAULT_FRAMEWORK), "framework"),
-                seq_len=whole(data.get("seq_len", 0), "seq_len"),
+                seq_len=whole(data.get("seq_len", 0), "seq_len", high=MAX_SEQ_LEN),
                 config=config,
                 stages=tuple(StagePlan.from_dict(s) for s in stages),
                 tp_layout=text_map(data.get("tp_layout", {}), "tp_layout"),
@@ -422,7 +422,7 @@ def _check_parts(plan: Plan) -> None:
             f"version {SCHEMA_VERSION}); re-create the plan with `autopar plan`")
     try:
         text(plan.model, "model", line=True)
-        whole(plan.seq_len, "seq_len")
+        whole(plan.seq_len, "seq_len", high=MAX_SEQ_LEN)
         text(plan.profile_fingerprint, "profile_fingerprint")
         text(plan.cluster_fingerprint, "cluster_fingerprint")
         cluster_size(plan.cluster)

@@ -51,14 +51,19 @@ def number(value: Any, name: str) -> float:
         raise PlanFieldError(f"plan {name} is far too large: {_shown(value)}") from None
 
 
+# The longest one-line field (a model name or path) a plan holds: reports and headers print it.
+MAX_LINE_CHARS = 4096
+
+
 def text(value: Any, name: str, *, line: bool = False) -> str:
-    """``value`` as a string (``line``: printable, one line: it is shown in reports and written
-    into exports' headers, where a newline or a terminal control would be read as more)."""
+    """``value`` as a string (``line``: printable, one line of at most ``MAX_LINE_CHARS``: it
+    is shown in reports and written into exports' headers, where a newline or a terminal
+    control would be read as more)."""
     if not isinstance(value, str):
         raise PlanFieldError(f"plan {name} must be a string, got {_shown(value)}")
-    if line and not value.isprintable():
-        raise PlanFieldError(f"plan {name} must be one line of printable text, got "
-                             f"{_shown(value)}")
+    if line and not (value.isprintable() and len(value) <= MAX_LINE_CHARS):
+        raise PlanFieldError(f"plan {name} must be one line of printable text of at most "
+                             f"{MAX_LINE_CHARS:,} characters, got {_shown(value)}")
     return value
 
 

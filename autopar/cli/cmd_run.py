@@ -21,6 +21,7 @@ from autopar.cli import common
 from autopar.cli.argtypes import MAX_RESTARTS, MAX_SEED, MAX_STEPS, int_in
 from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
+from autopar.cost_model.hardware import MAX_GPUS
 from autopar.errors import AutoparError
 from autopar.json_data import read_json
 from autopar.stdio import document_stdout
@@ -69,10 +70,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--max-restarts", type=int_in(0, MAX_RESTARTS), default=0,
                       help="torchrun restarts after a worker fails (resumes from the checkpoint)")
     nodes = parser.add_argument_group("multi-node (passed to torchrun; same command on every node)")
-    nodes.add_argument("--nnodes", type=int, default=1)
-    nodes.add_argument("--node-rank", type=int, default=0)
+    nodes.add_argument("--nnodes", type=int_in(1, MAX_GPUS), default=1)
+    nodes.add_argument("--node-rank", type=int_in(0, MAX_GPUS - 1), default=0)
     nodes.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
-    nodes.add_argument("--nproc-per-node", type=int, default=None,
+    nodes.add_argument("--nproc-per-node", type=int_in(1, MAX_GPUS), default=None,
                        help="workers on this node (default: world size / nnodes)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the plan at full world size on a fake process group")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,17 @@ class LaunchResult:
     peak_memory_bytes_per_rank: tuple[int, ...] = ()
 
 
+# HOST:PORT as torchrun's c10d rendezvous parses it: a host name or IPv4 address, or an IPv6
+# address in brackets, then a port. Anything else makes torchrun retry without end.
+_ENDPOINT = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+
+
+def _is_endpoint(text: str) -> bool:
+    match = _ENDPOINT.fullmatch(text)
+    return match is not None and 1 <= int(match.group(1)) <= 65535
+
+
 def launch_spec_for(
     *,
     world_size: int,
@@ -103,6 +115,11 @@ def launch_spec_for(
     if nnodes > 1 and not rdzv_endpoint:
         raise AutoparError(
             "a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)"
+        )
+    if rdzv_endpoint and not _is_endpoint(rdzv_endpoint):
+        raise AutoparError(
+            f"--rdzv-endpoint {rdzv_endpoint[:80]!r} is not HOST:PORT (a host name or address, "
+            "[v6 address] in brackets, and a port from 1 to 65535), e.g. node0:29500"
         )
     per_node = nproc_per_node if nproc_per_node is not None else world_size // nnodes
     if per_node < 1 or per_node * nnodes != world_size:

@@ -58,12 +58,22 @@ def test_torchrun_command_one_node_and_several():
         assert flag in cmd, flag
 
 
+@pytest.mark.parametrize("endpoint", ["10.0.0.1:29500", "node-0.cluster:1", "[fe80::1]:29500"])
+def test_launch_takes_host_port_endpoints(endpoint):
+    assert _spec(nnodes=2, nproc_per_node=2, rdzv_endpoint=endpoint).rdzv_endpoint == endpoint
+
+
 @pytest.mark.parametrize(("kw", "error", "needle"), [
     (dict(nproc_per_node=3), PlanMismatchError, "the plan needs 4 processes"),
     (dict(nnodes=3, rdzv_endpoint="h:1"), PlanMismatchError, "the plan needs 4 processes"),
     (dict(nnodes=2), AutoparError, "needs --rdzv-endpoint"),
     (dict(nnodes=2, node_rank=2, rdzv_endpoint="h:1"), AutoparError, "not in 0..1"),
     (dict(max_restarts=-1), AutoparError, "--max-restarts"),
+    # torchrun retries an endpoint it cannot parse without end
+    (dict(rdzv_endpoint="garbage"), AutoparError, "is not HOST:PORT"),
+    (dict(rdzv_endpoint="host:99999"), AutoparError, "is not HOST:PORT"),
+    (dict(rdzv_endpoint="host:0"), AutoparError, "is not HOST:PORT"),
+    (dict(rdzv_endpoint="a b:1"), AutoparError, "is not HOST:PORT"),
 ])
 def test_launch_geometry_errors(kw, error, needle):
     with pytest.raises(error, match=needle) as info:

@@ -201,6 +201,8 @@ def test_bad_plans_refused(tmp_path, capfd, plan_doc, path, value, needle, comma
     (("search", "optimal"), "yes", "search.optimal must be true or false"),
     (("search", "speed"), 1, "unknown field 'speed'"),
     (("seq_len",), "64", "seq_len must be a whole number"),
+    (("seq_len",), 10 ** 4000, "seq_len must be from 0 to 16,777,216"),  # an export's overflow
+    (("model",), "m" * 5_000_000, "at most 4,096 characters"),  # a plot of it hung
     # Inside the estimate: show divided, formatted or indexed these (internal errors, "inf%",
     # a negative compute share, an interval from 9 s to 1 s).
     (("estimate", "time_breakdown", "compute_s"), None, "compute_s must be a number"),

@@ -250,7 +250,7 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
         raise AutoparError(
             f"--steps ({steps}) must exceed --warmup ({warmup_steps}) so some steps are timed"
         )
-    profile = model_profile(model_text)
+    profile = model_profile(model_text, seq_len=plan.seq_len or None)
     spec = launch_spec_for(world_size=plan.config.world_size, nnodes=1, node_rank=0,
                            rdzv_endpoint="", nproc_per_node=None, max_restarts=0)
     args = WorkerArgs(
@@ -275,7 +275,8 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
                        peak_memory_bytes_per_rank=tuple(result.peak_memory_bytes_per_rank))
 
 
-def model_profile(model_text: str, dtype: str | None = None, kernels: str = "cuda") -> Any:
+def model_profile(model_text: str, dtype: str | None = None, kernels: str = "cuda",
+                  seq_len: int | None = None) -> Any:
     """Build ``model_text`` on the meta device (as ``autopar run`` builds it) and profile it.
 
     Args:
@@ -283,10 +284,12 @@ def model_profile(model_text: str, dtype: str | None = None, kernels: str = "cud
         dtype: the dtype the profile counts bytes at (default: ``autopar.profile``'s, as
             ``autopar plan`` uses).
         kernels: whose kernels' saved tensors to count ("cuda", as ``autopar plan``, or "cpu").
+        seq_len: tokens a sequence (default: the model's own; a plan's ``seq_len``, as
+            ``autopar plan --seq-len`` made it).
     """
     from autopar.graph.model_text import build_and_profile
 
-    return build_and_profile(model_text, dtype=dtype, kernels=kernels)[1]
+    return build_and_profile(model_text, seq_len=seq_len, dtype=dtype, kernels=kernels)[1]
 
 
 def predict(plan: Any, model_text: str, cluster: Any) -> Any:
@@ -302,16 +305,16 @@ def predict(plan: Any, model_text: str, cluster: Any) -> Any:
 
     from autopar.costing import estimate
 
-    dtype = None
-    profile = model_profile(model_text)
+    dtype, seq_len = None, plan.seq_len or None
+    profile = model_profile(model_text, seq_len=seq_len)
     if not plan.profile_matches(profile):
         dtype = plan.config.dtype
-        profile = model_profile(model_text, dtype)
+        profile = model_profile(model_text, dtype, seq_len=seq_len)
     plan.check_profile(profile, fix=f"re-plan with `autopar plan` for {model_text}")
     if not torch.cuda.is_available():
         # The run happens on CPU: count the saved tensors of torch's CPU kernels (an unfused
         # RMSNorm also keeps its normalised input; autopar/graph/profiler.py ``kernels``).
-        profile = model_profile(model_text, dtype, kernels="cpu")
+        profile = model_profile(model_text, dtype, kernels="cpu", seq_len=seq_len)
         # The same model (checked above), counted as the CPU kernels keep it: estimated so.
         plan = plan.for_profile(profile)
     # --cluster predicts the plan's split on another cluster of the same size on purpose.

@@ -100,3 +100,19 @@ def test_json_lists_every_rank():
                                      "measured_bytes": 4 * MIB, "error": pytest.approx(0.5)}
     assert [row["rank"] for row in record["per_rank"]] == [0, 1, 2, 3]
     assert record["memory_error"] == pytest.approx(0.25)
+
+
+def test_predict_profiles_the_model_at_the_plans_sequence_length():
+    """A plan made with `autopar plan --seq-len` is predicted at that length (verify refused
+    it: the model profiled at its own length has another fingerprint)."""
+    from autopar.config import ParallelConfig
+    from autopar.cost_model.hardware import Cluster
+    from autopar.runtime.verify import model_profile, predict
+    from autopar.search import plan_from_config
+
+    model = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32"
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    plan = plan_from_config(model_profile(model, seq_len=64), cluster,
+                            ParallelConfig(dp=2, global_batch=4), model=model)
+    assert plan.seq_len == 64
+    assert predict(plan, model, cluster).step_time_s > 0

@@ -320,6 +320,8 @@ def _stage_forward(
     out = original(x)
     if returns_hidden and slot["out"] is not None:  # what reached the lm head's stand-in
         out, slot["out"] = slot["out"], None
+        if out._base is not None:  # a view (Hugging Face slices the hidden states before the
+            out = out.clone()  # head): the split-backward schedules detach outputs in place
     elif not isinstance(out, torch.Tensor):
         logits = getattr(out, "logits", None)
         out = logits if isinstance(logits, torch.Tensor) else out[0]

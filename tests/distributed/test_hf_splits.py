@@ -345,7 +345,13 @@ MOE_TP_CASES_2 = [
 # Pipeline stages of a model that picks each layer's mask by the layer's index (Gemma 2: sliding
 # and full layers alternate) and caps its logits after the head: stage 1's block keeps its own
 # index (nested_stage._SkippedBlock), stage 0 hands on what reaches the head, not capped logits.
-PP_CASES_2 = [("gemma2-pp2-1f1b-full", "gemma2", SPLITS_2["pp2-1f1b-full"])]
+# The split-backward schedules detach a stage's output in place: Hugging Face's head slices the
+# hidden states (a view) before the head's stand-in hands them on.
+PP_CASES_2 = [("gemma2-pp2-1f1b-full", "gemma2", SPLITS_2["pp2-1f1b-full"]),
+              ("llama-pp2-zbv", "llama", {"pp": 2, "schedule": "zbv-zero-bubble",
+                                          "virtual_stages": 2, "micro_batch": 2}),
+              ("gpt2-pp2-interleaved-zb", "gpt2", {"pp": 2, "schedule": "interleaved-zero-bubble",
+                                                   "virtual_stages": 2, "micro_batch": 2})]
 
 
 @pytest.mark.distributed

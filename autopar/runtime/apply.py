@@ -22,7 +22,7 @@ from autopar.runtime.context_parallel import apply_context_parallel
 from autopar.runtime.data_parallel import apply_data_parallel
 from autopar.runtime.expert_parallel import apply_expert_parallel, ep_groups
 from autopar.runtime.loss import default_loss, vocab_parallel_loss
-from autopar.runtime.mesh import data_parallel_mesh, mesh_device
+from autopar.runtime.mesh import data_parallel_mesh, mesh_device, random_ops_seed
 from autopar.runtime.nested_stage import shard_head_stand_ins
 from autopar.runtime.pipeline_parallel import (
     ModelStructure,
@@ -328,6 +328,21 @@ def _autocast_dtype(plan: Plan) -> torch.dtype | None:
     return TORCH_DTYPES[cfg.dtype] if uses_autocast(cfg) else None
 
 
+def _seeded(pmodel: ParallelizedModel) -> ParallelizedModel:
+    """``pmodel``, with torch's generator seeded from rank 0's initial seed as
+    ``mesh.random_ops_seed`` mixes it: the training loop's dropout draws the same masks on the
+    ranks of a tp group (their replicated parameters would drift apart otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64,
+                        device=mesh_device(pmodel.mesh))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    torch.manual_seed(random_ops_seed(pmodel.mesh, int(seed.item())))
+    return pmodel
+
+
 def apply_plan(
     model: nn.Module, plan: Plan, mesh: DeviceMesh, *, loss_fn: LossFn | None = None
 ) -> ParallelizedModel:
@@ -342,7 +357,9 @@ def apply_plan(
             entropy.
 
     Returns:
-        The ParallelizedModel of this rank.
+        The ParallelizedModel of this rank. torch's generator is then seeded from rank 0's
+        initial seed, alike on the ranks of a tp group (``mesh.random_ops_seed``), so that
+        dropout draws the same masks on replicated activations.
 
     Raises:
         AutoparError: the model cannot be run under the plan (see ``check_plan_runnable``).
@@ -357,7 +374,7 @@ def apply_plan(
     cfg = plan.config
     structure = _structure_or_none(model)
     if structure is None:
-        return _apply_any_model(model, plan, mesh, loss_fn or _default_loss())
+        return _seeded(_apply_any_model(model, plan, mesh, loss_fn or _default_loss()))
     # The default loss runs on logits sharded over the vocabulary (tensor_parallel.py).
     vocab_loss = cfg.tp > 1 and loss_fn is None
     loss = vocab_parallel_loss if vocab_loss else loss_fn or _default_loss()
@@ -381,12 +398,12 @@ def apply_plan(
     stages = tuple(build_stages(wrapped, stage_plans, cfg.num_stages, mesh_device(mesh),
                                 mesh["pp"].get_group())) if cfg.pp > 1 else ()
     schedule = build_schedule(list(stages), plan, loss) if cfg.pp > 1 else None
-    return ParallelizedModel(
+    return _seeded(ParallelizedModel(
         model_parts=tuple(wrapped), schedule=schedule, stages=stages,
         has_first_stage=0 in indices, has_last_stage=cfg.num_stages - 1 in indices, plan=plan,
         mesh=mesh, loss_fn=loss, stage_indices=indices, autocast_dtype=_autocast_dtype(plan),
         tied=tied_copies(tied, mesh, cfg.schedule, cfg.pp, cfg.num_stages),
-    )
+    ))
 
 
 def _parallelize_part(part: nn.Module, stage_plan: StagePlan, structure: ModelStructure,

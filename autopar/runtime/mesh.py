@@ -26,7 +26,10 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 __all__ = ["MESH_AXES", "backend_of", "build_mesh", "config_of", "data_parallel_mesh",
-           "default_dtype", "dp_rank", "mesh_device"]
+           "default_dtype", "dp_rank", "mesh_device", "random_ops_seed"]
+
+# A large prime that mixes a rank's (pp, dp, cp) coordinate into the seed of its random ops.
+_RANK_MIX = 1_000_003
 
 
 
@@ -128,3 +131,18 @@ def default_dtype(device_type: str) -> str:
     """The training dtype when none is given: bf16 on a GPU, fp32 on the CPU (where autopar's
     runs are checked against one process to fp32's precision)."""
     return "bf16" if device_type == "cuda" else "fp32"
+
+
+def random_ops_seed(mesh: DeviceMesh, seed: int) -> int:
+    """The generator seed of this rank's random ops (dropout) for ``seed``.
+
+    The same on the ranks of one tensor-parallel group: they run the same ops on the same
+    replicated activations (the embedding's and the residual's dropout) and must draw the same
+    masks, or the replicated parameters drift apart. Distinct across the pp, dp and cp
+    coordinates, which hold other layers, samples or tokens. Within torch's signed 64-bit seeds.
+    """
+    index = 0
+    for axis in ("pp", "dp", "cp"):
+        dim = mesh.mesh_dim_names.index(axis)
+        index = index * mesh.size(dim) + mesh.get_local_rank(dim)
+    return (seed * _RANK_MIX + index) % 2**63

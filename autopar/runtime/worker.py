@@ -192,7 +192,7 @@ def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
     """Build the model from the run's seed on ``device`` and apply the plan (``apply_plan``)."""
     from autopar.plan import Plan
     from autopar.runtime.apply import apply_plan
-    from autopar.runtime.mesh import build_mesh
+    from autopar.runtime.mesh import build_mesh, random_ops_seed
     from autopar.runtime.step import local_batch, train_step
 
     plan = Plan.from_dict(args.plan)
@@ -202,6 +202,9 @@ def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
     pmodel = apply_plan(model, plan, build_mesh(plan, device.type), loss_fn=loss_fn)
 
     def step(index: int, optimizers: _Optimizers) -> float:
+        # The step's random ops (dropout) from (seed, step): a resumed run draws the same masks,
+        # and the ranks of a tp group draw the same ones (mesh.random_ops_seed).
+        torch.manual_seed(random_ops_seed(pmodel.mesh, step_seed(args.seed, index)))
         if file_batch is not None:
             # The model file's own batch: its inputs and what its loss_fn reads.
             raw = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,

@@ -50,8 +50,12 @@ class SweepPoint:
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """JSON-ready dict; a point without a plan has null figures (not 0 days, which a
+        script sorting on them would take for the fastest)."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if self.error:
+            out.update(tokens_per_s=None, mfu=None, days=None, gpu_hours=None)
+        return out
 
 
 # The dearest price per GPU-hour taken: beyond any rental (a typo), and the cost of a run at

@@ -24,7 +24,7 @@ def one_error_line(code: int, out: str, err: str, needle: str = "") -> str:
     """
     assert code == 2, err[-3000:]
     assert out == "" and "Traceback" not in err, err[-3000:]
-    lines = err.strip().splitlines()
+    lines = err.splitlines()  # a blank line before the error counts: wrappers read line 1
     assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err[-3000:]
     assert needle in lines[0], lines[0]
     return lines[0]

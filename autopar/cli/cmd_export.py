@@ -8,6 +8,7 @@ import sys
 from autopar.cli import common
 from autopar.cli.argtypes import MAX_STEPS, int_in
 from autopar.errors import AutoparError
+from autopar.units import format_bytes
 
 NAME = "export"
 HELP = "write a plan as a torchtitan TOML, Megatron-LM flags, a DeepSpeed JSON or an sbatch script"
@@ -36,13 +37,18 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.to != "slurm":
         raise AutoparError(f"--steps goes with --to slurm (the steps its `autopar run` "
                            f"trains); drop it for --to {args.to}")
-    common.check_writable(args.out, force=args.force)
+    common.check_writable(args.out, force=args.force, reads=(args.plan,))
     plan = common.load_plan_file(args.plan)
     steps = SLURM_STEPS if args.steps is None else args.steps
     options = {"plan_path": args.plan, "steps": steps} if args.to == "slurm" else {}
     result = export_plan(plan, args.to, **options)
     for note in result.notes:
         print(f"autopar: note: {note}", file=sys.stderr)
+    if not plan.estimate.fits:  # an export of it would run out of memory
+        est = plan.estimate
+        print(f"autopar: note: the plan's estimate does not fit "
+              f"({format_bytes(est.memory_per_gpu_bytes)} per GPU of "
+              f"{format_bytes(est.memory_capacity_bytes)} usable)", file=sys.stderr)
     if args.out:
         common.write_output(args.out, result.text, force=args.force)
         print(f"autopar: wrote {args.out}", file=sys.stderr)

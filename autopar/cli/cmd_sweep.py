@@ -140,4 +140,8 @@ def run(args: argparse.Namespace) -> int:
             title = f"{args.model}: {args.tokens:.3g} tokens, global batch {batch}"
             common.write_output(args.plot, plot_sweep(points, title), force=args.force)
             print(f"autopar: wrote {args.plot}", file=sys.stderr)
+    if all(p.error for p in points):  # nothing planned: the command failed (as plan does)
+        print(f"autopar: error: no point of the sweep has a plan; the first: {points[0].error}",
+              file=sys.stderr)
+        return 2
     return 0

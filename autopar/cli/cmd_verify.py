@@ -91,7 +91,8 @@ def verify_command(args: argparse.Namespace) -> int:
     if args.refit:
         if not args.out:
             raise AutoparError("--refit needs --out new_cluster.yaml (where to write the cluster)")
-        common.check_writable(args.out, force=args.force)  # before the run, not after it
+        # before the run, not after it; never over the plan it reads
+        common.check_writable(args.out, force=args.force, reads=(args.plan,))
     elif args.out:
         raise AutoparError("--out goes with --refit")
     plan, cluster = _load_inputs(args)

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import stat
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from autopar.cli.argtypes import int_in, positive_float
+from autopar.cli.outputs import check_plot_path, check_writable, write_output, write_outputs
 from autopar.config import LOSS_KERNELS, MAX_SEQ_LEN
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.cost_model.hardware import GPUS_PER_NODE, MAX_GPU_MEMORY_GB, MAX_GPUS
@@ -255,84 +253,6 @@ def load_plan_file(path: str) -> Any:
     return Plan.from_json(text, where)
 
 
-def write_output(path: str, data: str | bytes, *, force: bool) -> None:
-    """Write ``data`` to ``path``; never overwrite an existing file unless ``force``.
-
-    Raises:
-        AutoparError: the file exists (without ``force``) or cannot be written.
-    """
-    write_outputs([(path, data)], force=force)
-
-
-def write_outputs(files: list[tuple[str, str | bytes]], *, force: bool) -> None:
-    """Write every ``(path, data)`` or none: each document goes to a temporary file beside its
-    path first and replaces the path only once all are written, so a failed write (a full disk,
-    a directory in the way) leaves what the user had, and no half-written file.
-
-    Raises:
-        AutoparError: a file exists (without ``force``) or cannot be written.
-    """
-    for path, _data in files:
-        check_writable(path, force=force)
-    staged: list[tuple[str, Path]] = []
-    try:
-        for path, data in files:
-            # A symbolic link is written through: the file it names is replaced, the link kept.
-            target = Path(os.path.realpath(path))
-            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                        dir=target.parent)
-            staged.append((str(target), Path(name)))
-            with os.fdopen(fd, "wb") as out:
-                out.write(data if isinstance(data, bytes) else data.encode())
-            # The replaced file's permissions, or what open() would have made.
-            mode = (stat.S_IMODE(target.stat().st_mode) if target.exists()
-                    else 0o666 & ~_umask())
-            os.chmod(name, mode)
-        for path, temporary in staged:
-            os.replace(temporary, path)
-    except OSError as e:
-        for _path, temporary in staged:
-            temporary.unlink(missing_ok=True)
-        raise AutoparError(f"cannot write {e.filename or files[0][0]}: {e.strerror or e}") from e
-
-
-def _umask() -> int:
-    """The process's file-creation mask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def check_plot_path(path: str | None, *, force: bool) -> None:
-    """``check_writable`` for a ``--plot`` path, which must name a PNG file (the figure is
-    written as PNG whatever the name says)."""
-    if path is not None and Path(path).suffix.lower() != ".png":
-        raise AutoparError(f"--plot {path}: the plot is a PNG image; give a path ending in .png")
-    check_writable(path, force=force)
-
-
-def check_writable(path: str | None, *, force: bool) -> None:
-    """Fail early (before a long search) when ``path`` cannot be written."""
-    if path is None:
-        return
-    if not path:
-        raise AutoparError("an output path is empty; give a file name")
-    target = Path(path)
-    if target.is_dir():
-        raise AutoparError(f"{path} is a directory; give a file name")
-    if os.path.lexists(target) and not force:  # a dangling link too: writing would create
-        raise AutoparError(f"{path} already exists; pass --force to overwrite it")
-    if target.exists() and not target.is_file():
-        raise AutoparError(f"{path} is not a regular file (a device, pipe or socket); give a "
-                           "file name")
-    target = Path(os.path.realpath(path))  # a link's target is what gets written
-    parent = target.parent
-    if not parent.is_dir():
-        raise AutoparError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise AutoparError(f"cannot write {path}: directory {parent} is not writable")
-
-
 def make_console(*, stderr: bool) -> Any:
     """A rich Console on stderr or stdout (wide enough for the tables when not a terminal)."""
     from rich.console import Console
@@ -350,17 +270,15 @@ def make_console(*, stderr: bool) -> Any:
 
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich progress bar on stderr, fed by ``progress(done, total, message)`` callbacks."""
+    """A rich progress bar on a terminal stderr, fed by ``progress(done, total, message)``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     console = make_console(stderr=True)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[message]}"),
-    )
-    with Progress(*columns, console=console, transient=True) as progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[message]}"))
+    # none where stderr is not a terminal: its last refresh left a blank line before errors
+    with Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
         task = progress.add_task(description, total=None, message="")
 
         def update(done: int, total: int, message: str) -> None:

@@ -357,9 +357,8 @@ def apply_plan(
             entropy.
 
     Returns:
-        The ParallelizedModel of this rank. torch's generator is then seeded from rank 0's
-        initial seed, alike on the ranks of a tp group (``mesh.random_ops_seed``), so that
-        dropout draws the same masks on replicated activations.
+        The ParallelizedModel of this rank, torch's generator seeded alike on a tp group
+        (``_seeded``: dropout draws the same masks on replicated activations).
 
     Raises:
         AutoparError: the model cannot be run under the plan (see ``check_plan_runnable``).

@@ -159,10 +159,11 @@ def _resume_point(checkpoint_dir: str, *, steps: int, trust: bool) -> ResumePoin
     point = find_resume_point(checkpoint_dir, trust=trust)
     if point.step is None:
         raise AutoparError(point.refusal(checkpoint_dir))
-    if point.step > steps:
+    if point.step >= steps:  # at --steps: nothing left to train
+        where = "past" if point.step > steps else "already at"
         raise AutoparError(
-            f"the last checkpoint in {checkpoint_dir} is at step {point.step}, past --steps "
-            f"{steps}; --steps is the total, so pass --steps {point.step} or more"
+            f"the last checkpoint in {checkpoint_dir} is at step {point.step}, {where} --steps "
+            f"{steps}; --steps is the total, so pass --steps {point.step + 1} or more to train on"
         )
     return point
 

@@ -39,7 +39,7 @@ def test_a_plan_owns_its_cluster_dict() -> None:
     ("model", "a\nb", "plan model must be one line of printable text"),
     ("model", 5, "plan model must be a string"),
     ("seq_len", "32", "plan seq_len must be a whole number"),
-    ("seq_len", -5, "plan seq_len must be at least 0"),
+    ("seq_len", -5, "plan seq_len must be from 0 to 16,777,216"),
     ("loss", "nope", "plan field loss must be one of eager, fused"),
 ])
 def test_a_plan_is_checked_when_made_as_when_read(field, value, needle) -> None:

@@ -114,6 +114,9 @@ def test_launch_check_notes_what_it_skipped(tmp_path):
     assert point.step == 1 and "step_2" in point.note()
     with pytest.raises(AutoparError, match="past --steps"):
         _check(tmp_path, steps=0)
+    # at --steps: nothing to train (it launched workers that trained "steps 2..1")
+    with pytest.raises(AutoparError, match=r"already at --steps 1; .* --steps 2 or more"):
+        _check(tmp_path, steps=1)
 
 
 def test_trust_goes_with_resume(tmp_path):

@@ -264,7 +264,7 @@ def test_export_refuses_a_seq_len_its_estimate_contradicts(tmp_path, capfd, plan
     """An edited seq_len was written as the run's --seq-length (Megatron-LM) and seq_len
     (torchtitan); the estimate's own identity gives the profiled one."""
     file = tmp_path / "bad.json"
-    file.write_text(json.dumps(_mutate(plan_doc, ("seq_len",), 10**9)))
+    file.write_text(json.dumps(_mutate(plan_doc, ("seq_len",), 2**20)))
     for tool in ("megatron", "torchtitan"):
         _fails(capfd, ["export", str(file), "--to", tool], "contradicts its estimate")
 
@@ -755,3 +755,30 @@ def test_a_quantized_hf_config_is_planned_with_a_note(tmp_path, capfd):
     out, err = capfd.readouterr()
     json.loads(out)
     assert "autopar: note: the config's quantization_config (awq) is not modelled" in err
+
+
+def test_an_output_is_never_the_input_nor_a_directory_name(tmp_path, capfd, plan_doc):
+    """`--force` replaces an old output, never the plan being read (export overwrote it with
+    Megatron flags); `--out name/` names a directory (it wrote a file `name`)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_doc))
+    before = plan.read_text()
+    _fails(capfd, ["export", str(plan), "--to", "megatron", "--out", str(plan), "--force"],
+           "is the file this command reads")
+    _fails(capfd, ["export", str(plan), "--to", "megatron", "--out",
+                   str(tmp_path / "." / "plan.json"), "--force"], "is the file this command reads")
+    assert plan.read_text() == before
+    _fails(capfd, ["export", str(plan), "--to", "megatron", "--out", str(tmp_path / "new") + "/"],
+           "is a directory")
+    assert not (tmp_path / "new").exists()
+
+
+def test_export_of_a_plan_that_does_not_fit_says_so(tmp_path, capfd):
+    plan = tmp_path / "nofit.json"
+    assert main(["estimate", TINY, "--gpus", "4", "--dp", "4", "--global-batch", "8",
+                 "--gpu-memory", "0.001", "--out", str(plan)]) == 0
+    capfd.readouterr()
+    code = main(["export", str(plan), "--to", "torchtitan"])
+    out, err = capfd.readouterr()
+    assert code == 0 and out, err
+    assert "autopar: note: the plan's estimate does not fit" in err

@@ -207,6 +207,19 @@ def test_sweep_json_marks_a_pareto_front():
     assert all(p["cost"] > 0 and p["days"] > 0 for p in points if not p["error"])
 
 
+def test_sweep_points_without_a_plan_have_no_figures(capfd):
+    """A point with no plan reports null figures, not 0 days (the fastest to a sort); a sweep
+    where no point has one fails, as plan does."""
+    argv = ["sweep", TINY, "--gpus", "2,4", "--tokens", "1e9", "--global-batch", "8", "--json"]
+    assert main([*argv, "--gpu-memory", "0.001"]) == 2
+    out, err = capfd.readouterr()
+    points = json.loads(out)
+    assert all(p["error"] and p["days"] is None and p["gpu_hours"] is None for p in points)
+    assert err.splitlines()[-1].startswith("autopar: error: no point of the sweep has a plan")
+    assert main(argv) == 0
+    assert all(p["days"] > 0 for p in json.loads(capfd.readouterr().out))
+
+
 def test_presets_json():
     proc = cli("presets", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -203,18 +203,25 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
         cluster = _local_cluster(spec.nnodes, spec.nproc_per_node)
         plan = plan_from_config(profile, cluster, config, model=model_text)
     from autopar.runtime.apply import check_plan_runnable
+    from autopar.runtime.worker import pipeline_batch_problem
 
     # Everything the runtime would reject, before any process starts.
     check_plan_runnable(model, plan)
+    problem = pipeline_batch_problem(model_text, plan.config.pp)
+    if problem:
+        raise AutoparError(problem)
     return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab,
                 state_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()})
 
 
 def _build_and_profile(model_text: str, seq_len: int | None = None) -> tuple[Any, Any]:
-    """Build ``model_text`` on the meta device and profile it as ``autopar plan`` does."""
+    """Build ``model_text`` on the meta device and profile it as ``autopar plan`` does; a
+    forward whose logits miss positions the LM loss needs is refused before any launch."""
     from autopar.graph.model_text import build_and_profile
+    from autopar.graph.profiler import short_logits_refused
 
-    return build_and_profile(model_text, seq_len=seq_len)
+    with short_logits_refused():
+        return build_and_profile(model_text, seq_len=seq_len)
 
 
 def _launch_spec(args: argparse.Namespace, world_size: int) -> Any:

@@ -10,11 +10,13 @@ Counts are per sample of ``seq_len`` tokens (see ``autopar.graph.types``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import itertools
 import numbers
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -50,7 +52,24 @@ from autopar.graph.types import ModelProfile
 from autopar.models.losses import LOSS_KERNELS
 from autopar.models.zoo import TORCH_DTYPES, torch_dtype
 
-__all__ = ["KERNELS", "profile"]
+__all__ = ["KERNELS", "profile", "short_logits_refused"]
+
+# Whether a forward returning logits for too few positions is an error (``autopar run``: its
+# LM default loss needs them all) rather than a warning (planning: the profile is still useful).
+_SHORT_LOGITS_FATAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "short_logits_fatal", default=False)
+
+
+@contextlib.contextmanager
+def short_logits_refused() -> Iterator[None]:
+    """Within it, ``profile`` refuses (AutoparError) a forward whose logits cover fewer
+    positions than the sequence when the model has no loss of its own (``loss_fn``), which it
+    otherwise notes on stderr."""
+    token = _SHORT_LOGITS_FATAL.set(True)
+    try:
+        yield
+    finally:
+        _SHORT_LOGITS_FATAL.reset(token)
 
 # Kernel sets whose saved tensors ``profile`` can count (see its ``kernels`` argument).
 KERNELS = ("cuda", "cpu")
@@ -251,7 +270,7 @@ def _run_with_fallback(
         runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, None, fused_rms_norm,
                         short, loss)
         if short:
-            _warn_short_logits(prelim.name, short[0], int(tokens))
+            _warn_short_logits(prelim.name, short[0], int(tokens), own_loss=loss_fn is not None)
         return runs, None
     except RunFailure as on_meta:
         # Plain meta tensors fail on value tests (HF checks for packed sequences); fake tensors
@@ -262,7 +281,7 @@ def _run_with_fallback(
             runs = _run_all(work, batches, blocks, prelim.vocab, loss_fn, fake_mode,
                             fused_rms_norm, short, loss)
             if short:
-                _warn_short_logits(prelim.name, short[0], int(tokens))
+                _warn_short_logits(prelim.name, short[0], int(tokens), own_loss=loss_fn is not None)
             return runs, fake_mode
         except RunFailure:
             raise _trace_error(work, on_meta, trace, prelim.name) from on_meta.error
@@ -381,13 +400,17 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
     )
 
 
-def _warn_short_logits(name: str, positions: int, seq_len: int) -> None:
-    """One stderr line: the profiled forward computed logits for too few positions."""
-    print(f"autopar: warning: {name}'s forward returned logits for {positions} of {seq_len} "
-          "positions (a nanoGPT-style forward given no targets keeps only the last), so the "
-          "profile misses the output layer and the loss on the others; make "
-          "example_inputs(batch_size) return (idx, targets) so forward computes every "
-          "position, and loss_fn(output, batch) return the model's own loss", file=sys.stderr)
+def _warn_short_logits(name: str, positions: int, seq_len: int, *, own_loss: bool) -> None:
+    """One stderr line: the profiled forward computed logits for too few positions (an error
+    within ``short_logits_refused`` for a model trained on the LM loss of its logits)."""
+    text = (f"{name}'s forward returned logits for {positions} of {seq_len} positions (a "
+            "nanoGPT-style forward given no targets keeps only the last), so the profile misses "
+            "the output layer and the loss on the others; make example_inputs(batch_size) "
+            "return (idx, targets) so forward computes every position, and loss_fn(output, "
+            "batch) return the model's own loss")
+    if _SHORT_LOGITS_FATAL.get() and not own_loss:
+        raise AutoparError(text.replace("so the profile misses", "so training misses"))
+    print(f"autopar: warning: {text}", file=sys.stderr)
 
 
 def _facts(

@@ -243,14 +243,19 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
     """
     import torch
 
+    from autopar.graph.profiler import short_logits_refused
     from autopar.runtime.launch import PG_TIMEOUT_S, launch, launch_spec_for
-    from autopar.runtime.worker import WorkerArgs
+    from autopar.runtime.worker import WorkerArgs, pipeline_batch_problem
 
     if warmup_steps < 0 or steps <= warmup_steps:
         raise AutoparError(
             f"--steps ({steps}) must exceed --warmup ({warmup_steps}) so some steps are timed"
         )
-    profile = model_profile(model_text, seq_len=plan.seq_len or None)
+    with short_logits_refused():  # what the workers would fail on, before they start
+        profile = model_profile(model_text, seq_len=plan.seq_len or None)
+    problem = pipeline_batch_problem(model_text, plan.config.pp)
+    if problem:
+        raise AutoparError(problem)
     spec = launch_spec_for(world_size=plan.config.world_size, nnodes=1, node_rank=0,
                            rdzv_endpoint="", nproc_per_node=None, max_restarts=0)
     args = WorkerArgs(

@@ -258,6 +258,18 @@ def _model_file_batches(model_text: str) -> _FileBatches | None:
     return _FileBatches(example_inputs=mf.example_inputs, loss_fn=_own_loss)
 
 
+def pipeline_batch_problem(model_text: str, pp: int) -> str:
+    """Why a run of ``model_text`` at ``pp`` pipeline ranks cannot feed its stages ("" when
+    it can): the schedule splits token ids into micro-batches, not a model file's own batches
+    (``_model_file_batches``: a tuple or dict for its ``loss_fn``, or inputs other than tokens)."""
+    if pp <= 1 or _model_file_batches(model_text) is None:
+        return ""
+    return (f"pipeline stages take token ids, and {model_text} trains on its own "
+            "example_inputs batches (for its loss_fn, or inputs that are not token ids): run it "
+            "at pp 1 (--dp, --tp, --zero), or make example_inputs(batch_size) return the token "
+            "ids alone and drop loss_fn")
+
+
 def _own_loss(output: Any, _batch: Any) -> torch.Tensor:
     # A model file without loss_fn whose inputs are not tokens: the model's own ``output.loss``.
     own = getattr(output, "loss", None)

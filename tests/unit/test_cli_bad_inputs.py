@@ -18,6 +18,7 @@ from tests.helpers import one_error_line
 TINY = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq_len=32"
 CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "a100_2nodes.yaml"
 PLAN = ["plan", TINY, "--gpus", "1", "--global-batch", "8"]
+FIXTURE_MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 MOE = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq_len=32,experts=4"
 
 
@@ -92,6 +93,17 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     ([*PLAN, "--build-timeout", "0.0001"], "--build-timeout: must be at least 0.001"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu-memory", "1e-308"],
      "--gpu-memory: must be at least 0.001"),
+    # torchrun retried an endpoint it cannot parse without end; node counts had no bounds
+    (["run", TINY, "--global-batch", "4", "--steps", "1", "--rdzv-endpoint", "garbage"],
+     "is not HOST:PORT"),
+    (["run", TINY, "--global-batch", "4", "--steps", "1", "--nproc-per-node", "-2"],
+     "--nproc-per-node: must be from 1"),
+    # refused before any worker starts (the workers crashed with a traceback): nanoGPT
+    # verbatim keeps the last position's logits only; pipeline stages take token ids
+    (["run", str(FIXTURE_MODELS / "tiny_nanogpt.py"), "--global-batch", "4", "--steps", "1"],
+     "returned logits for 1 of"),
+    (["run", str(FIXTURE_MODELS / "tiny_nanogpt_targets.py"), "--global-batch", "4",
+      "--steps", "1", "--pp", "2"], "pipeline stages take token ids"),
 ])
 def test_bad_arguments(capfd, argv, needle):
     _fails(capfd, argv, needle)

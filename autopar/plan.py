@@ -41,7 +41,8 @@ from autopar.plan_read import (
 from autopar.schedules import rank_of_stage
 from autopar.tp_layout import TPStyle
 
-__all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle"]
+__all__ = ["SCHEMA_VERSION", "Plan", "PlanFormatError", "SearchInfo", "StagePlan", "TPStyle",
+           "reject_constant"]
 
 SCHEMA_VERSION = 1
 
@@ -379,7 +380,7 @@ class Plan:
         from autopar.json_data import parse_json
 
         data = parse_json(text, where, "an autopar plan", PlanFormatError,
-                          parse_constant=_reject_constant)
+                          parse_constant=reject_constant)
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
@@ -399,7 +400,8 @@ def _changed_fields(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = 
     return out
 
 
-def _reject_constant(name: str) -> float:
+def reject_constant(name: str) -> float:
+    """``json.loads``'s ``parse_constant`` for plans: NaN and Infinity are refused."""
     raise PlanFormatError(f"plan holds {name}; every number in a plan must be finite")
 
 

@@ -23,7 +23,6 @@ from autopar.cli.split_args import add_split_arguments
 from autopar.config import MAX_SEQ_LEN
 from autopar.cost_model.hardware import MAX_GPUS
 from autopar.errors import AutoparError
-from autopar.json_data import read_json
 from autopar.stdio import document_stdout
 from autopar.units import MIB
 
@@ -161,11 +160,20 @@ _SPLIT_FLAGS = ("dp", "cp", "tp", "pp", "ep", "dp_replicate", "offload", "schedu
 
 
 def _read_plan_doc(source: str) -> dict[str, Any] | None:
-    """The plan document if ``source`` is a plan JSON file (has ``schema_version``), else None."""
+    """The plan document if ``source`` is a plan JSON file (has ``schema_version``), whatever
+    its name (as show and export read it), else None. A plan's numbers are read as the other
+    commands read them: NaN and Infinity refused."""
+    from autopar.json_data import parse_json, read_text
+    from autopar.plan import PlanFormatError, reject_constant
+
     path = Path(source)
-    if path.suffix != ".json" or not path.is_file():
+    if path.suffix.lower() == ".py" or not path.is_file():
         return None
-    data = read_json(path, source, "a plan JSON or a model")
+    text = read_text(path, source, "a plan JSON or a model")
+    if path.suffix.lower() != ".json" and not text.lstrip().startswith("{"):
+        return None  # not a JSON object: a model text's business
+    data = parse_json(text, source, "a plan JSON or a model", PlanFormatError,
+                      parse_constant=reject_constant)
     return data if isinstance(data, dict) and "schema_version" in data else None
 
 

@@ -78,6 +78,18 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     return plan, cluster
 
 
+def _hardware_note(cluster: Any) -> str:
+    """A line when the run's hardware is not the prediction's: the errors then compare a CPU
+    run with a GPU's prediction, not the cost model with its runtime."""
+    import torch
+
+    if torch.cuda.is_available() or cluster.device.name.startswith("cpu"):
+        return ""
+    return (f"  note: the run is on CPU processes and the prediction for {cluster.device.name}: "
+            "the error column compares the two machines; pass --cluster with a CPU cluster "
+            "(`autopar calibrate`) to check the cost model here\n")
+
+
 def verify_command(args: argparse.Namespace) -> int:
     """Run ``autopar verify``; returns the exit code.
 
@@ -101,7 +113,7 @@ def verify_command(args: argparse.Namespace) -> int:
     result = verify_plan(plan, cluster, model_text=args.model or "", steps=args.steps,
                          warmup_steps=args.warmup, seed=args.seed)
     record = result.to_dict()
-    text = format_verification(result)
+    text = format_verification(result) + _hardware_note(cluster)
     if args.refit:
         new = refit_cluster(cluster, result.estimate["time_breakdown"],
                             result.measured_step_time_s)

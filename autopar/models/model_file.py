@@ -163,7 +163,8 @@ def load_model_file(path: str | Path) -> ModelFile:
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():
-        raise ModelFileError(f"model file {path} does not exist")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ModelFileError(f"model file {path} {what}")
     module = _execute(path)
     missing = [n for n in _REQUIRED if not callable(getattr(module, n, None))]
     if missing:

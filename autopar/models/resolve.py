@@ -145,7 +145,8 @@ def resolve_model(text: str) -> tuple[ModelBuilder, str]:
         return build_from_file, f"model file {path.name}"
     if text.endswith(".json"):
         if not path.is_file():
-            raise UnknownModelError(f"config file {text} does not exist")
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise UnknownModelError(f"config file {text} {what}")
         return _json_builder(path)
     if text in PRESETS:
         return _zoo_builder(text, {}), f"zoo preset {text}"

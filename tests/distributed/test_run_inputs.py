@@ -183,3 +183,23 @@ def test_model_split_does_not_fill_the_nodes(capsys: pytest.CaptureFixture[str])
     _expect_error(capsys, [MODEL, "--global-batch", "4", "--steps", "1", "--dp", "2", "--nnodes",
                            "3", "--rdzv-endpoint", "127.0.0.1:29999"],
                   "the plan needs 2 processes but the launch has 3 node(s)")
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_is_read_by_its_content_whatever_its_name(tmp_path) -> None:
+    """`run` took only `*.json` files for plans (show and export take any name): `p.plan`
+    had been asked for a global batch, as a model; a plan's NaN is refused as show refuses it."""
+    from autopar.cli import main
+
+    plan = tmp_path / "p.json"
+    assert main(["plan", "gpt:layers=2,hidden=64,heads=4,vocab=256,seq_len=32", "--gpus", "2",
+                 "--gpu", "cpu", "--global-batch", "4", "--out", str(plan)]) == 0
+    renamed = tmp_path / "p.PLAN"
+    renamed.write_text(plan.read_text())
+    proc = _cli(str(renamed), "--steps", "1", "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["world_size"] == 2
+    nan = tmp_path / "nan.json"
+    nan.write_text(plan.read_text().replace('"mip_gap": ', '"mip_gap": NaN, "x": ', 1))
+    proc = _cli(str(nan), "--steps", "1", "--dry-run")
+    assert proc.returncode == 2 and "plan holds NaN" in proc.stderr, proc.stderr[-3000:]

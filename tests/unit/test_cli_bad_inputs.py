@@ -119,6 +119,13 @@ def test_cluster_yaml_bounds(tmp_path, capfd):
     _fails(capfd, ["plan", TINY, "--cluster", str(slow), "--global-batch", "8"], "peak_bf16")
 
 
+def test_a_model_path_that_is_a_directory_says_so(tmp_path, capfd):
+    for name in ("m.py", "config.json"):
+        (tmp_path / name).mkdir()
+        _fails(capfd, ["plan", str(tmp_path / name), "--gpus", "2", "--global-batch", "8"],
+               "is a directory, not a file")
+
+
 def test_same_out_and_plot_refused(tmp_path, capfd):
     path = tmp_path / "x.png"
     _fails(capfd, [*PLAN, "--out", str(path), "--plot", str(path)], "both name")

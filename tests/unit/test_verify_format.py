@@ -116,3 +116,18 @@ def test_predict_profiles_the_model_at_the_plans_sequence_length():
                             ParallelConfig(dp=2, global_batch=4), model=model)
     assert plan.seq_len == 64
     assert predict(plan, model, cluster).step_time_s > 0
+
+
+def test_verify_notes_a_run_on_other_hardware_than_its_prediction():
+    """On a machine without CUDA a plan for A100s runs on CPU processes: its error column
+    compares two machines (-92% step, +11,900% memory had been shown without a word)."""
+    import torch
+
+    from autopar.cli.cmd_verify import _hardware_note
+    from autopar.cost_model.hardware import Cluster
+
+    assert _hardware_note(Cluster.preset("cpu", gpus_per_node=2)) == ""
+    note = _hardware_note(Cluster.preset("a100-80g"))
+    assert (note == "") == torch.cuda.is_available()
+    if note:
+        assert "A100" in note and "--cluster" in note

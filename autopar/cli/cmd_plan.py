@@ -10,6 +10,7 @@ from autopar.cli import common
 from autopar.cli.argtypes import int_in, positive_float
 from autopar.config import DTYPES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, OFFLOADS
 from autopar.cost_model.hardware import MAX_GPUS
+from autopar.errors import AutoparError
 
 NAME = "plan"
 HELP = "find the best split of MODEL over a cluster"
@@ -93,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     from autopar.cli.alternatives import alternatives_for
 
     common.check_outputs(args)
+    given = [f for f, v in (("--max-cp", args.max_cp), ("--min-cp-tokens", args.min_cp_tokens))
+             if v is not None]
+    if args.no_cp and given:
+        verb = "shapes" if len(given) == 1 else "shape"
+        raise AutoparError(f"{' and '.join(given)} {verb} the context parallelism --no-cp "
+                           "turns off; drop one or the other")
     clock = common.Budget(args.time_budget)
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:

@@ -131,7 +131,8 @@ def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool = True) 
         )
 
 
-def split_gpu_count(num_gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> tuple[int, int]:
+def split_gpu_count(num_gpus: int, gpus_per_node: int = GPUS_PER_NODE,
+                    named: str = "--gpus") -> tuple[int, int]:
     """Nodes and GPUs a node for ``--gpus N``: ``(ceil(N / 8), min(N, 8))``.
 
     Raises:
@@ -142,7 +143,7 @@ def split_gpu_count(num_gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> tuple[
     if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
         lower = num_gpus // gpus_per_node * gpus_per_node
         raise ClusterConfigError(
-            f"--gpus {num_gpus} does not fill nodes of {gpus_per_node} GPUs; use {lower} or "
+            f"{named} {num_gpus} does not fill nodes of {gpus_per_node} GPUs; use {lower} or "
             f"{lower + gpus_per_node}, or describe the machines with --cluster FILE"
         )
     nodes = -(-num_gpus // gpus_per_node)
@@ -180,8 +181,9 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
         if args.nodes < 1:
             raise ClusterConfigError(f"--nodes must be at least 1, got {args.nodes}")
         nodes, per_node = args.nodes, GPUS_PER_NODE
-    elif gpus is not None:
-        nodes, per_node = split_gpu_count(gpus)
+    elif gpus is not None:  # the split's own GPU count where --gpus is not given
+        named = "--gpus" if args.gpus is not None else "the split's GPUs (dp*cp*tp*pp)"
+        nodes, per_node = split_gpu_count(gpus, named=named)
     else:
         raise ClusterConfigError("say how many GPUs: --gpus N, --nodes N or --cluster FILE")
     return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=args.gpu_memory)

@@ -93,6 +93,8 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     ([*PLAN, "--build-timeout", "0.0001"], "--build-timeout: must be at least 0.001"),
     (["sweep", TINY, "--gpus", "8", "--tokens", "1e9", "--gpu-memory", "1e-308"],
      "--gpu-memory: must be at least 0.001"),
+    # a bound on what --no-cp turns off had been ignored without a word
+    ([*PLAN, "--no-cp", "--max-cp", "4"], "--max-cp shapes the context parallelism --no-cp"),
     # torchrun retried an endpoint it cannot parse without end; node counts had no bounds
     (["run", TINY, "--global-batch", "4", "--steps", "1", "--rdzv-endpoint", "garbage"],
      "is not HOST:PORT"),

@@ -110,6 +110,13 @@ def test_bad_gpu_counts(argv, needle, capfd):
     assert needle in capfd.readouterr().err
 
 
+def test_a_split_that_does_not_fill_nodes_names_the_split_not_gpus(capfd):
+    """Without cluster options the cluster is the split's GPUs: the error had blamed --gpus,
+    which the user had not passed."""
+    assert main(["estimate", TINY, "--global-batch", "12", "--pp", "4", "--dp", "3"]) == 2
+    assert "the split's GPUs (dp*cp*tp*pp) 12 does not fill" in capfd.readouterr().err
+
+
 def test_bad_cluster_yaml_names_the_field(tmp_path, capfd):
     path = tmp_path / "c.yaml"
     path.write_text("name: x\nnodes: 0\n")

@@ -172,9 +172,11 @@ def _read_plan_doc(source: str) -> dict[str, Any] | None:
     text = read_text(path, source, "a plan JSON or a model")
     if path.suffix.lower() != ".json" and not text.lstrip().startswith("{"):
         return None  # not a JSON object: a model text's business
-    data = parse_json(text, source, "a plan JSON or a model", PlanFormatError,
+    data = parse_json(text, source, "a plan JSON or a model", PlanFormatError)
+    if not (isinstance(data, dict) and "schema_version" in data):
+        return None  # a model's config (whose own reader judges its numbers)
+    return parse_json(text, source, "a plan JSON", PlanFormatError,  # NaN: no plan's number
                       parse_constant=reject_constant)
-    return data if isinstance(data, dict) and "schema_version" in data else None
 
 
 def _resolve_job(args: argparse.Namespace) -> _Job:

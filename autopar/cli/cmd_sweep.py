@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             emit(json.dumps([p.to_dict() for p in points], indent=2) + "\n")
         else:
             common.make_console(stderr=False).print(_table(points))
-        if args.plot:
+        if args.plot and any(not p.error for p in points):
             from autopar.plotting import plot_sweep
 
             title = f"{args.model}: {args.tokens:.3g} tokens, global batch {batch}"

@@ -142,9 +142,11 @@ def split_gpu_count(num_gpus: int, gpus_per_node: int = GPUS_PER_NODE,
         raise ClusterConfigError(f"--gpus must be at least 1, got {num_gpus}")
     if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
         lower = num_gpus // gpus_per_node * gpus_per_node
+        fix = (f"use {lower} or {lower + gpus_per_node}" if named == "--gpus" else
+               f"pick degrees whose product is at most {gpus_per_node} or a multiple of it")
         raise ClusterConfigError(
-            f"{named} {num_gpus} does not fill nodes of {gpus_per_node} GPUs; use {lower} or "
-            f"{lower + gpus_per_node}, or describe the machines with --cluster FILE"
+            f"{named} {num_gpus} does not fill nodes of {gpus_per_node} GPUs; {fix}, or "
+            "describe the machines with --cluster FILE"
         )
     nodes = -(-num_gpus // gpus_per_node)
     return nodes, min(num_gpus, gpus_per_node)
@@ -327,12 +329,15 @@ def _cluster_text(cluster: dict[str, Any]) -> str:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Fail early (before any work) when ``--out``/``--plot`` cannot be written or coincide."""
+    """Fail early (before any work) when ``--out``/``--plot`` cannot be written, coincide, or
+    name a file the command reads (the model file, the cluster file)."""
     out, plot = getattr(args, "out", None), getattr(args, "plot", None)
     if out and plot and Path(out).resolve() == Path(plot).resolve():
         raise AutoparError(f"--out and --plot both name {out}; give two different files")
-    check_writable(out, force=args.force)
-    check_plot_path(plot, force=args.force)
+    reads = tuple(p for p in (getattr(args, "model", None), getattr(args, "cluster", None))
+                  if isinstance(p, str) and Path(p).is_file())
+    check_writable(out, force=args.force, reads=reads)
+    check_plot_path(plot, force=args.force, reads=reads)
 
 
 def save_outputs(plan: Any, args: argparse.Namespace) -> None:

@@ -66,12 +66,12 @@ def _umask() -> int:
     return mask
 
 
-def check_plot_path(path: str | None, *, force: bool) -> None:
+def check_plot_path(path: str | None, *, force: bool, reads: Sequence[str] = ()) -> None:
     """``check_writable`` for a ``--plot`` path, which must name a PNG file (the figure is
     written as PNG whatever the name says)."""
     if path is not None and Path(path).suffix.lower() != ".png":
         raise AutoparError(f"--plot {path}: the plot is a PNG image; give a path ending in .png")
-    check_writable(path, force=force)
+    check_writable(path, force=force, reads=reads)
 
 
 def check_writable(path: str | None, *, force: bool, reads: Sequence[str] = ()) -> None:
@@ -82,8 +82,10 @@ def check_writable(path: str | None, *, force: bool, reads: Sequence[str] = ()) 
     if not path:
         raise AutoparError("an output path is empty; give a file name")
     target = Path(path)
-    if target.is_dir() or path.endswith(("/", os.sep)):
+    if target.is_dir():
         raise AutoparError(f"{path} is a directory; give a file name")
+    if path.endswith(("/", os.sep)):
+        raise AutoparError(f"{path} ends in a separator, a directory's name; give a file name")
     for source in reads:
         if os.path.realpath(source) == os.path.realpath(path):
             raise AutoparError(f"{path} is the file this command reads; write to another file")

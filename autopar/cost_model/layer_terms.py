@@ -19,7 +19,7 @@ from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["activation_bytes_of", "framework_layer", "grad_bytes_of", "kept_less_of",
-           "net_of_backward_state", "transient_bytes_of"]
+           "net_of_backward_state", "static_grad_element_bytes", "transient_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -189,11 +189,18 @@ def net_of_backward_state(act: tuple[float, float, float], cfg: ParallelConfig,
             act[2] - min(act[2], born) / m)
 
 
-def grad_bytes_of(state: memory.LayerState, params_tp: float, fw: Framework) -> float:
+def static_grad_element_bytes(fw: Framework, dtype: str) -> int:
+    """Bytes an element of a static gradient buffer takes: the reduce dtype's, and fp32's when
+    the parameters are fp32 (Megatron-LM's main_grad is never narrower than them)."""
+    return memory.GRAD_BYTES if dtype == "fp32" else fw.grad_reduce_bytes
+
+
+def grad_bytes_of(state: memory.LayerState, params_tp: float, fw: Framework,
+                  dtype: str) -> float:
     """The gradient bytes a rank holds for a layer of ``params_tp`` parameters (after tp and
     ep) whose state without them is ``state`` (``memory.layer_state``, offload applied):
-    ``fw``'s static buffer at ``grad_reduce_bytes`` a parameter, else memory.py's gradients
-    in ``fw``'s reduce dtype."""
+    ``fw``'s static buffer (``static_grad_element_bytes`` a parameter), else memory.py's
+    gradients in ``fw``'s reduce dtype."""
     if fw.static_grad_buffer:
-        return fw.grad_reduce_bytes * params_tp
+        return static_grad_element_bytes(fw, dtype) * params_tp
     return state.grad_bytes * fw.grad_reduce_bytes / memory.GRAD_BYTES

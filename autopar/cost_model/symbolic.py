@@ -117,8 +117,8 @@ def model_state_expr_for(
         accumulates=fsdp_accumulates_grads(config),
         keeps_params=fsdp_keeps_params_unsharded(config) and config.zero == 3,
     )
-    if framework is not None and framework.static_grad_buffer:
-        grads = g * Psi
+    if framework is not None and framework.static_grad_buffer:  # never narrower than fp32
+        grads = (sp.Integer(GRAD_BYTES) if config.dtype == "fp32" else g) * Psi
     return params, grads, optimizer
 
 

@@ -83,7 +83,7 @@ class LaunchResult:
 # HOST:PORT as torchrun's c10d rendezvous parses it: a host name or IPv4 address, or an IPv6
 # address in brackets, then a port. Anything else makes torchrun retry without end.
 _ENDPOINT = re.compile(
-    r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+    r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 
 
 def _is_endpoint(text: str) -> bool:

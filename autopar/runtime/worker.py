@@ -202,21 +202,22 @@ def _build_job(args: WorkerArgs, device: torch.device) -> _Job:
     pmodel = apply_plan(model, plan, build_mesh(plan, device.type), loss_fn=loss_fn)
 
     def step(index: int, optimizers: _Optimizers) -> float:
-        # The step's random ops (dropout) from (seed, step): a resumed run draws the same masks,
-        # and the ranks of a tp group draw the same ones (mesh.random_ops_seed).
-        torch.manual_seed(random_ops_seed(pmodel.mesh, step_seed(args.seed, index)))
         if file_batch is not None:
             # The model file's own batch: its inputs and what its loss_fn reads.
             raw = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                            file_batch.make(seed=args.seed, step=index,
                                            batch=plan.config.global_batch))
-            local = local_batch(pmodel, raw)
-            return train_step(pmodel, local, local, optimizers)
-        batch = synthetic_batch(seed=args.seed, step=index, batch=plan.config.global_batch,
-                                seq_len=args.seq_len, vocab=args.vocab)
-        tokens = local_batch(pmodel, batch.tokens.to(device))
-        labels = local_batch(pmodel, batch.labels.to(device))
-        return train_step(pmodel, tokens, labels, optimizers)
+            inputs = targets = local_batch(pmodel, raw)
+        else:
+            batch = synthetic_batch(seed=args.seed, step=index, batch=plan.config.global_batch,
+                                    seq_len=args.seq_len, vocab=args.vocab)
+            inputs = local_batch(pmodel, batch.tokens.to(device))
+            targets = local_batch(pmodel, batch.labels.to(device))
+        # The step's random ops (dropout) from (seed, step), after the batch (whose seeding
+        # reaches the CUDA generators too): a resumed run draws the same masks, and the ranks
+        # of a tp group draw the same ones (mesh.random_ops_seed).
+        torch.manual_seed(random_ops_seed(pmodel.mesh, step_seed(args.seed, index)))
+        return train_step(pmodel, inputs, targets, optimizers)
 
     return _Job(model_parts=list(pmodel.model_parts), step=step,
                 global_batch=plan.config.global_batch, seq_len=args.seq_len, vocab=args.vocab,

@@ -58,7 +58,8 @@ def test_torchrun_command_one_node_and_several():
         assert flag in cmd, flag
 
 
-@pytest.mark.parametrize("endpoint", ["10.0.0.1:29500", "node-0.cluster:1", "[fe80::1]:29500"])
+@pytest.mark.parametrize("endpoint", ["10.0.0.1:29500", "node-0.cluster:1", "[fe80::1]:29500",
+                                      "node_01:29500"])
 def test_launch_takes_host_port_endpoints(endpoint):
     assert _spec(nnodes=2, nproc_per_node=2, rdzv_endpoint=endpoint).rdzv_endpoint == endpoint
 

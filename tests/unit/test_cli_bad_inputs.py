@@ -790,8 +790,18 @@ def test_an_output_is_never_the_input_nor_a_directory_name(tmp_path, capfd, plan
                    str(tmp_path / "." / "plan.json"), "--force"], "is the file this command reads")
     assert plan.read_text() == before
     _fails(capfd, ["export", str(plan), "--to", "megatron", "--out", str(tmp_path / "new") + "/"],
-           "is a directory")
+           "a directory's name")
     assert not (tmp_path / "new").exists()
+
+
+def test_plan_never_writes_over_its_model_or_cluster_file(tmp_path, capfd):
+    model = tmp_path / "m.py"
+    model.write_text("raise SystemExit('not run: refused before the model is read')\n")
+    _fails(capfd, ["plan", str(model), "--gpus", "2", "--global-batch", "8", "--out", str(model),
+                   "--force"], "is the file this command reads")
+    _fails(capfd, ["plan", TINY, "--cluster", str(CLUSTER), "--global-batch", "8", "--out",
+                   str(CLUSTER), "--force"], "is the file this command reads")
+    assert model.read_text().startswith("raise SystemExit")
 
 
 def test_export_of_a_plan_that_does_not_fit_says_so(tmp_path, capfd):

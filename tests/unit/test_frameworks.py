@@ -327,3 +327,20 @@ def test_megatron_holds_its_gradient_buffer_at_every_micro_batch_count(zero, tp)
     expr = model_state_expr_for(cfg, megatron)[1]
     assert float(expr.subs({Psi: params / tp, d: 16 // tp, w: 2, g: 2})) == pytest.approx(
         grads, rel=0.02)
+
+
+def test_megatron_fp32_gradient_buffer_is_fp32() -> None:
+    """--grad-reduce-in-bf16 goes with 16-bit training only: with fp32 parameters Megatron-LM's
+    main_grad is fp32, 4 bytes a parameter (the buffer had been charged at 2)."""
+    from autopar.config import ParallelConfig
+    from autopar.cost_model.symbolic import Psi, d, g, model_state_expr_for, w
+
+    profile = analytic_transformer_profile(4, 1024, 8, 32000, 1024)
+    params = sum(layer.num_params for layer in profile.layers)
+    megatron = get_framework("megatron-lm")
+    for zero in (0, 1):
+        cfg = ParallelConfig(dp=8, zero=zero, global_batch=16, dtype="fp32")
+        est = autopar.estimate(profile, autopar.Cluster.preset("h100"), cfg, framework=megatron)
+        assert est.memory_breakdown.gradients_bytes == pytest.approx(4 * params, rel=0.02)
+        expr = model_state_expr_for(cfg, megatron)[1]
+        assert float(expr.subs({Psi: params, d: 8, w: 4, g: 2})) == pytest.approx(4 * params)

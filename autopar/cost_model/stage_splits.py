@@ -125,14 +125,21 @@ def balanced_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
     """The most balanced contiguous splits by time per micro-batch under uniform recompute: the
     stage-balanced one (``partition.balanced_partition``) and the rank-balanced one
     (``partition.rank_balanced_partition``: a rank of an interleaved or V schedule sums its
-    stages), one when they agree (every rank runs one stage). The table costs a non-block
-    layer's modes alike (``LayerCost.never_recomputed``)."""
+    stages), one when they agree (every rank runs one stage). With offload, whose optimizer
+    step on the CPU is a large part of a rank's step, also the split balancing each rank's
+    m micro-batches and its optimizer step together. The table costs a non-block layer's modes
+    alike (``LayerCost.never_recomputed``)."""
     costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
-    by_stage = balanced_partition(costs, table.config.num_stages)
     ranks = stage_ranks(table.config)
-    if len(set(ranks)) == len(ranks):  # one stage a rank: the same split
-        return (by_stage,)
-    return tuple(dict.fromkeys((by_stage, rank_balanced_partition(costs, ranks))))
+    # one stage a rank: the rank-balanced split is the stage-balanced one
+    splits = [balanced_partition(costs, table.config.num_stages)]
+    if len(set(ranks)) < len(ranks):
+        splits.append(rank_balanced_partition(costs, ranks))
+    if table.config.offload != "none":
+        m = table.num_microbatches
+        steps = [m * cost + layer.optimizer_s for cost, layer in zip(costs, table.layers)]
+        splits.append(rank_balanced_partition(steps, ranks))
+    return tuple(dict.fromkeys(splits))
 
 
 def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:

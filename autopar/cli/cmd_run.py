@@ -172,11 +172,19 @@ def _read_plan_doc(source: str) -> dict[str, Any] | None:
     text = read_text(path, source, "a plan JSON or a model")
     if path.suffix.lower() != ".json" and not text.lstrip().startswith("{"):
         return None  # not a JSON object: a model text's business
-    data = parse_json(text, source, "a plan JSON or a model", PlanFormatError)
+    constants: list[str] = []  # NaN / Infinity: a model config's reader judges its own
+
+    def noted(name: str) -> float:
+        constants.append(name)
+        return float(name)
+
+    data = parse_json(text, source, "a plan JSON or a model", PlanFormatError,
+                      parse_constant=noted)
     if not (isinstance(data, dict) and "schema_version" in data):
-        return None  # a model's config (whose own reader judges its numbers)
-    return parse_json(text, source, "a plan JSON", PlanFormatError,  # NaN: no plan's number
-                      parse_constant=reject_constant)
+        return None
+    if constants:
+        reject_constant(constants[0])  # no plan's number is
+    return data
 
 
 def _resolve_job(args: argparse.Namespace) -> _Job:

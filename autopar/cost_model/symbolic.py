@@ -21,6 +21,7 @@ import sympy as sp
 from autopar.config import ParallelConfig, dp_mechanism
 from autopar.cost_model.expert_tp import costed_profiles
 from autopar.cost_model.layer_costs import build_cost_table
+from autopar.cost_model.layer_terms import static_grad_element_bytes
 from autopar.cost_model.memory import (
     ADAM_BYTES,
     GRAD_BYTES,
@@ -117,8 +118,9 @@ def model_state_expr_for(
         accumulates=fsdp_accumulates_grads(config),
         keeps_params=fsdp_keeps_params_unsharded(config) and config.zero == 3,
     )
-    if framework is not None and framework.static_grad_buffer:  # never narrower than fp32
-        grads = (sp.Integer(GRAD_BYTES) if config.dtype == "fp32" else g) * Psi
+    if framework is not None and framework.static_grad_buffer:
+        size = static_grad_element_bytes(framework, config.dtype)
+        grads = (g if size == framework.grad_reduce_bytes else sp.Integer(size)) * Psi
     return params, grads, optimizer
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -404,12 +405,12 @@ def _search_all(profile, cluster, configs, top_k, options, progress, deadline,
         _cut_short(state, 0.0)
         return cands, state
     worthy = _offload_worthy(cands, state, top_k, beat_s)
-    extra = offload_variants([c.table.config for c in worthy], cluster, options)
+    extra = offload_variants([c.table.config for c, _bound in worthy], cluster, options)
     if not extra:
         return cands, state
     if deadline is not None and time.monotonic() >= deadline:
         # no variant can beat its candidate's bound with unlimited memory
-        _cut_short(state, min(unlimited_memory_time_bound(c.table, c.summary) for c in worthy))
+        _cut_short(state, min(bound() for _c, bound in worthy))
         return cands, state
     more = _bounded(profile, cluster, extra, options, None, deadline, len(cands))
     cands += more
@@ -443,16 +444,20 @@ def _merge(state: _State, other: _State, top_k: int) -> None:
 
 
 def _offload_worthy(cands: list[Candidate], state: _State, top_k: int,
-                    beat_s: float) -> list[Candidate]:
-    """The candidates whose offloaded variants are worth costing: those that could, memory
-    aside, beat the k-th best plan found (and ``beat_s``); every one when the search found none
-    and seeks no faster plan than one found elsewhere. Offload frees memory (a split that fit
-    nowhere fits, or fits with less recomputation) and only adds time (copies, the CPU step),
-    so a variant is no faster than its candidate's time bound with unlimited memory."""
+                    beat_s: float) -> list[tuple[Candidate, Callable[[], float]]]:
+    """The candidates whose offloaded variants are worth costing, each with its time bound with
+    unlimited memory (``bounds.unlimited_memory_time_bound``, computed once, when first asked):
+    those that could, memory aside, beat the k-th best plan found (and ``beat_s``); every one
+    when the search found none and seeks no faster plan than one found elsewhere. Offload frees
+    memory (a split that fit nowhere fits, or fits with less recomputation) and only adds time
+    (copies, the CPU step), so a variant is no faster than that bound."""
+    pairs: list[tuple[Candidate, Callable[[], float]]] = [
+        (c, functools.cache(functools.partial(unlimited_memory_time_bound, c.table, c.summary)))
+        for c in cands]
     if not state.best and beat_s == math.inf:
-        return list(cands)
-    bound = min(_kth(state, top_k), beat_s)
-    return [c for c in cands if unlimited_memory_time_bound(c.table, c.summary) < bound]
+        return pairs
+    limit = min(_kth(state, top_k), beat_s)
+    return [(c, bound) for c, bound in pairs if bound() < limit]
 
 
 def _best_plans(profile, cluster, state: _State, model: str, options: SearchOptions,

@@ -17,6 +17,7 @@ escaped onto one line (``one_line``), so no plan field can add a line or a comma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Callable
@@ -346,7 +347,14 @@ def export_plan(plan: Plan, to: str, **options: Any) -> Export:
     refusal = export_refusal(plan, to)
     if refusal:
         raise ValueError(refusal)
-    return EXPORTERS[to](plan, **options)
+    result = EXPORTERS[to](plan, **options)
+    target, planned = EXPORT_FRAMEWORK[to], plan.framework.split("+")[0]
+    if target == planned:
+        return result
+    return dataclasses.replace(result, notes=(*result.notes, (
+        f"the plan's estimate is {planned}'s; {target} runs this split with its own memory and "
+        f"step time: `autopar estimate ... --framework {target}` predicts them, and `autopar "
+        f"plan ... --framework {target}` may choose another split")))
 
 
 # Export format -> the framework that runs what it writes (its record's ``exports``; slurm

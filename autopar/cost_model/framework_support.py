@@ -78,12 +78,15 @@ def model_framework(framework: Framework, profile) -> Framework:
 @dataclass(frozen=True, slots=True)
 class _ModelFacts:
     """What ``model_support`` reads of a profile: its first mixture-of-experts structure,
-    and the first blocker of ep, of a tp split and the first fused q/k/v projection ("": none)."""
+    and the first blocker of ep, of a tp split and the first fused q/k/v projection ("": none),
+    and whether tp splits any linear of its blocks (``runtime/tp_checks.py`` refuses a layout
+    that splits none)."""
 
     moe: Any
     experts_blocker: str
     split_blocker: str
     fused_qkv: str
+    splits_blocks: bool
 
 
 def _build_facts(profile) -> _ModelFacts:
@@ -94,6 +97,7 @@ def _build_facts(profile) -> _ModelFacts:
                              ""),
         split_blocker=next((x.tp.split_blocker for x in layers if x.tp.split_blocker), ""),
         fused_qkv=next((x.tp.fused_qkv[0] for x in layers if x.tp.fused_qkv), ""),
+        splits_blocks=any(x.tp.colwise or x.tp.fused_qkv for x in layers if x.kind == "block"),
     )
 
 
@@ -108,17 +112,27 @@ def _facts(profile) -> _ModelFacts:
 def model_support(framework: Framework, config, profile) -> str | None:
     """Why ``framework`` cannot run ``config`` on this model (None: it can): mixture-of-experts
     blocks under sequence parallelism; and, where the framework runs the profiled modules
-    themselves (``runs_traced_modules``), context parallelism of a model that is not a zoo
+    themselves (``runs_traced_modules``), pipelining of a model trained on its own batches
+    (``ModelProfile.pp_blocker``), context parallelism of a model that is not a zoo
     transformer, expert parallelism of experts it cannot run one at a time, tensor parallelism
-    of blocks with a weight across heads beside their split linears, or of a fused q/k/v
+    of blocks with no linear it knows how to split, or with a weight across heads beside their
+    split linears, or of a fused q/k/v
     projection under FSDP."""
     facts = _facts(profile)
     reason = moe_support(framework, config, facts.moe, facts.experts_blocker)
     if reason or not framework.runs_traced_modules:
         return reason
+    if config.pp > 1 and profile.pp_blocker:
+        return (f"{framework.name} pipelines the model it traced, and {profile.pp_blocker}; "
+                f"use pp=1, or make example_inputs(batch_size) return the token ids alone and "
+                f"drop loss_fn, {_OWN_CODE}")
     if not cp_runs_on(framework, profile) and config.cp > 1:
         return (f"{framework.name} runs context parallelism inside the attention it runs, "
                 f"and {profile.cp_blocker}; use cp=1, {_OWN_CODE}")
+    if config.tp > 1 and not facts.splits_blocks:
+        return (f"{framework.name} splits the model's own linears over tp, and no linear in its "
+                "blocks has a tensor-parallel style (the graph knows q/k/v/o, MLP and fused "
+                f"q/k/v projections by name); use tp=1, {_OWN_CODE}")
     blocker = facts.split_blocker
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "

@@ -26,7 +26,7 @@ from autopar.errors import ModelFileError
 from autopar.models.losses import fused_cross_entropy
 
 __all__ = ["Batch", "checked_loss", "compute_loss", "logit_positions_short", "make_batch",
-           "seq_len_of"]
+           "own_batches", "pipeline_blocker", "seq_len_of"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +116,27 @@ def make_batch(
     if first is not None and first.dim() == 2 and not first.is_floating_point():
         labels = torch.zeros_like(first)  # the targets: a tensor of their own, like the tokens
     return Batch(args=args, kwargs={**hf_kwargs, **kwargs}, raw=raw, labels=labels)
+
+
+def own_batches(example_inputs: Any, loss_fn: Callable[..., Any] | None) -> bool:
+    """Whether the model trains on its own ``example_inputs`` batches rather than token ids: it
+    has a ``loss_fn``, or its inputs are not one 2-D integer tensor."""
+    if loss_fn is not None:
+        return True
+    if example_inputs is None:
+        return False
+    sample = example_inputs(1) if callable(example_inputs) else example_inputs
+    return not (isinstance(sample, torch.Tensor) and sample.dim() == 2
+                and not sample.is_floating_point())
+
+
+def pipeline_blocker(example_inputs: Any, loss_fn: Callable[..., Any] | None) -> str:
+    """Why autopar's runtime cannot pipeline a model trained on these inputs ("" when it can):
+    its pipeline schedule splits token ids into micro-batches (``own_batches``)."""
+    if not own_batches(example_inputs, loss_fn):
+        return ""
+    return ("it trains on its own example_inputs batches (for a loss_fn, or inputs that are not "
+            "token ids), and pipeline stages take token ids")
 
 
 def seq_len_of(example_inputs: Any) -> int | None:

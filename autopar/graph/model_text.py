@@ -73,7 +73,7 @@ def build_and_profile(
     model = builder(device="meta")
     example_inputs, own_loss = None, False
     if model_text.endswith(".py"):
-        from autopar.graph.inputs import seq_len_of
+        from autopar.graph.inputs import pipeline_blocker, seq_len_of
         from autopar.models import load_model_file
 
         model_file = load_model_file(model_text)
@@ -96,7 +96,10 @@ def build_and_profile(
         _check_own_loss(model, model_file.loss_fn, seq_len, example_inputs)
     # The file's own loss runs on whole logits in autopar's runtime (ModelProfile.own_loss); the
     # profile itself counts the token cross entropy's head, as for every model.
-    return model, dataclasses.replace(prof, own_loss=True) if own_loss else prof
+    if not own_loss:
+        return model, prof
+    return model, dataclasses.replace(
+        prof, own_loss=True, pp_blocker=pipeline_blocker(example_inputs, model_file.loss_fn))
 
 
 def _check_own_loss(model: Any, loss_fn: Any, seq_len: int, example_inputs: Any) -> None:

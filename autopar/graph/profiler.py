@@ -32,6 +32,7 @@ from autopar.graph.inputs import (
     compute_loss,
     logit_positions_short,
     make_batch,
+    pipeline_blocker,
     seq_len_of,
 )
 from autopar.graph.layers import build_layers, per_sample
@@ -397,6 +398,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
         cp_blocker=cp_blocker(work), own_loss=loss_fn is not None,
+        pp_blocker=pipeline_blocker(example_inputs, loss_fn),
     )
 
 

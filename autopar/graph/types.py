@@ -289,6 +289,9 @@ class ModelProfile:
         own_loss: the model trains with its own loss (a model file's ``loss_fn``, or the one
             given to ``profile``), which autopar's runtime gives whole logits under tp instead
             of running its vocab-parallel loss (in JSON only when set).
+        pp_blocker: why autopar's runtime cannot pipeline the model ("" when it can: its
+            inputs are token ids and its loss the runtime's; ``graph.inputs.pipeline_blocker``;
+            in JSON only when set).
     """
 
     name: str
@@ -307,6 +310,7 @@ class ModelProfile:
     loss: str = "eager"
     cp_blocker: str = ""
     own_loss: bool = False
+    pp_blocker: str = ""
 
     @property
     def num_params(self) -> int:
@@ -331,6 +335,8 @@ class ModelProfile:
             del data["cp_blocker"]
         if not self.own_loss:
             del data["own_loss"]
+        if not self.pp_blocker:
+            del data["pp_blocker"]
         return data
 
     def to_json(self) -> str:

@@ -7,6 +7,7 @@ MODEL may be a path to a ``.py`` model file, a path to an HF config JSON (recogn
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,17 @@ _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
 
 
+# Plain decimal numbers only: Python's int() and float() also take "4_0", " 4", other
+# scripts' digits, "nan" and "inf", which a spec would then read as another size.
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _parse_value(text: str, key: str, value: str) -> Any:
     try:
         if key in _FLOAT_KEYS:
+            if not _FLOAT.fullmatch(value):
+                raise ValueError(value)
             return float(value)
         if key in _STR_KEYS:
             return value
@@ -41,6 +50,8 @@ def _parse_value(text: str, key: str, value: str) -> Any:
             if value.lower() not in _TRUE + _FALSE:
                 raise ValueError(value)
             return value.lower() in _TRUE
+        if not _INT.fullmatch(value):
+            raise ValueError(value)
         return int(value)
     except ValueError:
         raise UnknownModelError(

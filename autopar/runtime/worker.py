@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.errors import AutoparError
+from autopar.graph.inputs import own_batches
 from autopar.runtime import checkpoint
 from autopar.runtime.data import step_seed, synthetic_batch
 
@@ -251,12 +252,9 @@ def _model_file_batches(model_text: str) -> _FileBatches | None:
     from autopar.models import load_model_file
 
     mf = load_model_file(model_text)
-    if mf.loss_fn is not None:
-        return _FileBatches(example_inputs=mf.example_inputs, loss_fn=mf.loss_fn)
-    sample = mf.example_inputs(1)
-    if isinstance(sample, torch.Tensor) and sample.dim() == 2 and not sample.is_floating_point():
+    if not own_batches(mf.example_inputs, mf.loss_fn):
         return None
-    return _FileBatches(example_inputs=mf.example_inputs, loss_fn=_own_loss)
+    return _FileBatches(example_inputs=mf.example_inputs, loss_fn=mf.loss_fn or _own_loss)
 
 
 def pipeline_batch_problem(model_text: str, pp: int) -> str:

@@ -168,3 +168,17 @@ def test_deepspeed_tp_pp_topology_and_full_recompute():
     # DeepSpeed's batch identity with dp (not pp x dp ranks or tp x dp ranks)
     assert doc["train_batch_size"] == (doc["train_micro_batch_size_per_gpu"]
                                        * doc["gradient_accumulation_steps"] * plan.config.dp)
+
+
+def test_an_export_for_another_framework_says_whose_estimate_the_plan_holds():
+    import dataclasses
+
+    plan = make_plan(schedule="1f1b", virtual_stages=1)
+    assert plan.framework == "autopar"
+    other = [n for n in export_plan(plan, "torchtitan").notes if "estimate is autopar's" in n]
+    assert len(other) == 1 and "--framework torchtitan" in other[0]
+    assert not any("estimate is" in n for n in export_plan(plan, "slurm").notes)  # autopar runs it
+    titan = dataclasses.replace(plan, framework="torchtitan")
+    assert not any("estimate is" in n for n in export_plan(titan, "torchtitan").notes)
+    assert any("estimate is torchtitan's" in n and "--framework megatron-lm" in n
+               for n in export_plan(titan, "megatron").notes)

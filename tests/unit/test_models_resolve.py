@@ -35,6 +35,11 @@ def test_parse_model_spec():
         ("gpt:layers=4,hiden=64", "unknown key 'hiden'"),
         ("gpt:layers=four,hidden=64,heads=4,vocab=8,seq_len=8", "layers='four'"),
         ("gpt:layers=4,layers=5", "given twice"),
+        # int() and float() spellings that are not plain decimals
+        ("gpt:layers=4_0,hidden=64,heads=4,vocab=8,seq_len=8", "layers='4_0'"),
+        ("gpt:layers=\u0664,hidden=64,heads=4,vocab=8,seq_len=8", "is not a valid value"),
+        ("gpt:layers=4,hidden=64,heads=4,vocab=8,seq_len=8,dropout=nan", "dropout='nan'"),
+        ("gpt:layers=4,hidden=64,heads=4,vocab=8,seq_len=8,dropout=1_0", "dropout='1_0'"),
         ("gpt:layers=4,hidden=64,heads=5,vocab=8,seq_len=8", "heads=5 must divide hidden=64"),
         ("gpt:layers=4,hidden=64", "needs heads, vocab, seq_len"),
         ("mlp:layers=2,hidden=8,heads=2,vocab=8,seq_len=4", "unknown key 'heads'"),

@@ -134,6 +134,13 @@ def test_search_offers_tp_only_where_the_traced_modules_split(moe_profile):
         return {c.tp for c in _candidates(profile, cluster, 16, options)}
 
     assert tps(dense, "autopar") > {1}
+    # Blocks whose linears the graph does not know by name: the runtime's layout splits nothing.
+    unnamed = dataclasses.replace(dense, layers=tuple(
+        dataclasses.replace(x, tp=dataclasses.replace(x.tp, colwise=(), rowwise=()))
+        if x.kind == "block" else x for x in dense.layers))
+    assert tps(unnamed, "autopar") == {1} and tps(unnamed, "torchtitan") > {1}
+    with pytest.raises(ValueError, match="no linear in its blocks has a tensor-parallel style"):
+        autopar.estimate(unnamed, cluster, ParallelConfig(global_batch=8, tp=2, dp=4))
     blocked = _blocked(dense)
     assert tps(blocked, "autopar") == {1} and tps(blocked, "torchtitan") > {1}
     cfg = ParallelConfig(global_batch=8, micro_batch=1, tp=2, dp=4)
@@ -173,3 +180,43 @@ def test_hf_norms_across_heads_are_recorded_in_the_profile():
     zoo = autopar.profile(autopar.models.build("llama", layers=1, hidden=32, heads=4, vocab=64,
                                                seq_len=16), seq_len=16)
     assert all("split_blocker" not in x["tp"] for x in zoo.to_dict()["layers"])
+
+
+def test_search_offers_pp_only_where_the_runtime_feeds_the_stages():
+    """autopar's pipeline schedule splits token ids into micro-batches: a model trained on its
+    own example_inputs batches (a loss_fn, or inputs that are not token ids) is planned for it
+    at pp 1, and named in estimate's refusal; a framework with its own model code pipelines it."""
+    from autopar.graph.inputs import pipeline_blocker
+
+    model = autopar.models.build("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=256,
+                                 seq_len=64)
+
+    def pair(batch_size: int):
+        import torch
+
+        idx = torch.randint(0, 256, (batch_size, 64))
+        return idx, idx
+
+    tokens = autopar.profile(model, seq_len=64)
+    assert tokens.pp_blocker == "" and "pp_blocker" not in tokens.to_dict()
+    assert pipeline_blocker(None, None) == ""
+    assert pipeline_blocker(lambda b: pair(b)[0], None) == ""  # token ids alone
+    own = autopar.profile(model, seq_len=64, example_inputs=lambda b: pair(b)[0],
+                          loss_fn=lambda out, batch: out.float().mean())
+    assert "own example_inputs batches" in own.pp_blocker
+    assert type(own).from_dict(own.to_dict()) == own
+    assert pipeline_blocker(pair, None) == own.pp_blocker  # a tuple: not token ids alone
+    cluster = Cluster.preset("h100", nodes=1)
+
+    def pps(profile, framework):
+        options = SearchOptions(framework=framework, max_virtual_stages=2)
+        return {c.pp for c in _candidates(profile, cluster, 16, options)}
+
+    assert pps(tokens, "autopar") > {1}
+    assert pps(own, "autopar") == {1} and pps(own, "torchtitan") > {1}
+    cfg = ParallelConfig(global_batch=8, micro_batch=1, pp=2, dp=4)
+    autopar.estimate(tokens, cluster, cfg)
+    with pytest.raises(ValueError, match=r"pipelines the model it traced, and it trains on its "
+                                         r"own example_inputs batches.*use pp=1"):
+        autopar.estimate(own, cluster, cfg)
+    autopar.estimate(own, cluster, cfg, framework="torchtitan")

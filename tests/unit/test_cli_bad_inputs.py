@@ -48,7 +48,7 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     (["run", TINY, "--steps", "1", "--global-batch", "4", "--schedule", "x"],
      "--schedule: invalid choice"),
     (["plan", "llama:layers=2,hidden=64,heads=4,vocab=256,seq_len=32,rope_theta=nan",
-      "--gpus", "1", "--global-batch", "2"], "rope_theta=.nan. is not a valid value"),
+      "--gpus", "1", "--global-batch", "2"], "rope_theta='nan' is not a valid value"),
     (["estimate", TINY, "--dp", "4", "--ep", "2", "--global-batch", "8", "--gpu", "h100",
       "--framework", "megatron-lm"], "needs a mixture-of-experts model"),
     (["estimate", f"{MOE},top_k=2", "--dp", "4", "--ep", "3", "--global-batch", "8"],

@@ -52,7 +52,8 @@ def _inflight_limit(config: ParallelConfig, rank: int, num_chunks: int) -> float
         return float(pp - rank)
     if get_schedule(config.schedule).v_shaped:
         return float(2 * (pp - rank))
-    return float(min(interleaved_warmup_forwards(pp, v, rank), num_chunks))
+    return float(min(interleaved_warmup_forwards(pp, v, rank, config.num_microbatches),
+                     num_chunks))
 
 
 def _deps(kind: str, m: int, s: int, num_stages: int) -> tuple[tuple[str, int, int], ...]:

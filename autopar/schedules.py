@@ -37,6 +37,7 @@ __all__ = [
     "check_schedule",
     "get_schedule",
     "interleaved_warmup_forwards",
+    "microbatches_per_round",
     "rank_of_stage",
 ]
 
@@ -119,13 +120,23 @@ def rank_of_stage(schedule: str, num_ranks: int, stage_index: int) -> int:
     return get_schedule(schedule).rank_of_stage(num_ranks, stage_index)
 
 
-def interleaved_warmup_forwards(num_ranks: int, virtual_stages: int, rank: int) -> int:
+def microbatches_per_round(num_ranks: int, num_microbatches: int) -> int:
+    """N, the micro-batches an interleaved schedule runs back to back through each chunk:
+    torch's ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` take
+    m // max(1, m // p) (p when m is a multiple of p, as Megatron-LM requires; m when m < p)."""
+    p, m = num_ranks, max(1, num_microbatches)
+    return m // max(1, m // p)
+
+
+def interleaved_warmup_forwards(num_ranks: int, virtual_stages: int, rank: int,
+                                num_microbatches: int) -> int:
     """Chunk forwards an interleaved (loop placement) rank runs before its first backward, plus
-    the one its steady state keeps in flight: (v - 1) p + 2 (p - 1 - r) + 1 (Narayanan et al.
-    2021; Megatron-LM schedules.py and torch's ``ScheduleInterleaved1F1B`` warm up with
-    (v - 1) p + 2 (p - 1 - r))."""
-    p, v = num_ranks, virtual_stages
-    return (v - 1) * p + 2 * (p - 1 - rank) + 1
+    the one its steady state keeps in flight: (v - 1) N + 2 (p - 1 - r) + 1, at most v m
+    (Narayanan et al. 2021; Megatron-LM schedules.py and torch's ``ScheduleInterleaved1F1B``
+    warm up with (v - 1) N + 2 (p - 1 - r); N: ``microbatches_per_round``)."""
+    p, v, m = num_ranks, virtual_stages, num_microbatches
+    n = microbatches_per_round(p, m)
+    return min(v * m, (v - 1) * n + 2 * (p - 1 - rank) + 1)
 
 
 def _chunk_problem(s: Schedule, pp: int, virtual_stages: int, exact: bool) -> str | None:

@@ -29,6 +29,8 @@ __all__ = [
     "fsdp_root_bytes",
     "fsdp_unit_params",
     "params_tp",
+    "root_held",
+    "root_working_params",
 ]
 
 
@@ -41,22 +43,48 @@ def params_tp(layer: LayerProfile, cfg: ParallelConfig) -> float:
     return (layer.num_params - routed) / shard + experts
 
 
-def fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig) -> float:
-    """Zero 3 at pp == 1: the root unit's unsharded parameters and gradients held over the step.
+def _roots(profile: ModelProfile) -> list[int]:
+    # The layers FSDP2's root module holds at one stage: every non-block layer with parameters.
+    return [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+
+
+def root_held(cfg: ParallelConfig, fw: Framework) -> bool:
+    """Whether a root FSDP2 unit holds its gathered parameters over the step: zero 3 at one
+    stage, where ``fw`` gathers whole units (``zero3_gather`` "block"; DeepSpeed's stage 3
+    gathers the embedding and head like any module, in its bounded buckets)."""
+    return (dp_mechanism(cfg) == "fsdp" and cfg.zero == 3 and cfg.num_stages == 1
+            and fw.zero3_gather != GATHER_BUCKET)
+
+
+def fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig, fw: Framework) -> float:
+    """Zero 3 at pp == 1 (``root_held``): the root unit's unsharded parameters and gradients
+    held over the step.
 
     FSDP2 never reshards the root module after forward, so its gathered parameters (w bytes per
     parameter) stay from the forward to the end of the backward; its reduce-scatter waits for
     every root gradient, the embedding's coming last, so the other root layers' unsharded fp32
     gradients (the head's) stay through the blocks' backward. The per-layer transient terms
-    count one unit at a time; this is the root's share that outlives its own layers.
+    count one unit at a time (a root layer's: the next unit's gather, ``root_working_params``);
+    this is the root's share that outlives its own layers.
     """
-    if dp_mechanism(cfg) != "fsdp" or cfg.zero != 3 or cfg.num_stages > 1:
-        return 0.0
-    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
-    if not roots:
+    roots = _roots(profile)
+    if not root_held(cfg, fw) or not roots:
         return 0.0
     params = [params_tp(profile.layers[k], cfg) for k in roots]
     return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
+
+
+def root_working_params(profile: ModelProfile, cfg: ParallelConfig, fw: Framework,
+                        index: int) -> tuple[float, bool] | None:
+    """For a layer of the held root unit (``root_held``): (the parameters gathered beside it
+    while it runs: the next unit's, prefetched, the largest block's; whether
+    ``fsdp_root_bytes`` holds its fp32 gradient, as it does for every root layer but the
+    first). None for any other layer, whose own unit's gather its working set counts."""
+    roots = _roots(profile)
+    if not root_held(cfg, fw) or index not in roots:
+        return None
+    blocks = [params_tp(x, cfg) for x in profile.layers if x.kind == "block"]
+    return max(blocks, default=0.0), index != roots[0]
 
 
 def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:
@@ -69,7 +97,7 @@ def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> 
     layer = profile.layers[index]
     if layer.kind == "block" or cfg.num_stages > 1:
         return params_tp(layer, cfg)
-    roots = [k for k, x in enumerate(profile.layers) if x.kind != "block" and x.num_params]
+    roots = _roots(profile)
     if not roots or index != roots[0]:
         return 0.0
     return sum(params_tp(profile.layers[k], cfg) for k in roots)

@@ -31,8 +31,9 @@ __all__ = ["checked_split", "checked_table", "default_split", "estimate"]
 
 def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
     """Of the most balanced contiguous splits the framework cuts (``framework_splits``: by stage
-    and by pipeline rank), the fastest that fits (the fastest when none does), and the config's
-    recompute on every block."""
+    and by pipeline rank), the fastest that fits (the one needing the least memory when none
+    does: switching on offload or recompute to make a config fit then never moves it to a
+    hungrier split), and the config's recompute on every block."""
     cfg = table.config
     recompute = blocks_recompute((cfg.recompute,) * len(table.layers), table.block_mask)
     if cfg.num_stages == 1:
@@ -43,7 +44,7 @@ def default_split(table: CostTable) -> tuple[tuple[tuple[int, int], ...], tuple[
 
     def rank(split: tuple[tuple[int, int], ...]) -> tuple[bool, float]:
         est = assemble(table, split, recompute)
-        return not est.fits, est.step_time_s
+        return not est.fits, est.step_time_s if est.fits else est.memory_per_gpu_bytes
 
     return min(splits, key=rank), recompute
 

@@ -71,6 +71,7 @@ from autopar.cost_model.dp_comm import (
     fsdp_root_bytes,
     fsdp_unit_params,
     params_tp,
+    root_working_params,
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import costed_profiles, model_flops_once
@@ -153,7 +154,7 @@ def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
     layer, b = framework_layer(profile.layers[index], fw), cfg.micro_batch
-    shard = cfg.tp if tp_sharded(layer) else 1
+    offload, shard = run_offload(cfg, fw), (cfg.tp if tp_sharded(layer) else 1)
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
     kept_less = kept_less_of(profile, layer, cfg, ratio, shard, fw, head_elems, act)
@@ -170,8 +171,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     traffic = _traffic_bytes(cluster, cfg, fw, fp8, act[0], held)
     base = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
     times = _with_experts(base, ep, cluster, cfg, layer, shard, fw)
-    state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held,
-                                      run_offload(cfg, fw))
+    state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held, offload)
     # A framework that waits for its gathers / reductions gives them no compute window.
     step_s, mb_s, tail_s = dp_terms(
         _unit_calls(profile, cfg, index, fw), groups,
@@ -179,7 +179,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
         cluster.dp_overlap_efficiency, fw.overlap_slowdown)
     transient = ckpt.transient(tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
-        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss), cp.transient_bytes)))
+        layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss,
+        root_working_params(profile, cfg, fw, index)), cp.transient_bytes)))
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,
@@ -201,7 +202,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
-        optimizer_s=_optimizer_s(cluster, cfg, state.local_params, run_offload(cfg, fw))
+        optimizer_s=_optimizer_s(cluster, cfg, state.local_params, offload)
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
         cp_comm_s=cp_exchange_s(profile, layer, cfg, cluster, groups, attn_flops, shard, fw,
                                 base.floor_stretch),
@@ -392,7 +393,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         dp_tail_s=max(tails) if cfg.data_ranks > 1 else 0.0,
         overlap_efficiency=cluster.dp_overlap_efficiency
         if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
-        buffers_bytes=memory.buffers_bytes(cfg, cluster) + fsdp_root_bytes(profile, cfg),
+        buffers_bytes=memory.buffers_bytes(cfg, cluster) + fsdp_root_bytes(profile, cfg, fw),
         capacity_bytes=cluster.usable_memory_bytes,
         peak_flops=cluster.device.peak_flops(base_dtype(cfg.dtype)),
         tokens_per_step=cfg.global_batch * whole.seq_len,

@@ -50,10 +50,12 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
 
 def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
                      fw: Framework, head_elems: float, loss: str = "eager",
-                     ) -> tuple[float, float, float]:
+                     root: tuple[float, bool] | None = None) -> tuple[float, float, float]:
     """The layer's working set beyond its saved activations, by recompute mode (``held``:
     the parameters the rank holds after tp and ep sharding; ``loss``: the profile's loss
-    kernel, ``ModelProfile.loss``)."""
+    kernel, ``ModelProfile.loss``; ``root``: ``dp_comm.root_working_params`` for a layer of
+    the held root unit, whose own gathered parameters and fp32 gradient the root's buffers
+    hold, not its working set)."""
     w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     fsdp = dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
@@ -66,6 +68,10 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
     gathered_bytes = 2 * w * held if gathered else 0.0
     # a static gradient buffer takes the weight gradients as the GEMMs make them
     unsharded_grad_bytes = fresh_grad * held if fsdp and not fw.static_grad_buffer else 0.0
+    if root is not None:  # the root's own gather is held all step: the next unit's beside it
+        gathered_bytes = w * root[0] if gathered else 0.0
+        if root[1]:
+            unsharded_grad_bytes = max(0.0, fresh_grad - memory.GRAD_BYTES) * held
     if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
         gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
         unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)

@@ -14,7 +14,12 @@ T_F ~ T_B/2, i.e. about 1/3 of (p-1)(T_F+T_B)), which ``ZERO_BUBBLE_RESIDUAL`` e
 
 from __future__ import annotations
 
-from autopar.schedules import get_schedule, interleaved_warmup_forwards, rank_of_stage
+from autopar.schedules import (
+    get_schedule,
+    interleaved_warmup_forwards,
+    microbatches_per_round,
+    rank_of_stage,
+)
 
 # Receive-buffer policies of a pipeline runtime (``Framework.pipeline_recv_buffers``).
 PER_MICROBATCH = "per_microbatch"  # torch PipelineStage: one buffer per micro-batch, whole step
@@ -89,11 +94,16 @@ def in_flight_microbatches(
     - no pipeline (p == 1): 1 (gradient accumulation runs micro-batches one after another);
     - gpipe: all m forwards run before any backward: m;
     - 1f1b: rank r warms up with p - r forwards: min(m, p - r) (Megatron-LM SC'21 section 2.2.1);
-    - interleaved (loop placement, v chunks): torch's Interleaved1F1B warms up
-      (v - 1) p + 2 (p - 1 - r) chunk-forwards, then keeps one more in flight
-      (``schedules.interleaved_warmup_forwards``); per chunk that is
-      ((v - 1) p + 2 (p - 1 - r) + 1) / v, which at r = 0 is p (1 + (p - 1) / (p v)),
+    - interleaved 1F1B (loop placement, v chunks, N = ``schedules.microbatches_per_round``
+      micro-batches back to back per chunk: p when p divides m): torch's Interleaved1F1B and
+      Megatron-LM warm up with (v - 1) N + 2 (p - 1 - r) chunk-forwards, then keep one more
+      in flight (``schedules.interleaved_warmup_forwards``); per chunk that is
+      ((v - 1) N + 2 (p - 1 - r) + 1) / v, which at r = 0 and N = p is p (1 + (p - 1) / (p v)),
       Korthikanti et al. 2022's interleaving factor;
+    - interleaved zero bubble: torch's ScheduleInterleavedZeroBubble warms up with one forward
+      per hop, not two, but a chunk-micro-batch holds its activations until its weight pass,
+      which the schedule defers: every rank holds (v - 1) N + min(N, p) chunk-micro-batches
+      (at most v m), (v - 1) N / v + min(N, p) / v per chunk;
     - V-shaped, counted on torch's own per-rank action lists (``_calculate_single_rank_operations``
       of ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` in torch/distributed/pipelining/
       schedules.py; tests/unit/test_cost_pipeline_orders.py replays them): a chunk-micro-batch
@@ -114,8 +124,11 @@ def in_flight_microbatches(
         value = min(2 * p, 2 * m, m + rank + 1) / 2.0
     elif schedule == "dualpipe-v":
         value = (2 * p + 1) / 2.0
+    elif schedule == "interleaved-zero-bubble":
+        n = microbatches_per_round(p, m)
+        value = min(v * m, (v - 1) * n + min(n, p)) / v
     elif v > 1:
-        value = interleaved_warmup_forwards(p, v, rank) / v
+        value = interleaved_warmup_forwards(p, v, rank, m) / v
     else:
         value = float(p - rank)
     return min(float(m), value)

@@ -77,6 +77,17 @@ def test_zero3_root_unit_stays_gathered() -> None:
     expected = W * sum(roots) + GRAD_BYTES * sum(roots[1:])  # gathered params; head's grads
     assert z3.buffers_bytes - z0.buffers_bytes == pytest.approx(expected)
     assert z3_pp.buffers_bytes == _table(dp=2, pp=2, micro_batch=4).buffers_bytes
+    # The root's own gather and the head's fp32 gradient are those buffers, not the head's
+    # working set: beside its loss it holds the prefetched last block and its fresh gradient.
+    logits = PROFILE.seq_len * PROFILE.vocab * 4
+    output = PROFILE.layers[-1].output_bytes * 4
+    block, head = PROFILE.layers[1].num_params, PROFILE.layers[-1].num_params
+    assert z3.layers[-1].transient_bytes[0] == pytest.approx(
+        (W + 2 * 4) * logits + 2 * output + W * block + W * head)
+    # DeepSpeed's stage 3 gathers the embedding and head like any module, in its buckets.
+    ds = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=3), "deepspeed")
+    ds0 = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=1), "deepspeed")
+    assert ds.buffers_bytes == ds0.buffers_bytes
 
 
 def test_loss_backward_holds_logits_and_two_fp32_gradients() -> None:

@@ -1,9 +1,10 @@
 """Pipeline memory terms against torch's own schedules and PipelineStage buffers.
 
-``in_flight_microbatches`` for the V-shaped schedules is a closed form; here it is checked against
-the per-rank action lists torch's schedule classes generate (``_calculate_single_rank_operations``,
-run without a process group). ``pipeline_buffer_microbatches`` counts PipelineStage's receive
-buffers; ``assemble`` charges them per rank as ``pipeline_buffers_bytes``.
+``in_flight_microbatches`` for the interleaved and V-shaped schedules is a closed form; here it is
+checked against the per-rank action lists torch's schedule classes generate
+(``_calculate_single_rank_operations``, run without a process group).
+``pipeline_buffer_microbatches`` counts PipelineStage's receive buffers; ``assemble`` charges them
+per rank as ``pipeline_buffers_bytes``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def test_dualpipe_v_in_flight_matches_torch_order(p):
         for rank in range(p):
             fly = in_flight_microbatches("dualpipe-v", p, 2, m, rank)
             assert 2 * fly == _most_held(order[rank]), (p, m, rank)
+
+
+def _torch_interleaved_order(cls, p: int, v: int, m: int) -> dict[int, list]:
+    """torch's compute actions per rank of an interleaved (loop placement) schedule."""
+    sched = object.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    return {rank: [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
+            for rank in range(p)}
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
+    ("interleaved-zero-bubble", "ScheduleInterleavedZeroBubble")])
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_interleaved_in_flight_matches_torch_order(name, cls, p):
+    """Both interleaved schedules, every m torch takes (m a multiple of its round count), so
+    also the m that are no multiple of pp: the groups of N = m // (m // p) micro-batches."""
+    for v in (2, 3, 4):
+        for m in range(1, 5 * p + 1):
+            if m % max(1, m // p):
+                continue  # torch refuses it
+            order = _torch_interleaved_order(getattr(schedules, cls), p, v, m)
+            for rank in range(p):
+                fly = in_flight_microbatches(name, p, v, m, rank)
+                assert v * fly == pytest.approx(_most_held(order[rank])), (p, v, m, rank)
 
 
 def test_buffer_counts_per_rank():

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     with stream as emit:
         cluster = common.cluster_from_args(args, default_gpus=config.world_size)
         profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout,
-                                      loss=args.loss)
+                                      loss=args.loss, framework=args.framework)
         plan = plan_from_config(profile, cluster, config, model=args.model,
                                 framework=args.framework)
         common.save_outputs(plan, args)  # first: a closed stdout must not lose the files

@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = common.cluster_from_args(args)
         common.load_profiler()  # its import time is the budget's too
         profile = common.load_profile(
-            args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout), loss=args.loss
-        )
+            args.model, args.seq_len, timeout_s=clock.limit(args.build_timeout), loss=args.loss,
+            framework=args.framework)
         plans = search(args, profile, cluster, clock.left("searching"))
         best = plans[0]
         common.save_outputs(best, args)  # first: a closed stdout must not lose the files

@@ -225,7 +225,7 @@ def _resolve_job(args: argparse.Namespace) -> _Job:
 
     # Everything the runtime would reject, before any process starts.
     check_plan_runnable(model, plan)
-    problem = pipeline_batch_problem(model_text, plan.config.pp)
+    problem = pipeline_batch_problem(model_text, profile, plan.config.pp)
     if problem:
         raise AutoparError(problem)
     return _Job(plan=plan, model_text=model_text, seq_len=profile.seq_len, vocab=profile.vocab,

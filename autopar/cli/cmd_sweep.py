@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     stream = common.document_stdout() if args.json else contextlib.nullcontext(print)
     with stream as emit:
         profile = common.load_profile(args.model, args.seq_len, timeout_s=args.build_timeout,
-                                      loss=args.loss)
+                                      loss=args.loss, framework=args.framework)
         batch = args.global_batch or 2 ** round(math.log2(DEFAULT_BATCH_TOKENS / profile.seq_len))
         if args.global_batch is None:
             print(f"autopar: global batch {batch} sequences (--global-batch)", file=sys.stderr)

@@ -192,7 +192,7 @@ def cluster_from_args(args: argparse.Namespace, *, default_gpus: int | None = No
 
 
 def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | None = None,
-                 loss: str = "eager") -> Any:
+                 loss: str = "eager", framework: str | None = None) -> Any:
     """Resolve MODEL, build it on the meta device and profile it, within ``timeout_s``.
 
     Args:
@@ -201,6 +201,10 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
         timeout_s: wall-clock limit on building and profiling (None: none); see
             ``autopar.timelimit`` for how a model file's code is stopped.
         loss: the token cross-entropy kernel (``autopar.profile``'s ``loss``).
+        framework: the framework the profile is planned for: one that runs the traced modules
+            (autopar's runtime) trains on their logits, so a forward that returns logits for
+            fewer positions than the LM loss needs is refused, as ``autopar run`` refuses it,
+            instead of warned about.
 
     Returns:
         The ModelProfile.
@@ -209,12 +213,16 @@ def load_profile(model_text: str, seq_len: int | None, *, timeout_s: float | Non
         AutoparError: the model cannot be found, built or traced, or the limit ran out.
     """
     load_profiler()  # before the clock starts: an alarm never lands inside torch's import
+    from autopar.cost_model.frameworks import get_framework
     from autopar.graph.model_text import build_and_profile
+    from autopar.graph.profiler import short_logits_refused
     from autopar.timelimit import time_limit
 
+    traced = framework is not None and get_framework(framework).runs_traced_modules
     fix = "raise --build-timeout (and --time-budget), or fix the model's build_model()"
     with time_limit(timeout_s, f"building and profiling {model_text}", fix,
-                    hard_exit_after_s=HARD_EXIT_GRACE_S):
+                    hard_exit_after_s=HARD_EXIT_GRACE_S), (
+            short_logits_refused() if traced else contextlib.nullcontext()):
         profile = build_and_profile(model_text, seq_len=seq_len, loss=loss)[1]
     from autopar.models.resolve import model_notes
 

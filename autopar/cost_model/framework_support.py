@@ -79,14 +79,15 @@ def model_framework(framework: Framework, profile) -> Framework:
 class _ModelFacts:
     """What ``model_support`` reads of a profile: its first mixture-of-experts structure,
     and the first blocker of ep, of a tp split and the first fused q/k/v projection ("": none),
-    and whether tp splits any linear of its blocks (``runtime/tp_checks.py`` refuses a layout
-    that splits none)."""
+    whether tp splits any linear of its blocks (``runtime/tp_checks.py`` refuses a layout
+    that splits none), and where its blocks sit (" at 'layers'", for messages)."""
 
     moe: Any
     experts_blocker: str
     split_blocker: str
     fused_qkv: str
     splits_blocks: bool
+    blocks_at: str
 
 
 def _build_facts(profile) -> _ModelFacts:
@@ -98,6 +99,8 @@ def _build_facts(profile) -> _ModelFacts:
         split_blocker=next((x.tp.split_blocker for x in layers if x.tp.split_blocker), ""),
         fused_qkv=next((x.tp.fused_qkv[0] for x in layers if x.tp.fused_qkv), ""),
         splits_blocks=any(x.tp.colwise or x.tp.fused_qkv for x in layers if x.kind == "block"),
+        blocks_at=next((f" at {x.name.rpartition('.')[0]!r}" for x in layers
+                        if x.kind == "block" and "." in x.name), ""),
     )
 
 
@@ -131,8 +134,8 @@ def model_support(framework: Framework, config, profile) -> str | None:
                 f"and {profile.cp_blocker}; use cp=1, {_OWN_CODE}")
     if config.tp > 1 and not facts.splits_blocks:
         return (f"{framework.name} splits the model's own linears over tp, and no linear in its "
-                "blocks has a tensor-parallel style (the graph knows q/k/v/o, MLP and fused "
-                f"q/k/v projections by name); use tp=1, {_OWN_CODE}")
+                f"blocks{facts.blocks_at} has a tensor-parallel style (the graph knows q/k/v/o, "
+                f"MLP and fused q/k/v projections by name); use tp=1, {_OWN_CODE}")
     blocker = facts.split_blocker
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "

@@ -253,7 +253,7 @@ def measure_plan(plan: Any, model_text: str, *, steps: int, warmup_steps: int,
         )
     with short_logits_refused():  # what the workers would fail on, before they start
         profile = model_profile(model_text, seq_len=plan.seq_len or None)
-    problem = pipeline_batch_problem(model_text, plan.config.pp)
+    problem = pipeline_batch_problem(model_text, profile, plan.config.pp)
     if problem:
         raise AutoparError(problem)
     spec = launch_spec_for(world_size=plan.config.world_size, nnodes=1, node_rank=0,

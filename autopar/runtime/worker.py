@@ -257,11 +257,11 @@ def _model_file_batches(model_text: str) -> _FileBatches | None:
     return _FileBatches(example_inputs=mf.example_inputs, loss_fn=mf.loss_fn or _own_loss)
 
 
-def pipeline_batch_problem(model_text: str, pp: int) -> str:
-    """Why a run of ``model_text`` at ``pp`` pipeline ranks cannot feed its stages ("" when
-    it can): the schedule splits token ids into micro-batches, not a model file's own batches
-    (``_model_file_batches``: a tuple or dict for its ``loss_fn``, or inputs other than tokens)."""
-    if pp <= 1 or _model_file_batches(model_text) is None:
+def pipeline_batch_problem(model_text: str, profile: Any, pp: int) -> str:
+    """Why a run of ``model_text`` (profiled as ``profile``) at ``pp`` pipeline ranks cannot feed
+    its stages ("" when it can): the schedule splits token ids into micro-batches, not a model
+    file's own batches (``ModelProfile.pp_blocker``, the planner's rule too)."""
+    if pp <= 1 or not profile.pp_blocker:
         return ""
     return (f"pipeline stages take token ids, and {model_text} trains on its own "
             "example_inputs batches (for its loss_fn, or inputs that are not token ids): run it "

@@ -104,6 +104,12 @@ def _fails(capfd, argv, needle, *, seconds=10.0):
     # verbatim keeps the last position's logits only; pipeline stages take token ids
     (["run", str(FIXTURE_MODELS / "tiny_nanogpt.py"), "--global-batch", "4", "--steps", "1"],
      "returned logits for 1 of"),
+    # and planned for autopar's runtime, which would refuse to run it (other frameworks: a
+    # warning, tests/unit/test_graph_misleading_inputs.py)
+    (["plan", str(FIXTURE_MODELS / "tiny_nanogpt.py"), "--gpus", "4", "--global-batch", "16"],
+     "returned logits for 1 of"),
+    (["estimate", str(FIXTURE_MODELS / "tiny_nanogpt.py"), "--dp", "4", "--global-batch", "16"],
+     "returned logits for 1 of"),
     (["run", str(FIXTURE_MODELS / "tiny_nanogpt_targets.py"), "--global-batch", "4",
       "--steps", "1", "--pp", "2"], "pipeline stages take token ids"),
 ])

@@ -139,7 +139,7 @@ def test_search_offers_tp_only_where_the_traced_modules_split(moe_profile):
         dataclasses.replace(x, tp=dataclasses.replace(x.tp, colwise=(), rowwise=()))
         if x.kind == "block" else x for x in dense.layers))
     assert tps(unnamed, "autopar") == {1} and tps(unnamed, "torchtitan") > {1}
-    with pytest.raises(ValueError, match="no linear in its blocks has a tensor-parallel style"):
+    with pytest.raises(ValueError, match=r"no linear in its blocks at .layers. has a tensor-"):
         autopar.estimate(unnamed, cluster, ParallelConfig(global_batch=8, tp=2, dp=4))
     blocked = _blocked(dense)
     assert tps(blocked, "autopar") == {1} and tps(blocked, "torchtitan") > {1}
@@ -220,3 +220,8 @@ def test_search_offers_pp_only_where_the_runtime_feeds_the_stages():
                                          r"own example_inputs batches.*use pp=1"):
         autopar.estimate(own, cluster, cfg)
     autopar.estimate(own, cluster, cfg, framework="torchtitan")
+    # `run` and `verify` of a plan made for another framework refuse it by the same field.
+    from autopar.runtime.worker import pipeline_batch_problem
+
+    assert "m.py trains on its own example_inputs" in pipeline_batch_problem("m.py", own, 2)
+    assert pipeline_batch_problem("m.py", own, 1) == pipeline_batch_problem("m.py", tokens, 2) == ""

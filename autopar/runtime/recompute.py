@@ -26,8 +26,9 @@ from autopar.errors import AutoparError
 
 __all__ = ["ATTENTION_NAMES", "apply_recompute", "find_attention"]
 
-# Child names recognised as a block's attention module (zoo, HF Llama / GPT-2 style models).
-ATTENTION_NAMES: tuple[str, ...] = ("attention", "self_attn", "attn")
+# Child names recognised as a block's attention module (zoo, HF Llama / GPT-2 style models,
+# BLOOM and Falcon).
+ATTENTION_NAMES: tuple[str, ...] = ("attention", "self_attn", "attn", "self_attention")
 # Ops whose outputs selective recomputation keeps (matmuls); collectives are always kept.
 _SAVED_OPS = frozenset(
     {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default}

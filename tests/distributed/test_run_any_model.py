@@ -38,6 +38,13 @@ HF_GPT2_TIED = {
     "embd_pdrop": 0.0, "attn_pdrop": 0.0,
 }
 
+# BLOOM: its attention is the block's `self_attention` (as Falcon's), which selective
+# recompute wraps.
+HF_BLOOM = {
+    "model_type": "bloom", "hidden_size": 32, "n_head": 4, "n_layer": 2, "vocab_size": 64,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_position_embeddings": 16,
+}
+
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return run_autopar("run", *args, timeout_s=120)
@@ -50,7 +57,7 @@ def _losses(model: str, *split: str) -> list[float]:
 
 
 def _model(name: str, tmp_path: Path) -> str:
-    configs = {"hf-llama": HF_LLAMA, "hf-gpt2-tied": HF_GPT2_TIED}
+    configs = {"hf-llama": HF_LLAMA, "hf-gpt2-tied": HF_GPT2_TIED, "hf-bloom": HF_BLOOM}
     if name in configs:
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(configs[name]))
@@ -96,6 +103,7 @@ def test_dp_and_fsdp_equal_one_process(name: str, zero: str, one_process) -> Non
         ("hf-gpt2-tied", ("--pp", "2")),
         # nanoGPT's order: the head registered first, its weight assigned to the embedding.
         ("tiny_nanogpt_tied.py", ("--pp", "2")),
+        ("hf-bloom", ("--dp", "2", "--recompute", "selective")),
     ],
 )
 def test_decoders_split_equal_one_process(name: str, split: tuple[str, ...], one_process) -> None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
 __all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
-           "model_framework", "model_support", "moe_support", "recut_fix", "settings_support"]
+           "model_framework", "model_support", "moe_support", "recut_fix", "settings_support",
+           "sp_runs_on"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -60,6 +61,12 @@ def cp_runs_on(framework: Framework, profile) -> bool:
     return not profile.cp_blocker or not framework.runs_traced_modules
 
 
+def sp_runs_on(framework: Framework, profile) -> bool:
+    """Whether ``framework`` can run this model sequence-parallel: its own implementation of
+    the model, or traced modules with no ``TPStructure.sp_blocker``."""
+    return not framework.runs_traced_modules or not _facts(profile).sp_blocker
+
+
 def ep_blocker(framework: Framework, profile) -> str:
     """Why ``framework`` cannot shard this model's experts over ep ("" when it can): where it
     runs the traced experts themselves, what stops them (``MoEStructure.ep_blocker``)."""
@@ -88,6 +95,7 @@ class _ModelFacts:
     fused_qkv: str
     splits_blocks: bool
     blocks_at: str
+    sp_blocker: str
 
 
 def _build_facts(profile) -> _ModelFacts:
@@ -101,6 +109,7 @@ def _build_facts(profile) -> _ModelFacts:
         splits_blocks=any(x.tp.colwise or x.tp.fused_qkv for x in layers if x.kind == "block"),
         blocks_at=next((f" at {x.name.rpartition('.')[0]!r}" for x in layers
                         if x.kind == "block" and "." in x.name), ""),
+        sp_blocker=next((x.tp.sp_blocker for x in layers if x.tp.sp_blocker), ""),
     )
 
 
@@ -136,6 +145,9 @@ def model_support(framework: Framework, config, profile) -> str | None:
         return (f"{framework.name} splits the model's own linears over tp, and no linear in its "
                 f"blocks{facts.blocks_at} has a tensor-parallel style (the graph knows q/k/v/o, "
                 f"MLP and fused q/k/v projections by name); use tp=1, {_OWN_CODE}")
+    if config.tp > 1 and config.sequence_parallel and facts.sp_blocker:
+        return (f"{framework.name} runs sequence parallelism on the model's own modules, and "
+                f"{facts.sp_blocker}; use sequence_parallel=False, {_OWN_CODE}")
     blocker = facts.split_blocker
     if config.tp > 1 and blocker:
         return (f"{framework.name} splits the model's own modules over tp, and {blocker}; "

@@ -212,12 +212,20 @@ def embedding_tp(
 
     Its output is all-reduced over tp: ``s * h * bytes`` per sample.
     """
-    vocab_parallel, allreduce = [], 0
+    vocab_parallel, allreduce, norms = [], 0, []
     for name, module in _named(model, fqns):
         if isinstance(module, nn.Embedding) and vocab and module.num_embeddings == vocab:
             vocab_parallel.append(name)
             allreduce += seq_len * module.embedding_dim * dtype_bytes
-    return TPStructure(vocab_parallel=tuple(vocab_parallel), allreduce_fwd_bytes=allreduce)
+        elif is_norm(module):
+            norms.append(name)
+    # autopar's runtime shards no norm before the blocks over the sequence (its layout has
+    # none; BLOOM's word_embeddings_layernorm, were it sharded, meets a model that builds its
+    # own shapes from the whole sequence).
+    blocker = (f"a norm after the token embedding ({norms[0]}) runs on the whole sequence"
+               if norms else "")
+    return TPStructure(vocab_parallel=tuple(vocab_parallel), allreduce_fwd_bytes=allreduce,
+                       sp_blocker=blocker)
 
 
 def head_tp(model: nn.Module, fqns: Sequence[str], *, vocab: int) -> TPStructure:

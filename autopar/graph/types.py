@@ -44,6 +44,9 @@ class TPStructure:
             (OLMo 2's ``q_norm`` and ``k_norm``; ``graph.tp.width_norms``): split with the
             features, their statistics all-reduced over tp forward and backward (in JSON only
             when set).
+        sp_blocker: why autopar's runtime cannot run the layer sequence-parallel ("" when it
+            can): a norm after the token embedding (BLOOM's), whose model builds its own
+            shapes from the whole sequence (in JSON only when set).
     """
 
     colwise: tuple[str, ...] = ()
@@ -58,6 +61,7 @@ class TPStructure:
     sequence_param_elements: int = 0
     split_blocker: str = ""
     width_norms: tuple[str, ...] = ()
+    sp_blocker: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,7 +239,7 @@ class LayerProfile:
             del data["moe"]
         else:
             data["moe"] = self.moe.to_dict()
-        for name in ("split_blocker", "width_norms"):
+        for name in ("split_blocker", "width_norms", "sp_blocker"):
             if not data["tp"][name]:
                 del data["tp"][name]
         return data

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from autopar.config import MAX_GLOBAL_BATCH, RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
-from autopar.cost_model.framework_support import model_support, moe_sp_blocker
+from autopar.cost_model.framework_support import model_support, moe_sp_blocker, sp_runs_on
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.tables import CostTable
 from autopar.cost_model.validate import check_inputs
@@ -106,6 +106,7 @@ def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]
         expert_counts=tuple(sorted({x.moe.experts for x in profile.layers if x.moe})),
         moe_sequence_parallel=not any(moe_sp_blocker(get_framework(options.framework), x.moe)
                                       for x in profile.layers if x.moe),
+        sequence_parallel=sp_runs_on(get_framework(options.framework), profile),
     )
     fw = get_framework(options.framework)
     return [c for c in configs if model_support(fw, c, profile) is None]

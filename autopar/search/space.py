@@ -155,12 +155,15 @@ def enumerate_candidates(
     dtypes: list[str] | None = None,
     expert_counts: tuple[int, ...] = (),
     moe_sequence_parallel: bool = True,
+    sequence_parallel: bool = True,
 ) -> Iterator[ParallelConfig]:
     """Every outer candidate, in a deterministic order (pp, tp, cp, micro-batch, schedule, ZeRO,
     HSDP, SP, ep, dtype). Without ``seq_len`` no cp > 1 is tried; the dtypes are ``dtypes``,
     else ``dimensions.dtype_choices`` of ``device``; ``expert_counts``: routed experts of each
     MoE layer (empty for a dense model); ``moe_sequence_parallel``: whether the framework runs
-    the model's MoE blocks under sequence parallelism (``framework_support.moe_sp_blocker``)."""
+    the model's MoE blocks under sequence parallelism (``framework_support.moe_sp_blocker``);
+    ``sequence_parallel``: whether it runs the model sequence-parallel at all
+    (``framework_support.sp_runs_on``)."""
     shapes = mesh_shapes(
         world_size,
         head_counts=head_counts,
@@ -175,12 +178,13 @@ def enumerate_candidates(
         for cp in cp_choices(data_ranks, seq_len, options, framework):
             yield from _shape_candidates(data_ranks // cp, cp, tp, pp, gpus_per_node,
                                          num_layers, global_batch, options, dtypes,
-                                         expert_counts, moe_sequence_parallel, seq_len)
+                                         expert_counts, moe_sequence_parallel, seq_len,
+                                         sequence_parallel)
 
 
 def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, options,
                       dtypes, expert_counts, moe_sp: bool,
-                      seq_len: int | None) -> Iterator[ParallelConfig]:
+                      seq_len: int | None, sp_ok: bool = True) -> Iterator[ParallelConfig]:
     framework = get_framework(options.framework)
     if global_batch % dp:
         return
@@ -190,7 +194,7 @@ def _shape_candidates(dp, cp, tp, pp, gpus_per_node, num_layers, global_batch, o
         sizes = [b for b in sizes if b in options.micro_batch_sizes]
     sps = [sp for sp in sorted(set(options.sequence_parallel))
            if sp_problem(sp, tp, cp, seq_len) is None] or [False]
-    if not framework.sequence_parallel:  # the framework has none: plan without it
+    if not (framework.sequence_parallel and sp_ok):  # none, or not on this model: without it
         sps = [False]
     if expert_counts and not moe_sp:  # the framework runs these MoE blocks without SP
         sps = [False]

@@ -104,6 +104,8 @@ def test_dp_and_fsdp_equal_one_process(name: str, zero: str, one_process) -> Non
         # nanoGPT's order: the head registered first, its weight assigned to the embedding.
         ("tiny_nanogpt_tied.py", ("--pp", "2")),
         ("hf-bloom", ("--dp", "2", "--recompute", "selective")),
+        # planned without sequence parallelism (its embedding norm: TPStructure.sp_blocker)
+        ("hf-bloom", ("--tp", "2")),
     ],
 )
 def test_decoders_split_equal_one_process(name: str, split: tuple[str, ...], one_process) -> None:

@@ -225,3 +225,32 @@ def test_search_offers_pp_only_where_the_runtime_feeds_the_stages():
 
     assert "m.py trains on its own example_inputs" in pipeline_batch_problem("m.py", own, 2)
     assert pipeline_batch_problem("m.py", own, 1) == pipeline_batch_problem("m.py", tokens, 2) == ""
+
+
+def test_search_offers_sp_only_where_the_runtime_shards_every_norm():
+    """BLOOM normalises the token embedding's output before its blocks: autopar's runtime runs
+    that norm on the whole sequence, so it is planned tp without sequence parallelism (which
+    runs: tests/distributed/test_run_any_model.py), and frameworks with their own code keep it."""
+    pytest.importorskip("transformers")
+    from autopar.graph.types import ModelProfile
+    from autopar.models.hf import from_hf_config
+
+    bloom = autopar.profile(from_hf_config({
+        "model_type": "bloom", "hidden_size": 32, "n_head": 4, "n_layer": 2, "vocab_size": 64,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}), seq_len=16)
+    assert "transformer.word_embeddings_layernorm" in bloom.layers[0].tp.sp_blocker
+    assert ModelProfile.from_dict(bloom.to_dict()) == bloom
+    assert all("sp_blocker" not in x["tp"] for x in bloom.to_dict()["layers"][1:])
+    cluster = Cluster.preset("h100", nodes=1)
+
+    def tp_sp(framework):
+        options = SearchOptions(framework=framework)
+        return {(c.tp, c.sequence_parallel) for c in _candidates(bloom, cluster, 16, options)}
+
+    assert {sp for tp, sp in tp_sp("autopar")} == {False} and max(tp_sp("autopar"))[0] > 1
+    assert (2, True) in tp_sp("torchtitan")
+    cfg = ParallelConfig(global_batch=8, tp=2, dp=4, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"word_embeddings_layernorm\) runs on the whole "
+                                         r"sequence; use sequence_parallel=False"):
+        autopar.estimate(bloom, cluster, cfg)
+    autopar.estimate(bloom, cluster, dataclasses.replace(cfg, sequence_parallel=False))

@@ -120,9 +120,33 @@ def block_tp(
         allreduce_fwd_bytes=allreduce,
         sequence_param_tensors=tensors,
         sequence_param_elements=elements,
-        split_blocker=split_blocker(model, {_parent(n) for n in colwise}),
+        split_blocker=(split_blocker(model, {_parent(n) for n in colwise})
+                       or _fused_blocker(model, fused, colwise, rowwise, heads, kv_heads)),
         width_norms=tuple(width),
     )
+
+
+def _fused_blocker(model: nn.Module, fused: list[str], colwise: list[str],
+                   rowwise: list[str], heads: int, kv_heads: int) -> str:
+    """Why the block's fused q/k/v attention cannot run on one tp rank's share of it ("": it can,
+    or none is fused): the runtime's own check (``runtime/tp_checks.py``) at the smallest tp
+    that splits its heads."""
+    from autopar.graph.fused_attention import local_attention_error
+
+    tp = next((d for d in range(2, max(heads, 1) + 1)
+               if heads % d == 0 and kv_heads % d == 0), None)
+    if not fused or tp is None:
+        return ""
+    parent = _parent(fused[0])
+    styles = {n.removeprefix(parent + "."): "colwise_qkv" if n in fused else "colwise"
+              for n in colwise if _parent(n) == parent}
+    styles |= {n.removeprefix(parent + "."): "rowwise" for n in rowwise if _parent(n) == parent}
+    error = local_attention_error(model.get_submodule(parent), styles, tp)
+    if error is None:
+        return ""
+    return (f"its attention {parent} does not run on one rank's share of the fused q/k/v "
+            f"{fused[0]} ({error}); it must size its views by its width and head attributes "
+            "(split_size or n_embd, n_head or num_heads) or by -1")
 
 
 def _sequence_and_width_norms(model: nn.Module, norms: list[str], parents: Iterable[str]

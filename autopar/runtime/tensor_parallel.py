@@ -297,7 +297,8 @@ def apply_tensor_parallel(
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from autopar.runtime.tp_styles import localize_fused_attention, shard_head_params
+    from autopar.graph.fused_attention import localize_fused_attention
+    from autopar.runtime.tp_styles import shard_head_params
 
     tp_plan = build_tp_plan(
         module, layout, container=container, sp=sequence_parallel, first_block=first_block,

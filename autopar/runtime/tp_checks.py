@@ -68,7 +68,7 @@ def check_tensor_parallel(model: nn.Module, plan: Plan, structure: ModelStructur
 
 def _check_fused_attention(model: nn.Module, resolved: dict[str, str], fqn: str, tp: int) -> None:
     # The attention must run on one rank's share of its fused q/k/v (widths / tp, heads / tp).
-    from autopar.runtime.tp_styles import local_attention_error
+    from autopar.graph.fused_attention import local_attention_error
 
     parent = fqn.rsplit(".", 1)[0]
     styles = {f.removeprefix(parent + "."): st for f, st in resolved.items()

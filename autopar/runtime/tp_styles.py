@@ -16,9 +16,10 @@ torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` and ``nn.E
   as the ``hidden_states`` keyword (HF attention modules take keywords).
 * ``GatherSequence``: a module run on the whole sequence under sequence parallelism (a mixture
   of experts): its input all-gathered, its output cut back to the rank's sequence shard.
-* ``localize_fused_attention``: an attention module that splits its fused q/k/v output by a width
-  attribute (GPT-2 ``split_size``, nanoGPT ``n_embd``) and counts heads by an attribute (``n_head``,
-  ``num_heads``) gets the local values (``/ tp``).
+* ``localize_fused_attention`` (``graph.fused_attention``, where the profiler asks the same of
+  the traced attention): an attention module that splits its fused q/k/v output by a width
+  attribute (GPT-2 ``split_size``, nanoGPT ``n_embd``) and counts heads by an attribute
+  (``n_head``, ``num_heads``) gets the local values (``/ tp``).
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "WidthNorm",
-           "localize_fused_attention", "shard_head_params"]
+from autopar.graph.fused_attention import is_conv1d
 
-# Attributes an attention module splits its fused q/k/v output by (GPT-2, nanoGPT), and counts its
-# heads by; a rank runs 1/tp of both.
-FUSED_WIDTH_ATTRS: tuple[str, ...] = ("split_size", "n_embd")
-FUSED_HEAD_ATTRS: tuple[str, ...] = ("n_head", "num_heads")
+__all__ = ["GatherSequence", "PrepareHidden", "ShardedProjection", "WidthNorm",
+           "shard_head_params"]
+
 # The fused projection computes q, k and v: three equal column groups.
 QKV_GROUPS = 3
 
@@ -177,14 +176,10 @@ def shard_head_params(module: nn.Module, names: list[str], mesh: Any) -> None:
     module.register_forward_pre_hook(pre)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    return not isinstance(module, nn.Linear)
-
-
 def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # The module's own matmul on local shards: F.linear, or Conv1D's addmm on weight [in, out].
     weight = module.weight.to_local()
-    if not _is_conv1d(module):
+    if not is_conv1d(module):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
@@ -230,7 +225,7 @@ class ShardedProjection(ParallelStyle):
         self.output_layout = output_layout or Replicate()
 
     def _placements(self, module: nn.Module) -> dict[str, Placement]:
-        out_dim = 1 if _is_conv1d(module) else 0
+        out_dim = 1 if is_conv1d(module) else 0
         if self.rowwise:
             return {"weight": Shard(1 - out_dim), "bias": Replicate()}
         if self.groups == 1:
@@ -256,75 +251,3 @@ class ShardedProjection(ParallelStyle):
             forward = functools.partial(_colwise_forward, module, device_mesh)
         module.forward = forward  # the instance's forward: hooks and FQNs stay the module's
         return module
-
-
-def localize_fused_attention(attention: nn.Module, tp: int) -> None:
-    """Give an attention module with a fused q/k/v projection its per-rank widths and heads."""
-    for name in (*FUSED_WIDTH_ATTRS, *FUSED_HEAD_ATTRS):
-        value = getattr(attention, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(attention, name, value // tp)
-
-
-def _local_shape(module: nn.Module, name: str, shape: torch.Size, style: str, tp: int) -> list[int]:
-    # The per-rank shape of a parameter of a linear split ``style`` ("colwise" or "rowwise").
-    local = list(shape)
-    conv = _is_conv1d(module)
-    if name == "bias":
-        dim = 0 if style != "rowwise" else None
-    elif style == "rowwise":
-        dim = 0 if conv else 1
-    else:
-        dim = 1 if conv else 0
-    if dim is not None:
-        local[dim] //= tp
-    return local
-
-
-def local_attention_error(
-    attention: nn.Module, styles: dict[str, str], tp: int, seq_len: int = 2
-) -> str | None:
-    """Run ``attention`` on the meta device with one rank's shapes; the error, or None if it runs.
-
-    Args:
-        attention: the module holding a fused q/k/v projection (not yet parallelized).
-        styles: its linears' styles by FQN relative to it ("c_attn": "colwise_qkv", ...).
-        tp: the tensor-parallel degree.
-        seq_len: tokens of the trial input.
-
-    Returns:
-        A one-line reason the forward fails or returns the wrong shape on the local shapes.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    for fqn, tensor in (*attention.named_parameters(), *attention.named_buffers()):
-        owner, _, name = fqn.rpartition(".")
-        style = styles.get(owner)
-        shape = tensor.shape
-        if style is not None:
-            module = attention.get_submodule(owner)
-            shape = torch.Size(_local_shape(module, name, shape, style.replace("_qkv", ""), tp))
-        tensors[fqn] = torch.empty(shape, dtype=tensor.dtype, device="meta")
-    fused = attention.get_submodule(next(f for f, s in styles.items() if s == "colwise_qkv"))
-    hidden = fused.weight.shape[0 if _is_conv1d(fused) else 1]
-    saved = {name: getattr(attention, name) for name in (*FUSED_WIDTH_ATTRS, *FUSED_HEAD_ATTRS)
-             if hasattr(attention, name)}
-    widths = {f: attention.get_submodule(f).nf for f, s in styles.items()
-              if s != "rowwise" and hasattr(attention.get_submodule(f), "nf")}
-    try:
-        localize_fused_attention(attention, tp)
-        for f, nf in widths.items():
-            attention.get_submodule(f).nf = nf // tp
-        x = torch.zeros(1, seq_len, hidden, device="meta")
-        with torch.no_grad():
-            out = torch.func.functional_call(attention, tensors, (x,))
-    except Exception as err:  # the model's own code: any failure is the answer
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
-    finally:
-        for name, value in saved.items():
-            setattr(attention, name, value)
-        for f, nf in widths.items():
-            attention.get_submodule(f).nf = nf
-    out = out if isinstance(out, torch.Tensor) else out[0]
-    if tuple(out.shape) != (1, seq_len, hidden):
-        return f"it returns shape {tuple(out.shape)} for an input of {(1, seq_len, hidden)}"
-    return None

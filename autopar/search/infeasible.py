@@ -19,7 +19,7 @@ from autopar.cost_model.assemble import assemble
 from autopar.errors import InfeasiblePlanError
 from autopar.search.ilp import build_ilp, decode, solve_ilp
 from autopar.search.options import SearchOptions
-from autopar.units import GIB
+from autopar.units import GIB, format_bytes
 
 __all__ = ["closest_split", "infeasible_error", "no_split_error"]
 
@@ -74,8 +74,8 @@ def infeasible_error(
     mem, desc = closest_split(cands, options, deadline)
     return InfeasiblePlanError(
         f"no split of {profile.name or 'the model'} ({profile.num_params / 1e9:.2f}B params) "
-        f"fits {cap / GIB:.1f} GiB usable per GPU on {cluster.num_gpus} GPUs at global batch "
-        f"{global_batch}; the closest, {desc}, needs {mem / GIB:.1f} GiB per GPU: use more GPUs, "
+        f"fits {format_bytes(cap)} usable per GPU on {cluster.num_gpus} GPUs at global batch "
+        f"{global_batch}; the closest, {desc}, needs {format_bytes(mem)} per GPU: use more GPUs, "
         f"GPUs with more memory, or a smaller micro-batch{_cp_hint(profile, options)}",
         min_memory_bytes=mem,
         closest=desc,

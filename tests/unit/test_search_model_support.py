@@ -7,6 +7,7 @@ implementation of the architecture, with them)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from autopar.search import SearchOptions
 from autopar.search.planner import _candidates
 
 SEQ = 16_384
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +256,26 @@ def test_search_offers_sp_only_where_the_runtime_shards_every_norm():
                                          r"sequence; use sequence_parallel=False"):
         autopar.estimate(bloom, cluster, cfg)
     autopar.estimate(bloom, cluster, dataclasses.replace(cfg, sequence_parallel=False))
+
+
+def test_fused_attention_the_runtime_cannot_localize_blocks_tp():
+    """nanoGPT's attention sizes its views by its input's width: on one rank's share of its
+    fused q/k/v it fails, so its profile records it and the search offers autopar's runtime no
+    tp (which `autopar run` refused); GPT-2's splits by its own attributes and keeps tp."""
+    pytest.importorskip("transformers")
+    from autopar.graph.model_text import build_and_profile
+
+    nano = build_and_profile(str(FIXTURES / "tiny_nanogpt_targets.py"))[1]
+    blocker = nano.layers[1].tp.split_blocker
+    assert "does not run on one rank's share of the fused q/k/v" in blocker
+    assert "fused q/k/v transformer.h.0.c_attn" in blocker
+    gpt2 = autopar.profile(_tiny_hf("gpt2"), seq_len=16)
+    assert all(not x.tp.split_blocker for x in gpt2.layers)
+    cluster = Cluster.preset("h100", nodes=1)
+
+    def tps(profile, framework):
+        options = SearchOptions(framework=framework)
+        return {c.tp for c in _candidates(profile, cluster, 16, options)}
+
+    assert tps(nano, "autopar") == {1} and tps(nano, "torchtitan") > {1}
+    assert tps(gpt2, "autopar") > {1}

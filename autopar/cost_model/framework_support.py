@@ -136,8 +136,7 @@ def model_support(framework: Framework, config, profile) -> str | None:
         return reason
     if config.pp > 1 and profile.pp_blocker:
         return (f"{framework.name} pipelines the model it traced, and {profile.pp_blocker}; "
-                f"use pp=1, or make example_inputs(batch_size) return the token ids alone and "
-                f"drop loss_fn, {_OWN_CODE}")
+                f"use pp=1, {_OWN_CODE}")
     if not cp_runs_on(framework, profile) and config.cp > 1:
         return (f"{framework.name} runs context parallelism inside the attention it runs, "
                 f"and {profile.cp_blocker}; use cp=1, {_OWN_CODE}")

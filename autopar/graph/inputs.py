@@ -136,7 +136,8 @@ def pipeline_blocker(example_inputs: Any, loss_fn: Callable[..., Any] | None) ->
     if not own_batches(example_inputs, loss_fn):
         return ""
     return ("it trains on its own example_inputs batches (for a loss_fn, or inputs that are not "
-            "token ids), and pipeline stages take token ids")
+            "token ids), and pipeline stages take token ids (to pipeline it, make "
+            "example_inputs(batch_size) return the token ids alone and drop loss_fn)")
 
 
 def seq_len_of(example_inputs: Any) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import itertools
 import numbers
 import sys
@@ -388,9 +389,9 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
     structure = group_outside(container, blocks, order)
     representative, measured = _measure_blocks(work, blocks, runs, fake_mode, fused)
     facts = _facts(work, blocks, measured, runs[1])
-    layers = build_layers(work, structure=structure, facts=facts, runs=runs,
-                          representative=representative, measured=measured, seq_len=seq_len,
-                          dtype=torch_dtype)
+    layers, shared = _shared_weights(work, build_layers(
+        work, structure=structure, facts=facts, runs=runs, representative=representative,
+        measured=measured, seq_len=seq_len, dtype=torch_dtype))
     return ModelProfile(
         name=facts.name, layers=layers, seq_len=seq_len, dtype=_DTYPE_NAMES[torch_dtype],
         hidden=facts.hidden, heads=facts.heads, kv_heads=facts.kv_heads,
@@ -398,7 +399,7 @@ def _profile_meta(work: nn.Module, seq_len: int, torch_dtype: torch.dtype, examp
         attention=facts.attention, trace_method=trace.method or "modules",
         tied_embeddings=_tied(work, structure.embedding, structure.head), loss=loss,
         cp_blocker=cp_blocker(work), own_loss=loss_fn is not None,
-        pp_blocker=pipeline_blocker(example_inputs, loss_fn),
+        pp_blocker=pipeline_blocker(example_inputs, loss_fn) or shared,
     )
 
 
@@ -438,3 +439,25 @@ def _facts(
 def _tied(work: nn.Module, embedding: Sequence[str], head: Sequence[str]) -> bool:
     emb = {id(p) for f in embedding for p in work.get_submodule(f).parameters()}
     return any(id(p) in emb for f in head for p in work.get_submodule(f).parameters())
+
+
+def _shared_weights(work: nn.Module, layers: tuple) -> tuple[tuple, str]:
+    """(the layers, why pp cannot cut the model: ""): a weight shared by two modules other than
+    the token embedding and the lm head (one block's with another's), which autopar's runtime
+    splits over neither pp nor tp (``runtime/tied_weights.check_tied_split``), so the layers
+    that hold it say so in their ``TPStructure.split_blocker`` too."""
+    owners: dict[int, list[tuple[str, int]]] = {}
+    for index, layer in enumerate(layers):
+        for fqn in layer.module_fqns:
+            for name, param in work.get_submodule(fqn).named_parameters():
+                owners.setdefault(id(param), []).append((f"{fqn}.{name}", index))
+    for found in owners.values():
+        held = sorted({index for _f, index in found})
+        kinds = {layers[index].kind for index in held}
+        if len(held) > 1 and kinds != {"embedding", "head"}:
+            why = (f"it shares {found[1][0]} with {found[0][0]} (one weight), and autopar's "
+                   "runtime splits a weight shared only by the token embedding and the lm head")
+            return tuple(dataclasses.replace(x, tp=dataclasses.replace(x.tp, split_blocker=why))
+                         if i in held and not x.tp.split_blocker else x
+                         for i, x in enumerate(layers)), why
+    return layers, ""

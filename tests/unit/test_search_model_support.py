@@ -279,3 +279,29 @@ def test_fused_attention_the_runtime_cannot_localize_blocks_tp():
 
     assert tps(nano, "autopar") == {1} and tps(nano, "torchtitan") > {1}
     assert tps(gpt2, "autopar") > {1}
+
+
+def test_a_weight_shared_between_blocks_is_planned_unsplit():
+    """autopar's runtime splits a shared weight only between the token embedding and the lm
+    head: a block sharing one with another is planned without pp and tp for it (run refused
+    the tp 2 pp 2 it had been planned)."""
+    model = autopar.models.build("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=256,
+                                 seq_len=64)
+    blocks = list(model.layers.values())
+    for block in blocks[1:]:
+        block.attention.wq.weight = blocks[0].attention.wq.weight
+    shared = autopar.profile(model, seq_len=64)
+    assert "shares layers.1.attention.wq.weight with layers.0.attention.wq.weight" in (
+        shared.pp_blocker)
+    assert [bool(x.tp.split_blocker) for x in shared.layers] == [False] + [True] * 4 + [False]
+    tied = autopar.profile(autopar.models.build(
+        "llama", layers=2, hidden=64, heads=4, vocab=256, seq_len=64, tie_embeddings=True))
+    assert tied.tied_embeddings and not tied.pp_blocker
+    cluster = Cluster.preset("h100", nodes=1)
+
+    def splits(profile, framework):
+        options = SearchOptions(framework=framework, max_virtual_stages=2)
+        return {(c.tp, c.pp) for c in _candidates(profile, cluster, 16, options)}
+
+    assert splits(shared, "autopar") == {(1, 1)}
+    assert {(2, 2), (1, 2), (2, 1)} <= splits(shared, "torchtitan")

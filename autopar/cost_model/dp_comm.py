@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 from autopar.config import DTYPE_BYTES, FP8_ELEMENT_BYTES, ParallelConfig, dp_mechanism
 from autopar.cost_model import comm, memory
@@ -22,6 +23,7 @@ from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = [
     "DDP_BUCKET_BYTES",
+    "RootShare",
     "dp_collectives",
     "dp_head_s",
     "dp_terms",
@@ -30,7 +32,7 @@ __all__ = [
     "fsdp_unit_params",
     "params_tp",
     "root_held",
-    "root_working_params",
+    "root_share",
 ]
 
 
@@ -49,11 +51,12 @@ def _roots(profile: ModelProfile) -> list[int]:
 
 
 def root_held(cfg: ParallelConfig, fw: Framework) -> bool:
-    """Whether a root FSDP2 unit holds its gathered parameters over the step: zero 3 at one
-    stage, where ``fw`` gathers whole units (``zero3_gather`` "block"; DeepSpeed's stage 3
-    gathers the embedding and head like any module, in its bounded buckets)."""
+    """Whether a root FSDP2 unit holds the embedding and the head over the step: zero 3 at one
+    stage, where ``fw`` wraps each block and then the whole model
+    (``Framework.fsdp_root_holds_edges``: autopar's runtime; torchtitan wraps them as their own
+    units, DeepSpeed gathers each module in its buckets)."""
     return (dp_mechanism(cfg) == "fsdp" and cfg.zero == 3 and cfg.num_stages == 1
-            and fw.zero3_gather != GATHER_BUCKET)
+            and fw.fsdp_root_holds_edges)
 
 
 def fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig, fw: Framework) -> float:
@@ -62,29 +65,49 @@ def fsdp_root_bytes(profile: ModelProfile, cfg: ParallelConfig, fw: Framework) -
 
     FSDP2 never reshards the root module after forward, so its gathered parameters (w bytes per
     parameter) stay from the forward to the end of the backward; its reduce-scatter waits for
-    every root gradient, the embedding's coming last, so the other root layers' unsharded fp32
-    gradients (the head's) stay through the blocks' backward. The per-layer transient terms
-    count one unit at a time (a root layer's: the next unit's gather, ``root_working_params``);
-    this is the root's share that outlives its own layers.
+    every root gradient, the embedding's coming last, so the other root layers' unsharded
+    gradients (the head's), in the parameters' dtype until that reduce-scatter casts them
+    (torch 2.13 FSDP2 ``foreach_reduce``), stay through the blocks' backward. The per-layer
+    transient terms count one unit at a time (a root layer's: ``root_share``); this is the
+    root's share that outlives its own layers.
     """
     roots = _roots(profile)
     if not root_held(cfg, fw) or not roots:
         return 0.0
     params = [params_tp(profile.layers[k], cfg) for k in roots]
-    return DTYPE_BYTES[cfg.dtype] * sum(params) + memory.GRAD_BYTES * sum(params[1:])
+    return DTYPE_BYTES[cfg.dtype] * (sum(params) + sum(params[1:]))
 
 
-def root_working_params(profile: ModelProfile, cfg: ParallelConfig, fw: Framework,
-                        index: int) -> tuple[float, bool] | None:
-    """For a layer of the held root unit (``root_held``): (the parameters gathered beside it
-    while it runs: the next unit's, prefetched, the largest block's; whether
-    ``fsdp_root_bytes`` holds its fp32 gradient, as it does for every root layer but the
-    first). None for any other layer, whose own unit's gather its working set counts."""
+@dataclass(frozen=True, slots=True)
+class RootShare:
+    """What a layer of the held root unit (``root_held``) adds to its own working set.
+
+    Attributes:
+        prefetch_params: parameters gathered beside it while it runs: the next unit's,
+            prefetched (the largest block's); its own the root holds (``fsdp_root_bytes``).
+        holds_grad: the root holds its gradient (every root layer but the first, the
+            embedding, whose backward ends the root's).
+        other_params: the other root layers' parameters, whose gradients the root's
+            reduce-scatter casts to the reduce dtype with the first layer's (0 on the others).
+    """
+
+    prefetch_params: float
+    holds_grad: bool
+    other_params: float
+
+
+def root_share(profile: ModelProfile, cfg: ParallelConfig, fw: Framework,
+               index: int) -> RootShare | None:
+    """``RootShare`` of layer ``index`` of the held root unit; None for any other layer, whose
+    own unit's gather and gradient its working set counts."""
     roots = _roots(profile)
     if not root_held(cfg, fw) or index not in roots:
         return None
     blocks = [params_tp(x, cfg) for x in profile.layers if x.kind == "block"]
-    return max(blocks, default=0.0), index != roots[0]
+    first = index == roots[0]
+    others = sum(params_tp(profile.layers[k], cfg) for k in roots[1:]) if first else 0.0
+    return RootShare(prefetch_params=max(blocks, default=0.0), holds_grad=not first,
+                     other_params=others)
 
 
 def fsdp_unit_params(profile: ModelProfile, cfg: ParallelConfig, index: int) -> float:

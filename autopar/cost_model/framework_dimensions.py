@@ -47,6 +47,9 @@ implementation of the architecture splits it whatever code was profiled), each w
 the rank holds, allocated with the model and kept for the run on every data rank whatever the
 ZeRO stage and the number of micro-batches, the weight-gradient GEMMs accumulating into it
 (Megatron-Core's, memory.py), instead of gradients born in the backward;
+``fsdp_root_holds_edges``, ZeRO-3 at one stage wraps each block and then the whole model, whose
+root unit holds the other layers (the embedding and the head): their gathered parameters and
+the head's gradient stay over the step (dp_comm.fsdp_root_bytes);
 ``supports_dimensions`` says why a framework cannot run a config's cp, HSDP, offload or dtype.
 """
 
@@ -73,6 +76,7 @@ DIMENSIONS: dict[str, dict[str, Any]] = {
         fused_swiglu=False, native_gqa=False, moe_force_balance=False, ep_dispatch="all_to_all",
         fp8_saves_inputs=False, fused_norms=False, scatter_combine=False, runs_traced_modules=True,
         recompute_layers="any", stage_splits="any", static_grad_buffer=False,
+        fsdp_root_holds_edges=True,
     ),
     "torchtitan": dict(
         context_parallel=True, hsdp=True, offloads=("none", "params"),
@@ -113,6 +117,8 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "autopar": {
         "static_grad_buffer": "sourced: autopar/runtime/data_parallel.py (FSDP2 and DDP: "
                               "gradients allocated in the backward, freed by zero_grad)",
+        "fsdp_root_holds_edges": "sourced: autopar/runtime/data_parallel.py fully_shard of "
+                                 "each block, then of the stage module (its root unit)",
         "stage_splits": "sourced: autopar/runtime/pipeline_parallel.py builds each stage "
                         "from the plan's own layer bounds (_owned_blocks)",
         "recompute_layers": "sourced: autopar/runtime/recompute.py apply_recompute wraps each "
@@ -190,6 +196,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
     "torchtitan": {
         "static_grad_buffer": "sourced: torchtitan's FSDP2 / DDP (gradients allocated in the "
                               "backward, FSDP2's sharded by reduce-scatter)",
+        "fsdp_root_holds_edges": "sourced: torchtitan models/llama3 parallelize.py apply_fsdp "
+                                 "wraps tok_embeddings and [norm, output] as their own units "
+                                 "before the root",
         "stage_splits": "sourced: torchtitan v0.2.2 parallelism.module_fqns_per_model_part "
                         "names every stage's modules (distributed/pipeline_parallel.py)",
         "recompute_layers": "sourced: torchtitan v0.2.2 activation_checkpoint mode 'selective' "
@@ -256,6 +265,7 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "megatron-lm": {
+        "fsdp_root_holds_edges": "sourced: no ZeRO-3 (zero_stages 0 and 1)",
         "static_grad_buffer": "sourced: megatron/core/distributed/param_and_grad_buffer.py "
                               "(one contiguous main_grad buffer per model chunk, built with "
                               "the model; the distributed optimizer reduce-scatters in place "
@@ -329,6 +339,9 @@ DIMENSION_SOURCES: dict[str, dict[str, str]] = {
         "runs_traced_modules": _OWN_MODEL_CODE,
     },
     "deepspeed": {
+        "fsdp_root_holds_edges": "sourced: deepspeed/runtime/zero/partitioned_param_coordinator"
+                                 ".py gathers each module's parameters when it runs, in "
+                                 "buckets (stage3_max_live_parameters), no root unit",
         "static_grad_buffer": "sourced: deepspeed/runtime/zero/stage_1_and_2.py (16-bit .grad "
                               "tensors from the backward, reduced and freed at the "
                               "accumulation boundary)",

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from autopar.cost_model.frameworks import Framework
 
 __all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
-           "model_framework", "model_support", "moe_support", "recut_fix", "settings_support",
-           "sp_runs_on"]
+           "model_framework", "model_support", "moe_support", "pp_blocker", "recut_fix",
+           "settings_support", "sp_runs_on"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -59,6 +59,17 @@ def cp_runs_on(framework: Framework, profile) -> bool:
     implementation of the model, or the traced attention it runs (``ModelProfile.cp_blocker``
     "")."""
     return not profile.cp_blocker or not framework.runs_traced_modules
+
+
+def pp_blocker(profile) -> str:
+    """Why autopar's runtime cannot pipeline this model (""): ``ModelProfile.pp_blocker``, or,
+    for a profile written before it was recorded, its own loss (a model file's ``loss_fn``
+    always comes with its own batches)."""
+    if profile.pp_blocker or not profile.own_loss:
+        return profile.pp_blocker
+    from autopar.graph.inputs import pipeline_blocker
+
+    return pipeline_blocker(None, lambda output, batch: output)
 
 
 def sp_runs_on(framework: Framework, profile) -> bool:
@@ -134,8 +145,8 @@ def model_support(framework: Framework, config, profile) -> str | None:
     reason = moe_support(framework, config, facts.moe, facts.experts_blocker)
     if reason or not framework.runs_traced_modules:
         return reason
-    if config.pp > 1 and profile.pp_blocker:
-        return (f"{framework.name} pipelines the model it traced, and {profile.pp_blocker}; "
+    if config.pp > 1 and pp_blocker(profile):
+        return (f"{framework.name} pipelines the model it traced, and {pp_blocker(profile)}; "
                 f"use pp=1, {_OWN_CODE}")
     if not cp_runs_on(framework, profile) and config.cp > 1:
         return (f"{framework.name} runs context parallelism inside the attention it runs, "

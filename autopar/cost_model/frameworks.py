@@ -124,12 +124,11 @@ class Framework:
             largest one; ``plan --robust`` keeps this much memory free).
         step_time_band: (low, high) factors on the predicted step time holding 80% of this
             framework's leave-one-source-out outcomes (measured / predicted, p10 and p90).
-        context_parallel ... scatter_combine: the other dimensions and kernels, each field of
-            framework_dimensions.DIMENSIONS (documented there); checkpoint_partitioned and
+        context_parallel ... fsdp_root_holds_edges: the other dimensions and kernels, each a
+            field of framework_dimensions.DIMENSIONS (documented there); checkpoint_partitioned and
             checkpoint_offloaded: checkpoints.py's, off unless a setting turns it on;
             adam_moment_bytes: bytes a parameter of Adam's two moments (8 fp32, 4 bf16).
-        interleaved_groups_of_pp: its interleaved schedule runs micro-batches in groups of pp
-            per chunk, so m must be a multiple of pp (torch's takes others: autopar.schedules).
+        interleaved_groups_of_pp: interleaves in groups of pp micro-batches (pp divides m).
         sources: field -> "sourced: ...", "fitted: ..." or "measured: ...".
         expert_parallel: whether it shards mixture-of-experts layers' experts over ranks (ep).
         ep_needs_sharded_dp: ep must sit inside a sharded (ZeRO / FSDP) data-parallel
@@ -214,6 +213,7 @@ class Framework:
     adam_moment_bytes: int = 8
     interleaved_groups_of_pp: bool = False
     static_grad_buffer: bool = False
+    fsdp_root_holds_edges: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -71,7 +71,7 @@ from autopar.cost_model.dp_comm import (
     fsdp_root_bytes,
     fsdp_unit_params,
     params_tp,
-    root_working_params,
+    root_share,
 )
 from autopar.cost_model.ep_comm import edp_link, unit_collectives
 from autopar.cost_model.expert_tp import costed_profiles, model_flops_once
@@ -180,7 +180,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         cluster.dp_overlap_efficiency, fw.overlap_slowdown)
     transient = ckpt.transient(tuple(x + ep.buffer_bytes + k for x, k in zip(transient_bytes_of(
         layer, cfg, act, held, shard, ratio, fw, head_elems, profile.loss,
-        root_working_params(profile, cfg, fw, index)), cp.transient_bytes)))
+        root_share(profile, cfg, fw, index)), cp.transient_bytes)))
     cost = LayerCost(
         name=layer.name,
         num_params=layer.num_params,

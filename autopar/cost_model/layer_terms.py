@@ -12,6 +12,7 @@ import dataclasses
 
 from autopar.config import DTYPE_BYTES, ParallelConfig, dp_mechanism
 from autopar.cost_model import memory
+from autopar.cost_model.dp_comm import RootShare
 from autopar.cost_model.framework_support import moe_tp_mode
 from autopar.cost_model.frameworks import GATHER_BUCKET, Framework
 from autopar.cost_model.precision import fp8_linears
@@ -50,12 +51,12 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
 
 def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,
                      fw: Framework, head_elems: float, loss: str = "eager",
-                     root: tuple[float, bool] | None = None) -> tuple[float, float, float]:
+                     root: RootShare | None = None) -> tuple[float, float, float]:
     """The layer's working set beyond its saved activations, by recompute mode (``held``:
     the parameters the rank holds after tp and ep sharding; ``loss``: the profile's loss
-    kernel, ``ModelProfile.loss``; ``root``: ``dp_comm.root_working_params`` for a layer of
-    the held root unit, whose own gathered parameters and fp32 gradient the root's buffers
-    hold, not its working set)."""
+    kernel, ``ModelProfile.loss``; ``root``: ``dp_comm.root_share`` for a layer of the held
+    root unit, whose own gathered parameters (and gradient, but the first's) the root's
+    buffers hold, not its working set)."""
     w, b = DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     fsdp = dp_mechanism(cfg) == "fsdp"
     gathered = fsdp and cfg.zero == 3 and not memory.fsdp_keeps_params_unsharded(cfg)
@@ -69,9 +70,11 @@ def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int,
     # a static gradient buffer takes the weight gradients as the GEMMs make them
     unsharded_grad_bytes = fresh_grad * held if fsdp and not fw.static_grad_buffer else 0.0
     if root is not None:  # the root's own gather is held all step: the next unit's beside it
-        gathered_bytes = w * root[0] if gathered else 0.0
-        if root[1]:
-            unsharded_grad_bytes = max(0.0, fresh_grad - memory.GRAD_BYTES) * held
+        gathered_bytes = w * root.prefetch_params if gathered else 0.0
+        # the root holds its gradient; the first layer's backward ends with the root's reduce,
+        # which casts every root gradient to the reduce dtype
+        unsharded_grad_bytes = 0.0 if root.holds_grad else (
+            fresh_grad * held + (fresh_grad - w) * root.other_params)
     if fw.zero3_gather == GATHER_BUCKET:  # bounded buckets instead of whole blocks
         gathered_bytes = min(gathered_bytes, w * fw.zero3_live_params)
         unsharded_grad_bytes = min(unsharded_grad_bytes, fresh_grad * fw.reduce_bucket_params)

@@ -258,15 +258,13 @@ def _model_file_batches(model_text: str) -> _FileBatches | None:
 
 
 def pipeline_batch_problem(model_text: str, profile: Any, pp: int) -> str:
-    """Why a run of ``model_text`` (profiled as ``profile``) at ``pp`` pipeline ranks cannot feed
-    its stages ("" when it can): the schedule splits token ids into micro-batches, not a model
-    file's own batches (``ModelProfile.pp_blocker``, the planner's rule too)."""
+    """Why a run of ``model_text`` (profiled as ``profile``) at ``pp`` pipeline ranks cannot be
+    pipelined by autopar's runtime ("" when it can): ``ModelProfile.pp_blocker``, the
+    planner's rule (a model file trained on its own batches, a weight two blocks share)."""
     if pp <= 1 or not profile.pp_blocker:
         return ""
-    return (f"pipeline stages take token ids, and {model_text} trains on its own "
-            "example_inputs batches (for its loss_fn, or inputs that are not token ids): run it "
-            "at pp 1 (--dp, --tp, --zero), or make example_inputs(batch_size) return the token "
-            "ids alone and drop loss_fn")
+    return (f"autopar's runtime cannot pipeline {model_text}: {profile.pp_blocker}; run it at "
+            "pp 1 (--dp, --tp, --zero)")
 
 
 def _own_loss(output: Any, _batch: Any) -> torch.Tensor:

@@ -74,20 +74,26 @@ def test_zero3_root_unit_stays_gathered() -> None:
     z3_pp = _table(dp=2, pp=2, micro_batch=4, zero=3)
     z0 = _table(dp=4, micro_batch=4)
     roots = [p.num_params for p in PROFILE.layers if p.kind != "block" and p.num_params]
-    expected = W * sum(roots) + GRAD_BYTES * sum(roots[1:])  # gathered params; head's grads
+    # gathered params; the head's gradient in the parameters' dtype until the root's reduce
+    expected = W * sum(roots) + W * sum(roots[1:])
     assert z3.buffers_bytes - z0.buffers_bytes == pytest.approx(expected)
     assert z3_pp.buffers_bytes == _table(dp=2, pp=2, micro_batch=4).buffers_bytes
-    # The root's own gather and the head's fp32 gradient are those buffers, not the head's
-    # working set: beside its loss it holds the prefetched last block and its fresh gradient.
+    # The root's own gather and the head's gradient are those buffers, not the head's working
+    # set: beside its loss it holds the prefetched last block. The embedding's backward ends
+    # with the root's reduce-scatter, which casts every root gradient to fp32.
     logits = PROFILE.seq_len * PROFILE.vocab * 4
     output = PROFILE.layers[-1].output_bytes * 4
-    block, head = PROFILE.layers[1].num_params, PROFILE.layers[-1].num_params
+    block, emb, head = (PROFILE.layers[i].num_params for i in (1, 0, -1))
     assert z3.layers[-1].transient_bytes[0] == pytest.approx(
-        (W + 2 * 4) * logits + 2 * output + W * block + W * head)
-    # DeepSpeed's stage 3 gathers the embedding and head like any module, in its buckets.
-    ds = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=3), "deepspeed")
-    ds0 = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=1), "deepspeed")
-    assert ds.buffers_bytes == ds0.buffers_bytes
+        (W + 2 * 4) * logits + 2 * output + W * block)
+    assert z3.layers[0].transient_bytes[0] == pytest.approx(
+        2 * PROFILE.layers[0].output_bytes * 4 + W * block + (W + 4) * emb + 4 * head)
+    # torchtitan wraps the embedding and [norm, output] as their own units, and DeepSpeed's
+    # stage 3 gathers them like any module, in its buckets: no root is held.
+    for framework in ("torchtitan", "deepspeed"):
+        z3 = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=3), framework)
+        z1 = build_cost_table(PROFILE, CLUSTER, _cfg(dp=4, micro_batch=4, zero=1), framework)
+        assert z3.buffers_bytes == z1.buffers_bytes, framework
 
 
 def test_loss_backward_holds_logits_and_two_fp32_gradients() -> None:

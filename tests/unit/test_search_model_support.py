@@ -225,8 +225,12 @@ def test_search_offers_pp_only_where_the_runtime_feeds_the_stages():
     # `run` and `verify` of a plan made for another framework refuse it by the same field.
     from autopar.runtime.worker import pipeline_batch_problem
 
-    assert "m.py trains on its own example_inputs" in pipeline_batch_problem("m.py", own, 2)
+    assert "cannot pipeline m.py: it trains on its own example_inputs" in pipeline_batch_problem(
+        "m.py", own, 2)
     assert pipeline_batch_problem("m.py", own, 1) == pipeline_batch_problem("m.py", tokens, 2) == ""
+    # A profile written before the field: its own loss says it (and keeps its fingerprint).
+    legacy = dataclasses.replace(own, pp_blocker="")
+    assert "pp_blocker" not in legacy.to_dict() and pps(legacy, "autopar") == {1}
 
 
 def test_search_offers_sp_only_where_the_runtime_shards_every_norm():

@@ -19,7 +19,9 @@ exposed. Every term is a sum or a max of sums, so the ILP can minimise it exactl
 Memory of pipeline rank k:
 
     static_k = sum_{i on k} (param_i + grad_i + optimizer_i)
-    act_k    = sum_{j on k} inflight_j * sum_{i in j} act_i(r_i) + max_{i on k} transient_i(r_i)
+    act_k    = max_{c in H_k} sum_{j on k} c_j sum_{i in j} act_i(r_i)
+               + max_{i on k} transient_i(r_i)
+               H_k: the per-chunk held counts rank k's peak is a max over (held_counts.py)
     pbuf_k   = pipeline_buffer_microbatches(schedule, p, v, m, k) * recv_buffer_bytes
     mem_k    = static_k + act_k + buffers + pbuf_k;       fits  <=>  max_k mem_k <= capacity
 
@@ -36,13 +38,10 @@ from collections.abc import Sequence
 from autopar.config import RECOMPUTE
 from autopar.cost_model.comm import COMM_SPREAD
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
+from autopar.cost_model.held_counts import held_vectors
 from autopar.cost_model.moe import DROPLESS_IMBALANCE, FITTED_ROUTER_IMBALANCE_RANGE
 from autopar.cost_model.overlap import overlapped_s
-from autopar.cost_model.pipeline import (
-    bubble_coefficient,
-    in_flight_microbatches,
-    pipeline_buffer_microbatches,
-)
+from autopar.cost_model.pipeline import bubble_coefficient, pipeline_buffer_microbatches
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable
 from autopar.schedules import rank_of_stage
 from autopar.units import GIB
@@ -97,11 +96,12 @@ def _layer_arrays(table: CostTable, recompute: Sequence[str]):
 
 def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBreakdown:
     cfg = table.config
-    inflight = in_flight_microbatches(
-        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank
-    )
+    vectors = held_vectors(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank)
+    chunk_act = [sum(act[i] for i in range(stage_layers[j][0], stage_layers[j][1] + 1))
+                 for j in stages]  # stages in order: local chunk order
     layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-    peak_act = inflight * sum(act[i] for i in layers) + max(transient[i] for i in layers)
+    held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in vectors)
+    peak_act = held + max(transient[i] for i in layers)
     return MemoryBreakdown(
         parameters_bytes=sum(table.layers[i].param_bytes for i in layers),
         gradients_bytes=sum(table.layers[i].grad_bytes for i in layers),

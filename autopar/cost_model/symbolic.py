@@ -213,7 +213,7 @@ def _memory_lines(
                  if cfg.offload != "none" else "")
         lines.append(f"  {name:11s} = {sp.sstr(total)} = {format_bytes(value, 2)}{moved}")
     lines += [
-        f"  activations = sum_j inflight_j * sum_i act_i + max_i transient_i = "
+        f"  activations = max_c sum_j c_j * sum_i act_i + max_i transient_i = "
         f"{format_bytes(mem.activations_bytes, 2)}",
         f"  buffers     = comm buffers + allocator reserve = {format_bytes(mem.buffers_bytes, 2)}",
         f"  pipeline    = receive buffers of the in-flight micro-batches = "

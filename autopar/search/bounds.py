@@ -11,11 +11,12 @@ m max_k R_k + c sum_j T_j >= m max(A / p, max_i min_r t_i + p2p) + c A. The tail
 max_k E_k >= max(dp_tail + sum_i opt_i / p, sum_i (dp_step_i - eta bwd_i + opt_i) / p) (a max is at
 least the mean), or sum_i opt_i / p without data parallelism. The refined bound (the candidates
 the cheap one does not prune) raises max_k R_k with whole blocks: per rank, its p2p sends plus
-the fastest recompute mix of its blocks that fits its own memory at its own in-flight count
+the fastest recompute mix of its blocks that fits its own memory at its own held floor
 (``memory_bottleneck_s``); A stays the all-ranks bound of the bubble term.
 
 Memory. max_k mem_k >= mean_k mem_k >= (sum_i static_i + f_min sum_i min_r act_i(r)) / p
-+ min_i min_r transient_i(r) + buffers, with f_min the fewest in-flight micro-batches of any rank;
++ min_i min_r transient_i(r) + buffers, with f_min the fewest micro-batches any rank's layers are
+charged however they sit among its chunks (``held_counts.held_floor``);
 and the rank holding layer i needs at least static_i + min_r (f_min act_i(r) + transient_i(r)).
 """
 
@@ -29,11 +30,8 @@ import operator
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.pipeline import (
-    bubble_coefficient,
-    in_flight_microbatches,
-    pipeline_buffer_microbatches,
-)
+from autopar.cost_model.held_counts import held_floor, held_vectors
+from autopar.cost_model.pipeline import bubble_coefficient, pipeline_buffer_microbatches
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp import cost_signature, layer_runs
@@ -132,9 +130,9 @@ def _min_time_under_memory(runs, in_flight: float, budget_bytes: float,
 
 
 def min_in_flight(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> float:
-    """f_min: the fewest micro-batches whose activations any pipeline rank holds at its peak."""
-    return min(in_flight_microbatches(schedule, pp, virtual_stages, num_microbatches, k)
-               for k in range(pp))
+    """f_min: the fewest micro-batches any pipeline rank's layers are charged, however they sit
+    among its chunks (``held_counts.held_floor``)."""
+    return min(held_floor(schedule, pp, virtual_stages, num_microbatches, k) for k in range(pp))
 
 
 def _min_in_flight(table: CostTable) -> float:
@@ -225,8 +223,7 @@ def _rank_curves(table: CostTable, runs, big: int,
     size = runs[big][1] - runs[big][0] + 1
     curves = []
     for k in range(p):
-        fly = in_flight_microbatches(cfg.schedule, p, cfg.virtual_stages,
-                                     table.num_microbatches, k)
+        fly = held_floor(cfg.schedule, p, cfg.virtual_stages, table.num_microbatches, k)
         pbuf = recv[k] * table.recv_buffer_bytes
         room = (table.capacity_bytes - table.buffers_bytes - pbuf) / GIB
         need = sum(1 for j in range(s) if stage_rank[j] == k and j not in reach)
@@ -265,7 +262,7 @@ def memory_bottleneck_s(table: CostTable, start_s: float = 0.0,
 
     For profiles of one long run of blocks (0 otherwise). Rank k holding x blocks takes at least
     v p2p + f_k(x) per micro-batch, f_k the fastest mix of recompute modes of x blocks (and the
-    edge layers only rank k can hold) within its memory at its own in-flight count
+    edge layers only rank k can hold) within its memory at its own held floor
     (``ilp_hull.rank_time_curve``, the ILP's hull); f_k grows with x. The least R >= start_s
     (itself a lower bound) with sum_k max{x : v p2p + f_k(x) <= R} >= L, each rank at least the
     blocks its edge-free stages need, is found by raising R through the ranks' next thresholds
@@ -361,7 +358,7 @@ def ilp_key(table: CostTable) -> tuple:
     s = cfg.num_stages
     placement = tuple(rank_of_stage(cfg.schedule, cfg.pp, j) for j in range(s))
     flights = tuple(
-        in_flight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
+        held_vectors(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
         for k in range(cfg.pp)
     )
     runs = layer_runs(table)

@@ -12,16 +12,19 @@ Then, with n[g][j][r] the run-g layers of stage j under recompute r:
     u[g][k][r] binary: rank k runs some run-g layer with recompute r (for the transient max)
 
     (transient) sum_{j on k} n[g][j][r] <= M u[g][k][r];  Mt_k >= transient_g(r) u[g][k][r]
-    (mem)       static_k + inflight_k act_k + Mt_k + buffers <= capacity       (GiB inside the ILP)
+    (mem)       static_k + sum_{j on k} c_j act_j + Mt_k + buffers <= capacity, for each count
+                vector c of rank k (``held_counts.held_vectors``)        (GiB inside the ILP)
     (bottleneck) Rmax >= R_k = sum_{j on k} (sum_{g,r} t_g(r) n[g][j][r] + p2p)
     (tail)      D_k >= dp_tail; D_k >= sum (dp_step - eta backward);  E >= D_k + optimizer_k
     objective   m Rmax + c sum_j T_j + E          (assemble.py's step time, term by term)
 
-Strength. Counts are bounded by what fits a rank's memory (count (static + inflight act) <=
-capacity - buffers), which also gives the transient constraints a small M. For embedding +
-blocks + head profiles, ``ilp_ranks.py`` counts the blocks per pipeline rank instead of per stage
-(exact, and free of the symmetry between a rank's chunks); interchangeable ranks (same in-flight
-count, chunks and layer kinds) are ordered by time, (order) R_k >= R_k'. There, ``ilp_hull.py``
+Strength. Counts are bounded by what fits a rank's memory (count (static + charge act) <=
+capacity - buffers, the charge a count the slot's layers are held for at least), which also
+gives the transient constraints a small M. For embedding + blocks + head profiles,
+``ilp_ranks.py`` counts the blocks per pipeline rank instead of per stage (exact, and free of the
+symmetry between a rank's chunks where they hold one count at the rank's peak; elsewhere each
+stage's blocks are counted too); interchangeable ranks (same count vectors, chunks and layer
+kinds) are ordered by time, (order) R_k >= R_k'. There, ``ilp_hull.py``
 also gives each rank the exact hull of its time as a function of its block count (the fastest
 mix of recompute modes its memory allows), which the LP relaxation of the per-rank knapsack lacks.
 An optional cutoff (step <= the planner's k-th best) lets a candidate that cannot compete end as
@@ -42,7 +45,8 @@ import pulp
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import pipeline_buffer_bytes
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
+from autopar.cost_model.held_counts import held_vectors, uniform, uniform_ranks
+from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import add_rank_hull
@@ -132,8 +136,9 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int, by_kind: bo
     return n, cnt, keys, section
 
 
-def _tighten(table: CostTable, runs, slots, inflight: float, n, cap_gib: float) -> None:
-    """Upper bounds on counts from memory: count (static + inflight act) + buffers <= capacity.
+def _tighten(table: CostTable, runs, slots, charge, n, cap_gib: float) -> None:
+    """Upper bounds on counts from memory: count (static + charge act) + buffers <= capacity,
+    ``charge[j]`` a count slot j's layers are charged at least (``_slot_charges``).
 
     Valid because every other memory term is >= 0; a tight bound is what keeps the transient
     big-M constraints (and so the LP relaxation) strong.
@@ -141,22 +146,39 @@ def _tighten(table: CostTable, runs, slots, inflight: float, n, cap_gib: float) 
     room = cap_gib - table.buffers_bytes / GIB
     for (g, j, r), var in n.items():
         lay = table.layers[runs[g][0]]
-        per_layer = (lay.static_bytes + inflight * lay.act_bytes[r]) / GIB
-        if j in slots and per_layer > 0:
+        per_layer = (lay.static_bytes + charge[j] * lay.act_bytes[r]) / GIB if j in slots else 0
+        if per_layer > 0:
             var.upBound = max(0, min(var.upBound, int(max(room, 0.0) / per_layer)))
 
 
-def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None) -> list:
-    """Per-rank memory in GiB (static + in-flight activations + transient max + buffers)."""
+def _slot_charges(vectors, slots: list[int]) -> dict[int, float]:
+    """The fewest micro-batches each count slot of a rank is charged however the split falls:
+    a stage (local chunk i) at least max_c c_i, a whole rank at least max_c min_i c_i."""
+    if len(slots) == len(vectors[0]):
+        return {j: max(c[i] for c in vectors) for i, j in enumerate(slots)}
+    return dict.fromkeys(slots, max(min(c) for c in vectors))
+
+
+def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int]) -> list:
+    """Activations (GiB) of one micro-batch of each stage in ``chunks``, from per-stage counts."""
+    return [pulp.lpSum(table.layers[runs[g][0]].act_bytes[r] / GIB * var
+                       for (g, jj, r), var in sorted(counts.items()) if jj == j) for j in chunks]
+
+
+def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
+                  placement=None) -> list:
+    """Per rank, its memory in GiB (static + held activations + transient max + buffers) at each
+    count vector its peak is a max over (``held_counts.held_vectors``; one where uniform). Per-rank
+    counts (one slot a rank) take the stages' activations from ``placement`` (``ilp_ranks``)."""
     cfg = table.config
     exprs = []
     for k in range(cfg.pp):
         stages = [j for j, rank in enumerate(slot_rank) if rank == k]
-        inflight = in_flight_microbatches(
+        vectors = held_vectors(
             cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
         )
         if cap_gib is not None:
-            _tighten(table, runs, stages, inflight, n, cap_gib)
+            _tighten(table, runs, stages, _slot_charges(vectors, stages), n, cap_gib)
         mt = new_var(prob, f"transient[rank{k}]", 0)
         # [Constraint] transient: the rank's largest working set over the modes it uses
         for g, (a, _b) in enumerate(runs):
@@ -174,19 +196,24 @@ def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None)
             for g, (a, _b) in enumerate(runs)
             for j in stages
         )
-        act = pulp.lpSum(
-            inflight * table.layers[runs[g][0]].act_bytes[r] / GIB * var
-            for (g, j, r), var in sorted(n.items())
-            if j in stages
-        )
         # torch pipelining's receive buffers: a per-rank constant (assemble.pipeline_buffer_bytes)
-        pbuf = pipeline_buffer_bytes(table, k) / GIB
-        exprs.append(static + act + mt + table.buffers_bytes / GIB + pbuf)
+        rest = static + mt + table.buffers_bytes / GIB + pipeline_buffer_bytes(table, k) / GIB
+        if uniform(vectors):
+            act = pulp.lpSum(_chunk_acts(table, runs, n, stages))
+            exprs.append([rest + vectors[0][0] * act])
+            continue
+        if len(stages) == len(vectors[0]):
+            acts = _chunk_acts(table, runs, n, stages)
+        else:  # per-rank counts: the stages' own counts (ilp_ranks._chunk_counts)
+            mine = [j for j in range(cfg.num_stages)
+                    if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+            acts = _chunk_acts(table, runs, placement, mine)
+        exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec, acts)) for vec in vectors])
     return exprs
 
 
 def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
-    """Consecutive pairs of interchangeable ranks (same in-flight count, chunks and layer kinds).
+    """Consecutive pairs of interchangeable ranks (same count vectors, chunks and layer kinds).
 
     Per-rank counting makes such ranks exact twins: permuting their assignments changes nothing,
     so ordering their times removes the symmetry without losing any optimum.
@@ -194,9 +221,7 @@ def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
     cfg = table.config
     classes: dict[tuple, list[int]] = {}
     for k in range(cfg.pp):
-        flight = in_flight_microbatches(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
-        )
+        flight = held_vectors(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
         kinds = tuple(sorted({g for (g, j, _r) in n if slot_rank[j] == k}))
         classes.setdefault((flight, slot_p2p[k], kinds), []).append(k)
     return [
@@ -294,12 +319,13 @@ def build_ilp(
         prob, table, aggregate, by_kind, relax)
     cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
     mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt,
-                         None if objective == "memory" else cap)
+                         None if objective == "memory" else cap, placement)
     if objective == "memory":
         peak = new_var(prob, "peak_gib", 0)
-        for k, mem in enumerate(mems):
-            # [Constraint] peak: the objective bounds every rank's memory
-            prob += peak >= mem, f"mem[rank{k}]"
+        for k, rank_mems in enumerate(mems):
+            for c, mem in enumerate(rank_mems):
+                # [Constraint] peak: the objective bounds every rank's memory
+                prob += peak >= mem, f"mem[rank{k}][{c}]"
         prob += peak
     else:
         layout = (slot_rank, slot_p2p, n, cnt)
@@ -319,7 +345,9 @@ def _split_model(prob: pulp.LpProblem, table: CostTable, aggregate: bool | None,
     runs = layer_runs(table)
     if aggregate is None:
         aggregate = rank_aggregable(table, runs)
-    if relax_kinds and not aggregate and s > 1:
+    cfg = table.config
+    if relax_kinds and not aggregate and s > 1 and uniform_ranks(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches):
         pattern = find_pattern(table)
         kinds = None if pattern is None else kind_rank_keys(table, pattern)
         if kinds is not None:
@@ -337,9 +365,10 @@ def _add_time_objective(prob, table: CostTable, runs, layout, mems, cap: float,
                         section: Pattern | None = None) -> None:
     """Memory caps, the rank hull and the step-time objective of ``build_ilp``'s time model."""
     slot_rank, slot_p2p, n, cnt = layout
-    for k, mem in enumerate(mems):
-        # [Constraint] mem: each pipeline rank's peak fits the usable device memory
-        prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}]"
+    for k, rank_mems in enumerate(mems):
+        for c, mem in enumerate(rank_mems):
+            # [Constraint] mem: each pipeline rank's peak fits the usable device memory
+            prob += mem <= cap - MEM_SAFETY_GIB, f"mem[rank{k}][{c}]"
     twins = _twins(table, slot_rank, slot_p2p, n) if aggregate else []  # one run of blocks
     if aggregate and table.config.num_stages > 1 and section is not None:
         add_kind_hull(prob, table, runs, section, n, cap, new_var, cutoff_s)

@@ -46,7 +46,8 @@ from typing import TypeVar
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
+from autopar.cost_model.held_counts import held_floor
+from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.units import GIB  # the ILP's memory scale
 
@@ -264,9 +265,7 @@ def _rank_edges(n: dict, big: int, k: int) -> tuple[list[int], list[int], list[i
 def _rank_cases(table: CostTable, runs, n: dict, big: int, k: int, room: float, limit_s: float):
     """(edge runs that may sit on rank k, conditioned edge runs, RankCase per case mask, c_max)."""
     cfg = table.config
-    fly = in_flight_microbatches(
-        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
-    )
+    fly = held_floor(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
     size = runs[big][1] - runs[big][0] + 1
     c_max = min(size, int(sum(n[big, k, r].upBound for r in R)))
     here, always, optional = _rank_edges(n, big, k)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.pipeline import in_flight_microbatches
+from autopar.cost_model.held_counts import held_floor
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import (
@@ -139,8 +139,7 @@ def _vectors(table: CostTable, pat: Pattern, n: dict, k: int, fly: float,
 def _add_rank(prob, table: CostTable, keys, pat: Pattern, n: dict, k: int, room: float,
               limit_s: float, var: Callable, cache: dict) -> None:
     cfg = table.config
-    fly = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages,
-                                 table.num_microbatches, k)
+    fly = held_floor(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
     kinds_g = range(pat.key0, pat.key0 + len(pat.rep))
     edges = sorted({g for g, kk, _r in n if kk == k and g not in kinds_g})
     vectors = _vectors(table, pat, n, k, fly, room)

@@ -32,7 +32,7 @@ from typing import Any
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.pipeline import in_flight_microbatches
+from autopar.cost_model.held_counts import held_floor
 from autopar.cost_model.tables import CostTable
 from autopar.search.ilp_stages import (
     Unit,
@@ -193,8 +193,7 @@ def add_kind_caps(prob: pulp.LpProblem, table: CostTable, pat: Pattern, n: dict,
     """Per rank and kind: count <= floor(room / the kind's least static + in-flight memory)."""
     cfg = table.config
     for k in range(cfg.pp):
-        flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.virtual_stages,
-                                        table.num_microbatches, k)
+        flight = held_floor(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
         for kappa, rep in enumerate(pat.rep):
             lay, g = table.layers[rep], pat.key0 + kappa
             least = min(lay.static_bytes + flight * lay.act_bytes[r] for r in R) / GIB

@@ -2,9 +2,10 @@
 
 Applies when the profile is one long run of identical layers (the blocks) with a few distinct
 layers before it (the embedding, a first block that differs) and after it (the head). Where a
-block sits inside its pipeline rank does not matter: assemble only sums per stage, sums stages per
-rank and takes maxima per rank. So the ILP counts, per pipeline rank k and recompute mode r, the
-blocks N[k][r], and places each edge (non-block) layer i on a stage with binaries z[i][j][r]:
+block sits inside its pipeline rank does not matter to time: assemble only sums per stage, sums
+stages per rank and takes maxima per rank. So the ILP counts, per pipeline rank k and recompute
+mode r, the blocks N[k][r], and places each edge (non-block) layer i on a stage with binaries
+z[i][j][r]:
 
     (one_stage)  sum_{j,r} z[i][j][r] = 1 per edge layer;  sum_{k,r} N[k][r] = L
     (edge_order) consecutive edge layers of one side: stage(i+1) - stage(i) in {0, 1}, and the
@@ -14,9 +15,18 @@ blocks N[k][r], and places each edge (non-block) layer i on a stage with binarie
     (room)       sum_r N[k][r] <= L sum_{j on k} (1 - h_j + last_lead_j + first_trail_j)
     edge layers enter the rank sums as n[i][k][r] = sum_{j on k} z[i][j][r]
 
+Nor does it matter to memory where every rank's chunks hold one count at its peak (one chunk a
+rank, or chunks the schedule fills alike: ``held_counts.uniform_ranks``). Elsewhere a rank's
+memory is a max over count vectors of per-chunk sums, and each stage's blocks are counted too:
+
+    (chunks)     B[j][r] blocks of stage j: sum_{j on k} B[j][r] = N[k][r];
+                 sum_r B[j][r] >= 1 - h_j;
+                 sum_r B[j][r] <= L (1 - h_j + last_lead_j + first_trail_j)
+
 Any per-rank count satisfying these is realised by a contiguous split: each rank's blocks go to
 its stages that may hold blocks (block-only stages first, one each), the stages in order.
-``stage_counts`` performs exactly that, modes in the order none, selective, full.
+``stage_counts`` performs exactly that, modes in the order none, selective, full (or takes the
+stages' own counts B where the ILP has them).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from collections.abc import Callable
 import pulp
 
 from autopar.config import RECOMPUTE
+from autopar.cost_model.held_counts import uniform_ranks
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 
@@ -206,7 +217,35 @@ def add_rank_counts(prob: pulp.LpProblem, table: CostTable, runs, var: Callable)
     }
     for k in range(p):
         add_rank_room(prob, table, k, cnt[big, k], size, (held, at, lead, trail))
+    if not uniform_ranks(cfg.schedule, p, cfg.virtual_stages, table.num_microbatches):
+        z = {**z, **_chunk_counts(prob, table, runs, big, n, (held, at, lead, trail), var)}
     return n, cnt, list(range(p)), [stage_rank.count(k) for k in range(p)], z
+
+
+def _chunk_counts(prob: pulp.LpProblem, table: CostTable, runs, big: int, n: dict,
+                  placed: tuple, var: Callable) -> dict[tuple[int, int, int], pulp.LpVariable]:
+    """(chunks): the blocks of each stage, B[big, j, r], summing to their rank's counts."""
+    cfg = table.config
+    held, at, lead, trail = placed
+    a_big, b_big = runs[big]
+    size, name = b_big - a_big + 1, table.names[a_big]
+    b: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    for j in range(cfg.num_stages):
+        for r in R:
+            b[big, j, r] = var(prob, f"B[{name}][{j}][{RECOMPUTE[r]}]", 0, size, "Integer")
+        here = pulp.lpSum(b[big, j, r] for r in R)
+        bare = 1 - held[j]
+        # [Constraint] chunks: a block-only stage gets a block; blocks only where allowed
+        prob += here >= bare, f"chunk_nonempty[{j}]"
+        ends = (at[lead[-1], j] if lead else 0) + (at[trail[0], j] if trail else 0)
+        prob += here <= size * (bare + ends), f"chunk_room[{j}]"
+    for k in range(cfg.pp):
+        mine = [j for j in range(cfg.num_stages) if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        for r in R:
+            # [Constraint] chunks: the stages' blocks are the rank's
+            prob += pulp.lpSum(b[big, j, r] for j in mine) == n[big, k, r], (
+                f"chunk_sum[rank{k}][{r}]")
+    return b
 
 
 def placed_edges(counts: dict) -> tuple[dict[tuple[int, int, int], int], dict[int, int]]:
@@ -240,7 +279,11 @@ def stage_counts(table: CostTable, runs, counts: dict) -> dict[tuple[int, int, i
         return {key: v for key, v in counts.items() if len(key) == 3}
     stage_rank = [rank_of_stage(cfg.schedule, p, j) for j in range(s)]
     big = the_big_run(runs, len(table.layers))
-    out, where = placed_edges(counts)
+    chunks = {key[:3]: v for key, v in counts.items() if len(key) == 4 and key[0] == big}
+    out, where = placed_edges({key: v for key, v in counts.items()
+                               if not (len(key) == 4 and key[0] == big)})
+    if chunks:  # the ILP counted each stage's blocks (``_chunk_counts``)
+        return {**out, **{key: v for key, v in chunks.items() if v}}
     held = set(where.values())
     ok = block_stages(s, [where[g] for g in where if g < big],
                       [where[g] for g in where if g > big], held)

@@ -189,16 +189,23 @@ def test_nemo_recommended_mixtral_split_fits_on_80gb_under_megatron() -> None:
     """Mixtral 8x7B as NeMo's performance recipe runs it on 64 H100 80GB (NeMo
     scripts/performance/recommended_model_configs/model_configs_h100.csv: seq 4096, TP 1 PP 4
     EP 8 VP 8, micro-batch 1, global batch 256, no recompute, no activation offload; the
-    Megatron-Core MoE README names TP1 EP8 PP4 its training split): it fits under megatron-lm,
-    and the pipeline's first rank, which holds the most micro-batches, is the one that binds."""
+    Megatron-Core MoE README names TP1 EP8 PP4 its training split): it fits under megatron-lm.
+    With Megatron's own layout (one block a stage, the embedding with the first, the head with
+    the last), the pipeline's first rank, which holds the most micro-batches, is the one that
+    binds; the last holds its head chunk's activations for one micro-batch at a time."""
+    from autopar.cost_model.assemble import assemble
+
     profile = autopar.profile(autopar.models.build("mixtral-8x7b"))
     cluster = autopar.Cluster.preset("h100", nodes=8)
     cfg = ParallelConfig(dp=16, pp=4, ep=8, zero=1, micro_batch=1, global_batch=256,
                          schedule="interleaved-1f1b", virtual_stages=8)
     est = autopar.estimate(profile, cluster, cfg, framework="megatron-lm")
     assert est.fits, est.memory_per_gpu_bytes / 2**30
-    per_rank = [sum(dataclasses.astuple(s.memory)) for s in est.stages]
-    assert per_rank[0] == max(per_rank)
+    table = build_cost_table(profile, cluster, cfg, "megatron-lm")
+    split = ((0, 1), *((j, j) for j in range(2, 32)), (32, 33))
+    even = assemble(table, split, ("none",) * profile.num_layers)
+    per_rank = [s.memory_bytes for s in even.stages]
+    assert per_rank[0] == max(per_rank) and even.fits
 
 
 @settings(max_examples=40, deadline=None)

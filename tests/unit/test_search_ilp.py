@@ -13,7 +13,8 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble
-from autopar.cost_model.pipeline import bubble_coefficient, in_flight_microbatches
+from autopar.cost_model.held_counts import held_vectors, uniform_ranks
+from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
 from autopar.search import ilp
@@ -115,11 +116,13 @@ def objective(table: CostTable, split, rec) -> tuple[float, float]:
                 - table.overlap_efficiency * sum(lay[i].backward_s for i in on_k),
             )
         tails.append(dp_k + sum(lay[i].optimizer_s for i in on_k))
-        fly = in_flight_microbatches(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
-        )
+        # each chunk's activations weighted by its count, at the worst of the rank's vectors
+        chunk_act = [sum(lay[i].act_bytes[idx[i]] for i in range(split[j][0], split[j][1] + 1))
+                     for j in js]
+        held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in held_vectors(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k))
         mems.append(
-            sum(lay[i].static_bytes + fly * lay[i].act_bytes[idx[i]] for i in on_k)
+            sum(lay[i].static_bytes for i in on_k) + held
             + max(lay[i].transient_bytes[idx[i]] for i in on_k)
             + table.buffers_bytes
         )
@@ -258,6 +261,68 @@ def test_per_rank_counting_equals_exhaustive(table: CostTable, frac: float) -> N
     # A cutoff just above the optimum (the rank hull then drops unaffordable counts) keeps it.
     cut = solve_ilp(build_ilp(table, cutoff_s=best * (1 + 1e-6)), OPTIONS)
     assert cut.status == "optimal" and cut.objective == pytest.approx(best, rel=1e-3)
+
+
+@st.composite
+def chunked_tables(draw) -> CostTable:
+    """Embedding + identical blocks + head on 2 ranks x 2 chunks, under a schedule whose ranks
+    hold different counts on their chunks (interleaved, V): memory depends on the chunk split."""
+    table = draw(block_tables())
+    schedule = draw(st.sampled_from(["interleaved-1f1b", "interleaved-zero-bubble",
+                                     "zbv-zero-bubble"]))
+    n = len(table.layers)
+    layers = table.layers
+    if n < 4:  # two blocks at least, between the edge layers
+        block = layers[1] if n == 3 else layers[0]
+        layers = (layers[0], *(dataclasses.replace(block, name=f"b{i}") for i in range(2)),
+                  layers[-1])
+    m = draw(st.integers(2, 6))
+    cfg = dataclasses.replace(table.config, pp=2, dp=1, global_batch=m, micro_batch=1,
+                              schedule=schedule, virtual_stages=2)
+    return dataclasses.replace(table, config=cfg, layers=layers, names=(),
+                               tokens_per_step=m * 16)
+
+
+@settings(max_examples=12, deadline=None)
+@given(table=chunked_tables(), frac=st.floats(0.0, 1.0))
+def test_chunk_counts_equal_exhaustive(table: CostTable, frac: float) -> None:
+    """Per-rank counting with each stage's blocks counted (``ilp_ranks._chunk_counts``) and
+    per-stage counting both reach the exhaustive optimum, and the memory objective the least
+    peak, where a rank's peak is a max over its count vectors."""
+    results = list(exhaustive(table))
+    for split, rec, step, mem in results[:: max(1, len(results) // 5)]:
+        est = assemble(table, split, rec)
+        assert (step, mem) == pytest.approx((est.step_time_s, est.memory_per_gpu_bytes))
+    mems = sorted(mem for *_, mem in results)
+    cap = mems[0] + frac * (mems[-1] - mems[0]) + 1e5
+    table = dataclasses.replace(table, capacity_bytes=cap)
+    best = min(step for *_, step, mem in results if mem <= cap)
+    assert rank_aggregable(table, layer_runs(table))
+    for aggregate in (True, False):
+        model = build_ilp(table, aggregate=aggregate)
+        sol = solve_ilp(model, OPTIONS)
+        est = assemble(table, *decode(model, sol))
+        assert est.fits and sol.objective == pytest.approx(est.step_time_s, rel=1e-6)
+        assert est.step_time_s == pytest.approx(best, rel=1e-3)
+        mem_model = build_ilp(table, objective="memory", aggregate=aggregate)
+        mem_est = assemble(table, *decode(mem_model, solve_ilp(mem_model, OPTIONS)))
+        assert mem_est.memory_per_gpu_bytes == pytest.approx(mems[0], rel=1e-3)
+
+
+def test_uneven_chunks_are_charged_their_own_counts() -> None:
+    """interleaved 1F1B, 2 ranks x 2 chunks, 4 micro-batches: rank 0 holds (3, 2) then (4, 1)
+    chunk-micro-batches; a rank with a heavy first chunk is charged 4 of it, not the average."""
+    cfg = ParallelConfig(pp=2, global_batch=4, schedule="interleaved-1f1b", virtual_stages=2)
+    assert held_vectors(cfg.schedule, 2, 2, 4, 0) == ((3.0, 2.0), (4.0, 1.0))
+    assert not uniform_ranks(cfg.schedule, 2, 2, 4)
+    table = dataclasses.replace(fixed_table(6), config=cfg, tokens_per_step=64)
+    act = table.layers[0].act_bytes[0]
+    static = table.layers[0].static_bytes
+    split = ((0, 2), (3, 3), (4, 4), (5, 5))  # rank 0: stages 0 (3 layers) and 2 (1 layer)
+    rank0 = assemble(table, split, ("none",) * 6).stages[0].memory
+    assert rank0.activations_bytes == pytest.approx(4 * 3 * act + 1 * act + 1e8)
+    assert rank0.parameters_bytes + rank0.gradients_bytes + rank0.optimizer_bytes == (
+        pytest.approx(4 * static))
 
 
 def test_cbc_fallback_finds_the_same_optimum() -> None:

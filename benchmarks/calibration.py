@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -67,6 +68,9 @@ DEFAULTS = {
     # torchtitan's "selective" is its per-op checkpointing, which the torchtitan framework
     # record costs as such (Framework.selective_policy "op"); a record whose selective
     # checkpointing wraps every n-th block says so with plan.recompute_every.
+    "stage_layers": "the framework's default split (estimate's); a source that states its "
+                    "pipeline layout gives plan.stage_layers: profile layers per stage, the "
+                    "embedding and the head included",
     "gpus_per_node": 8,
     "memory_GB": "the preset's",
 }
@@ -235,6 +239,14 @@ def _record_split(record_id: str):
     every = rec["plan"].get("recompute_every")
     if every:
         return profile, cluster, _every_other_plan(profile, cluster, configs[0], fw.name, every)
+    sizes = rec["plan"].get("stage_layers")
+    if sizes:  # the source's own layout: Plans with that split
+        from autopar.search import plan_from_config
+
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        split = tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
+        configs = [plan_from_config(profile, cluster, c, framework=fw.name, split=split)
+                   for c in configs]
     chosen = configs[0]
     for config in configs:
         chosen = config

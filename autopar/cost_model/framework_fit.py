@@ -27,7 +27,7 @@ FIT: dict[str, dict[str, object]] = {
     "autopar": {**_NEUTRAL, "step_time_band": (0.9, 1.52)},
     "torchtitan": {**_NEUTRAL, "kernel_efficiency": 0.9728, "step_overhead_s": 0.136,
                    "dp_comm_efficiency": 0.9651, "step_time_band": (0.86, 1.13)},
-    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.9878, "step_overhead_s": 0.0,
+    "megatron-lm": {**_NEUTRAL, "kernel_efficiency": 0.9909, "step_overhead_s": 0.0,
                     "step_time_band": (0.88, 1.12)},
     "deepspeed": {**_NEUTRAL, "kernel_efficiency": 0.773, "step_overhead_s": 0.5,
                   "step_time_band": (0.86, 1.25)},

@@ -144,8 +144,13 @@ def balanced_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
 
 def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
     """The splits worth trying under uniform ``recompute`` that the table's framework cuts: the
-    most balanced ones, or each of its partition methods' (what ``estimate``'s default split and
-    the search's bounds both start from)."""
+    most balanced ones and the blocks spread evenly over the stages (the embedding with the
+    first blocks, the head with the last: Megatron-LM's layout when none is given, and the one a
+    rank's chunks hold alike), or each of its partition methods' (what ``estimate``'s default
+    split and the search's bounds both start from)."""
+    methods = method_splits(table.block_mask, table.config.num_stages)
     if table.framework.stage_splits == "any":
-        return balanced_splits(table, recompute)
-    return tuple(dict.fromkeys(method_splits(table.block_mask, table.config.num_stages).values()))
+        even = methods.get("type:<block>")
+        return tuple(dict.fromkeys((*balanced_splits(table, recompute),
+                                    *((even,) if even else ()))))
+    return tuple(dict.fromkeys(methods.values()))

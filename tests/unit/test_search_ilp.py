@@ -307,6 +307,9 @@ def test_chunk_counts_equal_exhaustive(table: CostTable, frac: float) -> None:
         mem_model = build_ilp(table, objective="memory", aggregate=aggregate)
         mem_est = assemble(table, *decode(mem_model, solve_ilp(mem_model, OPTIONS)))
         assert mem_est.memory_per_gpu_bytes == pytest.approx(mems[0], rel=1e-3)
+    # A cutoff just above the optimum (the hull cuts charge the held floor) keeps it.
+    cut = solve_ilp(build_ilp(table, cutoff_s=best * (1 + 1e-6)), OPTIONS)
+    assert cut.status == "optimal" and cut.objective == pytest.approx(best, rel=1e-3)
 
 
 def test_uneven_chunks_are_charged_their_own_counts() -> None:

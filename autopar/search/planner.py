@@ -80,14 +80,19 @@ class _State:
     remaining_lb_s: float = float("inf")  # least bound of what the search did not resolve
 
 
-def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions) -> CostTable:
+def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions,
+                *, searched: bool = False) -> CostTable:
+    """The config's cost table; ``searched`` under --robust: with the framework's memory band
+    kept free (capacity / (1 + band)), so every split the search finds fits at the band's end."""
     from autopar.cost_model import build_cost_table
 
     table = build_cost_table(profile, cluster, config, options.framework)
+    capacity = table.capacity_bytes
     if options.memory_headroom_bytes is not None:
         capacity = cluster.device.memory_bytes - options.memory_headroom_bytes
-        table = dataclasses.replace(table, capacity_bytes=capacity)
-    return table
+    if searched and options.robust:
+        capacity /= 1.0 + table.framework.memory_band
+    return dataclasses.replace(table, capacity_bytes=capacity)
 
 
 def _candidates(profile, cluster, global_batch, options) -> list[ParallelConfig]:
@@ -135,7 +140,7 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
         key = tuple(getattr(cfg, name) for name in _TABLE_FIELDS)
         if key not in shared:
             base = dataclasses.replace(cfg, schedule=DEFAULT_SCHEDULE, virtual_stages=1)
-            table = _cost_table(profile, cluster, base, options)
+            table = _cost_table(profile, cluster, base, options, searched=True)
             shared[key] = (table, summarize(table))
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -379,6 +384,10 @@ def _plan_one(profile, cluster, global_batch: int, top_k: int, model: str,
                                                           narrower))
     cands, state = _search_all(profile, cluster, configs, top_k, options, progress, deadline,
                                beat_s)
+    if not state.best and options.robust:  # none fits with the band free: what fits at all
+        cands, state = _search_all(profile, cluster, configs, top_k,
+                                   dataclasses.replace(options, robust=False), progress,
+                                   deadline, beat_s)
     if not state.best and changed_only:
         return []
     if not state.best and state.time_limit_hit:

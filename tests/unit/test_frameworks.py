@@ -125,6 +125,39 @@ def test_robust_picks_the_best_pessimistic_time() -> None:
         if p.estimate.memory_per_gpu_bytes * 1.075 <= p.estimate.memory_capacity_bytes) + 1e-12
 
 
+def test_robust_keeps_the_memory_band_free() -> None:
+    """On a device the fastest plan fills past its memory band, --robust searches with the band
+    free and returns a plan that fits at the band's end; on one too small for that, the plan
+    that fits at all."""
+    band = autopar.cost_model.frameworks.get_framework("autopar").memory_band
+    model = analytic_transformer_profile(16, 2048, 16, 32000, 2048)
+    fastest = autopar.plan(model, CLUSTER, global_batch=64)
+    need = fastest.estimate.memory_per_gpu_bytes
+    device = CLUSTER.device.memory_bytes
+    tight = SearchOptions(memory_headroom_bytes=device - need * (1 + band / 2))
+    robust = autopar.plan(model, CLUSTER, global_batch=64,
+                          options=dataclasses.replace(tight, robust=True))
+    est = robust.estimate
+    assert est.memory_per_gpu_bytes * (1 + band) <= est.memory_capacity_bytes
+    assert est.step_time_s >= fastest.estimate.step_time_s
+    # the least memory any plan needs, within 2%: bisect the device between nothing and `need`
+    low, high = need / 100, need
+    while high / low > 1.02:
+        mid = (low * high) ** 0.5
+        try:
+            autopar.plan(model, CLUSTER, global_batch=64,
+                         options=SearchOptions(memory_headroom_bytes=device - mid))
+            high = mid
+        except autopar.InfeasiblePlanError:
+            low = mid
+    least = high
+    snug = SearchOptions(robust=True, memory_headroom_bytes=device - least * (1 + band / 2))
+    fallback = autopar.plan(model, CLUSTER, global_batch=64, options=snug)  # no plan is safe
+    assert fallback.estimate.fits
+    assert fallback.estimate.memory_per_gpu_bytes * (1 + band) > (
+        fallback.estimate.memory_capacity_bytes)
+
+
 def test_zero3_per_gpu_throughput_falls_with_gpu_count_at_fixed_batch() -> None:
     """ZeRO-3 gathers the whole model per micro-batch whatever the GPU count: at a fixed global
     batch each GPU computes less and communicates as much (Megatron-LM SC'21 Table 2: 175B on

@@ -44,13 +44,14 @@ from typing import Any
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.assemble import pipeline_buffer_bytes
-from autopar.cost_model.held_counts import held_vectors, uniform, uniform_ranks
+from autopar.cost_model.assemble import assemble
+from autopar.cost_model.held_counts import held_vectors, uniform_ranks
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_hull import add_rank_hull
 from autopar.search.ilp_hull_kinds import add_kind_hull
+from autopar.search.ilp_memory import MEM_SAFETY_GIB, memory_exprs
 from autopar.search.ilp_pattern import (
     Pattern,
     add_kind_caps,
@@ -75,8 +76,6 @@ from autopar.units import GIB
 __all__ = ["IlpModel", "IlpSolution", "build_ilp", "cost_signature", "decode", "layer_runs",
            "realized", "solve_ilp"]
 
-# Memory is in GiB (``autopar.units.GIB``) inside the ILP (solver-friendly scale); the safety
-MEM_SAFETY_GIB = 1e-6  # margin keeps solver feasibility tolerance (1e-7) from overfilling a rank
 R = range(len(RECOMPUTE))
 
 
@@ -92,6 +91,7 @@ class IlpModel:
     per_rank: bool = False  # slots are pipeline ranks (ilp_ranks.py), else stages
     placement: dict | None = None  # per-rank counting: edge layer (run, stage, mode) -> z
     section: Pattern | None = None  # a repeating section counted by kind (ilp_pattern.py)
+    memory_relaxed: bool = False  # ranks charged their held floor (a relaxation: ``realized``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,82 +134,6 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int, by_kind: bo
     add_order(prob, units, s, new_var)
     add_nonempty(prob, cnt, s)
     return n, cnt, keys, section
-
-
-def _tighten(table: CostTable, runs, slots, charge, n, cap_gib: float) -> None:
-    """Upper bounds on counts from memory: count (static + charge act) + buffers <= capacity,
-    ``charge[j]`` a count slot j's layers are charged at least (``_slot_charges``).
-
-    Valid because every other memory term is >= 0; a tight bound is what keeps the transient
-    big-M constraints (and so the LP relaxation) strong.
-    """
-    room = cap_gib - table.buffers_bytes / GIB
-    for (g, j, r), var in n.items():
-        lay = table.layers[runs[g][0]]
-        per_layer = (lay.static_bytes + charge[j] * lay.act_bytes[r]) / GIB if j in slots else 0
-        if per_layer > 0:
-            var.upBound = max(0, min(var.upBound, int(max(room, 0.0) / per_layer)))
-
-
-def _slot_charges(vectors, slots: list[int]) -> dict[int, float]:
-    """The fewest micro-batches each count slot of a rank is charged however the split falls:
-    a stage (local chunk i) at least max_c c_i, a whole rank at least max_c min_i c_i."""
-    if len(slots) == len(vectors[0]):
-        return {j: max(c[i] for c in vectors) for i, j in enumerate(slots)}
-    return dict.fromkeys(slots, max(min(c) for c in vectors))
-
-
-def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int]) -> list:
-    """Activations (GiB) of one micro-batch of each stage in ``chunks``, from per-stage counts."""
-    return [pulp.lpSum(table.layers[runs[g][0]].act_bytes[r] / GIB * var
-                       for (g, jj, r), var in sorted(counts.items()) if jj == j) for j in chunks]
-
-
-def _memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
-                  placement=None) -> list:
-    """Per rank, its memory in GiB (static + held activations + transient max + buffers) at each
-    count vector its peak is a max over (``held_counts.held_vectors``; one where uniform). Per-rank
-    counts (one slot a rank) take the stages' activations from ``placement`` (``ilp_ranks``)."""
-    cfg = table.config
-    exprs = []
-    for k in range(cfg.pp):
-        stages = [j for j, rank in enumerate(slot_rank) if rank == k]
-        vectors = held_vectors(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
-        )
-        if cap_gib is not None:
-            _tighten(table, runs, stages, _slot_charges(vectors, stages), n, cap_gib)
-        mt = new_var(prob, f"transient[rank{k}]", 0)
-        # [Constraint] transient: the rank's largest working set over the modes it uses
-        for g, (a, _b) in enumerate(runs):
-            lay, name = table.layers[a], table.names[a]
-            for r in R:
-                terms = [n[g, j, r] for j in stages if (g, j, r) in n]
-                if not terms or lay.transient_bytes[r] <= 0:
-                    continue
-                u = new_var(prob, f"u[{name}][rank{k}][{RECOMPUTE[r]}]", 0, 1, "Binary")
-                big_m = sum(var.upBound for var in terms)
-                prob += pulp.lpSum(terms) <= big_m * u, f"uses[{name}][rank{k}][{r}]"
-                prob += mt >= lay.transient_bytes[r] / GIB * u, f"peak[{name}][rank{k}][{r}]"
-        static = pulp.lpSum(
-            table.layers[a].static_bytes / GIB * cnt[g, j]
-            for g, (a, _b) in enumerate(runs)
-            for j in stages
-        )
-        # torch pipelining's receive buffers: a per-rank constant (assemble.pipeline_buffer_bytes)
-        rest = static + mt + table.buffers_bytes / GIB + pipeline_buffer_bytes(table, k) / GIB
-        if uniform(vectors):
-            act = pulp.lpSum(_chunk_acts(table, runs, n, stages))
-            exprs.append([rest + vectors[0][0] * act])
-            continue
-        if len(stages) == len(vectors[0]):
-            acts = _chunk_acts(table, runs, n, stages)
-        else:  # per-rank counts: the stages' own counts (ilp_ranks._chunk_counts)
-            mine = [j for j in range(cfg.num_stages)
-                    if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
-            acts = _chunk_acts(table, runs, placement, mine)
-        exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec, acts)) for vec in vectors])
-    return exprs
 
 
 def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
@@ -318,8 +242,12 @@ def build_ilp(
     runs, section, aggregate, (n, cnt, slot_rank, slot_p2p, placement) = _split_model(
         prob, table, aggregate, by_kind, relax)
     cap = (table.capacity_bytes if capacity_bytes is None else capacity_bytes) / GIB
-    mems = _memory_exprs(prob, table, runs, slot_rank, n, cnt,
-                         None if objective == "memory" else cap, placement)
+    cfg = table.config
+    relaxed = section is not None and aggregate and not uniform_ranks(
+        cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches)
+    mems = memory_exprs(prob, table, runs, slot_rank, n, cnt,
+                         None if objective == "memory" else cap,
+                         None if relaxed else placement)
     if objective == "memory":
         peak = new_var(prob, "peak_gib", 0)
         for k, rank_mems in enumerate(mems):
@@ -333,7 +261,8 @@ def build_ilp(
     if section is not None and objective == "time":
         add_kind_caps(prob, table, section, n, slot_rank, cap - table.buffers_bytes / GIB)
     return IlpModel(problem=prob, table=table, runs=runs, count=n, objective=objective,
-                    per_rank=aggregate, placement=placement, section=section)
+                    per_rank=aggregate, placement=placement, section=section,
+                    memory_relaxed=relaxed)
 
 
 def _split_model(prob: pulp.LpProblem, table: CostTable, aggregate: bool | None, by_kind: bool,
@@ -345,9 +274,7 @@ def _split_model(prob: pulp.LpProblem, table: CostTable, aggregate: bool | None,
     runs = layer_runs(table)
     if aggregate is None:
         aggregate = rank_aggregable(table, runs)
-    cfg = table.config
-    if relax_kinds and not aggregate and s > 1 and uniform_ranks(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches):
+    if relax_kinds and not aggregate and s > 1:
         pattern = find_pattern(table)
         kinds = None if pattern is None else kind_rank_keys(table, pattern)
         if kinds is not None:
@@ -452,11 +379,18 @@ def solve_ilp(model: IlpModel, options: SearchOptions) -> IlpSolution:
 
 def realized(model: IlpModel, solution: IlpSolution) -> bool:
     """Whether ``decode`` can turn the solution into a split: always, except for the per-rank
-    counts by kind (``relax_kinds``), where no contiguous split may give those counts."""
+    counts by kind (``relax_kinds``), where no contiguous split may give those counts; where
+    that relaxation also charged ranks their held floor (``memory_relaxed``), the split must
+    fit as ``assemble`` charges it, chunk by chunk (then it is the optimum)."""
     if not (model.per_rank and model.section is not None):
         return solution.has_solution
-    return solution.has_solution and realize(model.table, model.runs, model.section,
-                                             solution.counts) is not None
+    if not (solution.has_solution and realize(model.table, model.runs, model.section,
+                                              solution.counts) is not None):
+        return False
+    if not model.memory_relaxed:
+        return True
+    est = assemble(model.table, *decode(model, solution))
+    return est.memory_per_gpu_bytes <= model.table.capacity_bytes - MEM_SAFETY_GIB * GIB
 
 
 def decode(

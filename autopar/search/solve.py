@@ -29,7 +29,8 @@ from autopar.search.bounds import (
     time_lower_bound,
 )
 from autopar.search.envelope import envelope_table, lower_bound_holds, pattern_blocks
-from autopar.search.ilp import MEM_SAFETY_GIB, build_ilp, decode, realized, solve_ilp
+from autopar.search.ilp import build_ilp, decode, realized, solve_ilp
+from autopar.search.ilp_memory import MEM_SAFETY_GIB
 from autopar.search.options import SearchOptions
 from autopar.units import GIB
 

@@ -121,28 +121,31 @@ def split_refusal(framework_spec: str, kind: str, split: Sequence[tuple[int, int
             f"'type:<block>' balanced blocks), not this plan's split (layers per stage {sizes})")
 
 
-def balanced_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
+def balanced_splits(table: CostTable, recompute: str, *,
+                    rank_balanced: bool = True) -> tuple[Split, ...]:
     """The most balanced contiguous splits by time per micro-batch under uniform recompute: the
     stage-balanced one (``partition.balanced_partition``) and the rank-balanced one
     (``partition.rank_balanced_partition``: a rank of an interleaved or V schedule sums its
     stages), one when they agree (every rank runs one stage). With offload, whose optimizer
     step on the CPU is a large part of a rank's step, also the split balancing each rank's
-    m micro-batches and its optimizer step together. The table costs a non-block layer's modes
-    alike (``LayerCost.never_recomputed``)."""
+    m micro-batches and its optimizer step together (both rank-balanced: ``rank_balanced``
+    False leaves them out). The table costs a non-block layer's modes alike
+    (``LayerCost.never_recomputed``)."""
     costs = [layer.time_per_microbatch_s(recompute) for layer in table.layers]
     ranks = stage_ranks(table.config)
     # one stage a rank: the rank-balanced split is the stage-balanced one
     splits = [balanced_partition(costs, table.config.num_stages)]
-    if len(set(ranks)) < len(ranks):
+    if rank_balanced and len(set(ranks)) < len(ranks):
         splits.append(rank_balanced_partition(costs, ranks))
-    if table.config.offload != "none":
+    if rank_balanced and table.config.offload != "none":
         m = table.num_microbatches
         steps = [m * cost + layer.optimizer_s for cost, layer in zip(costs, table.layers)]
         splits.append(rank_balanced_partition(steps, ranks))
     return tuple(dict.fromkeys(splits))
 
 
-def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
+def framework_splits(table: CostTable, recompute: str, *,
+                     rank_balanced: bool = True) -> tuple[Split, ...]:
     """The splits worth trying under uniform ``recompute`` that the table's framework cuts: the
     most balanced ones and the blocks spread evenly over the stages (the embedding with the
     first blocks, the head with the last: Megatron-LM's layout when none is given, and the one a
@@ -151,6 +154,7 @@ def framework_splits(table: CostTable, recompute: str) -> tuple[Split, ...]:
     methods = method_splits(table.block_mask, table.config.num_stages)
     if table.framework.stage_splits == "any":
         even = methods.get("type:<block>")
-        return tuple(dict.fromkeys((*balanced_splits(table, recompute),
+        return tuple(dict.fromkeys((*balanced_splits(table, recompute,
+                                                     rank_balanced=rank_balanced),
                                     *((even,) if even else ()))))
     return tuple(dict.fromkeys(methods.values()))

@@ -63,11 +63,12 @@ class Outcome:
     bound_s: float = 0.0  # lower bound on the candidate's optimum (matters when not proven)
 
 
-def best_uniform(table: CostTable) -> Outcome | None:
+def best_uniform(table: CostTable, *, quick: bool = False) -> Outcome | None:
     """The fastest fitting split among the most balanced ones (of those the framework cuts)
-    with uniform recompute."""
+    with uniform recompute; ``quick``: without the rank-balanced split, whose local search is
+    the slow one (for the warm bound, which needs only some upper bound)."""
     return _fastest(table, ((split, _uniform(table, mode)) for mode in RECOMPUTE
-                            for split in framework_splits(table, mode)))
+                            for split in framework_splits(table, mode, rank_balanced=not quick)))
 
 
 def _uniform(table: CostTable, mode: str) -> tuple[str, ...]:
@@ -143,7 +144,7 @@ def warm_bound(
                 seeded.setdefault(ilp_key(cand.table), outcome)
         elif uniform < count:
             uniform += 1
-            outcome = best_uniform(cand.table)
+            outcome = best_uniform(cand.table, quick=True)
         else:
             continue
         steps.append(outcome.step_s if outcome is not None and outcome.split else float("inf"))

@@ -131,9 +131,10 @@ class SearchOptions:
             (``dimensions.py``).
         framework: the training framework that will run the plan (``FRAMEWORKS``): the search
             proposes only what it can run and costs it as it runs.
-        robust: pick, among the best plans, the one with the best pessimistic step time (the
-            high end of ``step_time_interval_s``) whose memory also fits with the framework's
-            memory band.
+        robust: search with the framework's memory band kept free (each plan's memory times
+            1 + band within the device; when nothing fits so, among what fits at all) and pick,
+            among the best plans, the one with the best pessimistic step time (the high end of
+            ``step_time_interval_s``).
         settings_search: also plan with each of the framework's searched settings it leaves off
             (``framework_settings.SEARCHED_SETTINGS``: ``expert-tp-1``) and keep the faster
             plan; False: the framework exactly as named.

@@ -44,7 +44,7 @@ from typing import Any
 import pulp
 
 from autopar.config import RECOMPUTE
-from autopar.cost_model.assemble import assemble
+from autopar.cost_model.assemble import assemble, pipeline_buffer_bytes
 from autopar.cost_model.held_counts import held_vectors, uniform_ranks
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable
@@ -137,20 +137,23 @@ def _add_split(prob: pulp.LpProblem, table: CostTable, runs, s: int, by_kind: bo
 
 
 def _twins(table: CostTable, slot_rank, slot_p2p, n) -> list[tuple[int, int]]:
-    """Consecutive pairs of interchangeable ranks (same count vectors, chunks and layer kinds).
+    """Consecutive pairs of interchangeable ranks (same count vectors, chunks, receive buffers
+    and layer kinds).
 
     Per-rank counting makes such ranks exact twins: permuting their assignments changes nothing,
-    so ordering their times removes the symmetry without losing any optimum.
+    so ordering their times removes the symmetry without losing any optimum. (The pipeline's
+    first and last ranks hold fewer receive buffers than the others: not twins of them.)
     """
     cfg = table.config
     classes: dict[tuple, list[int]] = {}
     for k in range(cfg.pp):
         flight = held_vectors(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
         kinds = tuple(sorted({g for (g, j, _r) in n if slot_rank[j] == k}))
-        classes.setdefault((flight, slot_p2p[k], kinds), []).append(k)
+        key = (flight, slot_p2p[k], pipeline_buffer_bytes(table, k), kinds)
+        classes.setdefault(key, []).append(k)
     return [
         (ks[i], ks[i + 1])
-        for (_f, _c, kinds), ks in classes.items()
+        for (_f, _c, _b, kinds), ks in classes.items()
         if len(kinds) == 1  # ranks that may hold an edge layer are tied to its stages
         for i in range(len(ks) - 1)
     ]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import RECOMPUTE, ParallelConfig
-from autopar.cost_model.assemble import assemble
+from autopar.cost_model.assemble import assemble, pipeline_buffer_bytes
 from autopar.cost_model.held_counts import held_vectors, uniform_ranks
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable, LayerCost
@@ -326,6 +326,30 @@ def test_uneven_chunks_are_charged_their_own_counts() -> None:
     assert rank0.activations_bytes == pytest.approx(4 * 3 * act + 1 * act + 1e8)
     assert rank0.parameters_bytes + rank0.gradients_bytes + rank0.optimizer_bytes == (
         pytest.approx(4 * static))
+
+
+def test_twin_ranks_differ_in_receive_buffers() -> None:
+    """Ten identical blocks on 4 ranks x 2 chunks: the pipeline's first and last ranks hold
+    fewer receive buffers than the middle ones, so ordering their times as twins would cut off
+    the optimum; per-rank counting reaches the per-stage optimum."""
+    cfg = ParallelConfig(pp=4, global_batch=4, schedule="interleaved-zero-bubble",
+                         virtual_stages=2)
+    base = fixed_table(10)
+    blocks = tuple(dataclasses.replace(base.layers[0], name=f"b{i}") for i in range(10))
+    table = dataclasses.replace(base, config=cfg, layers=blocks, names=(), tokens_per_step=64,
+                                recv_buffer_bytes=2e9)
+    assert len({pipeline_buffer_bytes(table, k) for k in range(4)}) > 1
+    low = build_ilp(table, objective="memory", aggregate=False)
+    least = assemble(table, *decode(low, solve_ilp(low, OPTIONS))).memory_per_gpu_bytes
+    for frac in (0.05, 0.1, 0.2):
+        tight = dataclasses.replace(table, capacity_bytes=least * (1 + frac) + 1e5)
+        steps = []
+        for aggregate in (True, False):
+            model = build_ilp(tight, aggregate=aggregate)
+            est = assemble(tight, *decode(model, solve_ilp(model, OPTIONS)))
+            assert est.fits
+            steps.append(est.step_time_s)
+        assert steps[0] == pytest.approx(steps[1], rel=1e-6), frac
 
 
 def test_cbc_fallback_finds_the_same_optimum() -> None:

@@ -240,17 +240,20 @@ def _record_split(record_id: str):
     if every:
         return profile, cluster, _every_other_plan(profile, cluster, configs[0], fw.name, every)
     sizes = rec["plan"].get("stage_layers")
-    if sizes:  # the source's own layout: Plans with that split
-        from autopar.search import plan_from_config
-
+    split = None
+    if sizes:  # the source's own layout: a Plan with that split
         bounds = list(itertools.accumulate(sizes, initial=0))
         split = tuple((a, b - 1) for a, b in itertools.pairwise(bounds))
-        configs = [plan_from_config(profile, cluster, c, framework=fw.name, split=split)
-                   for c in configs]
-    chosen = configs[0]
+
+    def as_given(config):
+        from autopar.search import plan_from_config
+
+        return config if split is None else plan_from_config(
+            profile, cluster, config, framework=fw.name, split=split)
+
     for config in configs:
-        chosen = config
-        if autopar.estimate(profile, cluster, config, framework=fw).fits:
+        chosen = as_given(config)
+        if autopar.estimate(profile, cluster, chosen, framework=fw).fits:
             break
     return profile, cluster, chosen
 

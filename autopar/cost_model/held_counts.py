@@ -38,7 +38,7 @@ import itertools
 from autopar.cost_model.pipeline import in_flight_microbatches
 from autopar.schedules import get_schedule, microbatches_per_round
 
-__all__ = ["held_floor", "held_vectors", "uniform", "uniform_ranks"]
+__all__ = ["floor_of", "held_floor", "held_vectors", "uniform", "uniform_ranks"]
 
 Vector = tuple[float, ...]
 
@@ -132,10 +132,14 @@ def held_floor(
     schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
 ) -> float:
     """A count every chunk of ``rank`` is charged at least, however its layers sit among its
-    chunks: max over the vectors of their smallest entry (sum_i c_i A_i >= min_i c_i sum_i A_i
-    for each vector c, and the peak is the largest of them)."""
-    return max(min(c) for c in held_vectors(schedule, num_ranks, virtual_stages,
-                                            num_microbatches, rank))
+    chunks (``floor_of`` its vectors)."""
+    return floor_of(held_vectors(schedule, num_ranks, virtual_stages, num_microbatches, rank))
+
+
+def floor_of(vectors: tuple[Vector, ...]) -> float:
+    """Max over the vectors of their smallest entry: sum_i c_i A_i >= min_i c_i sum_i A_i for
+    each vector c, and the peak is the largest of them."""
+    return max(min(c) for c in vectors)
 
 
 def uniform(vectors: tuple[Vector, ...]) -> bool:

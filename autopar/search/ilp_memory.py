@@ -15,7 +15,7 @@ import pulp
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import pipeline_buffer_bytes
-from autopar.cost_model.held_counts import held_vectors, uniform
+from autopar.cost_model.held_counts import floor_of, held_vectors, uniform
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_stages import new_var
@@ -48,7 +48,7 @@ def _slot_charges(vectors, slots: list[int]) -> dict[int, float]:
     a stage (local chunk i) at least max_c c_i, a whole rank at least max_c min_i c_i."""
     if len(slots) == len(vectors[0]):
         return {j: max(c[i] for c in vectors) for i, j in enumerate(slots)}
-    return dict.fromkeys(slots, max(min(c) for c in vectors))
+    return dict.fromkeys(slots, floor_of(vectors))
 
 
 def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int]) -> list:
@@ -97,8 +97,8 @@ def memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
         if len(stages) == len(vectors[0]):
             acts = _chunk_acts(table, runs, n, stages)
         elif placement is None:  # per-rank counts by kind: the held floor, a relaxation
-            floor = max(min(c) for c in vectors)
-            exprs.append([rest + floor * pulp.lpSum(_chunk_acts(table, runs, n, stages))])
+            acts = _chunk_acts(table, runs, n, stages)
+            exprs.append([rest + floor_of(vectors) * pulp.lpSum(acts)])
             continue
         else:  # per-rank counts: the stages' own counts (ilp_ranks._chunk_counts)
             mine = [j for j in range(cfg.num_stages)

@@ -92,6 +92,8 @@ def _cost_table(profile, cluster, config: ParallelConfig, options: SearchOptions
         capacity = cluster.device.memory_bytes - options.memory_headroom_bytes
     if searched and options.robust:
         capacity /= 1.0 + table.framework.memory_band
+    if capacity == table.capacity_bytes:
+        return table
     return dataclasses.replace(table, capacity_bytes=capacity)
 
 

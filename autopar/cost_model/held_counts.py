@@ -3,31 +3,32 @@
 A rank that runs v model chunks holds, at each instant, c_i chunk-micro-batches of chunk i
 (local chunk i: the rank's i-th stage in stage order). Its activation memory peaks at
 
-    max over instants of  sum_i c_i A_i        (A_i: one micro-batch's activations of chunk i)
+    max over instants of  sum_i c_i A_i + w_i D_i   (A_i: one micro-batch's activations of chunk i)
 
-which only the vertices of the set of count vectors can attain (a linear function's max over a
-point set is at a vertex of its convex hull). ``held_vectors`` returns those vectors; a rank whose
+where, under a schedule that splits backwards into an input pass I and a later weight pass W,
+w_i of the c_i await their W and each holds D_i more (what torch's ``stage_backward_input``
+keeps for the weight pass: the output gradients of the weight ops, less the loss it frees;
+cost_model/layer_terms.py). Only the vertices of the set of count vectors can attain the max (a
+linear function's max over a point set is at a vertex of its convex hull). ``held_vectors``
+returns the vertices of the c's; ``held_split_vectors`` those of the (c, w)'s. A rank whose
 chunks hold the same count at its peak has one vector (c, ..., c), and a one-chunk schedule
 (gpipe, 1f1b) the vector (``pipeline.in_flight_microbatches``,).
 
-How the counts arise (a chunk-micro-batch holds its activations from its forward F to its full
-backward B, or to its weight pass W when the backward is split):
+The counts come from replaying the rank's order of chunk passes as torch lays it out
+(torch/distributed/pipelining/schedules.py; tests/unit/test_cost_held_counts.py checks them
+against torch's own action lists):
 
-- interleaved 1F1B and interleaved zero bubble (loop placement): the rank's order of chunk
-  passes, as torch's ``_get_1f1b_rank_ops`` lays it out (torch/distributed/pipelining/
-  schedules.py; Megatron-LM's forward_backward_pipelining_with_interleaving runs the same order
-  at N = p): forwards run N = ``schedules.microbatches_per_round`` micro-batches back to back per
-  chunk, chunk 0 first; backwards N at a time from the last chunk down; a warm-up of
+- interleaved 1F1B and interleaved zero bubble (loop placement; ``_get_1f1b_rank_ops``;
+  Megatron-LM's forward_backward_pipelining_with_interleaving runs the same order at N = p):
+  forwards run N = ``schedules.microbatches_per_round`` micro-batches back to back per chunk,
+  chunk 0 first; backwards N at a time from the last chunk down; a warm-up of
   (v - 1) N + k (p - 1 - r) forwards (k = 2, or 1 for zero bubble), then one forward and one
-  backward per step, then the remaining backwards; zero bubble runs each weight pass after the
-  backward r steps later (``num_1f1b_microbatches = rank``), the oldest first. ``_interleaved``
-  replays that order and counts per chunk;
-- zbv-zero-bubble (V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r): on torch's own
-  action lists (tests/unit/test_cost_held_counts.py replays them) the rank holds
-  T = min(2p, 2m, m + r + 1) at its peak, chunk 0 at most min(m, 2p - r), chunk 1 at most
-  min(m, r + 1), and every split of T between those limits occurs: the vertices are the two
-  ends;
-- dualpipe-v (m >= 2p): one vector, (2p - r, r + 1).
+  backward per step, then the remaining backwards; zero bubble runs each weight pass r steps
+  after its input pass (``num_1f1b_microbatches = rank``), the oldest first;
+- zbv-zero-bubble (V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r): the phases of
+  ``ScheduleZBVZeroBubble`` (W right after I until the cool-down, which defers them);
+- dualpipe-v: the phases of ``ScheduleDualPipeV`` (full backwards in its steady state, input
+  and weight passes split in the second half of its cool-down, weight passes queued).
 """
 
 from __future__ import annotations
@@ -38,41 +39,170 @@ import itertools
 from autopar.cost_model.pipeline import in_flight_microbatches
 from autopar.schedules import get_schedule, microbatches_per_round
 
-__all__ = ["floor_of", "held_floor", "held_vectors", "uniform", "uniform_ranks"]
+__all__ = ["floor_of", "held_floor", "held_split_vectors", "held_vectors", "splits_backward",
+           "uniform", "uniform_ranks"]
 
 Vector = tuple[float, ...]
 
 
-def _interleaved(p: int, v: int, m: int, rank: int, zero_bubble: bool) -> list[tuple[int, ...]]:
-    """Per-chunk held counts after each forward of torch's interleaved order for ``rank``, less
-    those inside a straight stretch (the same forward and release as the step before: a mix of
-    its two neighbours)."""
+Event = tuple[str, int]  # ("F" | "I" | "W" | "B", local chunk)
+
+
+def _interleaved_events(p: int, v: int, m: int, rank: int, zero_bubble: bool) -> list[Event]:
+    """``rank``'s chunk passes in torch's interleaved order (``_get_1f1b_rank_ops``): forwards
+    N = ``microbatches_per_round`` at a time per chunk, chunk 0 first; backwards N at a time
+    from the last chunk down, after a warm-up of (v - 1) N + k (p - 1 - r) forwards (k = 2, or
+    1 for zero bubble); zero bubble splits each backward into its input pass I and runs the
+    weight pass W r steps later, the oldest first, the rest at the end."""
     n = microbatches_per_round(p, m)
     total = v * m
     warm = min((v - 1) * n + (1 if zero_bubble else 2) * (p - 1 - rank), total)
-    held = [0] * v
-    seen: list[tuple[int, ...]] = []
-    backwards: list[int] = []  # chunk of each backward, in order (zero bubble's W follow them)
-    weights, freed, step = 0, -1, None
+    events: list[Event] = []
+    backwards: list[int] = []
     for op in range(warm + total):
         if op < total:
-            chunk = (op // n) % v
-            held[chunk] += 1
-            if step == (chunk, freed) and len(seen) > 1:
-                seen.pop()  # the previous point sits between its neighbours
-            step, freed = (chunk, freed), -1
-            seen.append(tuple(held))
+            events.append(("F", (op // n) % v))
         if op >= warm:
             chunk = v - 1 - ((op - warm) // n) % v
             backwards.append(chunk)
-            if not zero_bubble:
-                freed = chunk
-            elif op - warm >= rank:
-                freed = backwards[weights]
-                weights += 1
-            if freed >= 0:
-                held[freed] -= 1
-    return seen
+            events.append(("I" if zero_bubble else "B", chunk))
+            if zero_bubble and op - warm >= rank:
+                events.append(("W", backwards[op - warm - rank]))
+    done = len(backwards) - rank if zero_bubble else len(backwards)
+    events.extend(("W", chunk) for chunk in backwards[max(0, done):])
+    return events
+
+
+def _zbv_events(p: int, m: int, rank: int) -> list[Event]:
+    """``rank``'s passes in torch's ``ScheduleZBVZeroBubble`` order (chunk 0: stage r, chunk 1:
+    stage 2p - 1 - r): 2 (p - r) - 1 forwards of chunk 0, r pairs (F1, F0), p - r triples
+    (F1, I1, W1), then (F0, I0, W0, F1, I1, W1) while forwards remain, a cool-down of r pairs
+    (I0, I1) and p - r pairs (I0, W0), the pending W1 and then W0. Micro-batches past m are
+    dropped (torch plans max(2p - 1, m) and blanks the rest)."""
+    n = max(2 * p - 1, m)
+    plan: list[tuple[str, int, int]] = []
+    count = {"F0": 0, "F1": 0, "I0": 0, "I1": 0, "W0": 0, "W1": 0}
+
+    def add(kind: str, chunk: int) -> None:
+        key = f"{kind}{chunk}"
+        plan.append((kind, chunk, count[key]))
+        count[key] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(p - rank):
+        add("F", 1)
+        add("I", 1)
+        add("W", 1)
+    while count["F1"] < count["F0"] or count["F0"] < n:
+        if count["F0"] < n:
+            add("F", 0)
+        add("I", 0)
+        add("W", 0)
+        add("F", 1)
+        add("I", 1)
+        add("W", 1)
+    for _ in range(rank):
+        add("I", 0)
+        add("I", 1)
+    for _ in range(p - rank):
+        add("I", 0)
+        add("W", 0)
+    while count["W1"] < count["I1"]:
+        add("W", 1)
+    while count["W0"] < count["I0"]:
+        add("W", 0)
+    return [(kind, chunk) for kind, chunk, mb in plan if mb < m]
+
+
+def _dualpipe_events(p: int, m: int, rank: int) -> list[Event]:
+    """``rank``'s passes in torch's ``ScheduleDualPipeV`` order (an overlapped forward and
+    backward pair runs its forward first; weight passes queue, the oldest first)."""
+    events: list[Event] = []
+    queue: list[int] = []
+
+    def back(chunk: int, split: bool) -> None:
+        events.append(("I" if split else "B", chunk))
+        if split:
+            queue.append(chunk)
+
+    def weight() -> None:
+        if queue:
+            events.append(("W", queue.pop(0)))
+
+    events += [("F", 0)] * (2 * (p - rank - 1))
+    events += [("F", 0), ("F", 1)] * (rank + 1)
+    for _ in range(p - rank - 1):
+        back(1, True)
+        weight()
+        events.append(("F", 1))
+    for _ in range(m - 2 * p + rank + 1):
+        events += [("F", 0), ("B", 1), ("F", 1), ("B", 0)]
+    for _ in range(p - rank - 1):
+        events += [("B", 1), ("F", 1), ("B", 0)]
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        back(1, split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        back(0, split)
+    for _ in range(p - rank - 1):
+        weight()
+        back(0, split)
+    for _ in range(rank + 1):
+        weight()
+    return events
+
+
+def _counted(events: list[Event], v: int) -> list[tuple[int, ...]]:
+    """Per-chunk (held..., awaiting a weight pass...) at each local peak of the pass order: a
+    chunk-micro-batch is held from F to its W (or full backward B) and awaits its W from I.
+    Counts only grow at F and I, so the candidates are the points just before a release."""
+    held, waiting = [0] * v, [0] * v
+    points: list[tuple[int, ...]] = []
+    rising = False
+    for kind, chunk in [*events, ("W", -1)]:
+        if kind in ("W", "B") and rising:
+            points.append((*held, *waiting))
+        rising = kind in ("F", "I")
+        if chunk < 0:
+            break
+        if kind == "F":
+            held[chunk] += 1
+        elif kind == "I":
+            waiting[chunk] += 1
+        else:
+            held[chunk] -= 1
+            waiting[chunk] -= kind == "W"
+    return points
+
+
+def _corners(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """``points`` (a path in time order) less those inside a straight stretch of it: a point
+    one equal step from each of its neighbours is their mix."""
+    out: list[tuple[int, ...]] = []
+    last: tuple[int, ...] = ()
+    for point in points:
+        if out and out[-1] == point:
+            continue
+        step = tuple(y - x for x, y in zip(out[-1], point)) if out else ()
+        if step == last and len(out) >= 2:
+            out[-1] = point  # the stretch goes on: its end moves
+        else:
+            out.append(point)
+            last = step
+    return out
+
+
+def _events(schedule: str, p: int, v: int, m: int, rank: int) -> list[Event]:
+    if schedule == "zbv-zero-bubble":
+        return _zbv_events(p, m, rank)
+    if schedule == "dualpipe-v":
+        return _dualpipe_events(p, m, rank)
+    return _interleaved_events(p, v, m, rank, get_schedule(schedule).zero_bubble)
 
 
 def _vertices(points: list[tuple[int, ...]]) -> tuple[Vector, ...]:
@@ -114,18 +244,38 @@ def held_vectors(
         the same count.
     """
     p, v, m = num_ranks, virtual_stages, num_microbatches
-    s = get_schedule(schedule)
-    if p <= 1 or not s.multi_chunk or v <= 1:
+    if p <= 1 or not get_schedule(schedule).multi_chunk or v <= 1:
         flight = in_flight_microbatches(schedule, p, v, m, rank)
         return ((flight,) * max(1, v if p > 1 else 1),)
-    if schedule == "zbv-zero-bubble":
-        total = min(2 * p, 2 * m, m + rank + 1)
-        first, second = min(m, 2 * p - rank), min(m, rank + 1)
-        ends = {(total - second, second), (first, total - first)}
-        return tuple((float(a), float(b)) for a, b in sorted(ends, reverse=True))
-    if schedule == "dualpipe-v":
-        return ((float(2 * p - rank), float(rank + 1)),)
-    return _vertices(_interleaved(p, v, m, rank, s.zero_bubble))
+    v = _chunks(schedule, v)
+    points = _counted(_events(schedule, p, v, m, rank), v)
+    return _vertices(_corners([point[:v] for point in points]))
+
+
+@functools.lru_cache(maxsize=65536)
+def held_split_vectors(
+    schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> tuple[Vector, ...]:
+    """The vectors (held c_1..c_v, awaiting their weight pass w_1..w_v) at which ``rank``'s
+    activations can peak under a schedule that splits backwards (module docstring): its
+    memory is the max over them of sum_i c_i A_i + w_i D_i, D_i >= 0 what chunk i's
+    micro-batch holds beyond its activations from its input pass to its weight pass. Empty
+    for a schedule that never splits a backward."""
+    p, v, m = num_ranks, virtual_stages, num_microbatches
+    if p <= 1 or not splits_backward(schedule):
+        return ()
+    v = _chunks(schedule, v)
+    return _vertices(_corners(_counted(_events(schedule, p, v, m, rank), v)))
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` runs some backwards as an input pass and a later weight pass."""
+    s = get_schedule(schedule)
+    return s.multi_chunk and (s.split_backward or s.zero_bubble)
+
+
+def _chunks(schedule: str, virtual_stages: int) -> int:
+    return 2 if get_schedule(schedule).v_shaped else virtual_stages
 
 
 def held_floor(

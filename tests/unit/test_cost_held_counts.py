@@ -11,7 +11,13 @@ import random
 
 import pytest
 
-from autopar.cost_model.held_counts import held_floor, held_vectors, uniform
+from autopar.cost_model.held_counts import (
+    held_floor,
+    held_split_vectors,
+    held_vectors,
+    splits_backward,
+    uniform,
+)
 from autopar.cost_model.pipeline import in_flight_microbatches
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -97,3 +103,66 @@ def test_floor_and_uniform():
     assert held_vectors("1f1b", 4, 1, 8, 1) == ((3.0,),)
     assert not uniform(held_vectors("zbv-zero-bubble", 4, 2, 8, 0))
     assert held_vectors("dualpipe-v", 4, 2, 8, 0) == ((8.0, 1.0),)
+
+
+def _torch_split_counts(name: str, p: int, v: int, m: int, rank: int) -> list[tuple[int, ...]]:
+    """(held per chunk, awaiting a weight pass per chunk) after every forward and every input
+    pass of torch's action list for ``rank``."""
+    sched = object.__new__(getattr(schedules, CLASSES[name]))
+    sched.pp_group_size, sched._n_microbatches = p, m
+    if name in ("zbv-zero-bubble", "dualpipe-v"):
+        sched.num_stages = sched._num_stages = 2 * p
+    else:
+        sched.n_local_stages = v
+        sched.number_of_rounds = max(1, m // p)
+        sched.microbatches_per_round = m // sched.number_of_rounds
+    ops = [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
+    flat = [b for a in ops
+            for b in (a.sub_actions if a.computation_type == schedules.OVERLAP_F_B else (a,))]
+    mine = sorted({b.stage_index for b in flat})
+    held, waiting, seen = [0] * len(mine), [0] * len(mine), []
+    for b in flat:
+        i = mine.index(b.stage_index)
+        kind = b.computation_type
+        if kind == schedules.FORWARD:
+            held[i] += 1
+        elif kind == schedules.BACKWARD_INPUT:
+            waiting[i] += 1
+        elif kind == schedules.BACKWARD_WEIGHT:
+            held[i] -= 1
+            waiting[i] -= 1
+        elif kind == schedules.FULL_BACKWARD:
+            held[i] -= 1
+        if kind in (schedules.FORWARD, schedules.BACKWARD_INPUT):
+            seen.append((*held, *waiting))
+    assert all(x == 0 for x in held + waiting)
+    return seen
+
+
+def test_split_vectors_give_torch_peak_with_weight_pass_bytes():
+    # A chunk-micro-batch holds A_i from F to W and D_i more from its input pass to its
+    # weight pass: the peak over autopar's vectors equals the peak over torch's action list.
+    rng = random.Random(1)
+    for name, p, v, m in _cases():
+        if not splits_backward(name):
+            assert held_split_vectors(name, p, v, m, 0) == ()
+            continue
+        for rank in range(p):
+            vectors = held_split_vectors(name, p, v, m, rank)
+            seen = _torch_split_counts(name, p, v, m, rank)
+            assert all(len(c) == 2 * v for c in vectors)
+            for _ in range(12):
+                w = [rng.choice((0.0, 0.5, 1.0, 2.0, 7.0)) for _ in range(2 * v)]
+                ours = max(sum(c * x for c, x in zip(vec, w)) for vec in vectors)
+                theirs = max(sum(c * x for c, x in zip(vec, w)) for vec in seen)
+                assert ours == pytest.approx(theirs), (name, p, v, m, rank, w)
+
+
+def test_zero_bubble_weight_passes_wait():
+    # interleaved zero bubble, p 4, v 2, m 8: rank 3 runs each weight pass 3 steps after its
+    # input pass, so after an input pass 4 chunk-micro-batches await theirs; rank 0 runs each
+    # W right after its I: one at a time
+    last = held_split_vectors("interleaved-zero-bubble", 4, 2, 8, 3)
+    assert max(sum(vec[2:]) for vec in last) == 4
+    first = held_split_vectors("interleaved-zero-bubble", 4, 2, 8, 0)
+    assert max(sum(vec[2:]) for vec in first) == 1

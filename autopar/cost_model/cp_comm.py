@@ -89,6 +89,8 @@ def _scaled_layer(layer: LayerProfile, cp: int) -> LayerProfile:
         linear_saved_bytes=(layer.linear_saved_bytes[0] // cp, layer.linear_saved_bytes[1] // cp),
         linear_shared_bytes=(layer.linear_shared_bytes[0] // cp,
                              layer.linear_shared_bytes[1] // cp),
+        weight_pass_grad_bytes=tuple(b // cp for b in layer.weight_pass_grad_bytes),
+        input_pass_freed_bytes=tuple(b // cp for b in layer.input_pass_freed_bytes),
         saved_bytes_replicated=div(layer.saved_bytes_replicated),
         output_bytes=layer.output_bytes / cp,
         tp=dataclasses.replace(layer.tp, allreduce_fwd_bytes=layer.tp.allreduce_fwd_bytes / cp),

@@ -96,7 +96,8 @@ class _FusedSDPA(torch.autograd.Function):
 
 
 class _FusedRMSNorm(torch.autograd.Function):
-    """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms."""
+    """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms. Its
+    output is a product with the weight, so the recorder sees a weight op (recorder.py)."""
 
     @staticmethod
     def forward(
@@ -104,7 +105,8 @@ class _FusedRMSNorm(torch.autograd.Function):
     ) -> torch.Tensor:
         rstd = x.new_empty((*x.shape[: x.dim() - num_dims], *([1] * num_dims)), dtype=torch.float32)
         ctx.save_for_backward(x, weight, rstd)
-        return x.new_empty(x.shape)
+        out = x.new_empty(x.shape)
+        return out if weight is None else out * weight
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:

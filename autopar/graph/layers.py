@@ -113,6 +113,10 @@ def _record(
         linear_shared_bytes=(saved.linear_shared_bytes, saved.linear_shared_replicated_bytes),
         norm_saved_bytes=(saved.norm_bytes, saved.norm_replicated_bytes),
         combine_saved_bytes=(saved.combine_bytes, saved.combine_replicated_bytes),
+        weight_pass_grad_bytes=(saved.weight_grad_bytes, saved.weight_grad_replicated_bytes,
+                                saved.weight_grad_reduced_bytes),
+        input_pass_freed_bytes=(saved.input_pass_freed_bytes,
+                                saved.input_pass_freed_replicated_bytes),
     )
 
 

@@ -51,6 +51,17 @@ stands it in, ``F.layer_norm``).
 source for the backward, where only its shape is used; ``combine_bytes`` is what it keeps, a
 copy a combine that scatters (``scatter_add``, keeping the indices only) does not.
 
+*A split backward's bytes* (torch's ``stage_backward_input`` then ``stage_backward_weight``):
+the input pass keeps, for the weight pass, the gradient of every op that takes a parameter
+and an activation (a weight op: the linears' matmuls, the norms' weight products, an
+embedding), and frees the saved tensors of the ops after the layer's last weight op (the
+loss), whose autograd nodes no weight op reaches. ``weight_grad_bytes`` is the first output of
+every weight op (its gradient's size), with the part tensor parallelism does not shard and the
+part that sequence parallelism does not shard either (an output made sharded and reduced over
+tp afterwards: a row-parallel linear's partial sums, whose gradient is whole on every rank);
+``input_pass_freed_bytes`` what is saved only after the last weight op. An op whose tensor
+inputs are all parameters or made from them (a transpose, a cast) makes a parameter too.
+
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
 storage's bytes at the dtype it was created in.
@@ -100,6 +111,14 @@ class _Saved:
     only_core: bool
     by_linear: bool = False
     by_other: bool = False
+    weight_ops_before: int = 0  # the tag's weight ops dispatched when first saved
+
+
+@dataclass(slots=True)
+class _WeightOut:
+    key: int
+    nbytes: int
+    made_sharded: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +143,11 @@ class SavedTotals:
             input and statistics (module docstring), and its replicated part.
         combine_bytes, combine_replicated_bytes: sources kept by ``index_add`` (module
             docstring), and its replicated part.
+        weight_grad_bytes, weight_grad_replicated_bytes, weight_grad_reduced_bytes: the
+            outputs of the weight ops (module docstring), the part tp does not shard, and the
+            part neither tp nor sequence parallelism shards.
+        input_pass_freed_bytes, input_pass_freed_replicated_bytes: saved only after the last
+            weight op (module docstring), and its replicated part.
     """
 
     total_bytes: int
@@ -142,6 +166,11 @@ class SavedTotals:
     norm_replicated_bytes: int = 0
     combine_bytes: int = 0
     combine_replicated_bytes: int = 0
+    weight_grad_bytes: int = 0
+    weight_grad_replicated_bytes: int = 0
+    weight_grad_reduced_bytes: int = 0
+    input_pass_freed_bytes: int = 0
+    input_pass_freed_replicated_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -177,6 +206,8 @@ class SavedRecorder(TorchDispatchMode):
         # can be allocated at its address and inherit its key.
         self._alive: list[torch.Tensor] = [*excluded, *sharded_params]
         self._excluded = {storage_key(t) for t in excluded}
+        self._params = {storage_key(t) for t in excluded if getattr(t, "requires_grad", False)}
+        self._weight_ops: dict[str, list[_WeightOut]] = {}
         self._sharded = {storage_key(t) for t in sharded_params}
         self._core: set[int] = set()
         self._core_inputs: set[int] | None = None
@@ -215,7 +246,8 @@ class SavedRecorder(TorchDispatchMode):
         entry = self._saved.get(key)
         if entry is None:
             self._alive.append(tensor)
-            entry = _Saved(_storage_nbytes(tensor), self.tag, key in self._sharded, is_core)
+            entry = _Saved(_storage_nbytes(tensor), self.tag, key in self._sharded, is_core,
+                           weight_ops_before=len(self._weight_ops.get(self.tag, ())))
             self._saved[key] = entry
             if self._norm is not None:
                 self._norm.new.append(key)
@@ -290,6 +322,8 @@ class SavedRecorder(TorchDispatchMode):
         kept = self._op_kept.get(tag, {})
         norm = self._norm_totals(tag)
         combine = [e for k, e in self._saved.items() if e.tag == tag and k in self._combine]
+        outs = self._weight_ops.get(tag, [])
+        tail = [e for e in entries if e.weight_ops_before == len(outs)]
         return SavedTotals(
             total_bytes=sum(e.nbytes for e in entries),
             replicated_bytes=sum(e.nbytes for e in entries if not e.sharded),
@@ -309,6 +343,12 @@ class SavedRecorder(TorchDispatchMode):
             norm_replicated_bytes=norm[1],
             combine_bytes=sum(e.nbytes for e in combine),
             combine_replicated_bytes=sum(e.nbytes for e in combine if not e.sharded),
+            weight_grad_bytes=sum(o.nbytes for o in outs),
+            weight_grad_replicated_bytes=sum(o.nbytes for o in outs if o.key not in self._sharded),
+            weight_grad_reduced_bytes=sum(o.nbytes for o in outs
+                                          if o.made_sharded and o.key not in self._sharded),
+            input_pass_freed_bytes=sum(e.nbytes for e in tail),
+            input_pass_freed_replicated_bytes=sum(e.nbytes for e in tail if not e.sharded),
         )
 
     # -- property propagation ------------------------------------------------------------------
@@ -321,6 +361,8 @@ class SavedRecorder(TorchDispatchMode):
         keys = [storage_key(t) for t in inputs]
         sharded = any(k in self._sharded for k in keys)
         core = any(k in self._core for k in keys)
+        if self.forward_active:
+            self._note_weight_op(func, keys, out, sharded)
         if self._recent:
             if func is _aten.index_add.default and storage_key(args[3]) in self._recent:
                 self._combine.add(storage_key(args[3]))
@@ -362,6 +404,23 @@ class SavedRecorder(TorchDispatchMode):
             else:
                 entry.by_other = True
         self._recent = []
+
+    def _note_weight_op(self, func: Any, keys: list[int], out: Any, sharded: bool) -> None:
+        """A weight op's first output (its gradient awaits the weight pass; module docstring),
+        or an op of parameters only, whose outputs are parameters too."""
+        if not any(k in self._params for k in keys):
+            return
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if all(k in self._params or k in self._excluded for k in keys):
+            self._alive.extend(outs)
+            self._params.update(storage_key(t) for t in outs)
+            return
+        if func.overloadpacket in (_aten.detach, _aten.alias) or not outs:
+            return
+        first = outs[0]
+        self._alive.append(first)
+        self._weight_ops.setdefault(self.tag, []).append(_WeightOut(
+            storage_key(first), first.numel() * first.element_size(), sharded))
 
     def _note_repeat(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """A clone of a broadcast view: ``out`` repeats ``source``'s elements this many times."""

@@ -208,6 +208,12 @@ class LayerProfile:
             sample that composite norms keep beyond a fused norm kernel (graph/recorder.py).
         combine_saved_bytes: (all, replicated part) per sample that ``index_add`` keeps of
             the expert outputs it combines, which a scatter combine does not (recorder.py).
+        weight_pass_grad_bytes: (all, tp-replicated part, part sequence parallelism does not
+            shard either) per sample that a split backward keeps from the input pass to the
+            weight pass: the output gradients of the layer's weight ops (graph/recorder.py).
+        input_pass_freed_bytes: (all, replicated part) of ``saved_bytes`` (none, selective) per
+            sample that the input pass of a split backward frees: saved only after the layer's
+            last weight op (the loss; graph/recorder.py).
     """
 
     name: str
@@ -231,6 +237,8 @@ class LayerProfile:
     linear_shared_bytes: tuple[int, int] = (0, 0)
     norm_saved_bytes: tuple[int, int] = (0, 0)
     combine_saved_bytes: tuple[int, int] = (0, 0)
+    weight_pass_grad_bytes: tuple[int, int, int] = (0, 0, 0)
+    input_pass_freed_bytes: tuple[int, int] = (0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""
@@ -255,7 +263,7 @@ class LayerProfile:
         tp = TPStructure(**tp_fields)
         data["module_fqns"] = tuple(data["module_fqns"])
         for name in ("linear_saved_bytes", "linear_shared_bytes", "norm_saved_bytes",
-                     "combine_saved_bytes"):
+                     "combine_saved_bytes", "weight_pass_grad_bytes", "input_pass_freed_bytes"):
             if name in data:
                 data[name] = tuple(data[name])
         op_sac = data.pop("op_sac", None)

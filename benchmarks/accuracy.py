@@ -88,9 +88,11 @@ def cases(dtype: str) -> list[Case]:
         Case(label="llama tp2 pp2 sp", model=LLAMA,
              config=c(tp=2, pp=2, micro_batch=2, sequence_parallel=True)),
         Case(label="llama pp4 1f1b", model=LLAMA, config=c(pp=4, micro_batch=1)),
-        Case(label="llama pp2 interleaved-zb", model=LLAMA,
+        # zero 2: under zero 3 torch's stages run deferred weight passes on resharded
+        # parameters (wrong gradients; framework_support refuses it)
+        Case(label="llama pp2 interleaved-zb zero2", model=LLAMA,
              config=c(pp=2, dp=2, micro_batch=1, schedule="interleaved-zero-bubble",
-                      virtual_stages=2, zero=3)),
+                      virtual_stages=2, zero=2)),
         Case(label="llama pp2 zbv", model=LLAMA,
              config=c(pp=2, tp=2, micro_batch=2, schedule="zbv-zero-bubble", virtual_stages=2)),
         Case(label="llama pp4 dualpipe-v", model=LLAMA,

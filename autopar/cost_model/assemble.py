@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from autopar.config import RECOMPUTE
 from autopar.cost_model.comm import COMM_SPREAD
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
-from autopar.cost_model.held_counts import held_vectors
+from autopar.cost_model.held_counts import held_split_vectors, held_vectors
 from autopar.cost_model.moe import DROPLESS_IMBALANCE, FITTED_ROUTER_IMBALANCE_RANGE
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, pipeline_buffer_microbatches
@@ -46,7 +46,7 @@ from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable
 from autopar.schedules import rank_of_stage
 from autopar.units import GIB
 
-__all__ = ["assemble", "check_split", "pipeline_buffer_bytes"]
+__all__ = ["assemble", "check_split", "held_activations", "pipeline_buffer_bytes"]
 
 # Reports add "memory nearly full" above this fraction of the usable memory: a reporting
 # threshold (a plan that close has little room for what the model leaves out), not a cost term.
@@ -94,13 +94,13 @@ def _layer_arrays(table: CostTable, recompute: Sequence[str]):
     return idx, time, act, transient
 
 
-def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBreakdown:
-    cfg = table.config
-    vectors = held_vectors(cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank)
+def _rank_memory(table, stage_layers, stages, rank, act, transient, idx) -> MemoryBreakdown:
     chunk_act = [sum(act[i] for i in range(stage_layers[j][0], stage_layers[j][1] + 1))
                  for j in stages]  # stages in order: local chunk order
     layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-    held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in vectors)
+    held = held_activations(table, rank, stages, chunk_act, [
+        sum(table.layers[i].weight_pass_bytes[idx[i]]
+            for i in range(stage_layers[j][0], stage_layers[j][1] + 1)) for j in stages])
     peak_act = held + max(transient[i] for i in layers)
     return MemoryBreakdown(
         parameters_bytes=sum(table.layers[i].param_bytes for i in layers),
@@ -110,6 +110,24 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient) -> MemoryBre
         buffers_bytes=table.buffers_bytes,
         pipeline_buffers_bytes=pipeline_buffer_bytes(table, rank),
     )
+
+
+def held_activations(table: CostTable, rank: int, stages: Sequence[int],
+                     chunk_act: Sequence[float], chunk_weight_pass: Sequence[float]) -> float:
+    """The activations pipeline rank ``rank`` holds at its peak: the max over its count
+    vectors of sum_i c_i A_i (+ w_i D_i under a schedule that splits backwards: ``D_i``, chunk
+    i's ``LayerCost.weight_pass_bytes``; held_counts). Global stage 0 runs its whole backward
+    at its weight pass (torch's ``PipelineStage`` skips the first stage's input pass), so it
+    holds nothing more meanwhile."""
+    cfg = table.config
+    args = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank)
+    split = held_split_vectors(*args)
+    if not split:
+        return max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in held_vectors(*args))
+    extra = [0.0 if j == 0 else d for j, d in zip(stages, chunk_weight_pass)]
+    v = len(chunk_act)
+    return max(sum(c * a for c, a in zip(vec[:v], chunk_act))
+               + sum(w * d for w, d in zip(vec[v:], extra)) for vec in split)
 
 
 def _rank_extra_s(table: CostTable, layers: list[int]) -> tuple[float, float]:
@@ -171,7 +189,7 @@ def assemble(
             layers=tuple((stage_layers[j][0], stage_layers[j][1]) for j in stages_of[k]),
             num_params=sum(table.layers[i].num_params for i in layers_of[k]),
             time_per_microbatch_s=rank_time[k],
-            memory=_rank_memory(table, stage_layers, stages_of[k], k, act, transient),
+            memory=_rank_memory(table, stage_layers, stages_of[k], k, act, transient, idx),
         )
         for k in ranks
     ]

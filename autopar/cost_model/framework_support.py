@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.config import dp_mechanism
 from autopar.cost_model import framework_dimensions as dims
+from autopar.cost_model.held_counts import splits_backward
 from autopar.cost_model.identity_cache import IdentityCache
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ def framework_supports(framework: Framework, config) -> str | None:
     if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:
         return (f"{fw.name} runs ZeRO stage {config.zero} without pipeline parallelism only "
                 f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
+    if config.pp > 1 and config.dp > 1 and config.zero == 3 and splits_backward(config.schedule):
+        return _split_backward_zero3(fw, config)
     if config.sequence_parallel and not fw.sequence_parallel:
         return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
     if config.ep > 1 and not fw.expert_parallel:
@@ -52,6 +55,20 @@ def framework_supports(framework: Framework, config) -> str | None:
         if reason:
             return reason
     return settings_support(fw, config) or dims.supports_dimensions(fw, config)
+
+
+def _split_backward_zero3(fw: Framework, config) -> str:
+    """torch's ``PipelineStage`` runs a split backward's weight pass on the parameters its
+    module holds then, and FSDP2 with zero 3 has swapped them for their shards at the next
+    forward (``reshard_after_forward``): the weight passes land on other tensors. Measured with
+    autopar's runtime on torch 2.13 (pp 2 x dp 2, zero 3): interleaved zero bubble reduces
+    wrong gradients, zbv-zero-bubble and dualpipe-v hang; zero 1 and 2 (parameters kept
+    gathered from forward to backward) match one process
+    (tests/distributed/test_runtime_equivalence.py). torchtitan composes the same classes."""
+    return (f"{fw.name} runs {config.schedule!r} (a backward split into input and weight "
+            "passes) with zero 1 or 2 only: under zero 3 torch's pipeline stages run a "
+            "weight pass after the next forward has resharded the parameters; use zero=2 "
+            "(--zero 2), or the 1f1b or interleaved-1f1b schedule")
 
 
 def cp_runs_on(framework: Framework, profile) -> bool:

@@ -300,6 +300,9 @@ def uniform(vectors: tuple[Vector, ...]) -> bool:
 def uniform_ranks(schedule: str, num_ranks: int, virtual_stages: int,
                   num_microbatches: int) -> bool:
     """Whether no rank's peak depends on how its layers sit among its chunks (then counting
-    layers per rank, not per stage, is exact)."""
+    layers per rank, not per stage, is exact): never where backwards split, whose chunks
+    await their weight passes unequally."""
     return all(uniform(held_vectors(schedule, num_ranks, virtual_stages, num_microbatches, k))
+               and not held_split_vectors(schedule, num_ranks, virtual_stages,
+                                          num_microbatches, k)
                for k in range(num_ranks))

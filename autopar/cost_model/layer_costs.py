@@ -90,6 +90,7 @@ from autopar.cost_model.layer_terms import (
     kept_less_of,
     net_of_backward_state,
     transient_bytes_of,
+    weight_pass_bytes_of,
 )
 from autopar.cost_model.moe import (
     ep_collectives,
@@ -153,7 +154,7 @@ def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
-    layer, b = framework_layer(profile.layers[index], fw), cfg.micro_batch
+    layer, b, cf = framework_layer(profile.layers[index], fw), cfg.micro_batch, (cluster, fw)
     offload, shard = run_offload(cfg, fw), (cfg.tp if tp_sharded(layer) else 1)
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
@@ -172,8 +173,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     base = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
     times = _with_experts(base, ep, cluster, cfg, layer, shard, fw)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held, offload)
-    # A framework that waits for its gathers / reductions gives them no compute window.
-    step_s, mb_s, tail_s = dp_terms(
+    step_s, mb_s, tail_s = dp_terms(  # a framework that waits gives its DP traffic no window
         _unit_calls(profile, cfg, index, fw), groups,
         times.forward_s if fw.param_gather_overlapped else 0.0,
         times.backward_s if cfg.zero in fw.dp_reduce_overlap_stages else 0.0,
@@ -195,8 +195,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
-            act, kept_less)), cfg, state.local_params, held, fw), cluster, fw),
-        transient_bytes=_fragmented(transient, cluster, fw),
+            act, kept_less)), cfg, state.local_params, held, fw), *cf),
+        transient_bytes=_fragmented(transient, *cf),
         param_bytes=state.param_bytes,
         grad_bytes=grad_bytes_of(state, held, fw, cfg.dtype),
         optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
@@ -209,6 +209,7 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         host_bytes=host_bytes + ckpt.host_bytes,
         unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
                                                    base, (times, ep)),
+        weight_pass_bytes=_fragmented(weight_pass_bytes_of(layer, cfg, ratio, shard), *cf),
     )
     return cost, tail_s
 

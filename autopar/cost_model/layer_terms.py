@@ -20,7 +20,8 @@ from autopar.cost_model.tp_comm import sp_gathered_inputs
 from autopar.graph.types import LayerProfile, ModelProfile
 
 __all__ = ["activation_bytes_of", "framework_layer", "grad_bytes_of", "kept_less_of",
-           "net_of_backward_state", "static_grad_element_bytes", "transient_bytes_of"]
+           "net_of_backward_state", "static_grad_element_bytes", "transient_bytes_of",
+           "weight_pass_bytes_of"]
 
 
 def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio: float,
@@ -47,6 +48,31 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
         selective_keeps_gathered=fw.selective_policy != "op",
         fp32_logprobs=profile.loss != "fused",
     )
+
+
+def weight_pass_bytes_of(layer: LayerProfile, cfg: ParallelConfig, ratio: float,
+                         shard: int) -> tuple[float, float, float]:
+    """What one micro-batch of ``layer`` holds beyond its activations from its input pass to its
+    weight pass under a split backward, by recompute mode (torch's ``stage_backward_input``
+    keeps the output gradients of the weight ops for ``stage_backward_weight`` and frees the
+    saved tensors after the last one, the loss: ``LayerProfile.weight_pass_grad_bytes``,
+    ``input_pass_freed_bytes``; tests/unit/test_graph_weight_pass.py measures both on CPU).
+
+    Under tensor parallelism the sharded part divides by tp; under sequence parallelism the
+    replicated part too, except the gradients of reduced outputs (a row-parallel linear's
+    partial sums: whole on every rank). Full recompute frees nothing at the input pass (the
+    layer's forward re-runs inside it and its tensors stay with the weight ops). Never below
+    0: a loss that frees more than its gradients keep is charged its activations.
+    """
+    (grads, rep, reduced), (freed, freed_rep) = (layer.weight_pass_grad_bytes,
+                                                 layer.input_pass_freed_bytes)
+    if shard > 1 and cfg.tp > 1:
+        sp = cfg.tp if cfg.sequence_parallel else 1
+        grads = (grads - rep) / cfg.tp + (rep - reduced) / sp + reduced
+        freed = (freed - freed_rep) / cfg.tp + freed_rep / sp
+    scale = cfg.micro_batch * ratio
+    kept = max(0.0, grads - freed) * scale
+    return kept, kept, grads * scale
 
 
 def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,

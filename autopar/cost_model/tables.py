@@ -25,7 +25,8 @@ __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
 RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 # The LayerCost fields given by recompute mode.
 BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "act_bytes",
-           "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s")
+           "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s",
+           "weight_pass_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +65,10 @@ class LayerCost:
             all-to-all, included in the terms above) where the model states no router
             imbalance and the cost model takes ``moe.DROPLESS_IMBALANCE``: the part of the
             step the interval widens over the fitted range (assemble.py); 0 otherwise.
+        weight_pass_bytes: what one micro-batch holds beyond ``act_bytes`` from the layer's
+            input pass to its weight pass under a schedule that splits backwards (torch's
+            ``stage_backward_input``: the output gradients of its weight ops, less the loss it
+            frees; layer_terms.weight_pass_bytes_of), by recompute mode; never below 0.
     """
 
     name: str
@@ -86,6 +91,7 @@ class LayerCost:
     cp_comm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     host_bytes: float = 0.0
     unstated_imbalance_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    weight_pass_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def time_per_microbatch_s(self, recompute: str) -> float:
         """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + cp_comm(r) + dp per

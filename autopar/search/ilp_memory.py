@@ -3,6 +3,10 @@ count vector its activations can peak at (``held_counts.held_vectors``):
 
     static_k + sum_{j on k} c_j act_j + Mt_k + buffers + pbuf_k      for each vector c of rank k
 
+and, under a schedule that splits backwards, at each (c, w) of ``held_split_vectors`` with
+w_j wpass_j added (a stage's weight-pass bytes, ``LayerCost.weight_pass_bytes``; none for
+global stage 0, as ``assemble.held_activations`` charges it);
+
 one expression where the rank's chunks hold one count; per-rank counts take each stage's
 activations from its own counts (``ilp_ranks._chunk_counts``) or, counting a repeating section
 by kind per rank (``ilp_rank_kinds.py``), charge the rank its held floor (a relaxation that
@@ -15,7 +19,7 @@ import pulp
 
 from autopar.config import RECOMPUTE
 from autopar.cost_model.assemble import pipeline_buffer_bytes
-from autopar.cost_model.held_counts import floor_of, held_vectors, uniform
+from autopar.cost_model.held_counts import floor_of, held_split_vectors, held_vectors, uniform
 from autopar.cost_model.tables import CostTable
 from autopar.schedules import rank_of_stage
 from autopar.search.ilp_stages import new_var
@@ -51,9 +55,13 @@ def _slot_charges(vectors, slots: list[int]) -> dict[int, float]:
     return dict.fromkeys(slots, floor_of(vectors))
 
 
-def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int]) -> list:
-    """Activations (GiB) of one micro-batch of each stage in ``chunks``, from per-stage counts."""
-    return [pulp.lpSum(table.layers[runs[g][0]].act_bytes[r] / GIB * var
+def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int],
+                field: str = "act_bytes") -> list:
+    """Activations (GiB) of one micro-batch of each stage in ``chunks``, from per-stage counts
+    (``field``: "weight_pass_bytes", what each holds more awaiting its weight pass; none for
+    global stage 0, whose input pass is empty)."""
+    return [0 if field == "weight_pass_bytes" and j == 0 else
+            pulp.lpSum(getattr(table.layers[runs[g][0]], field)[r] / GIB * var
                        for (g, jj, r), var in sorted(counts.items()) if jj == j) for j in chunks]
 
 
@@ -90,19 +98,29 @@ def memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
         )
         # torch pipelining's receive buffers: a per-rank constant (assemble.pipeline_buffer_bytes)
         rest = static + mt + table.buffers_bytes / GIB + pipeline_buffer_bytes(table, k) / GIB
-        if uniform(vectors):
+        split = held_split_vectors(
+            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k
+        )
+        if uniform(vectors) and not split:
             act = pulp.lpSum(_chunk_acts(table, runs, n, stages))
             exprs.append([rest + vectors[0][0] * act])
             continue
         if len(stages) == len(vectors[0]):
-            acts = _chunk_acts(table, runs, n, stages)
+            counts, chunks = n, stages
         elif placement is None:  # per-rank counts by kind: the held floor, a relaxation
             acts = _chunk_acts(table, runs, n, stages)
             exprs.append([rest + floor_of(vectors) * pulp.lpSum(acts)])
             continue
         else:  # per-rank counts: the stages' own counts (ilp_ranks._chunk_counts)
-            mine = [j for j in range(cfg.num_stages)
-                    if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
-            acts = _chunk_acts(table, runs, placement, mine)
-        exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec, acts)) for vec in vectors])
+            counts = placement
+            chunks = [j for j in range(cfg.num_stages)
+                      if rank_of_stage(cfg.schedule, cfg.pp, j) == k]
+        acts = _chunk_acts(table, runs, counts, chunks)
+        if not split:
+            exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec, acts)) for vec in vectors])
+            continue
+        extra = _chunk_acts(table, runs, counts, chunks, "weight_pass_bytes")
+        v = len(acts)
+        exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec[:v], acts))
+                      + pulp.lpSum(w * d for w, d in zip(vec[v:], extra)) for vec in split])
     return exprs

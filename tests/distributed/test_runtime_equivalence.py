@@ -193,6 +193,12 @@ CONFIGS_4: dict[str, dict[str, Any]] = {
     # place after the input-gradient pass).
     "pp2xtp2-zbv": {"pp": 2, "tp": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2,
                     "micro_batch": 2},
+    # FSDP2 under split backwards: zero 2 keeps the parameters gathered until the weight
+    # passes (zero 3 is refused: framework_support._split_backward_zero3).
+    "pp2xdp2-zero2-izb": {"pp": 2, "dp": 2, "zero": 2, "schedule": "interleaved-zero-bubble",
+                          "virtual_stages": 2},
+    "pp2xdp2-zero2-zbv": {"pp": 2, "dp": 2, "zero": 2, "schedule": "zbv-zero-bubble",
+                          "virtual_stages": 2},
 }
 
 

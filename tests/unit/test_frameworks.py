@@ -69,6 +69,20 @@ def test_a_framework_refuses_what_it_cannot_run() -> None:
     assert framework_supports(get_framework("autopar"), zb) is None
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"])
+def test_split_backwards_refuse_zero3(schedule: str) -> None:
+    # torch's stages run a deferred weight pass after FSDP2 resharded the parameters at the
+    # next forward: wrong gradients or a hang (measured); zero 2 keeps them gathered.
+    cfg = autopar.ParallelConfig(pp=2, dp=2, global_batch=16, schedule=schedule,
+                                 virtual_stages=2, zero=3)
+    for name in ("autopar", "torchtitan"):
+        reason = framework_supports(get_framework(name), cfg)
+        assert reason and "zero=2" in reason and schedule in reason
+        assert framework_supports(get_framework(name), dataclasses.replace(cfg, zero=2)) is None
+    assert framework_supports(get_framework("autopar"), dataclasses.replace(
+        cfg, schedule="interleaved-1f1b")) is None
+
+
 @pytest.mark.parametrize("name", ["megatron-lm", "deepspeed", "torchtitan"])
 def test_the_search_proposes_only_what_the_framework_runs(name: str) -> None:
     plans = autopar.plan(TINY, CLUSTER, global_batch=32, top_k=5, framework=name)

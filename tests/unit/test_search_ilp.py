@@ -13,7 +13,7 @@ from table_fixtures import PLAIN_FRAMEWORK
 
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.assemble import assemble, pipeline_buffer_bytes
-from autopar.cost_model.held_counts import held_vectors, uniform_ranks
+from autopar.cost_model.held_counts import held_split_vectors, held_vectors, uniform_ranks
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.tables import CostTable, LayerCost
 from autopar.schedules import rank_of_stage
@@ -119,8 +119,17 @@ def objective(table: CostTable, split, rec) -> tuple[float, float]:
         # each chunk's activations weighted by its count, at the worst of the rank's vectors
         chunk_act = [sum(lay[i].act_bytes[idx[i]] for i in range(split[j][0], split[j][1] + 1))
                      for j in js]
-        held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in held_vectors(
-            cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k))
+        args = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, k)
+        held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in held_vectors(*args))
+        # under split backwards, (c, w): w of each chunk's micro-batches await their weight
+        # pass holding weight_pass_bytes more (none on global stage 0)
+        chunk_w = [0.0 if j == 0 else sum(lay[i].weight_pass_bytes[idx[i]]
+                                          for i in range(split[j][0], split[j][1] + 1))
+                   for j in js]
+        v = len(js)
+        held = max([held] + [sum(c * a for c, a in zip(vec[:v], chunk_act))
+                             + sum(w * d for w, d in zip(vec[v:], chunk_w))
+                             for vec in held_split_vectors(*args)])
         mems.append(
             sum(lay[i].static_bytes for i in on_k) + held
             + max(lay[i].transient_bytes[idx[i]] for i in on_k)
@@ -277,6 +286,10 @@ def chunked_tables(draw) -> CostTable:
         layers = (layers[0], *(dataclasses.replace(block, name=f"b{i}") for i in range(2)),
                   layers[-1])
     m = draw(st.integers(2, 6))
+    # what a micro-batch holds more awaiting its weight pass (split backwards only)
+    extra = draw(st.floats(0.0, 1.0))
+    layers = tuple(dataclasses.replace(lay, weight_pass_bytes=tuple(
+        extra * a for a in lay.act_bytes)) for lay in layers)
     cfg = dataclasses.replace(table.config, pp=2, dp=1, global_batch=m, micro_batch=1,
                               schedule=schedule, virtual_stages=2)
     return dataclasses.replace(table, config=cfg, layers=layers, names=(),

@@ -53,23 +53,30 @@ def _interleaved_events(p: int, v: int, m: int, rank: int, zero_bubble: bool) ->
     N = ``microbatches_per_round`` at a time per chunk, chunk 0 first; backwards N at a time
     from the last chunk down, after a warm-up of (v - 1) N + k (p - 1 - r) forwards (k = 2, or
     1 for zero bubble); zero bubble splits each backward into its input pass I and runs the
-    weight pass W r steps later, the oldest first, the rest at the end."""
+    weight pass W r steps later, the oldest first, the rest at the end. Once every step runs
+    a forward and a release, v N steps bring each chunk N of both and the counts back where
+    they were: the periods between the first and the last repeat the first's counts and are
+    skipped."""
     n = microbatches_per_round(p, m)
     total = v * m
     warm = min((v - 1) * n + (1 if zero_bubble else 2) * (p - 1 - rank), total)
+    lag = rank if zero_bubble else 0
+    period, steady = v * n, warm + lag
+    skip = max(0, (total - steady) // period - 2) * period
     events: list[Event] = []
-    backwards: list[int] = []
-    for op in range(warm + total):
+    op = 0
+    while op < warm + total:
+        if op == steady + period and skip:
+            op += skip
         if op < total:
             events.append(("F", (op // n) % v))
         if op >= warm:
-            chunk = v - 1 - ((op - warm) // n) % v
-            backwards.append(chunk)
-            events.append(("I" if zero_bubble else "B", chunk))
-            if zero_bubble and op - warm >= rank:
-                events.append(("W", backwards[op - warm - rank]))
-    done = len(backwards) - rank if zero_bubble else len(backwards)
-    events.extend(("W", chunk) for chunk in backwards[max(0, done):])
+            events.append(("I" if zero_bubble else "B", v - 1 - ((op - warm) // n) % v))
+            if zero_bubble and op - warm >= lag:
+                events.append(("W", v - 1 - ((op - warm - lag) // n) % v))
+        op += 1
+    if zero_bubble:  # the last r backwards' weight passes
+        events.extend(("W", v - 1 - (i // n) % v) for i in range(max(0, total - lag), total))
     return events
 
 
@@ -157,51 +164,57 @@ def _dualpipe_events(p: int, m: int, rank: int) -> list[Event]:
     return events
 
 
-def _counted(events: list[Event], v: int) -> list[tuple[int, ...]]:
-    """Per-chunk (held..., awaiting a weight pass...) at each local peak of the pass order: a
-    chunk-micro-batch is held from F to its W (or full backward B) and awaits its W from I.
-    Counts only grow at F and I, so the candidates are the points just before a release."""
-    held, waiting = [0] * v, [0] * v
+def _counted(events: list[Event], v: int, split: bool = True) -> list[tuple[int, ...]]:
+    """Per-chunk (held..., awaiting a weight pass...) at each local peak of the pass order (held
+    only, unless ``split``): a chunk-micro-batch is held from F to its W (or full backward B)
+    and awaits its W from I. Counts only grow at F and I, so the candidates are the points just
+    before a release; where the passes since the last candidate repeat those before it, the
+    point lies on a straight stretch of the path and moves the stretch's end instead."""
+    counts = [0] * (2 * v)  # held, then awaiting
     points: list[tuple[int, ...]] = []
+    since: list[Event] = []
+    last: list[Event] | None = None
     rising = False
-    for kind, chunk in [*events, ("W", -1)]:
-        if kind in ("W", "B") and rising:
-            points.append((*held, *waiting))
-        rising = kind in ("F", "I")
-        if chunk < 0:
-            break
-        if kind == "F":
-            held[chunk] += 1
-        elif kind == "I":
-            waiting[chunk] += 1
-        else:
-            held[chunk] -= 1
-            waiting[chunk] -= kind == "W"
+    for event in events:
+        kind, chunk = event
+        if kind == "I" and not split:
+            continue
+        if kind == "F" or kind == "I":
+            counts[chunk if kind == "F" else v + chunk] += 1
+            rising = True
+            since.append(event)
+            continue
+        if rising:
+            last = _note(points, tuple(counts) if split else tuple(counts[:v]), since, last)
+            since, rising = [], False
+        counts[chunk] -= 1
+        if kind == "W":
+            counts[v + chunk] -= 1
+        since.append(event)
+    if rising:
+        _note(points, tuple(counts) if split else tuple(counts[:v]), since, last)
     return points
 
 
-def _corners(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """``points`` (a path in time order) less those inside a straight stretch of it: a point
-    one equal step from each of its neighbours is their mix."""
-    out: list[tuple[int, ...]] = []
-    last: tuple[int, ...] = ()
-    for point in points:
-        if out and out[-1] == point:
-            continue
-        step = tuple(y - x for x, y in zip(out[-1], point)) if out else ()
-        if step == last and len(out) >= 2:
-            out[-1] = point  # the stretch goes on: its end moves
-        else:
-            out.append(point)
-            last = step
-    return out
+def _note(points: list, point: tuple[int, ...], since: list, last: list | None) -> list | None:
+    """Add ``point`` to the path, or move the end of the straight stretch it continues; returns
+    the passes that led to the path's last point."""
+    if since == last and len(points) >= 2:
+        points[-1] = point
+    elif not points or points[-1] != point:
+        points.append(point)
+        return since
+    return last
 
 
 def _events(schedule: str, p: int, v: int, m: int, rank: int) -> list[Event]:
+    """The rank's passes. The V schedules' steady phase repeats one state per step, so beyond
+    3p micro-batches (2p - 1 fill their warm-up) more change no count the rank reaches: they
+    are replayed at 3p (tests/unit/test_cost_held_counts.py compares up to 4p with torch)."""
     if schedule == "zbv-zero-bubble":
-        return _zbv_events(p, m, rank)
+        return _zbv_events(p, min(m, 3 * p), rank)
     if schedule == "dualpipe-v":
-        return _dualpipe_events(p, m, rank)
+        return _dualpipe_events(p, min(m, 3 * p), rank)
     return _interleaved_events(p, v, m, rank, get_schedule(schedule).zero_bubble)
 
 
@@ -248,8 +261,7 @@ def held_vectors(
         flight = in_flight_microbatches(schedule, p, v, m, rank)
         return ((flight,) * max(1, v if p > 1 else 1),)
     v = _chunks(schedule, v)
-    points = _counted(_events(schedule, p, v, m, rank), v)
-    return _vertices(_corners([point[:v] for point in points]))
+    return _vertices(_counted(_events(schedule, p, v, m, rank), v, split=False))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -265,7 +277,7 @@ def held_split_vectors(
     if p <= 1 or not splits_backward(schedule):
         return ()
     v = _chunks(schedule, v)
-    return _vertices(_corners(_counted(_events(schedule, p, v, m, rank), v)))
+    return _vertices(_counted(_events(schedule, p, v, m, rank), v))
 
 
 def splits_backward(schedule: str) -> bool:

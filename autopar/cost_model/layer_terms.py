@@ -64,12 +64,13 @@ def weight_pass_bytes_of(layer: LayerProfile, cfg: ParallelConfig, ratio: float,
     layer's forward re-runs inside it and its tensors stay with the weight ops). Never below
     0: a loss that frees more than its gradients keep is charged its activations.
     """
-    (grads, rep, reduced), (freed, freed_rep) = (layer.weight_pass_grad_bytes,
+    (all_g, rep, reduced), (all_f, freed_rep) = (layer.weight_pass_grad_bytes,
                                                  layer.input_pass_freed_bytes)
+    grads, freed = float(all_g), float(all_f)
     if shard > 1 and cfg.tp > 1:
         sp = cfg.tp if cfg.sequence_parallel else 1
-        grads = (grads - rep) / cfg.tp + (rep - reduced) / sp + reduced
-        freed = (freed - freed_rep) / cfg.tp + freed_rep / sp
+        grads = (all_g - rep) / cfg.tp + (rep - reduced) / sp + reduced
+        freed = (all_f - freed_rep) / cfg.tp + freed_rep / sp
     scale = cfg.micro_batch * ratio
     kept = max(0.0, grads - freed) * scale
     return kept, kept, grads * scale

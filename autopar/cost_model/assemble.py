@@ -98,9 +98,9 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient, idx) -> Memo
     chunk_act = [sum(act[i] for i in range(stage_layers[j][0], stage_layers[j][1] + 1))
                  for j in stages]  # stages in order: local chunk order
     layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-    held = held_activations(table, rank, stages, chunk_act, [
-        sum(table.layers[i].weight_pass_bytes[idx[i]]
-            for i in range(stage_layers[j][0], stage_layers[j][1] + 1)) for j in stages])
+    held = held_activations(table, rank, stages, chunk_act, [max(0.0, sum(
+        table.layers[i].weight_pass_bytes[idx[i]] - table.layers[i].input_pass_freed_bytes[idx[i]]
+        for i in range(stage_layers[j][0], stage_layers[j][1] + 1))) for j in stages])
     peak_act = held + max(transient[i] for i in layers)
     return MemoryBreakdown(
         parameters_bytes=sum(table.layers[i].param_bytes for i in layers),
@@ -114,11 +114,22 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient, idx) -> Memo
 
 def held_activations(table: CostTable, rank: int, stages: Sequence[int],
                      chunk_act: Sequence[float], chunk_weight_pass: Sequence[float]) -> float:
-    """The activations pipeline rank ``rank`` holds at its peak: the max over its count
-    vectors of sum_i c_i A_i (+ w_i D_i under a schedule that splits backwards: ``D_i``, chunk
-    i's ``LayerCost.weight_pass_bytes``; held_counts). Global stage 0 runs its whole backward
-    at its weight pass (torch's ``PipelineStage`` skips the first stage's input pass), so it
-    holds nothing more meanwhile."""
+    """The activations a pipeline rank holds at its peak.
+
+    Args:
+        table: the configuration's cost terms (its schedule, pp, virtual stages, micro-batches).
+        rank: the pipeline rank.
+        stages: the rank's stages (global indices), in local chunk order.
+        chunk_act: one micro-batch's activations of each of those stages (A_i).
+        chunk_weight_pass: what one micro-batch of each holds more from its input pass to its
+            weight pass under a split backward (D_i >= 0: the stage's
+            ``LayerCost.weight_pass_bytes`` less the head's ``input_pass_freed_bytes``).
+
+    Returns:
+        The max over the rank's count vectors of sum_i c_i A_i, + w_i D_i under a schedule that
+        splits backwards (held_counts). Global stage 0 holds nothing more: torch's
+        ``PipelineStage`` skips the first stage's input pass and runs its whole backward at W.
+    """
     cfg = table.config
     args = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches, rank)
     split = held_split_vectors(*args)

@@ -43,7 +43,8 @@ def framework_supports(framework: Framework, config) -> str | None:
     if config.pp > 1 and config.dp > 1 and config.zero > fw.zero_with_pipeline:
         return (f"{fw.name} runs ZeRO stage {config.zero} without pipeline parallelism only "
                 f"(at most zero={fw.zero_with_pipeline} with pp > 1)")
-    if config.pp > 1 and config.dp > 1 and config.zero == 3 and splits_backward(config.schedule):
+    if (config.pp > 1 and dp_mechanism(config) == "fsdp" and config.zero == 3
+            and splits_backward(config.schedule)):
         return _split_backward_zero3(fw, config)
     if config.sequence_parallel and not fw.sequence_parallel:
         return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"

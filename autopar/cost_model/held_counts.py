@@ -62,7 +62,7 @@ def _interleaved_events(p: int, v: int, m: int, rank: int, zero_bubble: bool) ->
     warm = min((v - 1) * n + (1 if zero_bubble else 2) * (p - 1 - rank), total)
     lag = rank if zero_bubble else 0
     period, steady = v * n, warm + lag
-    skip = max(0, (total - steady) // period - 2) * period
+    skip = max(0, (total - steady) // period - 2) * period  # all but the first and last
     events: list[Event] = []
     op = 0
     while op < warm + total:
@@ -196,7 +196,8 @@ def _counted(events: list[Event], v: int, split: bool = True) -> list[tuple[int,
     return points
 
 
-def _note(points: list, point: tuple[int, ...], since: list, last: list | None) -> list | None:
+def _note(points: list[tuple[int, ...]], point: tuple[int, ...], since: list[Event],
+          last: list[Event] | None) -> list[Event] | None:
     """Add ``point`` to the path, or move the end of the straight stretch it continues; returns
     the passes that led to the path's last point."""
     if since == last and len(points) >= 2:
@@ -207,14 +208,18 @@ def _note(points: list, point: tuple[int, ...], since: list, last: list | None) 
     return last
 
 
+# The V schedules' steady phase repeats one state per step: beyond this many micro-batches per
+# pipeline rank (2p - 1 fill their warm-up) more change no count a rank reaches, so they are
+# replayed at that many (tests/unit/test_cost_held_counts.py compares up to 12p with torch).
+V_REPLAY_RANKS = 3
+
+
 def _events(schedule: str, p: int, v: int, m: int, rank: int) -> list[Event]:
-    """The rank's passes. The V schedules' steady phase repeats one state per step, so beyond
-    3p micro-batches (2p - 1 fill their warm-up) more change no count the rank reaches: they
-    are replayed at 3p (tests/unit/test_cost_held_counts.py compares up to 4p with torch)."""
+    """The rank's passes (the V schedules' at most ``V_REPLAY_RANKS`` p micro-batches)."""
     if schedule == "zbv-zero-bubble":
-        return _zbv_events(p, min(m, 3 * p), rank)
+        return _zbv_events(p, min(m, V_REPLAY_RANKS * p), rank)
     if schedule == "dualpipe-v":
-        return _dualpipe_events(p, min(m, 3 * p), rank)
+        return _dualpipe_events(p, min(m, V_REPLAY_RANKS * p), rank)
     return _interleaved_events(p, v, m, rank, get_schedule(schedule).zero_bubble)
 
 
@@ -268,11 +273,22 @@ def held_vectors(
 def held_split_vectors(
     schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
 ) -> tuple[Vector, ...]:
-    """The vectors (held c_1..c_v, awaiting their weight pass w_1..w_v) at which ``rank``'s
-    activations can peak under a schedule that splits backwards (module docstring): its
-    memory is the max over them of sum_i c_i A_i + w_i D_i, D_i >= 0 what chunk i's
-    micro-batch holds beyond its activations from its input pass to its weight pass. Empty
-    for a schedule that never splits a backward."""
+    """The vectors at which ``rank``'s activations can peak under a schedule that splits
+    backwards (module docstring).
+
+    Args:
+        schedule: schedule name.
+        num_ranks: p, pipeline ranks.
+        virtual_stages: v, model chunks per rank.
+        num_microbatches: m, micro-batches per pipeline per step.
+        rank: the pipeline rank.
+
+    Returns:
+        The vertices (c_1..c_v held, w_1..w_v of them awaiting their weight pass): the rank's
+        memory is the max over them of sum_i c_i A_i + w_i D_i, D_i >= 0 what chunk i's
+        micro-batch holds beyond its activations from its input pass to its weight pass.
+        Empty for a schedule that never splits a backward.
+    """
     p, v, m = num_ranks, virtual_stages, num_microbatches
     if p <= 1 or not splits_backward(schedule):
         return ()
@@ -281,7 +297,8 @@ def held_split_vectors(
 
 
 def splits_backward(schedule: str) -> bool:
-    """Whether ``schedule`` runs some backwards as an input pass and a later weight pass."""
+    """Whether ``schedule`` runs some backwards as an input pass and a later weight pass
+    (interleaved zero bubble, zbv-zero-bubble; dualpipe-v in its cool-down)."""
     s = get_schedule(schedule)
     return s.multi_chunk and (s.split_backward or s.zero_bubble)
 

@@ -154,7 +154,7 @@ def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
 
 def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
                 attention_flops: float) -> tuple:
-    layer, b, cf = framework_layer(profile.layers[index], fw), cfg.micro_batch, (cluster, fw)
+    layer, b = framework_layer(profile.layers[index], fw), cfg.micro_batch
     offload, shard = run_offload(cfg, fw), (cfg.tp if tp_sharded(layer) else 1)
     head_elems = profile.seq_len * profile.vocab if layer.kind == "head" else 0.0
     act = activation_bytes_of(profile, layer, cfg, ratio, shard, fw, head_elems)
@@ -195,8 +195,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
         act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
-            act, kept_less)), cfg, state.local_params, held, fw), *cf),
-        transient_bytes=_fragmented(transient, *cf),
+            act, kept_less)), cfg, state.local_params, held, fw), cluster, fw),
+        transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         grad_bytes=grad_bytes_of(state, held, fw, cfg.dtype),
         optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
@@ -209,9 +209,17 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
         host_bytes=host_bytes + ckpt.host_bytes,
         unstated_imbalance_s=_unstated_imbalance_s(profile, layer, cfg, cluster, shard, fw,
                                                    base, (times, ep)),
-        weight_pass_bytes=_fragmented(weight_pass_bytes_of(layer, cfg, ratio, shard), *cf),
     )
-    return cost, tail_s
+    return _with_weight_pass(cost, weight_pass_bytes_of(layer, cfg, ratio, shard), cluster,
+                             fw), tail_s
+
+
+def _with_weight_pass(cost: LayerCost, kept_freed, cluster: Cluster, fw: Framework) -> LayerCost:
+    """``cost`` with its split-backward terms (``LayerCost.weight_pass_bytes``,
+    ``input_pass_freed_bytes``), as churning memory."""
+    kept, freed = kept_freed
+    return dataclasses.replace(cost, weight_pass_bytes=_fragmented(kept, cluster, fw),
+                               input_pass_freed_bytes=_fragmented(freed, cluster, fw))
 
 
 def _traffic_bytes(cluster: Cluster, cfg: ParallelConfig, fw: Framework, fp8: bool,

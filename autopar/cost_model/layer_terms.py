@@ -50,30 +50,38 @@ def activation_bytes_of(profile: ModelProfile, layer, cfg: ParallelConfig, ratio
     )
 
 
-def weight_pass_bytes_of(layer: LayerProfile, cfg: ParallelConfig, ratio: float,
-                         shard: int) -> tuple[float, float, float]:
-    """What one micro-batch of ``layer`` holds beyond its activations from its input pass to its
-    weight pass under a split backward, by recompute mode (torch's ``stage_backward_input``
-    keeps the output gradients of the weight ops for ``stage_backward_weight`` and frees the
-    saved tensors after the last one, the loss: ``LayerProfile.weight_pass_grad_bytes``,
-    ``input_pass_freed_bytes``; tests/unit/test_graph_weight_pass.py measures both on CPU).
+def weight_pass_bytes_of(layer: LayerProfile, cfg: ParallelConfig, ratio: float, shard: int
+                         ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """Under a split backward, by recompute mode: what one micro-batch of ``layer`` holds
+    beyond its activations from its input pass to its weight pass, and what that input pass
+    frees of them (torch's ``stage_backward_input`` keeps the output gradients of the weight
+    ops for ``stage_backward_weight`` and frees the saved tensors after the stage's last weight
+    op: ``LayerProfile.weight_pass_grad_bytes``, ``input_pass_freed_bytes``;
+    tests/unit/test_graph_weight_pass.py measures both on CPU).
 
-    Under tensor parallelism the sharded part divides by tp; under sequence parallelism the
-    replicated part too, except the gradients of reduced outputs (a row-parallel linear's
-    partial sums: whole on every rank). Full recompute frees nothing at the input pass (the
-    layer's forward re-runs inside it and its tensors stay with the weight ops). Never below
-    0: a loss that frees more than its gradients keep is charged its activations.
+    Args:
+        layer: the profile layer.
+        cfg: the config (micro_batch, tp, sequence_parallel).
+        ratio: training-dtype bytes over profile-dtype bytes.
+        shard: tp when tensor parallelism splits this layer's activations, else 1.
+
+    Returns:
+        (kept, freed), each by recompute mode (none, selective, full). Under tensor
+        parallelism the sharded part divides by tp; under sequence parallelism the replicated
+        part too, except the gradients of reduced outputs (a row-parallel linear's partial
+        sums: whole on every rank). Full recompute frees nothing at the input pass (the
+        layer's recomputed tensors go, the checkpoint's input stays). Freed bytes are the
+        head's only (``LayerCost.input_pass_freed_bytes``).
     """
     (all_g, rep, reduced), (all_f, freed_rep) = (layer.weight_pass_grad_bytes,
                                                  layer.input_pass_freed_bytes)
-    grads, freed = float(all_g), float(all_f)
+    grads, freed = float(all_g), float(all_f) if layer.kind == "head" else 0.0
     if shard > 1 and cfg.tp > 1:
         sp = cfg.tp if cfg.sequence_parallel else 1
         grads = (all_g - rep) / cfg.tp + (rep - reduced) / sp + reduced
-        freed = (all_f - freed_rep) / cfg.tp + freed_rep / sp
+        freed = (all_f - freed_rep) / cfg.tp + freed_rep / sp if layer.kind == "head" else 0.0
     scale = cfg.micro_batch * ratio
-    kept = max(0.0, grads - freed) * scale
-    return kept, kept, grads * scale
+    return (grads * scale,) * 3, (freed * scale, freed * scale, 0.0)
 
 
 def transient_bytes_of(layer, cfg: ParallelConfig, act, held: float, shard: int, ratio: float,

@@ -26,7 +26,7 @@ RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 # The LayerCost fields given by recompute mode.
 BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "act_bytes",
            "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s",
-           "weight_pass_bytes")
+           "weight_pass_bytes", "input_pass_freed_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,9 +66,14 @@ class LayerCost:
             imbalance and the cost model takes ``moe.DROPLESS_IMBALANCE``: the part of the
             step the interval widens over the fitted range (assemble.py); 0 otherwise.
         weight_pass_bytes: what one micro-batch holds beyond ``act_bytes`` from the layer's
-            input pass to its weight pass under a schedule that splits backwards (torch's
-            ``stage_backward_input``: the output gradients of its weight ops, less the loss it
-            frees; layer_terms.weight_pass_bytes_of), by recompute mode; never below 0.
+            input pass to its weight pass under a schedule that splits backwards: the output
+            gradients of its weight ops, which torch's ``stage_backward_input`` keeps for
+            ``stage_backward_weight`` (layer_terms.weight_pass_bytes_of), by recompute mode.
+        input_pass_freed_bytes: what that input pass frees of ``act_bytes``, by recompute
+            mode: the head's loss (saved after its last weight op). Only the last layer of a
+            stage frees its tail and the head is always one; a block's tail (a MoE block
+            without shared experts has one) is not credited. A stage holds
+            max(0, sum of weight_pass_bytes - the head's input_pass_freed_bytes) more.
     """
 
     name: str
@@ -92,6 +97,7 @@ class LayerCost:
     host_bytes: float = 0.0
     unstated_imbalance_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     weight_pass_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    input_pass_freed_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def time_per_microbatch_s(self, recompute: str) -> float:
         """t_i(r) = compute + recompute(r) + tp_comm(r) + ep_comm(r) + cp_comm(r) + dp per

@@ -96,8 +96,7 @@ class _FusedSDPA(torch.autograd.Function):
 
 
 class _FusedRMSNorm(torch.autograd.Function):
-    """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms. Its
-    output is a product with the weight, so the recorder sees a weight op (recorder.py)."""
+    """Shape-only stand-in for the fused RMSNorm kernel: saves the input and fp32 1/rms."""
 
     @staticmethod
     def forward(
@@ -105,8 +104,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     ) -> torch.Tensor:
         rstd = x.new_empty((*x.shape[: x.dim() - num_dims], *([1] * num_dims)), dtype=torch.float32)
         ctx.save_for_backward(x, weight, rstd)
-        out = x.new_empty(x.shape)
-        return out if weight is None else out * weight
+        return x.new_empty(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -184,4 +182,8 @@ class GpuKernelMode(TorchFunctionMode):
         eps: float | None = None,
     ) -> torch.Tensor:
         num_dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-        return _FusedRMSNorm.apply(input, weight, num_dims)
+        out = _FusedRMSNorm.apply(input, weight, num_dims)
+        if weight is not None:  # the kernel's weight product, for graph/recorder.py's weight ops:
+            with torch.no_grad():  # after the Function's saves (packed as it returns), which
+                _ = out.detach() * weight  # are the norm's own, not what follows it
+        return out

@@ -208,6 +208,8 @@ class SavedRecorder(TorchDispatchMode):
         self._excluded = {storage_key(t) for t in excluded}
         self._params = {storage_key(t) for t in excluded if getattr(t, "requires_grad", False)}
         self._weight_ops: dict[str, list[_WeightOut]] = {}
+        # the last weight op's outputs: saved after it dispatched, they are still its own
+        self._weight_outputs: set[int] = set()
         self._sharded = {storage_key(t) for t in sharded_params}
         self._core: set[int] = set()
         self._core_inputs: set[int] | None = None
@@ -246,8 +248,9 @@ class SavedRecorder(TorchDispatchMode):
         entry = self._saved.get(key)
         if entry is None:
             self._alive.append(tensor)
+            ops = len(self._weight_ops.get(self.tag, ())) - (key in self._weight_outputs)
             entry = _Saved(_storage_nbytes(tensor), self.tag, key in self._sharded, is_core,
-                           weight_ops_before=len(self._weight_ops.get(self.tag, ())))
+                           weight_ops_before=ops)
             self._saved[key] = entry
             if self._norm is not None:
                 self._norm.new.append(key)
@@ -418,7 +421,8 @@ class SavedRecorder(TorchDispatchMode):
         if func.overloadpacket in (_aten.detach, _aten.alias) or not outs:
             return
         first = outs[0]
-        self._alive.append(first)
+        self._alive.extend(outs)
+        self._weight_outputs = {storage_key(t) for t in outs}
         self._weight_ops.setdefault(self.tag, []).append(_WeightOut(
             storage_key(first), first.numel() * first.element_size(), sharded))
 

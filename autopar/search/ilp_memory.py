@@ -4,8 +4,10 @@ count vector its activations can peak at (``held_counts.held_vectors``):
     static_k + sum_{j on k} c_j act_j + Mt_k + buffers + pbuf_k      for each vector c of rank k
 
 and, under a schedule that splits backwards, at each (c, w) of ``held_split_vectors`` with
-w_j wpass_j added (a stage's weight-pass bytes, ``LayerCost.weight_pass_bytes``; none for
-global stage 0, as ``assemble.held_activations`` charges it);
+w_j wpass_j added (a stage's weight-pass bytes, ``LayerCost.weight_pass_bytes``, the last
+stage's less its head's ``input_pass_freed_bytes`` and at least 0; none for global stage 0, as
+``assemble.held_activations`` charges it; the relaxed floor leaves them out, as ``ilp.realized``
+re-checks that split with ``assemble``);
 
 one expression where the rank's chunks hold one count; per-rank counts take each stage's
 activations from its own counts (``ilp_ranks._chunk_counts``) or, counting a repeating section
@@ -65,6 +67,21 @@ def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int],
                        for (g, jj, r), var in sorted(counts.items()) if jj == j) for j in chunks]
 
 
+def _weight_pass(prob, table: CostTable, grads: list, chunks: list[int], k: int) -> list:
+    """Each chunk's weight-pass bytes (GiB) as ``assemble`` charges them: the last stage's
+    less what its head's input pass frees, and never below 0 (a variable d >= 0, d >= that:
+    every memory constraint holds d at the max)."""
+    last = table.config.num_stages - 1
+    freed = table.layers[-1].input_pass_freed_bytes[0] / GIB
+    if last not in chunks or freed <= 0:
+        return grads
+    i = chunks.index(last)
+    d = new_var(prob, f"weight_pass[rank{k}]", 0)
+    # [Constraint] weight_pass: the last stage's extra bytes, its head's freed loss taken off
+    prob += d >= grads[i] - freed, f"weight_pass[rank{k}]"
+    return [*grads[:i], d, *grads[i + 1:]]
+
+
 def memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
                   placement=None) -> list:
     """Per rank, its memory in GiB (static + held activations + transient max + buffers) at each
@@ -119,7 +136,8 @@ def memory_exprs(prob, table: CostTable, runs, slot_rank, n, cnt, cap_gib=None,
         if not split:
             exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec, acts)) for vec in vectors])
             continue
-        extra = _chunk_acts(table, runs, counts, chunks, "weight_pass_bytes")
+        extra = _weight_pass(prob, table, _chunk_acts(table, runs, counts, chunks,
+                                                      "weight_pass_bytes"), chunks, k)
         v = len(acts)
         exprs.append([rest + pulp.lpSum(c * a for c, a in zip(vec[:v], acts))
                       + pulp.lpSum(w * d for w, d in zip(vec[v:], extra)) for vec in split])

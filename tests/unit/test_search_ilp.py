@@ -123,9 +123,9 @@ def objective(table: CostTable, split, rec) -> tuple[float, float]:
         held = max(sum(c * a for c, a in zip(vec, chunk_act)) for vec in held_vectors(*args))
         # under split backwards, (c, w): w of each chunk's micro-batches await their weight
         # pass holding weight_pass_bytes more (none on global stage 0)
-        chunk_w = [0.0 if j == 0 else sum(lay[i].weight_pass_bytes[idx[i]]
-                                          for i in range(split[j][0], split[j][1] + 1))
-                   for j in js]
+        chunk_w = [0.0 if j == 0 else max(0.0, sum(
+            lay[i].weight_pass_bytes[idx[i]] - lay[i].input_pass_freed_bytes[idx[i]]
+            for i in range(split[j][0], split[j][1] + 1))) for j in js]
         v = len(js)
         held = max([held] + [sum(c * a for c, a in zip(vec[:v], chunk_act))
                              + sum(w * d for w, d in zip(vec[v:], chunk_w))
@@ -287,9 +287,12 @@ def chunked_tables(draw) -> CostTable:
                   layers[-1])
     m = draw(st.integers(2, 6))
     # what a micro-batch holds more awaiting its weight pass (split backwards only)
-    extra = draw(st.floats(0.0, 1.0))
+    extra, freed = draw(st.floats(0.0, 1.0)), draw(st.floats(0.0, 2.0))
     layers = tuple(dataclasses.replace(lay, weight_pass_bytes=tuple(
         extra * a for a in lay.act_bytes)) for lay in layers)
+    # the head's input pass frees its loss: the last stage holds max(0, grads - freed) more
+    layers = (*layers[:-1], dataclasses.replace(layers[-1], input_pass_freed_bytes=tuple(
+        freed * extra * a for a in layers[-1].act_bytes)))
     cfg = dataclasses.replace(table.config, pp=2, dp=1, global_batch=m, micro_batch=1,
                               schedule=schedule, virtual_stages=2)
     return dataclasses.replace(table, config=cfg, layers=layers, names=(),

@@ -81,6 +81,8 @@ def test_split_backwards_refuse_zero3(schedule: str) -> None:
         assert framework_supports(get_framework(name), dataclasses.replace(cfg, zero=2)) is None
     assert framework_supports(get_framework("autopar"), dataclasses.replace(
         cfg, schedule="interleaved-1f1b")) is None
+    # FSDP over context-parallel ranks reshards the same way
+    assert framework_supports(get_framework("autopar"), dataclasses.replace(cfg, dp=1, cp=2))
 
 
 @pytest.mark.parametrize("name", ["megatron-lm", "deepspeed", "torchtitan"])

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from autopar.config import RECOMPUTE
 from autopar.cost_model.comm import COMM_SPREAD
 from autopar.cost_model.estimate import Estimate, MemoryBreakdown, StageEstimate, TimeBreakdown
-from autopar.cost_model.held_counts import held_split_vectors, held_vectors
+from autopar.cost_model.held_counts import held_split_vectors, held_vectors, splits_backward
 from autopar.cost_model.moe import DROPLESS_IMBALANCE, FITTED_ROUTER_IMBALANCE_RANGE
 from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient, pipeline_buffer_microbatches
@@ -98,9 +98,11 @@ def _rank_memory(table, stage_layers, stages, rank, act, transient, idx) -> Memo
     chunk_act = [sum(act[i] for i in range(stage_layers[j][0], stage_layers[j][1] + 1))
                  for j in stages]  # stages in order: local chunk order
     layers = [i for j in stages for i in range(stage_layers[j][0], stage_layers[j][1] + 1)]
-    held = held_activations(table, rank, stages, chunk_act, [max(0.0, sum(
+    wpass = [max(0.0, sum(
         table.layers[i].weight_pass_bytes[idx[i]] - table.layers[i].input_pass_freed_bytes[idx[i]]
-        for i in range(stage_layers[j][0], stage_layers[j][1] + 1))) for j in stages])
+        for i in range(stage_layers[j][0], stage_layers[j][1] + 1))) for j in stages] if (
+        splits_backward(table.config.schedule)) else [0.0] * len(stages)
+    held = held_activations(table, rank, stages, chunk_act, wpass)
     peak_act = held + max(transient[i] for i in layers)
     return MemoryBreakdown(
         parameters_bytes=sum(table.layers[i].param_bytes for i in layers),

@@ -265,8 +265,7 @@ def held_vectors(
     if p <= 1 or not get_schedule(schedule).multi_chunk or v <= 1:
         flight = in_flight_microbatches(schedule, p, v, m, rank)
         return ((flight,) * max(1, v if p > 1 else 1),)
-    v = _chunks(schedule, v)
-    return _vertices(_counted(_events(schedule, p, v, m, rank), v, split=False))
+    return _replayed(schedule, p, v, m, rank, split=False)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -274,14 +273,7 @@ def held_split_vectors(
     schedule: str, num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
 ) -> tuple[Vector, ...]:
     """The vectors at which ``rank``'s activations can peak under a schedule that splits
-    backwards (module docstring).
-
-    Args:
-        schedule: schedule name.
-        num_ranks: p, pipeline ranks.
-        virtual_stages: v, model chunks per rank.
-        num_microbatches: m, micro-batches per pipeline per step.
-        rank: the pipeline rank.
+    backwards (module docstring). Arguments as ``held_vectors``'s.
 
     Returns:
         The vertices (c_1..c_v held, w_1..w_v of them awaiting their weight pass): the rank's
@@ -289,11 +281,17 @@ def held_split_vectors(
         micro-batch holds beyond its activations from its input pass to its weight pass.
         Empty for a schedule that never splits a backward.
     """
-    p, v, m = num_ranks, virtual_stages, num_microbatches
-    if p <= 1 or not splits_backward(schedule):
+    if num_ranks <= 1 or not splits_backward(schedule):
         return ()
+    return _replayed(schedule, num_ranks, virtual_stages, num_microbatches, rank, split=True)
+
+
+def _replayed(schedule: str, p: int, v: int, m: int, rank: int, split: bool
+              ) -> tuple[Vector, ...]:
+    """The vertices of the rank's replayed counts (held, and awaiting a weight pass if
+    ``split``)."""
     v = _chunks(schedule, v)
-    return _vertices(_counted(_events(schedule, p, v, m, rank), v))
+    return _vertices(_counted(_events(schedule, p, v, m, rank), v, split=split))
 
 
 def splits_backward(schedule: str) -> bool:

@@ -75,11 +75,13 @@ def weight_pass_bytes_of(layer: LayerProfile, cfg: ParallelConfig, ratio: float,
     """
     (all_g, rep, reduced), (all_f, freed_rep) = (layer.weight_pass_grad_bytes,
                                                  layer.input_pass_freed_bytes)
-    grads, freed = float(all_g), float(all_f) if layer.kind == "head" else 0.0
+    grads, freed = float(all_g), float(all_f)
     if shard > 1 and cfg.tp > 1:
         sp = cfg.tp if cfg.sequence_parallel else 1
         grads = (all_g - rep) / cfg.tp + (rep - reduced) / sp + reduced
-        freed = (all_f - freed_rep) / cfg.tp + freed_rep / sp if layer.kind == "head" else 0.0
+        freed = (all_f - freed_rep) / cfg.tp + freed_rep / sp
+    if layer.kind != "head":
+        freed = 0.0
     scale = cfg.micro_batch * ratio
     return (grads * scale,) * 3, (freed * scale, freed * scale, 0.0)
 

@@ -60,17 +60,17 @@ def _slot_charges(vectors, slots: list[int]) -> dict[int, float]:
 def _chunk_acts(table: CostTable, runs, counts: dict, chunks: list[int],
                 field: str = "act_bytes") -> list:
     """Activations (GiB) of one micro-batch of each stage in ``chunks``, from per-stage counts
-    (``field``: "weight_pass_bytes", what each holds more awaiting its weight pass; none for
-    global stage 0, whose input pass is empty)."""
-    return [0 if field == "weight_pass_bytes" and j == 0 else
-            pulp.lpSum(getattr(table.layers[runs[g][0]], field)[r] / GIB * var
+    (``field``: another per-mode ``LayerCost`` byte count, e.g. "weight_pass_bytes")."""
+    return [pulp.lpSum(getattr(table.layers[runs[g][0]], field)[r] / GIB * var
                        for (g, jj, r), var in sorted(counts.items()) if jj == j) for j in chunks]
 
 
 def _weight_pass(prob, table: CostTable, grads: list, chunks: list[int], k: int) -> list:
-    """Each chunk's weight-pass bytes (GiB) as ``assemble`` charges them: the last stage's
-    less what its head's input pass frees, and never below 0 (a variable d >= 0, d >= that:
-    every memory constraint holds d at the max)."""
+    """Each chunk's weight-pass bytes (GiB) as ``assemble`` charges them: none for global
+    stage 0 (its input pass is empty), the last stage's less what its head's input pass frees
+    and never below 0 (a variable d >= 0, d >= that: every memory constraint holds d at the
+    max)."""
+    grads = [0 if j == 0 else g for j, g in zip(chunks, grads)]
     last = table.config.num_stages - 1
     freed = table.layers[-1].input_pass_freed_bytes[0] / GIB
     if last not in chunks or freed <= 0:

@@ -30,8 +30,9 @@ CLASSES = {
 }
 
 
-def _torch_counts(name: str, p: int, v: int, m: int) -> dict[int, list[tuple[int, ...]]]:
-    """Per rank, the per-chunk held counts after each forward of torch's action list."""
+def _torch_schedule(name: str, p: int, v: int, m: int):
+    """torch's schedule object for ``name``, built without a process group (only what its
+    ``_calculate_single_rank_operations`` reads)."""
     sched = object.__new__(getattr(schedules, CLASSES[name]))
     sched.pp_group_size, sched._n_microbatches = p, m
     if name in ("zbv-zero-bubble", "dualpipe-v"):
@@ -40,6 +41,12 @@ def _torch_counts(name: str, p: int, v: int, m: int) -> dict[int, list[tuple[int
         sched.n_local_stages = v
         sched.number_of_rounds = max(1, m // p)
         sched.microbatches_per_round = m // sched.number_of_rounds
+    return sched
+
+
+def _torch_counts(name: str, p: int, v: int, m: int) -> dict[int, list[tuple[int, ...]]]:
+    """Per rank, the per-chunk held counts after each forward of torch's action list."""
+    sched = _torch_schedule(name, p, v, m)
     out = {}
     for rank in range(p):
         mine = sorted({a.stage_index for a in sched._calculate_single_rank_operations(rank)
@@ -108,14 +115,7 @@ def test_floor_and_uniform():
 def _torch_split_counts(name: str, p: int, v: int, m: int, rank: int) -> list[tuple[int, ...]]:
     """(held per chunk, awaiting a weight pass per chunk) after every forward and every input
     pass of torch's action list for ``rank``."""
-    sched = object.__new__(getattr(schedules, CLASSES[name]))
-    sched.pp_group_size, sched._n_microbatches = p, m
-    if name in ("zbv-zero-bubble", "dualpipe-v"):
-        sched.num_stages = sched._num_stages = 2 * p
-    else:
-        sched.n_local_stages = v
-        sched.number_of_rounds = max(1, m // p)
-        sched.microbatches_per_round = m // sched.number_of_rounds
+    sched = _torch_schedule(name, p, v, m)
     ops = [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
     flat = [b for a in ops
             for b in (a.sub_actions if a.computation_type == schedules.OVERLAP_F_B else (a,))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.cost_model.framework_support import split_selective_refusal
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
 from autopar.cost_model.stage_splits import split_method, split_refusal
@@ -91,7 +92,8 @@ def recompute_refusal_for(plan: Plan, framework: str) -> str | None:
     """Why ``framework`` cannot set the plan's per-layer recompute (None when it can)."""
     split, blocks, ranks = _plan_layout(plan)
     return recompute_refusal(framework, get_framework(framework).recompute_layers,
-                             plan.recompute_per_layer, split, blocks, ranks)
+                             plan.recompute_per_layer, split, blocks, ranks) or (
+        split_selective_refusal(plan.config, plan.recompute_per_layer))
 
 
 def plan_split_method(plan: Plan, framework: str) -> str | None:

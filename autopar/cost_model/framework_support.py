@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
            "model_framework", "model_support", "moe_support", "pp_blocker", "recut_fix",
-           "settings_support", "sp_runs_on"]
+           "settings_support", "sp_runs_on", "split_selective_refusal"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -46,6 +46,9 @@ def framework_supports(framework: Framework, config) -> str | None:
     if (config.pp > 1 and dp_mechanism(config) == "fsdp" and config.zero == 3
             and splits_backward(config.schedule)):
         return _split_backward_zero3(fw, config)
+    reason = split_selective_refusal(config, (config.recompute,))
+    if reason:
+        return reason
     if config.sequence_parallel and not fw.sequence_parallel:
         return f"{fw.name} has no sequence parallelism; use sequence_parallel=False"
     if config.ep > 1 and not fw.expert_parallel:
@@ -70,6 +73,19 @@ def _split_backward_zero3(fw: Framework, config) -> str:
             "passes) with zero 1 or 2 only: under zero 3 torch's pipeline stages run a "
             "weight pass after the next forward has resharded the parameters; use zero=2 "
             "(--zero 2), or the 1f1b or interleaved-1f1b schedule")
+
+
+def split_selective_refusal(config, recompute) -> str | None:
+    """Why ``config``'s schedule cannot run these recompute modes (None when it can): torch's
+    selective activation checkpointing lets one backward through a region, and a split
+    backward's weight pass is a second ("Trying to backward an extra time", measured with
+    autopar's runtime on torch 2.13; LayerCost.split_backward). Every schedule that splits
+    backwards is torch's, so this binds autopar's runtime and torchtitan alike."""
+    if config.pp <= 1 or not splits_backward(config.schedule) or "selective" not in recompute:
+        return None
+    return (f"{config.schedule!r} splits backwards into input and weight passes, and torch's "
+            "selective activation checkpointing runs one backward per region; use recompute "
+            "'full' or 'none', or the 1f1b or interleaved-1f1b schedule")
 
 
 def cp_runs_on(framework: Framework, profile) -> bool:

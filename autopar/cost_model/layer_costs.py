@@ -111,7 +111,7 @@ from autopar.cost_model.overlap import overlapped_s
 from autopar.cost_model.pipeline import bubble_coefficient
 from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
-from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost
+from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, with_schedule
 from autopar.cost_model.tied_head import tied_sync_s, with_tied_sync
 from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
 from autopar.graph.types import ModelProfile
@@ -395,7 +395,7 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
     if not fw.expert_tensor_parallel and profile is not local:
         layers = model_flops_once(layers, local, cfg.cp)
     p2p, recv_bytes = _pipeline_sends(terms.max_output_bytes, cfg, groups, ratio)
-    return CostTable(
+    return with_schedule(CostTable(
         config=cfg,
         layers=tuple(layers),
         p2p_s=p2p,
@@ -413,7 +413,8 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling, fw.dtypes),
         names=terms.names,
         blocks=tuple(layer.kind == "block" for layer in profile.layers),
-    )
+        weight_ops=tuple(layer.weight_ops for layer in profile.layers),
+    ), cfg)
 
 
 def _layer_costs(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, groups, ratio,

@@ -19,14 +19,19 @@ from typing import Any
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.frameworks import Framework, get_framework
+from autopar.cost_model.held_counts import split_share
 
-__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost"]
+__all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "with_schedule"]
 
 RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 # The LayerCost fields given by recompute mode.
 BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "act_bytes",
            "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s",
            "weight_pass_bytes", "input_pass_freed_bytes")
+# The by-mode fields whose full-mode entry carries the re-run forward (its FLOPs, seconds and
+# collectives), which a split backward's weight pass runs again (``LayerCost.split_backward``).
+RERUN_BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "ep_comm_s",
+                 "cp_comm_s", "unstated_imbalance_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +125,30 @@ class LayerCost:
                                 for name in BY_MODE}
         return dataclasses.replace(self, **none)
 
+    def split_backward(self, reruns: float) -> LayerCost:
+        """These terms where the schedule splits backwards into input and weight passes with
+        torch's ``stage_backward_input`` / ``stage_backward_weight`` (every schedule that does
+        is torch's, run by autopar's runtime and torchtitan):
+
+        - Full recompute: the weight pass makes one autograd call per weight op's parameter
+          group (``LayerProfile.weight_ops``), and each call re-runs a non-reentrant
+          checkpoint's forward (measured on CPU, tests/unit/test_graph_weight_pass.py): the
+          full mode's re-run terms (``RERUN_BY_MODE``) count 1 + ``reruns`` times, ``reruns``
+          = weight ops times the share of backwards split (``held_counts.split_share``).
+        - Selective recompute cannot run: torch's selective activation checkpointing allows
+          one backward through a region ("Trying to backward an extra time", measured on
+          torch 2.13; framework_support refuses it, and the search costs it as none, so a plan
+          says none).
+
+        Conservative on the pipeline's first stage, whose weight pass torch runs as one whole
+        backward (``PipelineStage.backward_weight_one_chunk``).
+        """
+        extra = {name: (lambda v: (v[0], v[1], v[2] + reruns * (v[2] - v[0])))(
+            getattr(self, name)) for name in RERUN_BY_MODE}
+        out = dataclasses.replace(self, **extra)
+        plain = {name: (lambda v: (v[0], v[0], v[2]))(getattr(out, name)) for name in BY_MODE}
+        return dataclasses.replace(out, **plain)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostTable:
@@ -151,6 +180,9 @@ class CostTable:
             layers' own names: a table whose layers are all distinct objects).
         blocks: whether each profile layer is a block (what a framework's recompute pattern
             counts: recompute_layers.py); empty: every layer is (``block_mask``).
+        weight_ops: each profile layer's weight ops (``LayerProfile.weight_ops``: what a split
+            backward's weight pass re-runs a checkpointed block for, ``with_schedule``);
+            empty: none.
     """
 
     config: ParallelConfig
@@ -170,6 +202,7 @@ class CostTable:
     dtype_reason: str = ""
     names: tuple[str, ...] = ()
     blocks: tuple[bool, ...] = ()
+    weight_ops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -211,3 +244,27 @@ class CostTable:
     def step_fixed_s(self) -> float:
         """Per-step seconds that no split changes: framework overhead + first exposed gather."""
         return self.step_overhead_s + self.dp_head_s
+
+
+def with_schedule(table: CostTable, config: ParallelConfig) -> CostTable:
+    """``table`` for ``config``: the same degrees, micro-batch and ZeRO stage, any schedule.
+
+    The per-layer terms ``build_cost_table`` computes do not depend on the schedule (the
+    search builds one table per outer shape and shares it among its schedule variants), except
+    what a schedule that splits backwards does to recomputation (``LayerCost.split_backward``,
+    by ``held_counts.split_share``), applied here to the blocks of a table built for a schedule
+    that splits none. A repeated block stays one shared object.
+    """
+    share = split_share(config.schedule, config.pp, config.num_microbatches)
+    if not share or not table.weight_ops:
+        return dataclasses.replace(table, config=config)
+    done: dict[tuple[int, int], LayerCost] = {}
+    layers = []
+    for layer, block, ops in zip(table.layers, table.block_mask, table.weight_ops, strict=True):
+        if block:
+            key = (id(layer), ops)
+            if key not in done:
+                done[key] = layer.split_backward(share * ops)
+            layer = done[key]
+        layers.append(layer)
+    return dataclasses.replace(table, config=config, layers=tuple(layers))

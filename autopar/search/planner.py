@@ -30,7 +30,7 @@ from autopar.cost_model.assemble import assemble
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.framework_support import model_support, moe_sp_blocker, sp_runs_on
 from autopar.cost_model.frameworks import get_framework
-from autopar.cost_model.tables import CostTable
+from autopar.cost_model.tables import CostTable, with_schedule
 from autopar.cost_model.validate import check_inputs
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import Plan, SearchInfo
@@ -130,9 +130,10 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
              start: int = 0) -> list[Candidate]:
     """Cost every candidate and bound it.
 
-    The cost terms do not depend on the schedule or the virtual stages (only the assembly does),
-    so one table is built per (dp, tp, pp, micro-batch, ZeRO, SP) and shared by its schedule
-    variants; the final plans' estimates are rebuilt from their own config (``_make_plan``).
+    The cost terms do not depend on the schedule or the virtual stages (only the assembly does,
+    and a split backward's recomputation: ``tables.with_schedule``), so one table is built per
+    (dp, tp, pp, micro-batch, ZeRO, SP) and shared by its schedule variants; the final plans'
+    estimates are rebuilt from their own config (``_make_plan``).
     """
     out: list[Candidate] = []
     shared: dict[tuple, tuple[CostTable, TableSummary]] = {}
@@ -147,7 +148,7 @@ def _bounded(profile, cluster, configs, options, progress, deadline,
             if deadline is not None and time.monotonic() > deadline:
                 break
         table, summary = shared[key]
-        table = dataclasses.replace(table, config=cfg)
+        table = with_schedule(table, cfg)
         pipe = (cfg.schedule, cfg.pp, cfg.virtual_stages, table.num_microbatches)
         if pipe not in flights:
             flights[pipe] = min_in_flight(*pipe)

@@ -11,6 +11,7 @@ import pytest
 import tomllib
 from report_fixtures import make_plan
 
+from autopar.cost_model.held_counts import splits_backward
 from autopar.exporters import TORCHTITAN_SCHEDULES, export_plan, to_slurm
 
 SCHEDULE_CASES = [
@@ -32,7 +33,10 @@ def _flags(text: str) -> dict[str, str | bool]:
 
 @pytest.mark.parametrize("schedule,virtual", SCHEDULE_CASES)
 def test_torchtitan_parallelism_keys_and_schedule_names(schedule, virtual):
-    plan = make_plan(schedule=schedule, virtual_stages=virtual)
+    # torch's selective checkpointing allows one backward per region: a schedule that splits
+    # backwards runs full or none (framework_support.split_selective_refusal)
+    mode = "full" if splits_backward(schedule) else "selective"
+    plan = make_plan(schedule=schedule, virtual_stages=virtual, recompute=mode)
     doc = tomllib.loads(export_plan(plan, "torchtitan").text)
     par = doc["parallelism"]
     assert par["pipeline_parallel_schedule"] == TORCHTITAN_SCHEDULES[schedule]
@@ -45,7 +49,7 @@ def test_torchtitan_parallelism_keys_and_schedule_names(schedule, virtual):
     assert len(parts) == 2 * virtual
     assert [m for part in parts for m in part] == [
         "tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]
-    assert doc["activation_checkpoint"]["mode"] == "selective"
+    assert doc["activation_checkpoint"]["mode"] == mode
     train = doc["training"]
     assert train["global_batch_size"] == 16 and train["local_batch_size"] == 8
     assert train["seq_len"] == 32 and train["mixed_precision_param"] == "bfloat16"

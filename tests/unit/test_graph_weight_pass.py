@@ -77,3 +77,33 @@ def test_head_frees_its_loss_and_keeps_the_logits_gradient():
     assert layer.input_pass_freed_bytes[0] >= logprobs
     predicted = MICRO_BATCH * (layer.weight_pass_grad_bytes[0] - layer.input_pass_freed_bytes[0])
     assert measured == pytest.approx(predicted, rel=0.02, abs=4096)
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_weight_pass_reruns_a_checkpointed_block_once_per_weight_op(kind):
+    """``LayerProfile.weight_ops`` is the count of torch's weight-pass parameter groups, and
+    under full recompute (non-reentrant ``torch.utils.checkpoint``, autopar's runtime/
+    recompute.py) each group's autograd call re-runs the block's forward: the cost model's
+    ``LayerCost`` charges those re-runs (cost_model/checkpoints.py)."""
+    from autopar.runtime.recompute import apply_recompute
+
+    shape = SHAPES[kind]
+    layer = next(lay for lay in autopar.profile(build(kind, **shape), dtype="fp32",
+                                            kernels="cpu").layers if lay.kind == "block")
+    model = build(kind, device="cpu", seed=0, **shape)
+    block = model.layers["0"]
+    calls = []
+    block.register_forward_pre_hook(lambda *_: calls.append(1))  # runs outside the checkpoint
+    inner = block.forward
+    block.forward = lambda h: (calls.append(1), inner(h))[1]
+    apply_recompute({"layers.0": block}, {"layers.0": "full"})
+    x = torch.randn(MICRO_BATCH, shape["seq_len"], shape["hidden"], requires_grad=True)
+    out = block(x)
+    _dx, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
+                                       iter(block.parameters()))
+    forwards_after_input = len(calls)
+    stage_backward_weight(iter(block.parameters()), groups)
+    assert layer.weight_ops == len(groups) > 2
+    # the forward pass (hook and forward), the input pass's re-run, then one per group
+    assert forwards_after_input == 3
+    assert len(calls) - forwards_after_input == layer.weight_ops

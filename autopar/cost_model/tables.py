@@ -143,11 +143,13 @@ class LayerCost:
         Conservative on the pipeline's first stage, whose weight pass torch runs as one whole
         backward (``PipelineStage.backward_weight_one_chunk``).
         """
-        extra = {name: (lambda v: (v[0], v[1], v[2] + reruns * (v[2] - v[0])))(
-            getattr(self, name)) for name in RERUN_BY_MODE}
-        out = dataclasses.replace(self, **extra)
-        plain = {name: (lambda v: (v[0], v[0], v[2]))(getattr(out, name)) for name in BY_MODE}
-        return dataclasses.replace(out, **plain)
+        terms: dict[str, Any] = {name: getattr(self, name) for name in BY_MODE}
+        for name in RERUN_BY_MODE:
+            none, sel, full = terms[name]
+            terms[name] = (none, sel, full + reruns * (full - none))
+        for name, (none, _sel, full) in list(terms.items()):
+            terms[name] = (none, none, full)  # selective: as none
+        return dataclasses.replace(self, **terms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

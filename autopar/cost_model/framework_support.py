@@ -80,7 +80,9 @@ def split_selective_refusal(config, recompute) -> str | None:
     selective activation checkpointing lets one backward through a region, and a split
     backward's weight pass is a second ("Trying to backward an extra time", measured with
     autopar's runtime on torch 2.13; LayerCost.split_backward). Every schedule that splits
-    backwards is torch's, so this binds autopar's runtime and torchtitan alike."""
+    backwards is torch's, so this binds autopar's runtime and torchtitan alike (AReaL's
+    torchtitan-based engine switches op-level selective checkpointing off under V-shaped
+    schedules for this reason: areal-project/AReaL pull request 916)."""
     if config.pp <= 1 or not splits_backward(config.schedule) or "selective" not in recompute:
         return None
     return (f"{config.schedule!r} splits backwards into input and weight passes, and torch's "

@@ -41,21 +41,10 @@ from autopar.config import (
     RECOMPUTE,
     ParallelConfig,
     base_dtype,
-    dp_mechanism,
-    uses_autocast,
 )
 from autopar.cost_model import comm, memory
 from autopar.cost_model.checkpoints import checkpoint_terms
 from autopar.cost_model.collectives import first_block_index, rank_stages, stage_split
-from autopar.cost_model.compute import (
-    FORWARD_SHARE,
-    attention_ratio,
-    busy_speedup,
-    framework_overheads_s,
-    layer_compute,
-    matmul_efficiency,
-    param_traffic_bytes_per_param,
-)
 from autopar.cost_model.cp_comm import (
     cp_exchange_s,
     cp_link,
@@ -92,58 +81,40 @@ from autopar.cost_model.layer_terms import (
     transient_bytes_of,
     weight_pass_bytes_of,
 )
+from autopar.cost_model.layer_times import (
+    layer_rates_of,
+    layer_times,
+    optimizer_s,
+    overheads_s,
+    traffic_bytes,
+    with_experts,
+)
 from autopar.cost_model.moe import (
     ep_collectives,
     ep_layer_state,
     ep_terms,
-    expert_call_flops,
     experts_whole,
     unstated_imbalance,
 )
 from autopar.cost_model.offload import (
-    cpu_adam_s,
     host_copies,
     offload_state,
     pcie_link,
     run_offload,
 )
 from autopar.cost_model.overlap import overlapped_s
-from autopar.cost_model.pipeline import bubble_coefficient
-from autopar.cost_model.precision import dtype_reason, fp8_cast_bytes, fp8_linears, layer_rates
+from autopar.cost_model.precision import dtype_reason, fp8_linears
 from autopar.cost_model.table_cache import ProfileTerms, driven_cluster, profile_terms
 from autopar.cost_model.tables import RECOMPUTE_INDEX, CostTable, LayerCost, with_schedule
 from autopar.cost_model.tied_head import tied_sync_s, with_tied_sync
-from autopar.cost_model.tp_comm import tp_collectives, tp_modules, tp_sharded
+from autopar.cost_model.tp_comm import tp_collectives, tp_sharded
 from autopar.graph.types import ModelProfile
 
-__all__ = ["OPTIMIZER_TRAFFIC_BYTES_PER_PARAM", "build_cost_table", "charged_collectives"]
-
-# Sourced: torch's foreach AdamW touches its fp32 param, grad, exp_avg, exp_avg_sq in about eight
-# elementwise kernels of two tensors each: ~16 x 4 bytes per parameter per step (memory bound).
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 64
-
-def _pipeline_speedup(cluster: Cluster, cfg: ParallelConfig) -> float:
-    """Compute speed-up of a pipeline's ranks from sharing compute units with idle neighbours
-    (``compute.busy_speedup``; busy fraction of uniform stages m v / (m v + c p v))."""
-    if cfg.pp <= 1:
-        return 1.0
-    busy = cfg.num_microbatches * cfg.virtual_stages
-    c = bubble_coefficient(cfg.schedule, cfg.pp, cfg.virtual_stages, cfg.num_microbatches)
-    bubble = c * cfg.num_stages
-    return busy_speedup(cluster.device, busy / (busy + bubble))
+__all__ = ["build_cost_table", "charged_collectives"]
 
 
-def _param_traffic_bytes(cfg: ParallelConfig, params_tp: float) -> tuple[float, float]:
-    """(forward, backward) bytes over a layer's parameters per micro-batch (weight casts under
-    autocast, gradient accumulation; ``compute.param_traffic_bytes_per_param``)."""
-    fwd, bwd = param_traffic_bytes_per_param(
-        autocast=uses_autocast(cfg), casts_per_step=cfg.pp > 1,
-        num_microbatches=cfg.num_microbatches)
-    # FSDP2 accumulates unsharded gradients only where memory.fsdp_accumulates_grads says so;
-    # otherwise each micro-batch's gradient is reduce-scattered and accumulated sharded.
-    if dp_mechanism(cfg) == "fsdp" and not memory.fsdp_accumulates_grads(cfg):
-        return fwd * params_tp, bwd * params_tp / cfg.shard_ranks
-    return fwd * params_tp, bwd * params_tp
+
+
 
 
 def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
@@ -166,12 +137,12 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     attn_flops = attention_flops * b / shard  # the attention core, this rank's
     cp = cp_terms(profile, layer, cfg, shard, fw)
     act = tuple(a + x + k for a, x, k in zip(act, ep.extra_act_bytes, cp.saved_bytes))
-    fp8, rates = _layer_rates(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
-    passes_s, opt_fixed_s = _overheads_s(profile, cluster, cfg, index, shard)
+    fp8, rates = layer_rates_of(cluster, cfg, fw, profile, layer, b / shard, attn_flops)
+    passes_s, opt_fixed_s = overheads_s(profile, cluster, cfg, index, shard)
     held = params_tp(layer, cfg)  # after tp, and ep's routed-expert sharding
-    traffic = _traffic_bytes(cluster, cfg, fw, fp8, act[0], held)
-    base = _layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
-    times = _with_experts(base, ep, cluster, cfg, layer, shard, fw)
+    traffic = traffic_bytes(cluster, cfg, fw, fp8, act[0], held)
+    base = layer_times(cluster, cfg, layer, shard, rates, rec_flops, act[0], passes_s, traffic)
+    times = with_experts(base, ep, cluster, cfg, layer, shard, fw)
     state, host_bytes = offload_state(ep_layer_state(layer, cfg, shard), cfg, held, offload)
     step_s, mb_s, tail_s = dp_terms(  # a framework that waits gives its DP traffic no window
         _unit_calls(profile, cfg, index, fw), groups,
@@ -194,15 +165,16 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
-        act_bytes=_fragmented(net_of_backward_state(tuple(a - k for a, k in zip(
-            act, kept_less)), cfg, state.local_params, held, fw), cluster, fw),
+        act_bytes=_fragmented(net_of_backward_state(
+            (act[0] - kept_less[0], act[1] - kept_less[1], act[2] - kept_less[2]), cfg,
+            state.local_params, held, fw), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         grad_bytes=grad_bytes_of(state, held, fw, cfg.dtype),
         optimizer_bytes=state.optimizer_bytes * fw.adam_moment_bytes / memory.ADAM_BYTES,
         dp_step_s=step_s,
         ep_comm_s=ep.comm_s,
-        optimizer_s=_optimizer_s(cluster, cfg, state.local_params, offload)
+        optimizer_s=optimizer_s(cluster, cfg, state.local_params, offload)
         + (opt_fixed_s if layer.num_params > 0 else 0.0),
         cp_comm_s=cp_exchange_s(profile, layer, cfg, cluster, groups, attn_flops, shard, fw,
                                 base.floor_stretch),
@@ -222,12 +194,6 @@ def _with_weight_pass(cost: LayerCost, kept_freed, cluster: Cluster, fw: Framewo
                                input_pass_freed_bytes=_fragmented(freed, cluster, fw))
 
 
-def _traffic_bytes(cluster: Cluster, cfg: ParallelConfig, fw: Framework, fp8: bool,
-                   act_bytes: float, held: float) -> tuple[float, float]:
-    """(forward, backward) bytes a layer's parameters and fp8 casts move per micro-batch."""
-    (fwd, bwd), (cast_f, cast_b) = (_param_traffic_bytes(cfg, held),
-                                    _fp8_casts(fp8, fw, act_bytes, held, cfg))
-    return cluster.param_traffic_factor * fwd + cast_f, cluster.param_traffic_factor * bwd + cast_b
 
 
 def _unstated_imbalance_s(profile, layer, cfg: ParallelConfig, cluster: Cluster, shard: int,
@@ -240,48 +206,14 @@ def _unstated_imbalance_s(profile, layer, cfg: ParallelConfig, cluster: Cluster,
     even = ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
                     force_balance=True, dispatch=fw.ep_dispatch,
                     whole_sequence=moe_routes_whole_sequence(fw, cfg))
-    balanced = (_with_experts(base, even, cluster, cfg, layer, shard, fw), even)
+    balanced = (with_experts(base, even, cluster, cfg, layer, shard, fw), even)
     a, b = (tuple(t.forward_s + t.backward_s + t.recompute_s[k] + terms.comm_s[k]
                   for k in range(3)) for t, terms in (costed, balanced))
     return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
 
 
-def _layer_times(cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
-                 rates: tuple[float, float], rec_flops, elementwise_bytes: float,
-                 passes_s: float, param_traffic):
-    """Forward, backward and recompute seconds of one micro-batch on one rank (``rates``: the
-    layer's peak FLOP rate and its selective re-run's share of it, ``_layer_rates``)."""
-    b = cfg.micro_batch
-    return layer_compute(
-        cluster.device,
-        rates[0],
-        fwd_flops=layer.fwd_flops * b / shard,
-        bwd_flops=layer.bwd_flops * b / shard,
-        recompute_flops=tuple(f * b / shard for f in rec_flops),
-        elementwise_bytes=elementwise_bytes,
-        overhead_s=passes_s,
-        speedup=_pipeline_speedup(cluster, cfg),
-        # Checkpointing's measured cost of a re-run block beyond the forward share charged.
-        recompute_extra_s=max(0.0, cluster.device.recompute_layer_overhead_s
-                              - cluster.device.layer_overhead_s * FORWARD_SHARE)
-        if layer.kind == "block" else 0.0,
-        floor_s=cluster.device.dispatch_floor_s if layer.kind == "block" else 0.0,
-        param_traffic_bytes=param_traffic,
-        selective_rate_ratio=rates[1],
-    )
 
 
-def _overheads_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, index: int,
-                 shard: int) -> tuple[float, float]:
-    """The framework's fixed seconds of the layer's passes and of its optimizer step."""
-    layer = profile.layers[index]
-    kind = dp_mechanism(cfg)
-    fsdp_unit = kind in ("fsdp", "replicate") and fsdp_unit_params(profile, cfg, index) > 0
-    return framework_overheads_s(
-        cluster.device, block=layer.kind == "block", tp_modules=tp_modules(layer, cfg),
-        fsdp_unit=fsdp_unit,
-        dtensor_params=kind in ("fsdp", "replicate") or (shard > 1 and layer.num_params > 0),
-    )
 
 
 def _tp_comm_s(fw: Framework, cfg: ParallelConfig, tp_calls, link, times) -> tuple:
@@ -299,35 +231,8 @@ def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
         fw.tp_comm_overlapped) else comm_s
 
 
-def _with_experts(times, ep, cluster: Cluster, cfg: ParallelConfig, layer, shard: int,
-                  fw: Framework):
-    """The busiest ep rank's extra routed-expert FLOPs (cost_model/moe.py), at the rate the
-    layer's own matmuls run, and the fixed cost of looped experts' GEMM calls
-    (``moe.expert_call_flops``), at the max rate: forward, backward (twice the calls), and the
-    re-run forward of full recompute."""
-    fixed = expert_call_flops(layer, cfg, fw.expert_gemm_calls, cluster.device.matmul_half_flops)
-    if not ep.extra_fwd_flops and not fixed:
-        return times
-    fwd_flops = layer.fwd_flops * cfg.micro_batch / shard
-    peak = cluster.device.peak_flops(cfg.dtype) * _pipeline_speedup(cluster, cfg)
-    rate = peak * matmul_efficiency(cluster.device, fwd_flops)
-    fixed_s = fixed / (peak * cluster.device.matmul_efficiency_max)
-    fwd_s, bwd_s = ep.extra_fwd_flops / rate + fixed_s, ep.extra_bwd_flops / rate + 2 * fixed_s
-    rec = times.recompute_s
-    return dataclasses.replace(times, forward_s=times.forward_s + fwd_s,
-                               backward_s=times.backward_s + bwd_s,
-                               recompute_s=(rec[0], rec[1], rec[2] + fwd_s))
 
 
-def _layer_rates(cluster: Cluster, cfg: ParallelConfig, fw: Framework, profile: ModelProfile,
-                layer, scale: float, attn_flops: float) -> tuple[bool, tuple[float, float]]:
-    """(fp8 linears?, precision.layer_rates of the layer's FLOPs (``scale`` times its
-    per-sample ones, ``attn_flops`` of them its attention core) at its kernel's speed)."""
-    fp8 = fp8_linears(cfg.dtype, layer.kind)
-    return fp8, layer_rates(
-        cluster.device, cfg.dtype, layer.fwd_flops * scale, attn_flops, fp8_linears=fp8,
-        attention_ratio=attention_ratio(cluster.device, fw.attention_kernel, profile.attention),
-        selective_attention_only=fw.selective_policy == "attention")
 
 
 def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
@@ -340,21 +245,8 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
         cfg, own, unit, run_offload(cfg, fw))
 
 
-def _optimizer_s(cluster: Cluster, cfg: ParallelConfig, local_params: float,
-                 offload: str) -> float:
-    """The optimizer step over ``local_params``: AdamW's HBM traffic on the device, or the
-    offloaded CPU step (offload.cpu_adam_s; ``offload``: what the framework runs)."""
-    if offload != "none":
-        return cpu_adam_s(cluster, cfg, local_params, offload)
-    return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM * local_params / cluster.device.hbm_bytes_per_s
 
 
-def _fp8_casts(fp8: bool, fw: Framework, act_bytes: float, held: float,
-               cfg: ParallelConfig) -> tuple[float, float]:
-    """(forward, backward) bytes of the fp8 casts under the framework's scaling recipe."""
-    if not fp8:
-        return 0.0, 0.0
-    return fp8_cast_bytes(fw.fp8_scaling, act_bytes, held, cfg.num_microbatches)
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):

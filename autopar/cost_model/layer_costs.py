@@ -165,9 +165,8 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
             profile, layer, cfg, ratio, first_block=first_block, loss_parallel=fw.loss_parallel,
             moe_tp=moe_tp_mode(fw, cfg)), groups["tp"], times)),
         dp_microbatch_s=mb_s,
-        act_bytes=_fragmented(net_of_backward_state(
-            (act[0] - kept_less[0], act[1] - kept_less[1], act[2] - kept_less[2]), cfg,
-            state.local_params, held, fw), cluster, fw),
+        act_bytes=_fragmented(net_of_backward_state(_less(act, kept_less), cfg,
+                                                    state.local_params, held, fw), cluster, fw),
         transient_bytes=_fragmented(transient, cluster, fw),
         param_bytes=state.param_bytes,
         grad_bytes=grad_bytes_of(state, held, fw, cfg.dtype),
@@ -184,6 +183,11 @@ def _layer_cost(profile, cluster, cfg, index, groups, ratio, first_block, fw,
     )
     return _with_weight_pass(cost, weight_pass_bytes_of(layer, cfg, ratio, shard), cluster,
                              fw), tail_s
+
+
+def _less(values, less) -> tuple[float, float, float]:
+    """Per recompute mode, ``values`` less ``less``."""
+    return (values[0] - less[0], values[1] - less[1], values[2] - less[2])
 
 
 def _with_weight_pass(cost: LayerCost, kept_freed, cluster: Cluster, fw: Framework) -> LayerCost:

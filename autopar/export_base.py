@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.cost_model.framework_support import split_selective_refusal
+from autopar.cost_model.framework_support import split_recompute_refusal
 from autopar.cost_model.frameworks import get_framework
 from autopar.cost_model.recompute_layers import recompute_pattern, recompute_refusal
 from autopar.cost_model.stage_splits import split_method, split_refusal
@@ -93,7 +93,7 @@ def recompute_refusal_for(plan: Plan, framework: str) -> str | None:
     split, blocks, ranks = _plan_layout(plan)
     return recompute_refusal(framework, get_framework(framework).recompute_layers,
                              plan.recompute_per_layer, split, blocks, ranks) or (
-        split_selective_refusal(plan.config, plan.recompute_per_layer))
+        split_recompute_refusal(plan.config, plan.recompute_per_layer))
 
 
 def plan_split_method(plan: Plan, framework: str) -> str | None:

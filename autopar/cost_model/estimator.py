@@ -12,7 +12,7 @@ from autopar.config import ParallelConfig
 from autopar.cost_model.assemble import assemble, check_split
 from autopar.cost_model.estimate import Estimate
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
-from autopar.cost_model.framework_support import model_support, split_selective_refusal
+from autopar.cost_model.framework_support import model_support, split_recompute_refusal
 from autopar.cost_model.frameworks import Framework, framework_supports, get_framework
 from autopar.cost_model.hardware import Cluster
 from autopar.cost_model.layer_costs import build_cost_table
@@ -120,7 +120,7 @@ def checked_split(
     check_split(table, split, recompute)  # a malformed split first, in its own words
     reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
         recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
-                          stage_ranks(config))) or split_selective_refusal(config, recompute)
+                          stage_ranks(config))) or split_recompute_refusal(config, recompute)
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
     return split, tuple(recompute)

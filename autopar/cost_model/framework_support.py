@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["cp_runs_on", "ep_blocker", "framework_supports", "fsdp_recuts_tp_shards",
            "model_framework", "model_support", "moe_support", "pp_blocker", "recut_fix",
-           "settings_support", "sp_runs_on", "split_selective_refusal"]
+           "settings_support", "sp_runs_on", "split_recompute_refusal"]
 
 
 def framework_supports(framework: Framework, config) -> str | None:
@@ -46,7 +46,7 @@ def framework_supports(framework: Framework, config) -> str | None:
     if (config.pp > 1 and dp_mechanism(config) == "fsdp" and config.zero == 3
             and splits_backward(config.schedule)):
         return _split_backward_zero3(fw, config)
-    reason = split_selective_refusal(config, (config.recompute,))
+    reason = split_recompute_refusal(config, (config.recompute,))
     if reason:
         return reason
     if config.sequence_parallel and not fw.sequence_parallel:
@@ -75,19 +75,32 @@ def _split_backward_zero3(fw: Framework, config) -> str:
             "(--zero 2), or the 1f1b or interleaved-1f1b schedule")
 
 
-def split_selective_refusal(config, recompute) -> str | None:
-    """Why ``config``'s schedule cannot run these recompute modes (None when it can): torch's
-    selective activation checkpointing lets one backward through a region, and a split
-    backward's weight pass is a second ("Trying to backward an extra time", measured with
-    autopar's runtime on torch 2.13; LayerCost.split_backward). Every schedule that splits
-    backwards is torch's, so this binds autopar's runtime and torchtitan alike (AReaL's
-    torchtitan-based engine switches op-level selective checkpointing off under V-shaped
-    schedules for this reason: areal-project/AReaL pull request 916)."""
-    if config.pp <= 1 or not splits_backward(config.schedule) or "selective" not in recompute:
+def split_recompute_refusal(config, recompute) -> str | None:
+    """Why ``config``'s schedule cannot run these recompute modes (None when it can): under a
+    schedule that splits backwards torch's weight pass and activation checkpointing do not
+    compose (measured with torch 2.13 on CPU, ``python benchmarks/split_recompute.py``;
+    tests/unit/test_graph_weight_pass.py):
+
+    - selective checkpointing allows one backward per region and raises "Trying to backward
+      an extra time" at the weight pass;
+    - full checkpointing re-runs a block's forward once per parameter group in the weight pass
+      (9 forwards of a Llama block, the pass 12 times as long on CPU) and keeps every re-run's
+      tensors until the stage's weight pass ends (5 times the block's activations without
+      recompute): torch's "zero bubble and activation checkpointing" out-of-memory report
+      (pytorch/pytorch issue 136766).
+
+    Every schedule that splits backwards is torch's, so this binds autopar's runtime and
+    torchtitan alike (AReaL's torchtitan-based engine switches selective checkpointing off
+    under V-shaped schedules: areal-project/AReaL pull request 916)."""
+    if config.pp <= 1 or not splits_backward(config.schedule):
+        return None
+    modes = sorted(set(recompute) - {"none"})
+    if not modes:
         return None
     return (f"{config.schedule!r} splits backwards into input and weight passes, and torch's "
-            "selective activation checkpointing runs one backward per region; use recompute "
-            "'full' or 'none', or the 1f1b or interleaved-1f1b schedule")
+            f"weight pass cannot run {' or '.join(modes)} activation checkpointing (selective "
+            "raises, full re-runs each block's forward once per weight op and holds the "
+            "re-runs); use recompute 'none', or the 1f1b or interleaved-1f1b schedule")
 
 
 def cp_runs_on(framework: Framework, profile) -> bool:

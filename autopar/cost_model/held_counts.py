@@ -39,8 +39,8 @@ import itertools
 from autopar.cost_model.pipeline import in_flight_microbatches
 from autopar.schedules import get_schedule, microbatches_per_round
 
-__all__ = ["floor_of", "held_floor", "held_split_vectors", "held_vectors", "split_share",
-           "splits_backward", "uniform", "uniform_ranks"]
+__all__ = ["floor_of", "held_floor", "held_split_vectors", "held_vectors", "splits_backward",
+           "uniform", "uniform_ranks"]
 
 Vector = tuple[float, ...]
 
@@ -300,17 +300,6 @@ def splits_backward(schedule: str) -> bool:
     s = get_schedule(schedule)
     return s.multi_chunk and (s.split_backward or s.zero_bubble)
 
-
-def split_share(schedule: str, num_ranks: int, num_microbatches: int) -> float:
-    """The largest share of a rank's chunk backwards that ``schedule`` splits into an input
-    pass and a weight pass, in torch's order (tests/unit/test_cost_held_counts.py counts
-    torch's action lists): all of them under interleaved zero bubble and zbv-zero-bubble; under
-    dualpipe-v rank r splits 2 p - 1 - r of its 2 m (its cool-down), rank 0 the most."""
-    if num_ranks <= 1 or not splits_backward(schedule):
-        return 0.0
-    if schedule == "dualpipe-v":
-        return min(1.0, (2 * num_ranks - 1) / (2 * num_microbatches))
-    return 1.0
 
 
 def _chunks(schedule: str, virtual_stages: int) -> int:

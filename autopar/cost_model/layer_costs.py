@@ -309,7 +309,6 @@ def build_cost_table(profile: ModelProfile, cluster: Cluster, config: ParallelCo
         dtype_reason=dtype_reason(cluster.device, cfg.dtype, fw.fp8_scaling, fw.dtypes),
         names=terms.names,
         blocks=tuple(layer.kind == "block" for layer in profile.layers),
-        weight_ops=tuple(layer.weight_ops for layer in profile.layers),
     ), cfg)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.frameworks import Framework, get_framework
-from autopar.cost_model.held_counts import split_share
+from autopar.cost_model.held_counts import splits_backward
 
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "with_schedule"]
 
@@ -28,10 +28,6 @@ RECOMPUTE_INDEX: dict[str, int] = {name: i for i, name in enumerate(RECOMPUTE)}
 BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "act_bytes",
            "transient_bytes", "ep_comm_s", "cp_comm_s", "unstated_imbalance_s",
            "weight_pass_bytes", "input_pass_freed_bytes")
-# The by-mode fields whose full-mode entry carries the re-run forward (its FLOPs, seconds and
-# collectives), which a split backward's weight pass runs again (``LayerCost.split_backward``).
-RERUN_BY_MODE = ("recompute_flops_per_sample", "recompute_s", "tp_comm_s", "ep_comm_s",
-                 "cp_comm_s", "unstated_imbalance_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,36 +116,11 @@ class LayerCost:
     def never_recomputed(self) -> LayerCost:
         """These terms with every recompute mode costed as none: a layer no runtime recomputes
         (the embedding and the head: autopar's runtime, Megatron-LM, torchtitan and DeepSpeed
-        checkpoint blocks only, recompute_layers.blocks_recompute)."""
+        checkpoint blocks only, recompute_layers.blocks_recompute), and every layer under a
+        schedule that splits backwards (``with_schedule``)."""
         none: dict[str, Any] = {name: (getattr(self, name)[0],) * len(RECOMPUTE)
                                 for name in BY_MODE}
         return dataclasses.replace(self, **none)
-
-    def split_backward(self, reruns: float) -> LayerCost:
-        """These terms where the schedule splits backwards into input and weight passes with
-        torch's ``stage_backward_input`` / ``stage_backward_weight`` (every schedule that does
-        is torch's, run by autopar's runtime and torchtitan):
-
-        - Full recompute: the weight pass makes one autograd call per weight op's parameter
-          group (``LayerProfile.weight_ops``), and each call re-runs a non-reentrant
-          checkpoint's forward (measured on CPU, tests/unit/test_graph_weight_pass.py): the
-          full mode's re-run terms (``RERUN_BY_MODE``) count 1 + ``reruns`` times, ``reruns``
-          = weight ops times the share of backwards split (``held_counts.split_share``).
-        - Selective recompute cannot run: torch's selective activation checkpointing allows
-          one backward through a region ("Trying to backward an extra time", measured on
-          torch 2.13; framework_support refuses it, and the search costs it as none, so a plan
-          says none).
-
-        Conservative on the pipeline's first stage, whose weight pass torch runs as one whole
-        backward (``PipelineStage.backward_weight_one_chunk``).
-        """
-        terms: dict[str, Any] = {name: getattr(self, name) for name in BY_MODE}
-        for name in RERUN_BY_MODE:
-            none, sel, full = terms[name]
-            terms[name] = (none, sel, full + reruns * (full - none))
-        for name, (none, _sel, full) in list(terms.items()):
-            terms[name] = (none, none, full)  # selective: as none
-        return dataclasses.replace(self, **terms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,9 +153,6 @@ class CostTable:
             layers' own names: a table whose layers are all distinct objects).
         blocks: whether each profile layer is a block (what a framework's recompute pattern
             counts: recompute_layers.py); empty: every layer is (``block_mask``).
-        weight_ops: each profile layer's weight ops (``LayerProfile.weight_ops``: what a split
-            backward's weight pass re-runs a checkpointed block for, ``with_schedule``);
-            empty: none.
     """
 
     config: ParallelConfig
@@ -204,7 +172,6 @@ class CostTable:
     dtype_reason: str = ""
     names: tuple[str, ...] = ()
     blocks: tuple[bool, ...] = ()
-    weight_ops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -253,20 +220,17 @@ def with_schedule(table: CostTable, config: ParallelConfig) -> CostTable:
 
     The per-layer terms ``build_cost_table`` computes do not depend on the schedule (the
     search builds one table per outer shape and shares it among its schedule variants), except
-    what a schedule that splits backwards does to recomputation (``LayerCost.split_backward``,
-    by ``held_counts.split_share``), applied here to the blocks of a table built for a schedule
-    that splits none. A repeated block stays one shared object.
+    that a schedule splitting backwards into input and weight passes recomputes nothing: its
+    blocks cost every mode as none (``LayerCost.never_recomputed``), so the search never gains
+    by a mode there and a plan says none (``framework_support.split_recompute_refusal`` says
+    why). A repeated block stays one shared object.
     """
-    share = split_share(config.schedule, config.pp, config.num_microbatches)
-    if not share or not table.weight_ops:
+    if config.pp <= 1 or not splits_backward(config.schedule):
         return dataclasses.replace(table, config=config)
-    done: dict[tuple[int, int], LayerCost] = {}
+    done: dict[int, LayerCost] = {}
     layers = []
-    for layer, block, ops in zip(table.layers, table.block_mask, table.weight_ops, strict=True):
-        if block:
-            key = (id(layer), ops)
-            if key not in done:
-                done[key] = layer.split_backward(share * ops)
-            layer = done[key]
-        layers.append(layer)
+    for layer in table.layers:
+        if id(layer) not in done:
+            done[id(layer)] = layer.never_recomputed()
+        layers.append(done[id(layer)])
     return dataclasses.replace(table, config=config, layers=tuple(layers))

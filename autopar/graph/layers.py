@@ -33,16 +33,14 @@ __all__ = ["build_layers", "per_sample"]
 
 
 def per_sample(one: Measured, two: Measured) -> Measured:
-    """Counts per sample: the run at batch 2 minus the run at batch 1 (heads, and the weight
-    ops, from batch 1)."""
+    """Counts per sample: the run at batch 2 minus the run at batch 1 (heads from batch 1)."""
     s1, s2 = one.saved, two.saved
     return Measured(
         fwd_flops=two.fwd_flops - one.fwd_flops,
         bwd_flops=two.bwd_flops - one.bwd_flops,
         core_fwd_flops=two.core_fwd_flops - one.core_fwd_flops,
-        saved=dataclasses.replace(SavedTotals(**{
-            f.name: getattr(s2, f.name) - getattr(s1, f.name)
-            for f in dataclasses.fields(SavedTotals)}), weight_ops=s1.weight_ops),
+        saved=SavedTotals(**{f.name: getattr(s2, f.name) - getattr(s1, f.name)
+                             for f in dataclasses.fields(SavedTotals)}),
         input_bytes=two.input_bytes - one.input_bytes,
         output_bytes=two.output_bytes - one.output_bytes,
         attention=one.attention,
@@ -119,7 +117,6 @@ def _record(
                                 saved.weight_grad_reduced_bytes),
         input_pass_freed_bytes=(saved.input_pass_freed_bytes,
                                 saved.input_pass_freed_replicated_bytes),
-        weight_ops=saved.weight_ops,
     )
 
 

@@ -59,10 +59,8 @@ loss), whose autograd nodes no weight op reaches. ``weight_grad_bytes`` is the f
 every weight op (its gradient's size), with the part tensor parallelism does not shard and the
 part that sequence parallelism does not shard either (an output made sharded and reduced over
 tp afterwards: a row-parallel linear's partial sums, whose gradient is whole on every rank);
-``input_pass_freed_bytes`` what is saved only after the last weight op; ``weight_ops`` counts
-the weight ops (torch's weight pass runs one autograd call per op's parameter group). An op
-whose tensor inputs are all parameters or made from them (a transpose, a cast) makes a
-parameter too.
+``input_pass_freed_bytes`` what is saved only after the last weight op. An op whose tensor
+inputs are all parameters or made from them (a transpose, a cast) makes a parameter too.
 
 Storages are keyed by identity, so one tensor (or several views of one storage) saved for two uses
 counts once. Parameters and buffers are not activations and are never counted. Bytes are the
@@ -150,7 +148,6 @@ class SavedTotals:
             part neither tp nor sequence parallelism shards.
         input_pass_freed_bytes, input_pass_freed_replicated_bytes: saved only after the last
             weight op (module docstring), and its replicated part.
-        weight_ops: how many weight ops ran (module docstring).
     """
 
     total_bytes: int
@@ -174,7 +171,6 @@ class SavedTotals:
     weight_grad_reduced_bytes: int = 0
     input_pass_freed_bytes: int = 0
     input_pass_freed_replicated_bytes: int = 0
-    weight_ops: int = 0
 
 
 @dataclass(slots=True)
@@ -356,7 +352,6 @@ class SavedRecorder(TorchDispatchMode):
                                           if o.made_sharded and o.key not in self._sharded),
             input_pass_freed_bytes=sum(e.nbytes for e in tail),
             input_pass_freed_replicated_bytes=sum(e.nbytes for e in tail if not e.sharded),
-            weight_ops=len(outs),
         )
 
     # -- property propagation ------------------------------------------------------------------

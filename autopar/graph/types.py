@@ -214,9 +214,6 @@ class LayerProfile:
         input_pass_freed_bytes: (all, replicated part) of ``saved_bytes`` (none, selective) per
             sample that the input pass of a split backward frees: saved only after the layer's
             last weight op (the loss; graph/recorder.py).
-        weight_ops: the layer's weight ops (graph/recorder.py), each one parameter group of a
-            split backward's weight pass: torch's ``stage_backward_weight`` runs one autograd
-            call per group, and each call re-runs a checkpointed layer's forward.
     """
 
     name: str
@@ -242,7 +239,6 @@ class LayerProfile:
     combine_saved_bytes: tuple[int, int] = (0, 0)
     weight_pass_grad_bytes: tuple[int, int, int] = (0, 0, 0)
     input_pass_freed_bytes: tuple[int, int] = (0, 0)
-    weight_ops: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the record (no ``moe`` key for a dense layer)."""

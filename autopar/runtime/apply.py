@@ -291,13 +291,13 @@ def check_plan_runnable(model_or_spec: nn.Module | ModelSpec, plan: Plan) -> Non
         AutoparError: with a one-line message saying what is wrong and what to do.
     """
     from autopar.cost_model.framework_names import RUNTIME
-    from autopar.cost_model.framework_support import split_selective_refusal
+    from autopar.cost_model.framework_support import split_recompute_refusal
     from autopar.cost_model.frameworks import framework_supports, get_framework
 
     # What this runtime runs at all (the "autopar" record: dtypes, schedules, ZeRO stages,
     # offload, ...), whatever framework the plan was made for.
     reason = framework_supports(get_framework(RUNTIME), plan.config) or (
-        split_selective_refusal(plan.config, plan.recompute_per_layer))
+        split_recompute_refusal(plan.config, plan.recompute_per_layer))
     if reason:
         raise AutoparError(f"autopar's runtime cannot run this plan: {reason}; export it for "
                            "the framework it was made for (`autopar export`)")

@@ -179,10 +179,6 @@ CONFIGS_2: dict[str, dict[str, Any]] = {
     "pp2-1f1b-recompute": {
         "pp": 2, "schedule": "1f1b", "micro_batch": 2, "recompute_layers": MIXED_RECOMPUTE,
     },
-    # Full recompute under a split backward: every weight pass re-runs the checkpointed
-    # forward (LayerCost.split_backward charges it); selective is refused there.
-    "pp2-zbv-full-recompute": {"pp": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2,
-                               "micro_batch": 2, "recompute_layers": {1: "full", 3: "full"}},
 }
 CONFIGS_4: dict[str, dict[str, Any]] = {
     "dp2xtp2-replicate": {"dp": 2, "tp": 2, "micro_batch": 2},

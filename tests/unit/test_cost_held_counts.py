@@ -15,7 +15,6 @@ from autopar.cost_model.held_counts import (
     held_floor,
     held_split_vectors,
     held_vectors,
-    split_share,
     splits_backward,
     uniform,
 )
@@ -186,21 +185,3 @@ def test_long_steady_phases_skip_repeated_periods():
                         ours = max(sum(c * x for c, x in zip(vec, w)) for vec in vectors)
                         theirs = max(sum(c * x for c, x in zip(vec, w)) for vec in seen)
                         assert ours == pytest.approx(theirs), (name, p, v, m, rank, w)
-
-
-def test_split_share_is_torchs_largest_share_of_split_backwards():
-    """``split_share``: the most any rank of torch's order splits of its chunk backwards (a
-    weight pass of its own), what the cost model charges the weight pass's re-runs by."""
-    for name, p, v, m in _cases():
-        sched = _torch_schedule(name, p, v, m)
-        shares = []
-        for rank in range(p):
-            actions = [b for a in sched._calculate_single_rank_operations(rank) if a is not None
-                       for b in (a.sub_actions if a.computation_type == schedules.OVERLAP_F_B
-                                 else (a,))]
-            weights = sum(a.computation_type == schedules.BACKWARD_WEIGHT for a in actions)
-            backs = weights + sum(a.computation_type == schedules.FULL_BACKWARD
-                                  for a in actions)
-            shares.append(weights / backs)
-        assert split_share(name, p, m) == pytest.approx(max(shares)), (name, p, v, m)
-    assert split_share("interleaved-1f1b", 4, 8) == split_share("dualpipe-v", 1, 8) == 0.0

@@ -33,9 +33,9 @@ def _flags(text: str) -> dict[str, str | bool]:
 
 @pytest.mark.parametrize("schedule,virtual", SCHEDULE_CASES)
 def test_torchtitan_parallelism_keys_and_schedule_names(schedule, virtual):
-    # torch's selective checkpointing allows one backward per region: a schedule that splits
-    # backwards runs full or none (framework_support.split_selective_refusal)
-    mode = "full" if splits_backward(schedule) else "selective"
+    # a schedule that splits backwards recomputes nothing (framework_support.
+    # split_recompute_refusal)
+    mode = "none" if splits_backward(schedule) else "selective"
     plan = make_plan(schedule=schedule, virtual_stages=virtual, recompute=mode)
     doc = tomllib.loads(export_plan(plan, "torchtitan").text)
     par = doc["parallelism"]

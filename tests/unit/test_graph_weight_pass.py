@@ -79,31 +79,36 @@ def test_head_frees_its_loss_and_keeps_the_logits_gradient():
     assert measured == pytest.approx(predicted, rel=0.02, abs=4096)
 
 
+
 @pytest.mark.parametrize("kind", sorted(SHAPES))
-def test_weight_pass_reruns_a_checkpointed_block_once_per_weight_op(kind):
-    """``LayerProfile.weight_ops`` is the count of torch's weight-pass parameter groups, and
-    under full recompute (non-reentrant ``torch.utils.checkpoint``, autopar's runtime/
-    recompute.py) each group's autograd call re-runs the block's forward: the cost model's
-    ``LayerCost`` charges those re-runs (cost_model/checkpoints.py)."""
+def test_weight_pass_reruns_and_holds_a_checkpointed_block(kind):
+    """Why autopar recomputes nothing under a schedule that splits backwards
+    (``framework_support.split_recompute_refusal``): torch's weight pass makes one autograd call
+    per parameter group, each call re-runs a fully checkpointed block's forward (non-reentrant
+    ``torch.utils.checkpoint``, autopar's runtime/recompute.py), and the re-runs' tensors stay
+    until the weight pass ends: it holds more than the block's un-checkpointed activations."""
     from autopar.runtime.recompute import apply_recompute
 
     shape = SHAPES[kind]
     layer = next(lay for lay in autopar.profile(build(kind, **shape), dtype="fp32",
                                             kernels="cpu").layers if lay.kind == "block")
-    model = build(kind, device="cpu", seed=0, **shape)
-    block = model.layers["0"]
+    block = build(kind, device="cpu", seed=0, **shape).layers["0"]
     calls = []
-    block.register_forward_pre_hook(lambda *_: calls.append(1))  # runs outside the checkpoint
     inner = block.forward
     block.forward = lambda h: (calls.append(1), inner(h))[1]
     apply_recompute({"layers.0": block}, {"layers.0": "full"})
-    x = torch.randn(MICRO_BATCH, shape["seq_len"], shape["hidden"], requires_grad=True)
-    out = block(x)
-    _dx, groups = stage_backward_input([out], [torch.ones_like(out)], [x],
-                                       iter(block.parameters()))
-    forwards_after_input = len(calls)
-    stage_backward_weight(iter(block.parameters()), groups)
-    assert layer.weight_ops == len(groups) > 2
-    # the forward pass (hook and forward), the input pass's re-run, then one per group
-    assert forwards_after_input == 3
-    assert len(calls) - forwards_after_input == layer.weight_ops
+    params = list(block.parameters())
+    mode = LiveTensorBytes()
+    with mode:
+        x = torch.randn(MICRO_BATCH, shape["seq_len"], shape["hidden"], requires_grad=True)
+        out = block(x)
+        _dx, groups = stage_backward_input([out], [torch.ones_like(out)], [x], iter(params))
+        del _dx
+        gc.collect()
+        after_input, mode.peak_bytes = mode.current_bytes, mode.current_bytes
+        forwards_after_input = len(calls)
+        stage_backward_weight(iter(params), groups)
+        weight_pass_bytes = mode.peak_bytes - after_input
+    assert forwards_after_input == 2  # the forward, and the input pass's re-run
+    assert len(calls) - forwards_after_input == len(groups) >= 8  # one re-run per group
+    assert weight_pass_bytes > 2 * MICRO_BATCH * layer.saved_bytes["none"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.config import RECOMPUTE, ParallelConfig
-from autopar.cost_model.framework_support import split_selective_refusal
+from autopar.cost_model.framework_support import split_recompute_refusal
 from autopar.cost_model.hardware import Cluster, LinkSpec
 from autopar.errors import InfeasiblePlanError
 from autopar.graph.types import LayerProfile, ModelProfile, MoEStructure, TPStructure
@@ -241,7 +241,7 @@ def test_planner_never_worse_than_uniform_partitions(layers, h, gpus, batch, mem
     uniform = []
     for cfg in _candidates(model, cluster, batch, opts):
         for r in RECOMPUTE:
-            if split_selective_refusal(cfg, (r,)):
+            if split_recompute_refusal(cfg, (r,)):
                 continue  # selective under a split backward: refused (estimate raises)
             est = autopar.estimate(model, cluster, dataclasses.replace(cfg, recompute=r))
             if est.fits:
@@ -309,7 +309,7 @@ def test_planner_with_ep_never_worse_than_uniform_partitions(layers, h, gpus, me
     uniform = []
     for cfg in cands:
         for r in RECOMPUTE:
-            if split_selective_refusal(cfg, (r,)):
+            if split_recompute_refusal(cfg, (r,)):
                 continue  # selective under a split backward: refused (estimate raises)
             cfg_r = dataclasses.replace(cfg, recompute=r)
             est = autopar.estimate(model, cluster, cfg_r, framework="torchtitan")

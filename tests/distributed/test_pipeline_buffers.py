@@ -84,6 +84,7 @@ def step_memory(cfg_kwargs: dict[str, Any], num_microbatches: int) -> tuple[int,
     throughout (with gradients zeroed to None, a 4-micro-batch 1F1B step peaks before the first
     gradient exists, a 32-micro-batch one after).
     """
+    from autopar.cost_model.held_counts import splits_backward
     from autopar.runtime.step import train_step
     from autopar.runtime.worker import LiveTensorBytes
 
@@ -91,7 +92,9 @@ def step_memory(cfg_kwargs: dict[str, Any], num_microbatches: int) -> tuple[int,
     gc.collect()
     tracker = LiveTensorBytes()
     with tracker:
-        pm = _apply(cfg_kwargs, num_microbatches, RECOMPUTE)
+        # a schedule that splits backwards recomputes nothing (split_recompute_refusal)
+        split = splits_backward(cfg_kwargs["schedule"])
+        pm = _apply(cfg_kwargs, num_microbatches, "none" if split else RECOMPUTE)
         train_step(pm, *batches[0], None)
         gc.collect()
         start = tracker.peak_bytes = tracker.current_bytes

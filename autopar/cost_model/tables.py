@@ -20,6 +20,7 @@ from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.cost_model.framework_names import DEFAULT_FRAMEWORK
 from autopar.cost_model.frameworks import Framework, get_framework
 from autopar.cost_model.held_counts import splits_backward
+from autopar.cost_model.identity_cache import IdentityCache
 
 __all__ = ["RECOMPUTE_INDEX", "CostTable", "LayerCost", "with_schedule"]
 
@@ -227,10 +228,19 @@ def with_schedule(table: CostTable, config: ParallelConfig) -> CostTable:
     """
     if config.pp <= 1 or not splits_backward(config.schedule):
         return dataclasses.replace(table, config=config)
+    layers = _NEVER_RECOMPUTED.get((table.layers,), None, lambda: _never_recomputed(table.layers))
+    return dataclasses.replace(table, config=config, layers=layers)
+
+
+def _never_recomputed(layers: tuple[LayerCost, ...]) -> tuple[LayerCost, ...]:
+    """Every layer's ``never_recomputed`` terms, a shared object staying one."""
     done: dict[int, LayerCost] = {}
-    layers = []
-    for layer in table.layers:
+    for layer in layers:
         if id(layer) not in done:
             done[id(layer)] = layer.never_recomputed()
-        layers.append(done[id(layer)])
-    return dataclasses.replace(table, config=config, layers=tuple(layers))
+    return tuple(done[id(layer)] for layer in layers)
+
+
+# A search re-targets one table to each of its shape's schedules (``with_schedule``): the
+# layers without recompute are built once per table (by the identity of its layers).
+_NEVER_RECOMPUTED: IdentityCache[tuple[LayerCost, ...]] = IdentityCache(64)

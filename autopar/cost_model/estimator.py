@@ -120,7 +120,10 @@ def checked_split(
     check_split(table, split, recompute)  # a malformed split first, in its own words
     reason = split_refusal(fw.spec, fw.stage_splits, split, table.block_mask) or (
         recompute_refusal(fw.spec, fw.recompute_layers, recompute, split, table.block_mask,
-                          stage_ranks(config))) or split_recompute_refusal(config, recompute)
+                          stage_ranks(config)))
     if reason:
         raise ValueError(f"{reason}; re-plan for it with `autopar plan ... --framework {fw.spec}`")
+    reason = split_recompute_refusal(config, recompute)  # its fix is in its own words
+    if reason:
+        raise ValueError(reason)
     return split, tuple(recompute)

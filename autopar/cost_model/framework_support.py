@@ -99,7 +99,7 @@ def split_recompute_refusal(config, recompute) -> str | None:
         return None
     return (f"{config.schedule!r} splits backwards into input and weight passes, and torch's "
             f"weight pass cannot run {' or '.join(modes)} activation checkpointing (selective "
-            "raises, full re-runs each block's forward once per weight op and holds the "
+            "raises, full re-runs each block's forward once per parameter group and holds the "
             "re-runs); use recompute 'none', or the 1f1b or interleaved-1f1b schedule")
 
 

@@ -301,7 +301,6 @@ def splits_backward(schedule: str) -> bool:
     return s.multi_chunk and (s.split_backward or s.zero_bubble)
 
 
-
 def _chunks(schedule: str, virtual_stages: int) -> int:
     return 2 if get_schedule(schedule).v_shaped else virtual_stages
 

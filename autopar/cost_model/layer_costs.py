@@ -113,10 +113,6 @@ from autopar.graph.types import ModelProfile
 __all__ = ["build_cost_table", "charged_collectives"]
 
 
-
-
-
-
 def _ep_terms(profile, layer, cfg, cluster, shard: int, fw: Framework):
     return ep_terms(layer, cfg, cluster, seq_len=profile.seq_len, shard=shard,
                     force_balance=fw.moe_force_balance, dispatch=fw.ep_dispatch,
@@ -198,8 +194,6 @@ def _with_weight_pass(cost: LayerCost, kept_freed, cluster: Cluster, fw: Framewo
                                input_pass_freed_bytes=_fragmented(freed, cluster, fw))
 
 
-
-
 def _unstated_imbalance_s(profile, layer, cfg: ParallelConfig, cluster: Cluster, shard: int,
                           fw: Framework, base, costed) -> tuple[float, float, float]:
     """Per micro-batch, by recompute mode: the busiest ep rank's seconds beyond a balanced
@@ -214,10 +208,6 @@ def _unstated_imbalance_s(profile, layer, cfg: ParallelConfig, cluster: Cluster,
     a, b = (tuple(t.forward_s + t.backward_s + t.recompute_s[k] + terms.comm_s[k]
                   for k in range(3)) for t, terms in (costed, balanced))
     return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
-
-
-
-
 
 
 def _tp_comm_s(fw: Framework, cfg: ParallelConfig, tp_calls, link, times) -> tuple:
@@ -235,10 +225,6 @@ def _tp_exposed_s(fw: Framework, comm_s: float, gemm_window_s: float) -> float:
         fw.tp_comm_overlapped) else comm_s
 
 
-
-
-
-
 def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     """The dp collectives of layer ``index``'s FSDP unit as ``fw`` issues them, and offload's
     host copies."""
@@ -247,10 +233,6 @@ def _unit_calls(profile, cfg: ParallelConfig, index: int, fw: Framework):
     fp8 = fp8_linears(cfg.dtype, profile.layers[index].kind)
     return framework_dp_collectives(own, cfg, fw, fp8_linears=fp8) + host_copies(
         cfg, own, unit, run_offload(cfg, fw))
-
-
-
-
 
 
 def _fragmented(values: tuple[float, float, float], cluster: Cluster, fw: Framework):

@@ -217,7 +217,8 @@ class CostTable:
 
 
 def with_schedule(table: CostTable, config: ParallelConfig) -> CostTable:
-    """``table`` for ``config``: the same degrees, micro-batch and ZeRO stage, any schedule.
+    """``table``, built for a schedule whose backwards are whole, for ``config``: the same
+    degrees, micro-batch and ZeRO stage, any schedule.
 
     The per-layer terms ``build_cost_table`` computes do not depend on the schedule (the
     search builds one table per outer shape and shares it among its schedule variants), except

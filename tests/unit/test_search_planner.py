@@ -242,7 +242,7 @@ def test_planner_never_worse_than_uniform_partitions(layers, h, gpus, batch, mem
     for cfg in _candidates(model, cluster, batch, opts):
         for r in RECOMPUTE:
             if split_recompute_refusal(cfg, (r,)):
-                continue  # selective under a split backward: refused (estimate raises)
+                continue  # a mode under a split backward: refused (estimate raises)
             est = autopar.estimate(model, cluster, dataclasses.replace(cfg, recompute=r))
             if est.fits:
                 uniform.append(est.step_time_s)
@@ -310,7 +310,7 @@ def test_planner_with_ep_never_worse_than_uniform_partitions(layers, h, gpus, me
     for cfg in cands:
         for r in RECOMPUTE:
             if split_recompute_refusal(cfg, (r,)):
-                continue  # selective under a split backward: refused (estimate raises)
+                continue  # a mode under a split backward: refused (estimate raises)
             cfg_r = dataclasses.replace(cfg, recompute=r)
             est = autopar.estimate(model, cluster, cfg_r, framework="torchtitan")
             if est.fits:

@@ -171,6 +171,7 @@ def _counted(events: list[Event], v: int, split: bool = True) -> list[tuple[int,
     before a release; where the passes since the last candidate repeat those before it, the
     point lies on a straight stretch of the path and moves the stretch's end instead."""
     counts = [0] * (2 * v)  # held, then awaiting
+    width = 2 * v if split else v  # the entries a point carries
     points: list[tuple[int, ...]] = []
     since: list[Event] = []
     last: list[Event] | None = None
@@ -185,14 +186,14 @@ def _counted(events: list[Event], v: int, split: bool = True) -> list[tuple[int,
             since.append(event)
             continue
         if rising:
-            last = _note(points, tuple(counts) if split else tuple(counts[:v]), since, last)
+            last = _note(points, tuple(counts[:width]), since, last)
             since, rising = [], False
         counts[chunk] -= 1
         if kind == "W":
             counts[v + chunk] -= 1
         since.append(event)
     if rising:
-        _note(points, tuple(counts) if split else tuple(counts[:v]), since, last)
+        _note(points, tuple(counts[:width]), since, last)
     return points
 
 
